@@ -1,0 +1,83 @@
+"""The one value object every part of lightning_memkit speaks: a step's peak memory by category.
+
+The measurer (`measure`, `MemoryMonitor`), the estimators and the actors that fit a run to a budget
+(checkpointing, optimizer swap, auto-fit) all produce or read a `MemoryBreakdown`, so "where is
+activation memory counted?" has a single answer: here, with the same five fields everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+MiB = 2**20
+GiB = 2**30
+
+#: The five categories, in the order they are logged and plotted (static first, then dynamic).
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporary")
+
+
+def format_bytes(n: int | float) -> str:
+    """``1536`` -> ``'1.5 KiB'``; binary units, as torch's own memory summaries use."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes live at the peak of one training step, split into the four consumers plus the rest.
+
+    All fields are integers in bytes.
+
+    Attributes:
+        parameters: the model's parameters and buffers (storages shared by ties/views counted once).
+        gradients: the ``.grad`` tensors of the parameters.
+        optimizer_state: every tensor in ``optimizer.state`` (AdamW's moments, 8-bit states and their
+            quantization scales, ...).
+        activations: tensors saved for backward by autograd that are none of the above.
+        temporary: everything else live at the peak: workspaces, the batch, logits/loss copies,
+            gradient buffers not yet accumulated, optimizer temporaries, autocast weight copies.
+    """
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    temporary: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"MemoryBreakdown.{f.name} must be an int number of bytes, got {value!r}")
+
+    @property
+    def peak(self) -> int:
+        """The step's peak in bytes: the sum of the five categories."""
+        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.temporary
+
+    @property
+    def static(self) -> int:
+        """Parameters + gradients + optimizer state: what does not shrink with the batch."""
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        """The five categories and ``peak``, in bytes."""
+        return {**asdict(self), "peak": self.peak}
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        if not isinstance(other, MemoryBreakdown):
+            return NotImplemented
+        return MemoryBreakdown(**{c: getattr(self, c) + getattr(other, c) for c in CATEGORIES})
+
+    def __str__(self) -> str:
+        peak = self.peak or 1
+        rows = [(name, getattr(self, name)) for name in CATEGORIES] + [("peak", self.peak)]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'category':<{width}}  {'memory':>12}  {'share':>6}"]
+        for name, value in rows:
+            lines.append(f"{name:<{width}}  {format_bytes(value):>12}  {100 * value / peak:5.1f}%")
+        return "\n".join(lines)

@@ -1,0 +1,336 @@
+"""MemoryMonitor: every training step's peak memory by category, in the user's logger.
+
+The measurement itself lives in `lightning_memkit._measure`; this callback decides *which* steps to
+measure, keeps the run cheap, and reports. A measured step follows every op (about 1.3x a plain step on
+CPU), so it is done only for steps unlike any measured before. Two steps are alike when their
+*signature* matches: the batch's shapes and dtypes, which parameters hold a gradient when the step
+begins, how many tensors the optimizers keep, and whether the step accumulates or steps. Steps alike
+allocate alike, so a later step reuses the exact breakdown of its measured twin; every
+``remeasure_every_n_steps`` steps it is measured again anyway, for models whose allocations depend on
+the data. On CUDA the caching allocator also gives the peak of every single step
+(``torch.cuda.max_memory_allocated``), so ``memory/peak`` is read fresh each step there and the
+difference from the twin lands in ``memory/temporary``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils._pytree import tree_leaves
+
+from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
+from lightning_memkit._budget import parse_bytes
+from lightning_memkit._measure import MemoryMeasurement, measure
+from lightning_memkit._report import plot_history, render_summary
+
+_MAX_SIGNATURES = 64
+
+
+class MemoryMonitor(Callback):
+    r"""Log every training step's peak memory, split into parameters, gradients, optimizer state,
+    activations and temporary buffers.
+
+    Logged keys (all memory keys in **MiB**, 2**20 bytes, at the moment of the step's peak; with
+    gradient accumulation, one entry per optimizer step: the highest of its micro-batches):
+
+    - ``memory/parameters``: parameters and buffers.
+    - ``memory/gradients``: ``.grad`` tensors live at the peak.
+    - ``memory/optimizer_state``: tensors in ``optimizer.state`` (all optimizers).
+    - ``memory/activations``: tensors saved for backward.
+    - ``memory/temporary``: everything else live at the peak (workspaces, the batch, logits and loss
+      copies, optimizer temporaries, autocast weight copies).
+    - ``memory/peak``: the sum of the five above, which is the allocator's peak for the step.
+    - ``memory/peak_fraction``: ``peak / budget`` (unitless); without a budget, on CUDA,
+      ``peak / total device memory``.
+    - CUDA only: ``memory/reserved`` (MiB, the caching allocator's reserved high-water mark),
+      ``memory/alloc_retries`` and ``memory/ooms`` (cumulative counts: retries mean fragmentation).
+    - Several processes (DDP): ``memory/rank_{r}/peak`` (MiB) for every rank ``r``; the keys above are
+      rank 0's.
+
+    At the end of fit it prints a table of the peak step and saves ``memory.png``, a stacked-area plot of
+    the categories over steps, in the logger's directory (and logs it as an image where the logger takes
+    images: TensorBoard, W&B, MLflow).
+
+    Args:
+        budget: the memory you want the step to fit, in bytes or as a string (``"24GB"``, ``"6GiB"``).
+            Enables ``memory/peak_fraction`` and a warning when a step goes over it.
+        log_every_n_steps: log every N optimizer steps (the history for the plot keeps them all).
+        remeasure_every_n_steps: measure a step from scratch at least this often even when it matches
+            an already measured one. 0 never re-measures steps alike.
+        plot: save (and log) the stacked-area plot at the end of fit.
+        summary: print the peak step's table at the end of fit.
+
+    Example::
+
+        trainer = Trainer(callbacks=[MemoryMonitor(budget="24GB")])
+
+    Raises:
+        MisconfigurationException: at setup, with ``Trainer(logger=False)``.
+    """
+
+    def __init__(
+        self,
+        budget: int | str | None = None,
+        log_every_n_steps: int = 1,
+        remeasure_every_n_steps: int = 100,
+        plot: bool = True,
+        summary: bool = True,
+    ) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"`log_every_n_steps` must be >= 1, got {log_every_n_steps}")
+        if remeasure_every_n_steps < 0:
+            raise ValueError(f"`remeasure_every_n_steps` must be >= 0, got {remeasure_every_n_steps}")
+        self.budget = None if budget is None else parse_bytes(budget)
+        self.log_every_n_steps = log_every_n_steps
+        self.remeasure_every_n_steps = remeasure_every_n_steps
+        self.plot = plot
+        self.summary = summary
+        #: (step, breakdown) of every optimizer step so far, in bytes.
+        self.history: list[tuple[int, MemoryBreakdown]] = []
+        #: How many steps were measured from scratch (the rest reused a twin's breakdown).
+        self.measured_steps = 0
+        self._twins: OrderedDict[tuple, MemoryBreakdown] = OrderedDict()
+        self._since_measured = 0
+        self._signature: tuple | None = None
+        self._measurement: MemoryMeasurement | None = None
+        self._last_measured = MemoryBreakdown()
+        self._pending: MemoryBreakdown | None = None
+        self._pending_extras: dict[str, float] = {}
+        self._device = torch.device("cpu")
+        self._flushes = 0
+        self._warned: set[str] = set()
+        self._disabled = False
+
+    # --- Lightning hooks ----------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not trainer.loggers:
+            raise MisconfigurationException(
+                "Cannot use `MemoryMonitor` callback with `Trainer(logger=False)`: it reports through the "
+                "Trainer's loggers. Pass one, e.g. `Trainer(logger=CSVLogger('logs'))`, or use "
+                "`lightning_memkit.measure` around your own step."
+            )
+        self._device = trainer.strategy.root_device
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._disabled:
+            return
+        try:
+            signature = self._step_signature(trainer, pl_module, batch)
+            self._signature = signature
+            due = self.remeasure_every_n_steps and self._since_measured >= self.remeasure_every_n_steps
+            if signature not in self._twins or due:
+                self._measurement = measure(pl_module, trainer.optimizers, device=self._device)
+                self._measurement.__enter__()
+            elif self._device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self._device)
+        except Exception as err:
+            self._disable(err)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._disabled:
+            return
+        try:
+            breakdown = self._finish_step()
+            if self._pending is None or breakdown.peak >= self._pending.peak:
+                self._pending = breakdown
+                self._pending_extras = self._cuda_stats()
+            if not trainer.fit_loop.epoch_loop._should_accumulate():
+                self._flush(trainer)
+        except Exception as err:
+            self._disable(err)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close_measurement()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_measurement()
+        if self._disabled or not self.history:
+            return
+        try:
+            self._report(trainer)
+        except Exception as err:
+            self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report: {err!r}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [[step, *(getattr(b, c) for c in CATEGORIES)] for step, b in self.history]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [
+            (int(row[0]), MemoryBreakdown(**dict(zip(CATEGORIES, map(int, row[1:]), strict=True))))
+            for row in state_dict.get("history", [])
+        ]
+
+    # --- measuring ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _step_signature(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> tuple:
+        """What decides a step's allocations, cheaply: shapes, gradients held, optimizer state, stepping."""
+        shapes = tuple(
+            (tuple(t.shape), t.dtype, t.device) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
+        )
+        grads = tuple(p.grad is not None for p in pl_module.parameters())
+        states = tuple(len(opt.state) for opt in trainer.optimizers)
+        return shapes, grads, states, trainer.fit_loop.epoch_loop._should_accumulate()
+
+    def _finish_step(self) -> MemoryBreakdown:
+        signature = self._signature
+        if self._measurement is not None:
+            self._close_measurement()
+            breakdown = self._last_measured
+            self._twins[signature] = breakdown
+            self._twins.move_to_end(signature)
+            while len(self._twins) > _MAX_SIGNATURES:
+                self._twins.popitem(last=False)
+            self.measured_steps += 1
+            self._since_measured = 0
+            return breakdown
+        self._since_measured += 1
+        twin = self._twins[signature]
+        if self._device.type != "cuda":
+            return twin
+        # The allocator knows this very step's peak; what differs from the twin is not a known tensor.
+        peak = torch.cuda.max_memory_allocated(self._device)
+        others = twin.peak - twin.temporary
+        return MemoryBreakdown(
+            parameters=twin.parameters,
+            gradients=twin.gradients,
+            optimizer_state=twin.optimizer_state,
+            activations=twin.activations,
+            temporary=max(peak - others, 0),
+        )
+
+    def _close_measurement(self) -> None:
+        if self._measurement is None:
+            return
+        measurement, self._measurement = self._measurement, None
+        measurement.__exit__(None, None, None)
+        self._last_measured = measurement.breakdown
+
+    def _cuda_stats(self) -> dict[str, float]:
+        if self._device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self._device)
+        return {
+            "memory/reserved": torch.cuda.max_memory_reserved(self._device) / MiB,
+            "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "memory/ooms": float(stats.get("num_ooms", 0)),
+        }
+
+    # --- reporting ----------------------------------------------------------------------------
+
+    def _flush(self, trainer: pl.Trainer) -> None:
+        """Close one optimizer step: keep it in the history and log it (all ranks take part)."""
+        breakdown, extras = self._pending, self._pending_extras
+        self._pending, self._pending_extras = None, {}
+        assert breakdown is not None
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.history.append((step, breakdown))
+        metrics = {f"memory/{key}": value / MiB for key, value in breakdown.as_dict().items()}
+        metrics.update(extras)
+        fraction = self._fraction(breakdown.peak)
+        if fraction is not None:
+            metrics["memory/peak_fraction"] = fraction
+        if trainer.world_size > 1:
+            # A collective: every rank reaches this line at the same optimizer step.
+            peaks = trainer.strategy.all_gather(torch.tensor([breakdown.peak], device=self._device))
+            for rank, peak in enumerate(peaks.reshape(-1).tolist()):
+                metrics[f"memory/rank_{rank}/peak"] = peak / MiB
+        if self.budget is not None and breakdown.peak > self.budget:
+            self._warn_once(
+                "budget",
+                f"Step {step} peaked at {format_bytes(breakdown.peak)}, over the budget of "
+                f"{format_bytes(self.budget)} by {format_bytes(breakdown.peak - self.budget)}. Largest "
+                f"consumer: {max(CATEGORIES, key=lambda c: getattr(breakdown, c))}. Lower the micro-batch, "
+                "checkpoint activations (ActivationCheckpointing) or swap the optimizer (OptimizerSwap).",
+            )
+        self._flushes += 1
+        if trainer.is_global_zero and (self._flushes - 1) % self.log_every_n_steps == 0:
+            for logger in trainer.loggers:
+                self._safely(logger, "log_metrics", lambda lg=logger: lg.log_metrics(metrics, step=step))
+
+    def _fraction(self, peak: int) -> float | None:
+        if self.budget is not None:
+            return peak / self.budget
+        if self._device.type == "cuda":
+            return peak / torch.cuda.get_device_properties(self._device).total_memory
+        return None
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        step, worst = max(self.history, key=lambda item: item[1].peak)
+        if self.summary:
+            print(render_summary(worst, step=step, budget=self.budget))
+        if not self.plot:
+            return
+        directory = Path(trainer.log_dir or trainer.default_root_dir)
+        path = directory / "memory.png"
+        steps, breakdowns = zip(*self.history, strict=True)
+        figure = plot_history(steps, breakdowns, path, budget=self.budget)
+        if figure is None:
+            self._warn_once(
+                "matplotlib", "MemoryMonitor: install matplotlib to get the memory plot (memory.png)."
+            )
+            return
+        rank_zero_info(f"MemoryMonitor: memory plot saved to {path}")
+        for logger in trainer.loggers:
+            self._safely(logger, "log_image", lambda lg=logger: _log_image(lg, figure, path, step))
+
+    # --- never crash the run we observe -------------------------------------------------------
+
+    def _safely(self, logger: Any, what: str, call: Any) -> None:
+        try:
+            call()
+        except Exception as err:
+            self._warn_once(
+                f"{type(logger).__name__}.{what}",
+                f"MemoryMonitor: {type(logger).__name__}.{what} raised {err!r}; training goes on, and this "
+                "logger's further failures are not reported again.",
+            )
+
+    def _disable(self, err: Exception) -> None:
+        self._close_measurement_quietly()
+        self._disabled = True
+        self._warn_once(
+            "disabled",
+            f"MemoryMonitor hit an internal error and stops monitoring; training goes on. Error: {err!r}",
+        )
+
+    def _close_measurement_quietly(self) -> None:
+        try:
+            self._close_measurement()
+        except Exception:
+            self._measurement = None
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
+
+def _log_image(logger: Any, figure: Any, path: Path, step: int) -> None:
+    """Hand the plot to loggers that take images; the others already have the PNG on disk."""
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    if isinstance(logger, TensorBoardLogger):
+        logger.experiment.add_figure("memory/breakdown", figure, global_step=step)
+    elif isinstance(logger, WandbLogger):
+        logger.log_image(key="memory/breakdown", images=[str(path)], step=step)
+    elif isinstance(logger, MLFlowLogger):
+        logger.experiment.log_artifact(logger.run_id, str(path))

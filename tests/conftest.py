@@ -1,0 +1,66 @@
+"""Shared test models: ones the project did not write (torch's TransformerEncoder), and a plain MLP."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class EncoderLM(pl.LightningModule):
+    """A stack of torch's own ``nn.TransformerEncoderLayer`` with a token head: a model we did not write."""
+
+    def __init__(self, d_model=64, n_layer=2, vocab=256, seq_len=64, batch_size=8, n_batches=8, foreach=None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.hparams.foreach)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        n, t, v = self.hparams.n_batches * self.hparams.batch_size, self.hparams.seq_len, self.hparams.vocab
+        x = torch.randint(0, v, (n, t), generator=g)
+        return DataLoader(TensorDataset(x, x.roll(-1, dims=1)), batch_size=self.hparams.batch_size)
+
+
+def encoder_step(d_model=64, n_layer=2, batch=8, seq_len=64, vocab=256, foreach=None):
+    """A plain-PyTorch (model, optimizer, step) triple on the encoder stack."""
+    torch.manual_seed(0)
+    model = EncoderLM(d_model, n_layer, vocab, seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    x = torch.randint(0, vocab, (batch, seq_len))
+
+    def step():
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+@pytest.fixture
+def trainer_kwargs(tmp_path):
+    return dict(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
