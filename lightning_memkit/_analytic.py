@@ -1,0 +1,482 @@
+"""Training memory from architecture numbers alone, before a model is built or a GPU is touched.
+
+This is the analytic half of the estimator: given a transformer's shape, a batch, a precision scheme,
+an optimizer and a sharding strategy, it returns the same `MemoryBreakdown` the measurer produces, so
+the two can be compared category by category. Everything is plain integer arithmetic over parameter
+shapes; nothing here allocates a tensor.
+
+Conventions (the ones the categories of `MemoryBreakdown` imply):
+
+- ``parameters`` are the stored weights; ``gradients`` their ``.grad``; ``optimizer_state`` is every
+  tensor the optimizer keeps, *including an fp32 master copy* when the scheme has one (as in ZeRO's
+  accounting, where the master weights are part of the optimizer's K bytes per parameter).
+- The categories are summed as if all were live at once (the seeds' convention): an upper bound that is
+  tight at the start of the backward pass of a step after the first.
+- Optimizer figures reproduce what torch 2.x and bitsandbytes 0.50 actually allocate, down to torch's
+  per-parameter ``step`` tensors and bitsandbytes' per-block scales, so they can be checked against
+  ``optimizer.state`` exactly (tests/test_analytic.py does).
+
+Errata of the theory notes (seeds 000 and 003) this module was checked against, recomputed here:
+seed 000's 7B example sums to 5.16 B parameters with its own 2-matrix formula, not 6.7 B (LLaMA-7B has a
+3-matrix SwiGLU MLP: 6,738,415,616); one (B=4, h=32, T=2048) attention matrix at 2 bytes is 1.07 GB,
+not 2.1 GB (so two per layer over 32 layers is 68.7 GB, not 134 GB).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_memkit._breakdown import MemoryBreakdown
+
+Shape = tuple[int, ...]
+
+#: bitsandbytes 0.50 ``Optimizer{1,2}State.init_state``: 8-bit state is quantized in blocks of 256
+#: elements, each with one fp32 absmax scale ...
+BNB_BLOCK_SIZE = 256
+#: ... and parameters with fewer elements than this keep plain fp32 state.
+BNB_MIN_8BIT_SIZE = 4096
+#: Each 8-bit state kind also holds a 256-entry fp32 quantization map (``qmap1``/``qmap2``), shared by
+#: every parameter of one optimizer, so it is counted once per optimizer.
+_BNB_QMAP_BYTES = 256 * 4
+#: torch.optim keeps ``state["step"]`` as a 0-d tensor of the default dtype (fp32) per parameter.
+_TORCH_STEP_BYTES = 4
+
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _choose(kind: str, value: Any, valid: Iterable[str]) -> str:
+    valid = list(valid)
+    if value in valid:
+        return value
+    hint = difflib.get_close_matches(str(value), valid, n=1)
+    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+    raise ValueError(f"Unknown {kind} {value!r}; valid: {', '.join(valid)}.{did_you_mean}")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------------
+# Architecture -> parameter shapes and counts
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The numbers that size a decoder-only transformer's parameters and activations.
+
+    Example:
+        >>> count_parameters(TransformerShape.from_name("gpt2"))
+        124439808
+    """
+
+    vocab_size: int  # V: rows of the token embedding (and of an untied output head)
+    d_model: int  # d: the residual stream width
+    n_layer: int  # L: number of transformer blocks
+    n_head: int  # h: attention heads; d_model must divide evenly into them
+    d_ff: int | None = None  # MLP hidden width; None -> 4 * d_model
+    mlp: str = "gelu"  # "gelu": 2 matrices (fc, proj); "swiglu": 3 (gate, up, down)
+    tie_weights: bool = True  # output head shares the token embedding's (V, d) matrix
+    bias: bool = True  # biases on every Linear and on LayerNorm
+    norm: str = "layernorm"  # "layernorm" (weight, + bias when bias=True) | "rmsnorm" (weight only)
+    position: str = "learned"  # "learned": a (block_size, d) table | "none": RoPE/ALiBi, no parameters
+    block_size: int | None = None  # context length; needed for position="learned"
+    fused_qkv: bool = True  # one (3d, d) QKV matrix (GPT-2) vs three (d, d) (LLaMA); only Adafactor cares
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layer", "n_head"):
+            _positive(name, getattr(self, name))
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        _positive("d_ff", self.d_ff)
+        _choose("mlp", self.mlp, ("gelu", "swiglu"))
+        _choose("norm", self.norm, ("layernorm", "rmsnorm"))
+        _choose("position", self.position, ("learned", "none"))
+        if self.position == "learned":
+            if self.block_size is None:
+                raise ValueError("position='learned' needs block_size (rows of the position table)")
+            _positive("block_size", self.block_size)
+
+    @classmethod
+    def from_name(cls, name: str) -> TransformerShape:
+        """A published architecture: ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``llama-7b``."""
+        return _PRESETS[_choose("architecture", name, _PRESETS)]
+
+    @classmethod
+    def from_config(cls, config: Any) -> TransformerShape:
+        """Read a nanoGPT-style ``GPTConfig`` (duck-typed; only attributes are read).
+
+        Reads ``vocab_size``, ``block_size``, ``n_layer``, ``n_head``, ``n_embd`` and, when present,
+        ``d_ff``, ``mlp``, ``norm``, ``pos_embedding`` (``"learned"`` | ``"rope"`` | ``"none"``), ``bias``,
+        ``tie_weights``; absent ones default to nanoGPT's GPT-2 layout.
+        """
+        pos = getattr(config, "pos_embedding", "learned")
+        position = _choose("pos_embedding", pos, ("learned", "rope", "none"))
+        return cls(
+            vocab_size=config.vocab_size,
+            d_model=config.n_embd,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            d_ff=getattr(config, "d_ff", None),
+            mlp=getattr(config, "mlp", "gelu"),
+            tie_weights=getattr(config, "tie_weights", True),
+            bias=getattr(config, "bias", True),
+            norm=getattr(config, "norm", "layernorm"),
+            position="learned" if position == "learned" else "none",
+            block_size=getattr(config, "block_size", None),
+            fused_qkv=getattr(config, "fused_qkv", True),
+        )
+
+
+_PRESETS = {
+    "gpt2": TransformerShape(50257, 768, 12, 12, block_size=1024),
+    "gpt2-medium": TransformerShape(50257, 1024, 24, 16, block_size=1024),
+    "gpt2-large": TransformerShape(50257, 1280, 36, 20, block_size=1024),
+    "gpt2-xl": TransformerShape(50257, 1600, 48, 25, block_size=1024),
+    "llama-7b": TransformerShape(
+        32000, 4096, 32, 32, d_ff=11008, mlp="swiglu", tie_weights=False, bias=False,
+        norm="rmsnorm", position="none", fused_qkv=False,
+    ),
+}  # fmt: skip
+
+
+def _norm_shapes(shape: TransformerShape) -> list[Shape]:
+    d = shape.d_model
+    return [(d,), (d,)] if shape.norm == "layernorm" and shape.bias else [(d,)]
+
+
+def _linear_shapes(d_in: int, d_out: int, bias: bool) -> list[Shape]:
+    return [(d_out, d_in), (d_out,)] if bias else [(d_out, d_in)]  # torch layout: weight is (out, in)
+
+
+def _block_shapes(shape: TransformerShape) -> list[Shape]:
+    d, d_ff, b = shape.d_model, shape.d_ff, shape.bias
+    assert d_ff is not None  # resolved in __post_init__
+    qkv = _linear_shapes(d, 3 * d, b) if shape.fused_qkv else 3 * _linear_shapes(d, d, b)
+    mlp_in = 2 if shape.mlp == "swiglu" else 1  # swiglu: gate and up projections
+    return [
+        *_norm_shapes(shape),
+        *qkv,
+        *_linear_shapes(d, d, b),  # attention output projection
+        *_norm_shapes(shape),
+        *(mlp_in * _linear_shapes(d, d_ff, b)),
+        *_linear_shapes(d_ff, d, b),  # MLP down projection
+    ]
+
+
+def parameter_shapes(shape: TransformerShape) -> list[Shape]:
+    """Every parameter tensor's shape, in module order, each shared tensor listed once.
+
+    Order: token embedding, position table, ``n_layer`` blocks, final norm, untied output head.
+    """
+    shapes: list[Shape] = [(shape.vocab_size, shape.d_model)]
+    if shape.position == "learned":
+        assert shape.block_size is not None
+        shapes.append((shape.block_size, shape.d_model))
+    shapes += shape.n_layer * _block_shapes(shape)
+    shapes += _norm_shapes(shape)
+    if not shape.tie_weights:
+        shapes.append((shape.vocab_size, shape.d_model))  # lm_head, never with a bias
+    return shapes
+
+
+def count_parameters(shape: TransformerShape) -> int:
+    """Exact parameter count (gpt2: 124,439,808; llama-7b: 6,738,415,616)."""
+    return sum(math.prod(s) for s in parameter_shapes(shape))
+
+
+def seed_parameter_count(vocab_size: int, d_model: int, n_layer: int, d_ff: int) -> int:
+    """The theory notes' approximation ``V·d + L·(4d² + 2·d·d_ff) + d``.
+
+    It assumes a 2-matrix MLP and ignores biases, block norms and an untied head; for LLaMA-7B's
+    numbers it gives 5.16 B, not the 6.7 B the note claims (the real model has 3 MLP matrices).
+    """
+    for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layer", n_layer)):
+        _positive(name, value)
+    _positive("d_ff", d_ff)
+    d = d_model
+    return vocab_size * d + n_layer * (4 * d * d + 2 * d * d_ff) + d
+
+
+# --------------------------------------------------------------------------------------------------
+# Precision schemes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionScheme:
+    """Bytes per element of each copy a precision scheme keeps.
+
+    Lightning's ``"16-mixed"``/``"bf16-mixed"`` keep fp32 parameters and fp32 gradients; autocast casts
+    the weights to 16 bit as the forward uses them. Those copies are the difference between
+    ``compute_bytes`` and ``param_bytes``: they live in autocast's cache until the forward ends and in
+    autograd's saved tensors until the backward has used them, and are reported as ``temporary``.
+    """
+
+    param_bytes: int  # the stored parameters
+    grad_bytes: int  # their gradients
+    master_bytes: int = 0  # a separate high-precision copy the optimizer updates (0: none)
+    state_bytes: int = 4  # one element of torch.optim state, which follows the parameter dtype
+    compute_bytes: int = 2  # activations; weights are cast to this when it differs from param_bytes
+
+    @classmethod
+    def from_name(cls, name: str) -> PrecisionScheme:
+        """A Lightning precision string, or ``"seed000"`` / ``"seed003"`` (the theory notes' conventions)."""
+        return PRECISIONS[_choose("precision", name, PRECISIONS)]
+
+
+PRECISIONS: dict[str, PrecisionScheme] = {
+    "64-true": PrecisionScheme(8, 8, 0, state_bytes=8, compute_bytes=8),
+    "32-true": PrecisionScheme(4, 4, 0, state_bytes=4, compute_bytes=4),
+    "16-mixed": PrecisionScheme(4, 4, 0, state_bytes=4, compute_bytes=2),
+    "bf16-mixed": PrecisionScheme(4, 4, 0, state_bytes=4, compute_bytes=2),
+    # torch optimizers allocate state with zeros_like(param): bf16 params -> bf16 moments.
+    "16-true": PrecisionScheme(2, 2, 0, state_bytes=2, compute_bytes=2),
+    "bf16-true": PrecisionScheme(2, 2, 0, state_bytes=2, compute_bytes=2),
+    # seed 000: fp16 params, fp32 grads, fp32 Adam moments, no master copy: 2 + 4 + 8 = 14 B/param.
+    "seed000": PrecisionScheme(2, 4, 0, state_bytes=4, compute_bytes=2),
+    # seed 003: fp16 params and grads, fp32 master, fp32 Adam moments: 2 + 2 + 4 + 8 = 16 B/param.
+    "seed003": PrecisionScheme(2, 2, 4, state_bytes=4, compute_bytes=2),
+}
+
+
+def _precision(precision: str | PrecisionScheme) -> PrecisionScheme:
+    return precision if isinstance(precision, PrecisionScheme) else PrecisionScheme.from_name(precision)
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer state, per parameter shape
+# --------------------------------------------------------------------------------------------------
+
+
+def adamw_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
+    """torch.optim.AdamW / Adam: ``exp_avg`` and ``exp_avg_sq`` per parameter, plus a 4-byte ``step``."""
+    return sum(2 * math.prod(s) * state_bytes + _TORCH_STEP_BYTES for s in shapes)
+
+
+def sgd_momentum_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
+    """torch.optim.SGD(momentum > 0): one ``momentum_buffer`` per parameter, no step counter."""
+    return sum(math.prod(s) * state_bytes for s in shapes)
+
+
+def sgd_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
+    """Plain SGD keeps nothing."""
+    return 0
+
+
+def adafactor_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
+    """torch.optim.Adafactor: factored second moment, no first moment, plus a 4-byte ``step``.
+
+    A parameter of shape (..., m, n) keeps ``row_var`` (..., m, 1) and ``col_var`` (..., 1, n): O(m + n)
+    instead of O(m·n). Parameters with fewer than 2 dimensions keep a full ``variance``.
+    """
+    total = 0
+    for s in shapes:
+        if len(s) >= 2:
+            lead = math.prod(s[:-2])
+            total += lead * (s[-2] + s[-1]) * state_bytes
+        else:
+            total += math.prod(s) * state_bytes
+        total += _TORCH_STEP_BYTES
+    return total
+
+
+def _bnb_state_bytes(
+    shapes: Sequence[Shape], n_states: int, min_8bit_size: int, block_size: int, eight_bit: bool
+) -> int:
+    # bitsandbytes' step counter is a Python int; its 32-bit state is fp32 whatever the param dtype.
+    total, any_8bit = 0, False
+    for s in shapes:
+        n = math.prod(s)
+        if eight_bit and n >= min_8bit_size:
+            any_8bit = True
+            total += n_states * (n + 4 * _ceil_div(n, block_size))  # uint8 state + fp32 absmax per block
+        else:
+            total += n_states * 4 * n
+    return total + (n_states * _BNB_QMAP_BYTES if any_8bit else 0)
+
+
+def adamw8bit_state_bytes(
+    shapes: Sequence[Shape], *, min_8bit_size: int = BNB_MIN_8BIT_SIZE, block_size: int = BNB_BLOCK_SIZE
+) -> int:
+    """bitsandbytes AdamW8bit / PagedAdamW8bit: two uint8 states ≈ 2 B/param + 8 B per 256-block.
+
+    Parameters under ``min_8bit_size`` elements keep two fp32 states (8 B/param). Paged state on CUDA
+    lives in managed memory, which ``torch.cuda.memory_allocated`` does not see, but it is counted here.
+    """
+    return _bnb_state_bytes(shapes, 2, min_8bit_size, block_size, eight_bit=True)
+
+
+def lion_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
+    """bitsandbytes Lion (32-bit): one fp32 momentum, 4 B/param (always fp32, whatever ``state_bytes``)."""
+    return _bnb_state_bytes(shapes, 1, BNB_MIN_8BIT_SIZE, BNB_BLOCK_SIZE, eight_bit=False)
+
+
+def lion8bit_state_bytes(
+    shapes: Sequence[Shape], *, min_8bit_size: int = BNB_MIN_8BIT_SIZE, block_size: int = BNB_BLOCK_SIZE
+) -> int:
+    """bitsandbytes Lion8bit: one uint8 momentum ≈ 1 B/param + 4 B per 256-block; small params fp32."""
+    return _bnb_state_bytes(shapes, 1, min_8bit_size, block_size, eight_bit=True)
+
+
+#: name -> f(shapes, state_bytes) -> bytes. ``state_bytes`` is the element size torch.optim state takes
+#: from the parameters; the bitsandbytes optimizers ignore it (their full-precision state is fp32).
+OPTIMIZERS: dict[str, Callable[[Sequence[Shape], int], int]] = {
+    "adamw": adamw_state_bytes,
+    "adamw8bit": lambda shapes, _: adamw8bit_state_bytes(shapes),
+    "paged_adamw8bit": lambda shapes, _: adamw8bit_state_bytes(shapes),
+    "lion": lion_state_bytes,
+    "lion8bit": lambda shapes, _: lion8bit_state_bytes(shapes),
+    "adafactor": adafactor_state_bytes,
+    "sgd_momentum": sgd_momentum_state_bytes,
+    "sgd": sgd_state_bytes,
+}
+
+
+def optimizer_state_bytes(name: str, shapes: Sequence[Shape], *, state_bytes: int = 4) -> int:
+    """Bytes of ``optimizer.state`` after the first step for parameters of these shapes."""
+    return OPTIMIZERS[_choose("optimizer", name, OPTIMIZERS)](shapes, state_bytes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Static memory, sharding
+# --------------------------------------------------------------------------------------------------
+
+
+def static_breakdown(
+    shapes: Sequence[Shape], *, precision: str | PrecisionScheme = "bf16-mixed", optimizer: str = "adamw"
+) -> MemoryBreakdown:
+    """Parameters, gradients and optimizer state (master weights included) for any list of shapes."""
+    scheme = _precision(precision)
+    n = sum(math.prod(s) for s in shapes)
+    state = optimizer_state_bytes(optimizer, shapes, state_bytes=scheme.state_bytes)
+    return MemoryBreakdown(
+        parameters=n * scheme.param_bytes,
+        gradients=n * scheme.grad_bytes,
+        optimizer_state=n * scheme.master_bytes + state,
+    )
+
+
+#: strategy -> the categories it partitions across ranks (ZeRO stages 1, 2, 3; FSDP full shard = 3).
+STRATEGIES: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "zero1": ("optimizer_state",),
+    "zero2": ("optimizer_state", "gradients"),
+    "zero3": ("optimizer_state", "gradients", "parameters"),
+    "fsdp": ("optimizer_state", "gradients", "parameters"),
+    "deepspeed_stage_1": ("optimizer_state",),
+    "deepspeed_stage_2": ("optimizer_state", "gradients"),
+    "deepspeed_stage_3": ("optimizer_state", "gradients", "parameters"),
+}
+
+
+def shard(breakdown: MemoryBreakdown, strategy: str, n_gpus: int) -> MemoryBreakdown:
+    """One rank's share: the categories ``strategy`` partitions are divided by ``n_gpus`` (rounded up).
+
+    Activations and temporaries are per rank already (``batch`` is the per-device micro-batch) and are
+    never divided. Sharding moves bytes between devices; the sum over ranks stays the same.
+    """
+    sharded = STRATEGIES[_choose("strategy", strategy, STRATEGIES)]
+    _positive("n_gpus", n_gpus)
+    return replace(breakdown, **{c: _ceil_div(getattr(breakdown, c), n_gpus) for c in sharded})
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations (Korthikanti et al. 2022, arXiv:2205.05198)
+# --------------------------------------------------------------------------------------------------
+
+CHECKPOINTING = ("none", "selective", "full")
+ATTENTION = ("eager", "sdpa")
+
+
+def activation_bytes(
+    shape: TransformerShape,
+    batch: int,
+    seq_len: int,
+    *,
+    bytes_per_element: int = 2,
+    checkpointing: str = "none",
+    attention: str = "eager",
+) -> int:
+    """Bytes saved for backward by the ``n_layer`` blocks of one micro-batch.
+
+    Per layer, Korthikanti et al. count ``s·b·d·(34 + 5·h·s/d)`` bytes, i.e. for the model
+    ``L·B·T·(34·d + 5·h·T)``: 34 B per token per channel for the linear-size tensors and 5 B per entry of
+    the (B, h, T, T) attention core (softmax output 2, dropout mask 1, dropout output 2).
+
+    - ``checkpointing="selective"`` recomputes the attention core: the ``5·h·T`` term goes.
+    - ``attention="sdpa"`` (fused/flash) never stores a T×T matrix: the term goes too. Its O(B·h·T)
+      softmax statistics are not counted.
+    - ``checkpointing="full"`` keeps only each block's input, ``B·T·d`` elements per layer; the one block
+      being recomputed during backward is transient and not counted.
+
+    Assumptions: the paper's constants, derived for a GELU MLP with d_ff = 4d, dropout and 2-byte
+    elements with 1-byte dropout masks. Other element sizes scale the whole figure by
+    ``bytes_per_element / 2`` (rounded up). Embedding output, final norm and logits (B·T·V) are outside
+    the blocks and not counted.
+    """
+    _positive("batch", batch)
+    _positive("seq_len", seq_len)
+    _positive("bytes_per_element", bytes_per_element)
+    _choose("checkpointing", checkpointing, CHECKPOINTING)
+    _choose("attention", attention, ATTENTION)
+    L, d, h = shape.n_layer, shape.d_model, shape.n_head
+    if checkpointing == "full":
+        return L * batch * seq_len * d * bytes_per_element
+    keeps_core = checkpointing == "none" and attention == "eager"
+    per_token = 34 * d + (5 * h * seq_len if keeps_core else 0)  # bytes at 2 B/element
+    return _ceil_div(L * batch * seq_len * per_token * bytes_per_element, 2)
+
+
+def _autocast_copy_bytes(shape: TransformerShape, scheme: PrecisionScheme) -> int:
+    # Autocast casts the matmul weights (every 2-D block weight and the (V, d) head, tied or not) to
+    # compute precision; embedding lookups and norms run on the stored weights.
+    if scheme.compute_bytes == scheme.param_bytes:
+        return 0
+    block = sum(math.prod(s) for s in _block_shapes(shape) if len(s) == 2)
+    return (shape.n_layer * block + shape.vocab_size * shape.d_model) * scheme.compute_bytes
+
+
+def estimate_analytic(
+    shape: TransformerShape,
+    batch: int,
+    seq_len: int,
+    *,
+    precision: str | PrecisionScheme = "bf16-mixed",
+    optimizer: str = "adamw",
+    checkpointing: str = "none",
+    attention: str = "sdpa",
+    strategy: str = "ddp",
+    n_gpus: int = 1,
+) -> MemoryBreakdown:
+    """One rank's training-step memory for ``shape`` at per-device micro-batch ``batch`` × ``seq_len``.
+
+    ``temporary`` holds autocast's low-precision weight copies under mixed precision (0 otherwise); other
+    temporaries (logits, workspaces, the batch itself) are not modelled. See `activation_bytes` for what
+    ``activations`` assumes and `shard` for what each strategy divides.
+    """
+    scheme = _precision(precision)
+    if shape.position == "learned" and shape.block_size is not None and seq_len > shape.block_size:
+        raise ValueError(f"seq_len={seq_len} exceeds the position table's block_size={shape.block_size}")
+    static = static_breakdown(parameter_shapes(shape), precision=scheme, optimizer=optimizer)
+    acts = activation_bytes(
+        shape,
+        batch,
+        seq_len,
+        bytes_per_element=scheme.compute_bytes,
+        checkpointing=checkpointing,
+        attention=attention,
+    )
+    total = replace(static, activations=acts, temporary=_autocast_copy_bytes(shape, scheme))
+    return shard(total, strategy, n_gpus)

@@ -1,0 +1,322 @@
+"""The analytic estimator: published parameter counts, the theory notes' worked examples (errata named),
+optimizer state against real optimizer steps, and properties of activations and sharding."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_memkit._analytic import (
+    BNB_BLOCK_SIZE,
+    BNB_MIN_8BIT_SIZE,
+    OPTIMIZERS,
+    STRATEGIES,
+    PrecisionScheme,
+    TransformerShape,
+    activation_bytes,
+    adamw8bit_state_bytes,
+    adamw_state_bytes,
+    count_parameters,
+    estimate_analytic,
+    optimizer_state_bytes,
+    parameter_shapes,
+    seed_parameter_count,
+    shard,
+    static_breakdown,
+)
+from lightning_memkit._breakdown import MemoryBreakdown
+
+LLAMA_7B = TransformerShape.from_name("llama-7b")
+
+
+# --- parameter counts -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gpt2", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+        ("gpt2-xl", 1_557_611_200),
+        ("llama-7b", 6_738_415_616),
+    ],
+)
+def test_count_parameters_matches_published_checkpoints(name, expected):
+    assert count_parameters(TransformerShape.from_name(name)) == expected
+
+
+def test_from_config_reads_a_nanogpt_config():
+    nanogpt = SimpleNamespace(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=True)
+    assert count_parameters(TransformerShape.from_config(nanogpt)) == 124_439_808
+
+    llama = SimpleNamespace(
+        vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, d_ff=11008, mlp="swiglu",
+        norm="rmsnorm", pos_embedding="rope", bias=False, tie_weights=False,
+    )  # fmt: skip
+    assert count_parameters(TransformerShape.from_config(llama)) == 6_738_415_616
+
+
+def test_variants_change_the_count_by_exactly_their_tensors():
+    base = TransformerShape(vocab_size=100, d_model=16, n_layer=3, n_head=4, block_size=8)
+    V, d, L, d_ff = 100, 16, 3, 64
+    n = count_parameters(base)
+    assert count_parameters(TransformerShape(**{**vars(base), "tie_weights": False})) == n + V * d
+    assert count_parameters(TransformerShape(**{**vars(base), "position": "none"})) == n - 8 * d
+    # biases: 3d (qkv) + d (proj) + d_ff + d (mlp) per block; LayerNorm biases: 2 per block + final.
+    no_bias = TransformerShape(**{**vars(base), "bias": False})
+    assert count_parameters(no_bias) == n - L * (3 * d + d + d_ff + d) - (2 * L + 1) * d
+    rms = TransformerShape(**{**vars(base), "bias": False, "norm": "rmsnorm"})
+    assert count_parameters(rms) == count_parameters(no_bias)  # both weight-only norms
+    swiglu = TransformerShape(**{**vars(base), "mlp": "swiglu"})
+    assert count_parameters(swiglu) == n + L * (d * d_ff + d_ff)  # one more (d_ff, d) matrix + bias
+    split = TransformerShape(**{**vars(base), "fused_qkv": False})
+    assert count_parameters(split) == n  # same numbers, two more (d, d) weights and biases per block
+    assert len(parameter_shapes(split)) == len(parameter_shapes(base)) + 4 * L
+
+
+def test_seed000_7b_example_sums_to_5_16e9_not_6_7e9():
+    """Erratum (seed 000): its own 2-matrix formula gives 131M + 32 × 157M + d = 5.16 B, not 6,700M.
+
+    The note also writes 32 × 157M as 5,024M; it is 5,033M. LLaMA-7B really has 6.738 B parameters
+    because its MLP has three matrices (SwiGLU), which the formula leaves out.
+    """
+    seed = seed_parameter_count(32000, 4096, 32, 11008)
+    assert seed == 32000 * 4096 + 32 * 157_286_400 + 4096 == 5_164_240_896
+    assert abs(seed - 6.7e9) > 1.5e9
+    assert count_parameters(LLAMA_7B) == 6_738_415_616
+
+
+# --- the theory notes' memory examples ---------------------------------------------------------------
+
+
+def test_seed000_attention_matrix_is_1_07e9_bytes_not_2_1e9():
+    """Erratum (seed 000): 2·B·h·T² at B=4, h=32, T=2048 is 1.07 GB per matrix, not 2.1 GB; so two
+    matrices in each of 32 layers are 68.7 GB, not 134 GB."""
+    B, h, T = 4, 32, 2048
+    one_matrix = 2 * B * h * T**2
+    assert one_matrix == 1_073_741_824
+    assert 2 * 32 * one_matrix == 68_719_476_736
+    # The estimator's attention-core term (5 bytes per T×T entry) is 2.5 such matrices per layer.
+    one_layer = TransformerShape(vocab_size=32000, d_model=4096, n_layer=1, n_head=32, position="none")
+    core = activation_bytes(one_layer, B, T) - activation_bytes(one_layer, B, T, attention="sdpa")
+    assert 2 * core == 5 * one_matrix
+
+
+def test_seed000_activation_total_is_122e9_bytes():
+    expected = 32 * 4 * 2048 * (34 * 4096 + 5 * 32 * 2048)
+    assert activation_bytes(LLAMA_7B, 4, 2048, attention="eager") == expected == 122_406_567_936
+
+
+def test_seed000_static_total_is_98e9_for_7e9_params():
+    """Seed 000's convention: fp16 params 2 + fp32 grads 4 + Adam 8 = 14 B/param (its 98 GB is right)."""
+    static = static_breakdown([(7_000_000_000,)], precision="seed000", optimizer="adamw")
+    assert (static.parameters, static.gradients) == (14e9, 28e9)
+    assert static.optimizer_state == 56e9 + 4  # + torch's 4-byte step tensor for the one parameter
+    assert static.static - 4 == 98e9
+
+
+def test_seed003_is_16_bytes_per_param():
+    """Seed 003's convention: 2 (fp16 weights) + 2 (fp16 grads) + 4 (fp32 master) + 8 (Adam) = 16."""
+    scheme = PrecisionScheme.from_name("seed003")
+    assert scheme.param_bytes + scheme.grad_bytes + scheme.master_bytes + 2 * scheme.state_bytes == 16
+    static = static_breakdown([(10**6,)], precision=scheme)
+    assert static.static == 16 * 10**6 + 4
+
+
+def test_lightning_mixed_precision_keeps_fp32_weights_and_counts_autocast_copies():
+    shape = TransformerShape.from_name("gpt2")
+    n = count_parameters(shape)
+    mixed = estimate_analytic(shape, 1, 64, precision="bf16-mixed")
+    assert (mixed.parameters, mixed.gradients) == (4 * n, 4 * n)
+    # 2-byte copies of every matmul weight: 12·d² per block plus the tied (V, d) head.
+    assert mixed.temporary == 2 * (12 * 768**2 * 12 + 50257 * 768)
+    assert estimate_analytic(shape, 1, 64, precision="32-true").temporary == 0
+    true16 = estimate_analytic(shape, 1, 64, precision="bf16-true")
+    assert true16.temporary == 0 and true16.optimizer_state == adamw_state_bytes(parameter_shapes(shape), 2)
+
+
+def test_fp32_activations_are_twice_the_2_byte_figure():
+    shape = TransformerShape.from_name("gpt2")
+    for checkpointing in ("none", "selective", "full"):
+        half = activation_bytes(shape, 2, 128, checkpointing=checkpointing)
+        assert activation_bytes(shape, 2, 128, bytes_per_element=4, checkpointing=checkpointing) == 2 * half
+    assert activation_bytes(shape, 2, 128, checkpointing="full") == 12 * 2 * 128 * 768 * 2
+
+
+def test_8bit_adamw_is_about_2_bytes_per_param():
+    n = 4096 * 4096
+    per_param = (adamw8bit_state_bytes([(4096, 4096)]) - 2 * 256 * 4) / n  # less the two qmaps
+    assert per_param == 2 + 2 * 4 / BNB_BLOCK_SIZE
+
+
+# --- optimizer state against real optimizer steps ----------------------------------------------------
+
+# Shapes chosen to hit every branch: above and below min_8bit_size, numel not a multiple of 256,
+# 1-D above min_8bit_size, and a 3-D tensor (Adafactor factors its last two dims).
+SHAPES = [(100, 96), (100,), (10, 100), (10,), (5000,), (2, 30, 40)]
+
+
+def _state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
+
+
+def _one_step(make, dtype=torch.float32) -> int:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = make(params)
+    optimizer.step()
+    return _state_nbytes(optimizer)
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        ("adamw", lambda p: torch.optim.AdamW(p)),
+        ("sgd_momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        ("sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
+        ("adafactor", lambda p: torch.optim.Adafactor(p)),
+    ],
+)
+def test_torch_optimizer_state_matches_a_real_step(name, make):
+    assert _one_step(make) == optimizer_state_bytes(name, SHAPES)
+
+
+def test_torch_state_follows_bf16_params():
+    real = _one_step(lambda p: torch.optim.AdamW(p), dtype=torch.bfloat16)
+    assert real == optimizer_state_bytes("adamw", SHAPES, state_bytes=2)
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit", "lion", "lion8bit"])
+def test_bitsandbytes_state_matches_a_real_step(name):
+    bnb = pytest.importorskip("bitsandbytes")
+    make = {
+        "adamw8bit": bnb.optim.AdamW8bit,
+        "paged_adamw8bit": bnb.optim.PagedAdamW8bit,
+        "lion": bnb.optim.Lion,
+        "lion8bit": bnb.optim.Lion8bit,
+    }[name]
+    with pytest.warns(UserWarning, match="Paged") if name.startswith("paged") else nullcontext():
+        real = _one_step(make)
+    assert real == optimizer_state_bytes(name, SHAPES)
+    assert BNB_MIN_8BIT_SIZE == 4096 and BNB_BLOCK_SIZE == 256
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+
+def test_non_positive_sizes_name_the_value():
+    with pytest.raises(ValueError, match="n_layer must be a positive integer, got 0"):
+        TransformerShape(vocab_size=10, d_model=8, n_layer=0, n_head=2, position="none")
+    with pytest.raises(ValueError, match="d_model=10 is not divisible by n_head=3"):
+        TransformerShape(vocab_size=10, d_model=10, n_layer=1, n_head=3, position="none")
+    with pytest.raises(ValueError, match="batch must be a positive integer, got -1"):
+        activation_bytes(LLAMA_7B, -1, 128)
+    with pytest.raises(ValueError, match="n_gpus must be a positive integer, got 0"):
+        shard(MemoryBreakdown(), "zero1", 0)
+    with pytest.raises(ValueError, match="needs block_size"):
+        TransformerShape(vocab_size=10, d_model=8, n_layer=1, n_head=2)
+    with pytest.raises(ValueError, match="seq_len=2048 exceeds"):
+        estimate_analytic(TransformerShape.from_name("gpt2"), 1, 2048)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: PrecisionScheme.from_name("bf16"), r"Unknown precision 'bf16'.*Did you mean 'bf16-true'"),
+        (lambda: optimizer_state_bytes("adam", [(4,)]), r"Unknown optimizer 'adam'.*Did you mean 'adamw'"),
+        (lambda: shard(MemoryBreakdown(), "zero-3", 2), r"Unknown strategy 'zero-3'.*Did you mean 'zero3'"),
+        (lambda: activation_bytes(LLAMA_7B, 1, 8, checkpointing="ful"), r"valid: none, selective, full"),
+        (lambda: TransformerShape.from_name("gpt3"), r"Unknown architecture 'gpt3'"),
+    ],
+)
+def test_unknown_names_list_the_valid_ones(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# --- properties --------------------------------------------------------------------------------------
+
+shapes = st.builds(
+    lambda heads, head_dim, n_layer, vocab: TransformerShape(
+        vocab_size=vocab, d_model=heads * head_dim, n_layer=n_layer, n_head=heads, position="none"
+    ),
+    st.integers(1, 16),
+    st.integers(1, 128),
+    st.integers(1, 48),
+    st.integers(1, 100_000),
+)
+sizes = st.integers(1, 8192)
+modes = st.sampled_from([("none", "eager"), ("none", "sdpa"), ("selective", "eager"), ("full", "eager")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, sizes, sizes, st.integers(1, 64), modes, st.sampled_from([1, 2, 4]))
+def test_activations_are_monotone_in_batch_and_seq_len(shape, batch, seq_len, extra, mode, bpe):
+    checkpointing, attention = mode
+    kw = dict(bytes_per_element=bpe, checkpointing=checkpointing, attention=attention)
+    base = activation_bytes(shape, batch, seq_len, **kw)
+    assert activation_bytes(shape, batch + extra, seq_len, **kw) >= base
+    assert activation_bytes(shape, batch, seq_len + extra, **kw) >= base
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, sizes, sizes)
+def test_checkpointing_orders_full_then_selective_then_none(shape, batch, seq_len):
+    def acts(checkpointing, attention="eager"):
+        return activation_bytes(shape, batch, seq_len, checkpointing=checkpointing, attention=attention)
+
+    assert acts("full") <= acts("selective") <= acts("none")
+    assert acts("none", "sdpa") <= acts("none", "eager")
+
+
+categories = st.integers(0, 10**15)
+
+
+@settings(max_examples=100, deadline=None)
+@given(categories, categories, categories, categories, categories, st.sampled_from(sorted(STRATEGIES)))
+def test_sharding_divides_exactly_its_categories(p, g, o, a, t, strategy):
+    full = MemoryBreakdown(parameters=p, gradients=g, optimizer_state=o, activations=a, temporary=t)
+    assert shard(full, strategy, 1) == full
+    for n in (2, 3, 8):
+        one_rank = shard(full, strategy, n)
+        for category in ("parameters", "gradients", "optimizer_state", "activations", "temporary"):
+            value, share = getattr(full, category), getattr(one_rank, category)
+            if category in STRATEGIES[strategy]:
+                assert n * (share - 1) < value <= n * share  # share == ceil(value / n)
+            else:
+                assert share == value
+
+
+def test_zero_stages_nest():
+    zero1, zero2, zero3 = (set(STRATEGIES[f"zero{k}"]) for k in (1, 2, 3))
+    assert zero1 == {"optimizer_state"} < zero2 == zero1 | {"gradients"} < zero3 == zero2 | {"parameters"}
+    assert STRATEGIES["fsdp"] == STRATEGIES["zero3"] and STRATEGIES["ddp"] == ()
+    for k in (1, 2, 3):
+        assert STRATEGIES[f"deepspeed_stage_{k}"] == STRATEGIES[f"zero{k}"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes, st.integers(1, 64), st.integers(1, 512), st.sampled_from(sorted(OPTIMIZERS)))
+def test_estimate_is_monotone_and_sharding_keeps_activations(shape, batch, seq_len, optimizer):
+    small = estimate_analytic(shape, batch, seq_len, optimizer=optimizer)
+    assert estimate_analytic(shape, batch + 1, seq_len, optimizer=optimizer).peak >= small.peak
+    assert estimate_analytic(shape, batch, seq_len + 1, optimizer=optimizer).peak >= small.peak
+    sharded = estimate_analytic(shape, batch, seq_len, optimizer=optimizer, strategy="fsdp", n_gpus=4)
+    assert sharded.activations == small.activations and sharded.temporary == small.temporary
+    assert sharded.parameters == -(-small.parameters // 4)
