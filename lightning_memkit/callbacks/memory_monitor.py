@@ -129,7 +129,7 @@ class MemoryMonitor(Callback):
         try:
             signature = self._step_signature(trainer, pl_module, batch)
             self._signature = signature
-            due = self.remeasure_every_n_steps and self._since_measured >= self.remeasure_every_n_steps
+            due = self.remeasure_every_n_steps and self._since_measured + 1 >= self.remeasure_every_n_steps
             if signature not in self._twins or due:
                 self._measurement = measure(pl_module, trainer.optimizers, device=self._device)
                 self._measurement.__enter__()

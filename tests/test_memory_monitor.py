@@ -1,0 +1,289 @@
+"""MemoryMonitor inside a real Trainer, checked against the allocator on the very same Trainer steps."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import EncoderLM
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_memkit import MemoryMonitor
+from lightning_memkit._breakdown import CATEGORIES, MiB
+from lightning_memkit.testing import cpu_profiler, profile_peak
+
+KEYS = [f"memory/{c}" for c in (*CATEGORIES, "peak")]
+
+
+class _ProfileSteps:
+    """Two callbacks bracketing MemoryMonitor: the profiler starts before it and stops after it."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._prof = None
+        outer = self
+
+        class Start(pl.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                outer._prof = cpu_profiler()
+                outer._prof.start()
+
+        class Stop(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                outer._prof.stop()
+                outer.peaks.append(profile_peak(outer._prof))
+
+        self.start, self.stop = Start(), Stop()
+
+
+def _fit(model, monitor, trainer_kwargs, *, profile=False, **overrides):
+    probe = _ProfileSteps()
+    callbacks = [probe.start, monitor, probe.stop] if profile else [monitor]
+    kwargs = {**trainer_kwargs, "logger": CSVLogger(trainer_kwargs["default_root_dir"]), **overrides}
+    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
+    trainer.fit(model)
+    return trainer, probe.peaks
+
+
+def _csv_rows(trainer) -> list[dict[str, str]]:
+    trainer.logger.save()
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row.get("memory/peak")]
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
+def test_every_step_matches_the_allocator_on_torch_encoder(trainer_kwargs, foreach):
+    """Measured steps and steps that reuse a measured twin both match the profiler on the same step."""
+    monitor = MemoryMonitor()
+    trainer, truths = _fit(EncoderLM(foreach=foreach), monitor, trainer_kwargs, profile=True, max_steps=6)
+    peaks = [b.peak for _, b in monitor.history]
+    assert len(peaks) == len(truths) == 6
+    for step, (peak, truth) in enumerate(zip(peaks, truths, strict=True)):
+        assert abs(peak - truth) <= 0.02 * truth, f"step {step}: measured {peak} vs allocator {truth}"
+    # Step 0 (no gradients, no optimizer state yet) and step 1 are measured; the rest reuse step 1.
+    assert monitor.measured_steps == 2
+    # The keys reached the CSV logger, in MiB.
+    rows = _csv_rows(trainer)
+    assert len(rows) == 6
+    assert set(KEYS) <= set(rows[0])
+    assert float(rows[-1]["memory/peak"]) == pytest.approx(peaks[-1] / MiB)
+
+
+def test_remeasures_periodically_and_when_shapes_change(trainer_kwargs):
+    class Ragged(EncoderLM):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            cut = 32 if batch_idx % 4 == 3 else 64  # every 4th batch is shorter
+            return super().training_step((x[:, :cut], y[:, :cut]), batch_idx)
+
+    monitor = MemoryMonitor(remeasure_every_n_steps=3)
+    _fit(Ragged(), monitor, trainer_kwargs, max_steps=8)
+    # Shapes inside training_step are invisible to the signature; steps 0 and 1 differ in signature
+    # (no gradients/state yet), then every 3rd step is measured again: steps 0, 1, 4, 7.
+    assert monitor.measured_steps == 4
+
+    every = MemoryMonitor(remeasure_every_n_steps=1)
+    _fit(Ragged(), every, trainer_kwargs, max_steps=8)
+    assert every.measured_steps == 8
+    peaks = {s: b.peak for s, b in every.history}
+    assert peaks[3] < peaks[2] and peaks[7] < peaks[6]  # the short batches really are measured
+
+
+def test_tensorboard_receives_every_key(tmp_path, trainer_kwargs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = pl.Trainer(callbacks=[MemoryMonitor(budget="1GiB")], logger=logger, **trainer_kwargs)
+    trainer.fit(EncoderLM())
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert set(KEYS) | {"memory/peak_fraction"} <= scalars
+    peak = [e.value for e in events.Scalars("memory/peak")]
+    fraction = [e.value for e in events.Scalars("memory/peak_fraction")]
+    assert len(peak) == 4
+    assert fraction[-1] == pytest.approx(peak[-1] * MiB / 2**30, rel=1e-5)
+    assert "memory/breakdown" in events.Tags()["images"]
+    assert (Path(logger.log_dir) / "memory.png").stat().st_size > 10_000
+
+
+def test_summary_table_and_plot_at_fit_end(trainer_kwargs, capsys):
+    monitor = MemoryMonitor()
+    trainer, _ = _fit(EncoderLM(), monitor, trainer_kwargs)
+    out = capsys.readouterr().out
+    assert "Peak training memory" in out
+    for category in CATEGORIES:
+        assert category in out
+    png = Path(trainer.logger.log_dir) / "memory.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_logger_false_is_a_clear_error(trainer_kwargs):
+    trainer = pl.Trainer(callbacks=[MemoryMonitor()], logger=False, **trainer_kwargs)
+    with pytest.raises(MisconfigurationException, match=r"logger=False.*CSVLogger"):
+        trainer.fit(EncoderLM())
+
+
+def test_a_raising_logger_does_not_stop_training(trainer_kwargs):
+    class Broken(Logger):
+        name, version = "broken", 0
+        calls = 0
+
+        def log_metrics(self, metrics, step=None):
+            Broken.calls += 1
+            raise OSError("disk full")
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    monitor = MemoryMonitor()
+    trainer = pl.Trainer(callbacks=[monitor], logger=Broken(), **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(EncoderLM())
+    assert trainer.global_step == 4
+    assert len(monitor.history) == 4
+    ours = [w for w in caught if "disk full" in str(w.message)]
+    assert len(ours) == 1  # warned once, although every step's log raised
+    assert Broken.calls >= 4
+
+
+def test_training_step_returning_none_and_no_trainable_parameters(trainer_kwargs):
+    class Frozen(EncoderLM):
+        def __init__(self):
+            super().__init__()
+            self.requires_grad_(False)
+
+        def training_step(self, batch, batch_idx):
+            self(batch[0])  # forward only; nothing to train
+            return None
+
+    monitor = MemoryMonitor()
+    _fit(Frozen(), monitor, trainer_kwargs)
+    assert monitor.history
+    for _, b in monitor.history:
+        assert b.gradients == 0 and b.optimizer_state == 0 and b.activations == 0
+        assert b.parameters > 0
+
+
+def test_gradient_accumulation_logs_one_entry_per_optimizer_step(trainer_kwargs):
+    monitor = MemoryMonitor()
+    trainer, truths = _fit(
+        EncoderLM(), monitor, trainer_kwargs, profile=True, max_steps=3, accumulate_grad_batches=2
+    )
+    assert [s for s, _ in monitor.history] == [0, 1, 2]
+    assert len(truths) == 6  # micro-batches
+    for (_, b), pair in zip(monitor.history, zip(truths[::2], truths[1::2], strict=True), strict=True):
+        assert abs(b.peak - max(pair)) <= 0.02 * max(pair)
+    assert len(_csv_rows(trainer)) == 3
+
+
+class TwoOptimizers(EncoderLM):
+    """Manual optimization with two optimizers (a GAN-style split of the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt_body, opt_head = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt_body.step()
+        opt_head.step()
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+
+    def configure_optimizers(self):
+        body = [*self.embed.parameters(), *self.encoder.parameters()]
+        return torch.optim.AdamW(body), torch.optim.SGD(self.head.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_manual_optimization_with_two_optimizers_counts_both_states(trainer_kwargs):
+    monitor = MemoryMonitor()
+    _, truths = _fit(TwoOptimizers(), monitor, trainer_kwargs, profile=True, max_steps=3)
+    model = TwoOptimizers()
+    n_body = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("head"))
+    n_head = sum(p.numel() for p in model.head.parameters())
+    last = monitor.history[-1][1]
+    # AdamW: two fp32 moments + a 4-byte step per tensor; SGD momentum: one buffer.
+    n_body_tensors = len([n for n, _ in model.named_parameters() if not n.startswith("head")])
+    assert last.optimizer_state == 8 * n_body + 4 * n_body_tensors + 4 * n_head
+    # Manual optimization steps twice per batch (global_step counts optimizer steps) and logs per batch.
+    assert len(monitor.history) == len(truths)
+    for (_, b), truth in zip(monitor.history, truths, strict=True):
+        assert abs(b.peak - truth) <= 0.02 * truth
+
+
+def test_resume_keeps_the_history(tmp_path, trainer_kwargs):
+    kwargs = {**trainer_kwargs, "enable_checkpointing": True}
+    first = MemoryMonitor()
+    trainer, _ = _fit(EncoderLM(), first, kwargs, max_steps=3)
+    ckpt = trainer.checkpoint_callback.best_model_path or str(next(Path(tmp_path).rglob("*.ckpt")))
+    resumed = MemoryMonitor()
+    trainer = pl.Trainer(callbacks=[resumed], logger=CSVLogger(tmp_path), **{**kwargs, "max_steps": 5})
+    trainer.fit(EncoderLM(), ckpt_path=ckpt)
+    assert [s for s, _ in resumed.history] == [0, 1, 2, 3, 4]
+    assert resumed.history[:3] == first.history
+
+
+def test_arguments_are_validated():
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        MemoryMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="Cannot read"):
+        MemoryMonitor(budget="lots")
+
+
+def test_log_every_n_steps(trainer_kwargs):
+    trainer, _ = _fit(EncoderLM(), MemoryMonitor(log_every_n_steps=2), trainer_kwargs, max_steps=5)
+    assert [int(r["step"]) for r in _csv_rows(trainer)] == [0, 2, 4]
+
+
+def test_over_budget_warns_with_numbers(trainer_kwargs):
+    with pytest.warns(UserWarning, match=r"over the budget of 1\.00 MiB by .*Largest consumer: activations"):
+        _fit(EncoderLM(), MemoryMonitor(budget="1MiB"), trainer_kwargs, max_steps=2)
+
+
+def test_internal_error_disables_monitoring_but_not_training(trainer_kwargs, monkeypatch):
+    import lightning_memkit.callbacks.memory_monitor as mm
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tracker exploded")
+
+    monkeypatch.setattr(mm, "measure", broken)
+    trainer = pl.Trainer(
+        callbacks=[MemoryMonitor()], logger=CSVLogger(trainer_kwargs["default_root_dir"]), **trainer_kwargs
+    )
+    with pytest.warns(UserWarning, match="tracker exploded"):
+        trainer.fit(EncoderLM())
+    assert trainer.global_step == 4
+
+
+def test_plain_model_without_lightning_helpers(trainer_kwargs):
+    """A LightningModule that wraps a user's plain nn.Sequential, with a dict batch."""
+
+    class DictBatch(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            data = [{"x": torch.randn(32), "y": torch.randn(1)} for _ in range(64)]
+            return torch.utils.data.DataLoader(data, batch_size=16)
+
+    monitor = MemoryMonitor()
+    _, truths = _fit(DictBatch(), monitor, trainer_kwargs, profile=True)
+    for (_, b), truth in zip(monitor.history, truths, strict=True):
+        assert abs(b.peak - truth) <= 0.02 * truth
