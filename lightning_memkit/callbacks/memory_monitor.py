@@ -272,6 +272,7 @@ class MemoryMonitor(Callback):
         return None
 
     def _report(self, trainer: pl.Trainer) -> None:
+        directory = Path(trainer.log_dir or trainer.default_root_dir)  # a broadcast: every rank calls it
         if not trainer.is_global_zero:
             return
         step, worst = max(self.history, key=lambda item: item[1].peak)
@@ -279,7 +280,6 @@ class MemoryMonitor(Callback):
             print(render_summary(worst, step=step, budget=self.budget))
         if not self.plot:
             return
-        directory = Path(trainer.log_dir or trainer.default_root_dir)
         path = directory / "memory.png"
         steps, breakdowns = zip(*self.history, strict=True)
         figure = plot_history(steps, breakdowns, path, budget=self.budget)
