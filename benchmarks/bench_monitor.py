@@ -29,7 +29,7 @@ from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import cpu_profiler, profile_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import EncoderLM  # noqa: E402  (torch's own nn.TransformerEncoder stack)
+from conftest import EncoderLM
 
 
 class AllocatorPeaks(pl.Callback):
@@ -129,7 +129,8 @@ def accuracy(accelerator: str, steps: int = 4) -> None:
 
 def overhead(accelerator: str, steps: int, rounds: int) -> None:
     print(
-        f"(b) overhead of MemoryMonitor(defaults) on the GPT example, {rounds} interleaved pairs of {steps} steps"
+        f"(b) overhead of MemoryMonitor(defaults) on the GPT example, "
+        f"{rounds} interleaved pairs of {steps} steps"
     )
     ratios, plain_means, monitored_means = [], [], []
     for _ in range(rounds):
