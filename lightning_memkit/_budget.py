@@ -1,10 +1,13 @@
-"""A memory budget given the ways users say it: ``8_000_000_000``, ``"24GB"``, ``"6 GiB"``."""
+"""A memory budget given the ways users say it: ``8_000_000_000``, ``"24GB"``, ``"6 GiB"``, ``0.9`` of the
+current device, ``"A100-40GB"`` or ``"auto"``."""
 
 from __future__ import annotations
 
+import difflib
 import re
+from dataclasses import dataclass
 
-__all__ = ["parse_bytes"]
+__all__ = ["GPUS", "Budget", "parse_budget", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -45,3 +48,114 @@ def parse_bytes(value: int | str) -> int:
     if nbytes <= 0:
         raise ValueError(f"A memory size must be positive, got {value!r}")
     return nbytes
+
+
+# --- budgets for a device ------------------------------------------------------------------------
+
+#: Memory a CUDA process spends outside the caching allocator: the context, cuBLAS/cuDNN handles and
+#: kernels loaded on first use. 300-600 MiB on current drivers; we keep the larger end.
+CUDA_CONTEXT_BYTES = 512 * 2**20
+#: Share of what is left kept free for the caching allocator's fragmentation (blocks split and cached
+#: for other sizes). Lightning's BatchSizeFinder keeps none and lands runs that OOM later; 5 % is what
+#: the plans in this package leave on top of their own margin.
+FRAGMENTATION_RESERVE = 0.05
+
+#: Nominal device memory in MiB, as nvidia-smi / rocm-smi report it.
+GPUS: dict[str, int] = {
+    "A100-40GB": 40_960,
+    "A100-80GB": 81_920,
+    "H100-80GB": 81_559,
+    "H100-94GB": 95_830,
+    "H200": 143_771,
+    "L4": 23_034,
+    "L40S": 46_068,
+    "A10G": 23_028,
+    "A6000": 49_140,
+    "T4": 15_360,
+    "V100-16GB": 16_384,
+    "V100-32GB": 32_768,
+    "RTX-3090": 24_576,
+    "RTX-4090": 24_564,
+    "MI250X": 65_536,
+    "MI300X": 196_608,
+}
+
+
+def _canonical(name: str) -> str:
+    return name.upper().replace(" ", "-").replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget: the device (or limit) it came from and what the allocator may use of it.
+
+    Attributes:
+        total: bytes of the device, or the limit as given.
+        usable: bytes a training step's peak may reach: for a device, ``total`` less the CUDA context
+            (`CUDA_CONTEXT_BYTES`) and the fragmentation reserve (`FRAGMENTATION_RESERVE`); for a plain
+            size, ``total`` itself.
+        source: how it was given, for messages (``"A100-40GB"``, ``"24GB"``, ``"cuda:0 x 0.9"``).
+    """
+
+    total: int
+    usable: int
+    source: str
+
+    @classmethod
+    def for_device(cls, total: int, source: str) -> Budget:
+        usable = int((total - CUDA_CONTEXT_BYTES) * (1 - FRAGMENTATION_RESERVE))
+        if usable <= 0:
+            raise ValueError(f"{source}: {total} bytes leave nothing once the CUDA context is taken")
+        return cls(total=total, usable=usable, source=source)
+
+
+def _current_device_bytes() -> tuple[int, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "A budget of 'auto' or a fraction needs a CUDA device, and none is visible. Give a size "
+            "('24GB') or a GPU name instead (one of: " + ", ".join(GPUS) + ")."
+        )
+    index = torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).total_memory, f"cuda:{index}"
+
+
+def parse_budget(value: int | float | str | Budget, *, device_size: bool = False) -> Budget:
+    """Read a memory budget given in any of the ways users say it.
+
+    - bytes (``24_000_000_000``) or a size string (``"24GB"``, ``"24GiB"``, ``"24 gib"``): the limit for
+      the step's peak as is — or, with ``device_size=True``, the size of a card, from which the CUDA
+      context and the fragmentation reserve are taken;
+    - a fraction of the current CUDA device (``0.9``);
+    - a GPU name from `GPUS` (``"A100-40GB"``, ``"H100-80GB"``, ``"RTX 4090"``, any case);
+    - ``"auto"``: the current CUDA device.
+
+    Devices (names, fractions, ``"auto"``) always have the context and reserve taken off.
+    """
+    if isinstance(value, Budget):
+        return value
+    if isinstance(value, float) and not isinstance(value, bool):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"A fractional budget must be in (0, 1], got {value}")
+        total, name = _current_device_bytes()
+        return Budget.for_device(int(total * value), f"{name} x {value}")
+    if isinstance(value, str):
+        key = _canonical(value.strip())
+        if key == "AUTO":
+            total, name = _current_device_bytes()
+            return Budget.for_device(total, name)
+        gpus = {_canonical(name): name for name in GPUS}
+        if key in gpus or key.replace("RTX", "RTX-") in gpus:
+            name = gpus.get(key) or gpus[key.replace("RTX", "RTX-")]
+            return Budget.for_device(GPUS[name] * 2**20, name)
+        if not _PATTERN.match(value.lower()):
+            close = difflib.get_close_matches(key, list(gpus), n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(gpus[c] for c in close)}?" if close else ""
+            raise ValueError(
+                f"Unknown GPU or size {value!r}.{hint} Known GPUs: {', '.join(GPUS)}; or give a size such "
+                "as '24GB' / '24GiB', a fraction of the current device (0.9), or 'auto'."
+            )
+    nbytes = parse_bytes(value)  # type: ignore[arg-type]
+    source = value if isinstance(value, str) else f"{nbytes} bytes"
+    return Budget.for_device(nbytes, source) if device_size else Budget(nbytes, nbytes, source)
