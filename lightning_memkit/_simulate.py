@@ -1,0 +1,673 @@
+"""Estimate a training step's memory exactly by running it on fake tensors: nothing is allocated.
+
+This is the simulated half of the estimator. `estimate_memory` runs one real training step of the
+user's model — forward, backward, ``optimizer.step()``, ``zero_grad()``, with the user's own code — but
+every parameter, buffer, batch tensor and intermediate is a ``FakeTensor``: it has a shape, a dtype and a
+storage size, and no data. The same storage tracker `measure` uses (`_measure._Tracker`) watches the
+step, so the result is the breakdown `measure` would report for the real step, and a 70B model can be
+planned on a laptop. Compared with `_analytic`, nothing is assumed about the architecture: whatever the
+code allocates is counted.
+
+How the pieces are faked, in order:
+
+1. The model's parameters and buffers are swapped, in place and only for the duration of the call, for
+   fake tensors of the same shape (tied weights stay tied); the user's own tensors are put back untouched
+   and never read. Parameters on the meta device work the same way, so a model built under
+   ``torch.device("meta")`` is planned without ever being materialized.
+2. The optimizer is built over the fake parameters (the LightningModule's ``configure_optimizers``, an
+   optimizer name, a factory, or a copy of a given optimizer's hyperparameters) and, unless
+   ``first_step=True``, stepped once untracked so its state exists, as in every step after the first.
+3. The step runs under the tracker. Precision follows Lightning's plugins: ``*-mixed`` runs the forward
+   under ``torch.autocast(cache_enabled=False)`` (the low-precision weight copies are real allocations
+   and are counted), ``*-true`` converts the parameters and floating-point inputs and sets the default
+   dtype during the forward.
+
+The simulation always runs on fake *CPU* tensors: fake CUDA tensors abort the process on a CPU-only
+build of torch. For ``device="cuda"`` the CUDA-specific behaviour that moves the peak is modelled on
+top: the caching allocator's 512-byte rounding, foreach optimizer kernels (torch's default on CUDA and
+the reason for a parameter-sized temporary in ``step()``), and torch.optim's ``step`` counters living on
+the CPU (except on a first step, where they are born inside the step: 512 B per parameter tensor, counted
+as optimizer state). Not modelled: the cuBLAS workspace (a few MiB, once per process), autocast's CUDA-only
+op lists (CUDA runs e.g. ``softmax`` and ``sum`` in fp32 under autocast, CPU does not), GradScaler's few
+scalars, and CUDA's choice among attention kernels (the CPU flash kernel saves the same
+``out``/``logsumexp`` tensors as CUDA's flash kernel; CUDA's math fallback would save the T×T matrix).
+
+Values are fake, so Python values read from tensors during the step (``.item()``, ``bool(tensor)``)
+are placeholders: ``1`` for numbers, ``False`` for booleans. Data-dependent shapes (``nonzero``,
+boolean-mask indexing) cannot be simulated and raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, overload
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_memkit._analytic import OPTIMIZERS, _choose
+from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._measure import (
+    _CUDA_BLOCK,
+    _identity,
+    _Storage,
+    _Tracker,
+    gradient_tensors,
+    model_tensors,
+    optimizer_tensors,
+)
+
+__all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
+
+#: Lightning precision string -> (dtype the parameters are converted to, dtype autocast computes in).
+#: ``None`` means "leave as it is" / "no autocast".
+PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "64-true": (torch.float64, None),
+    "32-true": (None, None),
+    "16-mixed": (None, torch.float16),
+    "bf16-mixed": (None, torch.bfloat16),
+    "16-true": (torch.float16, None),
+    "bf16-true": (torch.bfloat16, None),
+}
+DEVICES = ("cuda", "cpu")
+CHECKPOINTING = ("none", "full")
+
+_SIM_DEVICE = torch.device("cpu")  # where the fake tensors live; see the module docstring for why
+# Left out of the timeline: metadata queries (fake tensors answer ``.device`` through dispatch) and the
+# profiler's record_function markers. They allocate nothing.
+_UNTIMED = frozenset({"prim", "profiler"})
+
+
+class TimelineEvent(NamedTuple):
+    """One op of the simulated step, as returned by ``estimate_memory(..., return_timeline=True)``."""
+
+    phase: str  # "forward" | "zero_grad" | "backward" | "optimizer"
+    op: str  # the aten overload that ran, e.g. "aten.mm.default"
+    live: int  # bytes live on the device right after the op (the peak is the highest of these)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tracker, on fake tensors
+# --------------------------------------------------------------------------------------------------
+
+
+def _placeholder_scalar(func: Any, args: tuple) -> Any:
+    """A stand-in for ``.item()`` of a fake tensor, whose value does not exist; ``None`` otherwise.
+
+    1 for numbers keeps optimizers' bias corrections finite (AdamW divides by ``1 - beta ** step``);
+    False for booleans keeps "skip this step if the loss is NaN" branches on the common path.
+    """
+    if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+        dtype = args[0].dtype
+        if dtype == torch.bool:
+            return False
+        return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+    return None
+
+
+class _Placeholders(TorchDispatchMode):
+    """Answers ``.item()`` on fake tensors (used while the optimizer is warmed up, untracked)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        value = _placeholder_scalar(func, args)
+        return value if value is not None else func(*args, **(kwargs or {}))
+
+
+class _SimTracker(_Tracker):
+    """`_Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline."""
+
+    def __init__(self, rounding: int, timeline: bool) -> None:
+        super().__init__(_SIM_DEVICE)
+        self.rounding = rounding
+        self.phase = "forward"
+        self.timeline: list[TimelineEvent] | None = [] if timeline else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        value = _placeholder_scalar(func, args)
+        if value is not None:
+            return value
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.timeline is not None and func.namespace not in _UNTIMED:
+            self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
+        return out
+
+    def ignore(self, t: Tensor) -> None:
+        """Count ``t``'s storage as zero bytes: it would live on another device in the real run."""
+        storage, key = t.untyped_storage(), id(t.untyped_storage())
+        if key not in self.live:
+            self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), _Storage(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Faking the model, the batch and the optimizer
+# --------------------------------------------------------------------------------------------------
+
+
+def _fake_like(t: Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> Tensor:
+    """A fake CPU tensor with ``t``'s shape and strides; floating point ones converted to ``dtype``."""
+    if dtype is None or not t.is_floating_point():
+        dtype = t.dtype
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=_SIM_DEVICE)
+
+
+@contextlib.contextmanager
+def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> Iterator[None]:
+    """Swap every parameter and buffer of ``model`` for a fake twin while inside; put the originals back.
+
+    The swap goes through ``_parameters``/``_buffers`` directly, so no hook or ``__setattr__`` override
+    runs; a tensor registered under several names (tied weights) gets one twin.
+    """
+    twins: dict[int, Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+    try:
+        for module in model.modules():  # a shared module is visited once; its tables are swapped in place
+            for table, is_param in ((module._parameters, True), (module._buffers, False)):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    twin = twins.get(id(t))
+                    if twin is None:
+                        twin = _fake_like(t, mode, dtype)
+                        if is_param:
+                            twin = nn.Parameter(twin, requires_grad=t.requires_grad)
+                        twins[id(t)] = twin
+                    swapped.append((table, name, t))
+                    table[name] = twin
+        yield
+    finally:
+        for table, name, t in reversed(swapped):
+            table[name] = t
+
+
+def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None) -> Any:
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(batch, Tensor, _fake_like, mode, dtype)
+
+
+def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Optimizer]:
+    """The optimizer class an `_analytic.OPTIMIZERS` name stands for, with its defaults (SGD: lr=1e-3)."""
+    name = _choose("optimizer", name, OPTIMIZERS)
+    if name == "adamw":
+        return torch.optim.AdamW
+    if name == "adafactor":
+        return torch.optim.Adafactor
+    if name == "sgd":
+        return functools.partial(torch.optim.SGD, lr=1e-3)
+    if name == "sgd_momentum":
+        return functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9)
+    import bitsandbytes as bnb  # imported only when asked for: it prints on import without a GPU
+
+    return {
+        "adamw8bit": bnb.optim.AdamW8bit,
+        "paged_adamw8bit": bnb.optim.PagedAdamW8bit,
+        "lion": bnb.optim.Lion,
+        "lion8bit": bnb.optim.Lion8bit,
+    }[name]
+
+
+OptimizerLike = str | torch.optim.Optimizer | Callable[[Iterable[Tensor]], torch.optim.Optimizer]
+
+
+def _rebuild(
+    optimizer: torch.optim.Optimizer, real: Sequence[Tensor], fake: Sequence[Tensor]
+) -> torch.optim.Optimizer:
+    """The same optimizer class and hyperparameters over the ``fake`` twins of the ``real`` parameters.
+
+    ``optimizer`` was built over the user's real parameters; it is read, never stepped.
+    """
+    fake_of = {id(r): f for r, f in zip(real, fake, strict=True)}
+    groups = []
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in fake_of]
+        if missing:
+            raise ValueError(
+                f"The optimizer holds {len(missing)} tensor(s) that are not parameters of the model; "
+                "pass an optimizer built over model.parameters(), or a factory such as "
+                "functools.partial(torch.optim.AdamW, lr=1e-3)."
+            )
+        groups.append({**group, "params": [fake_of[id(p)] for p in group["params"]]})
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:  # a constructor whose keywords are not its defaults' keys: the groups carry them
+        return type(optimizer)(groups)
+
+
+def _optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in whatever ``configure_optimizers`` returned (all of Lightning's forms)."""
+    if config is None:
+        return []
+    if isinstance(config, torch.optim.Optimizer):
+        return [config]
+    if isinstance(config, dict):
+        return _optimizers_from(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)):  # ([optimizers], [schedulers])
+            return _optimizers_from(list(config[0]))
+        return [opt for item in config for opt in _optimizers_from(item)]
+    raise TypeError(f"configure_optimizers() returned {type(config).__name__}, which holds no optimizer")
+
+
+def _use_device_defaults(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:
+    """Pick the kernels torch.optim would pick for real tensors on ``device`` (fakes confuse its check).
+
+    On CUDA torch defaults to the foreach kernels, whose ``step()`` allocates temporaries as large as
+    all parameters at once; on CPU to the per-tensor loop.
+    """
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if (
+                group.get("foreach", False) is None
+                and not group.get("fused")
+                and not group.get("differentiable")
+            ):
+                group["foreach"] = device.type == "cuda"
+
+
+# --------------------------------------------------------------------------------------------------
+# Lightning
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_lightning(model: nn.Module) -> bool:
+    from lightning.pytorch import LightningModule
+
+    return isinstance(model, LightningModule)
+
+
+@contextlib.contextmanager
+def _lightning_stand_ins(module: nn.Module) -> Iterator[None]:
+    """Make a LightningModule's hooks runnable outside ``Trainer.fit``, and undo it afterwards.
+
+    - ``self.log``/``self.log_dict`` become no-ops (they would log fake tensors);
+    - a module attached to no Trainer gets a stand-in ``Trainer(max_steps=1000, max_epochs=-1)``, so that
+      ``configure_optimizers`` may read ``self.trainer.estimated_stepping_batches`` (it is 1000);
+    - ``self.device`` is the CPU the fake tensors live on.
+    """
+    import lightning.pytorch as pl
+
+    saved = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
+    module.__dict__["log"] = module.__dict__["log_dict"] = _no_op
+    saved_device = module._device
+    module._device = _SIM_DEVICE
+    attach = module._trainer is None and getattr(module, "_fabric", None) is None
+    if attach:
+        pl_logger = logging.getLogger("lightning.pytorch")
+        level = pl_logger.level
+        pl_logger.setLevel(logging.WARNING)  # "GPU available: ..." and tips
+        try:
+            module.trainer = pl.Trainer(
+                max_steps=1000, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+        finally:
+            pl_logger.setLevel(level)
+    try:
+        yield
+    finally:
+        if attach:
+            module.trainer = None
+        module._device = saved_device
+        for k in ("log", "log_dict"):
+            module.__dict__.pop(k, None)
+        module.__dict__.update(saved)
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _loss_of(output: Any) -> Tensor:
+    """The loss in what ``training_step`` returned: a tensor, or a dict with ``"loss"``."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"training_step() returned {type(output).__name__}; the estimate needs the loss to run the "
+            "backward pass: return a tensor or a dict with a 'loss' tensor."
+        )
+    return loss
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpointing
+# --------------------------------------------------------------------------------------------------
+
+
+def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of the model's largest ``nn.ModuleList``/``nn.Sequential`` of same-typed modules."""
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.children())
+            if len(children) > len(best) and len({type(c) for c in children}) == 1:
+                best = children
+    return best
+
+
+@contextlib.contextmanager
+def _full_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Recompute every repeated block in backward (``use_reentrant=False``), as ``checkpoint_sequential``."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = _repeated_blocks(model)
+    if len(blocks) < 2:
+        raise ValueError(
+            f"checkpointing='full' recomputes the model's repeated blocks, but {type(model).__name__} has no "
+            "repeated blocks (an nn.ModuleList or nn.Sequential of same-typed modules); checkpoint inside "
+            "the model's forward instead and pass checkpointing=None."
+        )
+    own = [block.__dict__.get("forward") for block in blocks]  # a forward the user set on the instance
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for block, forward in zip(blocks, own, strict=True):
+            del block.forward
+            if forward is not None:
+                block.forward = forward
+
+
+# --------------------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """What runs in one simulated step; ``lightning`` selects Lightning's order of the phases."""
+
+    forward: Callable[[], Tensor]
+    optimizers: list[torch.optim.Optimizer]
+    lightning: bool
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def run(self, tracker: _SimTracker | None = None) -> None:
+        def phase(name: str) -> None:
+            if tracker is not None:
+                tracker.phase = name
+
+        phase("forward")
+        loss = self.forward()
+        if self.lightning:
+            # Lightning's automatic optimization: training_step, zero_grad, backward, step. The previous
+            # step's gradients are still live during the forward.
+            phase("zero_grad")
+            self.zero_grad()
+        phase("backward")
+        loss.backward()
+        del loss
+        phase("optimizer")
+        self.step()
+        if not self.lightning:
+            phase("zero_grad")
+            self.zero_grad()
+
+    def warm_up(self, model: nn.Module) -> None:
+        """Create the optimizer state a real first step would, without running forward or backward."""
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        self.step()
+        if not self.lightning:  # in Lightning the gradients live on until the next zero_grad
+            self.zero_grad()
+
+
+def _track(step: _Step, model: nn.Module, rounding: int, device: torch.device, timeline: bool) -> _SimTracker:
+    """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
+    tracker = _SimTracker(rounding, timeline)
+    if device.type == "cuda":
+        # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
+        for optimizer in step.optimizers:
+            for group in optimizer.param_groups:
+                if group.get("capturable") or group.get("fused"):
+                    continue
+                for p in group["params"]:
+                    counter = optimizer.state.get(p, {}).get("step")
+                    if isinstance(counter, Tensor):
+                        tracker.ignore(counter)
+    for t in model_tensors(model):
+        rec = tracker.record(t, preexisting=True)
+        if rec is not None:
+            rec.category = "parameters"
+    for t in optimizer_tensors(step.optimizers):
+        rec = tracker.record(t, preexisting=True)
+        if rec is not None and rec.category is None:
+            rec.category = "optimizer_state"
+    for t in gradient_tensors(model):
+        rec = tracker.record(t, preexisting=True)
+        if rec is not None and rec.category is None:
+            rec.grad_at = 0
+    handles = [
+        p.register_post_accumulate_grad_hook(tracker.on_grad) for p in model.parameters() if p.requires_grad
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, _identity), tracker:
+            step.run(tracker)
+    finally:
+        for h in handles:
+            h.remove()
+    # State born during a first step is known to be optimizer state only now.
+    for t in optimizer_tensors(step.optimizers):
+        rec = tracker.record(t)
+        if rec is not None and rec.category is None:
+            rec.category = "optimizer_state"
+    return tracker
+
+
+@overload
+def estimate_memory(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: OptimizerLike | None = ...,
+    loss_fn: Callable[[Any, Any], Tensor] | None = ...,
+    precision: str = ...,
+    checkpointing: str | None = ...,
+    device: str | torch.device = ...,
+    first_step: bool = ...,
+    return_timeline: Literal[False] = ...,
+) -> MemoryBreakdown: ...
+
+
+@overload
+def estimate_memory(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: OptimizerLike | None = ...,
+    loss_fn: Callable[[Any, Any], Tensor] | None = ...,
+    precision: str = ...,
+    checkpointing: str | None = ...,
+    device: str | torch.device = ...,
+    first_step: bool = ...,
+    return_timeline: Literal[True],
+) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
+
+
+def estimate_memory(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: OptimizerLike | None = None,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    precision: str = "32-true",
+    checkpointing: str | None = None,
+    device: str | torch.device = "cuda",
+    first_step: bool = False,
+    return_timeline: bool = False,
+) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
+    """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
+
+    The step runs on fake tensors (see the module docstring), so nothing proportional to the model or the
+    batch is allocated and ``model`` is left exactly as it was: parameters, gradients, training mode.
+
+    Args:
+        model: a ``LightningModule`` — its ``training_step(batch, 0)`` and ``configure_optimizers()`` run
+            as written, in the order of Lightning's automatic optimization (training_step, zero_grad,
+            backward, step) — or a plain ``nn.Module``, stepped as ``loss_fn(model(input), target)`` with
+            ``input, target = batch``, then backward, step, zero_grad. Its parameters may be real or on
+            the meta device.
+        batch: what ``training_step`` receives, or ``(input, target)`` for a plain module. Only shapes and
+            dtypes are read; its tensors may be on the meta device.
+        optimizer: overrides ``configure_optimizers``: an optimizer name (``"adamw"``, ``"sgd"``,
+            ``"sgd_momentum"``, ``"adafactor"``, or bitsandbytes' ``"adamw8bit"``, ``"paged_adamw8bit"``,
+            ``"lion"``, ``"lion8bit"``, each with its defaults), a factory ``params -> Optimizer``, or an
+            optimizer built over ``model.parameters()`` (its class and hyperparameters are copied).
+            Required for a plain module.
+        loss_fn: ``(output, target) -> loss`` for a plain module; not used for a LightningModule.
+        precision: a Lightning precision string: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
+            ``"16-true"``, ``"bf16-true"``, ``"64-true"``.
+        checkpointing: ``None`` (or ``"none"``): the model as written. ``"full"``: every block of the
+            model's largest ``nn.ModuleList``/``nn.Sequential`` of same-typed modules is recomputed in
+            backward (``torch.utils.checkpoint``, ``use_reentrant=False``). Selective plans are not
+            simulated yet.
+        device: the device type to plan for, ``"cuda"`` (the default: 512-byte allocator blocks, foreach
+            optimizer kernels) or ``"cpu"``.
+        first_step: estimate the first step, before the optimizer has state, instead of the steady state.
+        return_timeline: also return the step op by op, as a list of `TimelineEvent`.
+
+    Returns:
+        The `MemoryBreakdown` at the step's peak, in bytes, with ``parameters``, ``gradients``,
+        ``optimizer_state``, ``activations`` and ``temporary`` as `measure` defines them; with
+        ``return_timeline=True``, ``(breakdown, timeline)``.
+
+    Example::
+
+        with torch.device("meta"):
+            model = GPTLightningModule("llama-7b")
+        x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+        print(estimate_memory(model, (x, x), precision="bf16-mixed"))
+    """
+    precision = _choose("precision", precision, PRECISION_DTYPES)
+    param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
+    target = torch.device(device)
+    _choose("device", target.type, DEVICES)
+    if checkpointing is not None:
+        checkpointing = _choose("checkpointing", checkpointing, (*CHECKPOINTING, "selective"))
+        if checkpointing == "selective":
+            raise NotImplementedError(
+                "checkpointing='selective' is not simulated yet; use the analytic estimate "
+                "(estimate_analytic(..., checkpointing='selective')) or checkpointing='full'."
+            )
+    if autocast_dtype == torch.float16 and target.type == "cpu":
+        autocast_dtype = torch.bfloat16  # as Lightning does: fp16 AMP is not supported on CPU
+    lightning = _is_lightning(model)
+    if lightning and not model.automatic_optimization:
+        raise NotImplementedError(
+            f"{type(model).__name__} uses manual optimization, which needs a running Trainer; estimate a "
+            "step of the underlying nn.Module with loss_fn= and optimizer= instead."
+        )
+    if not lightning and optimizer is None:
+        raise TypeError(
+            f"A plain {type(model).__name__} needs optimizer= (a name, a factory or an optimizer)."
+        )
+    if not lightning and loss_fn is None:
+        raise TypeError(
+            f"A plain {type(model).__name__} needs loss_fn=(output, target) -> loss; a LightningModule "
+            "brings its own training_step."
+        )
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with contextlib.ExitStack() as stack:
+        real_params = list(model.parameters())  # references only, to pair them with their twins
+        stack.enter_context(_fake_parameters(model, mode, param_dtype))
+        stack.enter_context(_training_mode(model))
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=".*[Pp]aged optimizers are not supported on CPU.*")
+        if lightning:
+            stack.enter_context(_lightning_stand_ins(model))
+        if checkpointing == "full":
+            stack.enter_context(_full_checkpointing(model))
+        fake_batch = _fake_batch(batch, mode, param_dtype)
+
+        # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
+        # from real values when constructed. The parameters they hold are already fake.
+        if optimizer is None:
+            optimizers = _optimizers_from(model.configure_optimizers())
+        elif isinstance(optimizer, str):
+            optimizers = [_named_optimizer(optimizer)(p for p in model.parameters() if p.requires_grad)]
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            optimizers = [_rebuild(optimizer, real_params, list(model.parameters()))]
+        else:
+            optimizers = [optimizer(p for p in model.parameters() if p.requires_grad)]
+        _use_device_defaults(optimizers, target)
+
+        forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
+        step = _Step(forward, optimizers, lightning)
+        rounding = _CUDA_BLOCK if target.type == "cuda" else 1
+        stack.enter_context(mode)
+        if not first_step:
+            with _Placeholders():
+                step.warm_up(model)
+        tracker = _track(step, model, rounding, target, return_timeline)
+        breakdown = tracker.breakdown()
+    if return_timeline:
+        assert tracker.timeline is not None
+        return breakdown, tracker.timeline
+    return breakdown
+
+
+def _forward_fn(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[Any, Any], Tensor] | None,
+    lightning: bool,
+    param_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None,
+) -> Callable[[], Tensor]:
+    """The forward pass to the loss, inside the precision plugin's context."""
+
+    def context() -> contextlib.AbstractContextManager:
+        if autocast_dtype is not None:
+            return torch.autocast(_SIM_DEVICE.type, dtype=autocast_dtype, cache_enabled=False)
+        if param_dtype is not None:
+            return _default_dtype(param_dtype)
+        return contextlib.nullcontext()
+
+    def forward() -> Tensor:
+        with context():
+            if lightning:
+                return _loss_of(model.training_step(batch, 0))
+            assert loss_fn is not None
+            inputs, target = batch
+            return loss_fn(model(inputs), target)
+
+    return forward
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -1,0 +1,364 @@
+"""The ``memkit`` command: a run's training memory before the run, from the shell.
+
+    memkit estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision bf16-mixed --optimizer adamw
+
+prints one training step's peak memory by category in two columns side by side: ``analytic``
+(architecture arithmetic, `estimate_analytic`; GPT presets and models carrying a ``GPTConfig``) and
+``simulated`` (the step run on fake tensors, `estimate_memory`). ``--json`` prints the same as one
+JSON object; ``--gpus N --strategy S`` shows one rank's share under that strategy.
+
+The model (``--model``) is a preset of the bundled GPT demo (``tiny``, ``gpt2``, ... ``llama-7b``) or
+``package.module:factory``, a callable taking no arguments that returns an ``nn.Module`` or a
+``LightningModule``. The factory is called under ``torch.device("meta")``, so a model built the usual
+way is never allocated; the current directory is importable.
+
+The example batch, for any model: if the module has a method ``example_batch(batch_size, seq_len)``,
+what it returns is the batch (build it on the meta device to keep it free). Otherwise the batch is
+``(x, y)``, two int64 token-id tensors of shape ``(batch_size, seq_len)``: what a causal language
+model's ``training_step`` takes. A ``LightningModule`` runs its own ``training_step`` (and
+``configure_optimizers`` unless ``--optimizer`` is given); a plain ``nn.Module`` is stepped as a
+language model, ``cross_entropy(model(x), y)`` over its output's last dimension (the first element of
+a tuple output), with ``--optimizer`` (default ``adamw``).
+
+Adding a subcommand: write ``_add_<name>(subparsers)`` that adds its parser with ``set_defaults(run=...)``,
+where ``run(args) -> int``, and list it in ``SUBCOMMANDS``. Raise `UsageError` for bad input: `main`
+prints it as one line and returns 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_memkit._analytic import (
+    CHECKPOINTING,
+    OPTIMIZERS,
+    STRATEGIES,
+    TransformerShape,
+    _choose,
+    estimate_analytic,
+    shard,
+)
+from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
+from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, estimate_memory
+
+__all__ = ["SUBCOMMANDS", "UsageError", "main"]
+
+
+class UsageError(Exception):
+    """Bad input from the command line; `main` prints it as one line and exits with status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), so the reason is the whole message."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument types
+# --------------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _one_of(kind: str, valid: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        try:
+            return _choose(kind, text, valid)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = kind  # argparse names the type in some messages
+    return parse
+
+
+# --------------------------------------------------------------------------------------------------
+# memkit estimate
+# --------------------------------------------------------------------------------------------------
+
+
+def _add_estimate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="one training step's peak memory by category: analytic and simulated, side by side",
+        description=(
+            "Print one training step's peak memory by category, analytic and simulated side by side. "
+            "The batch is (x, y): int64 token ids of shape (batch-size, seq-len), unless the module "
+            "defines example_batch(batch_size, seq_len)."
+        ),
+        epilog=(
+            "A LightningModule runs its own training_step (and configure_optimizers unless --optimizer is "
+            "given); a plain nn.Module is stepped as a language model, cross_entropy(model(x), y) over its "
+            "output's last dimension. Nothing is allocated: the model is built on the meta device and the "
+            "step runs on fake tensors."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|MODULE:FACTORY",
+        help="a GPT preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b) or "
+        "package.module:factory (no arguments, returns an nn.Module or LightningModule; called under the "
+        "meta device)",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, required=True, metavar="B", help="micro-batch per device"
+    )
+    p.add_argument("--seq-len", type=_positive_int, required=True, metavar="T", help="tokens per sequence")
+    p.add_argument(
+        "--precision",
+        type=_one_of("precision", list(PRECISION_DTYPES)),
+        default="32-true",
+        metavar="P",
+        help=f"a Lightning precision: {', '.join(PRECISION_DTYPES)} (default: 32-true)",
+    )
+    p.add_argument(
+        "--optimizer",
+        type=_one_of("optimizer", list(OPTIMIZERS)),
+        default=None,
+        metavar="O",
+        help=f"{', '.join(OPTIMIZERS)} (default: a LightningModule's configure_optimizers, else adamw)",
+    )
+    p.add_argument(
+        "--checkpointing",
+        type=_one_of("checkpointing", CHECKPOINTING),
+        default="none",
+        metavar="{none,selective,full}",
+        help="none, selective (analytic only) or full (every repeated block recomputed)",
+    )
+    p.add_argument(
+        "--gpus", type=_positive_int, default=1, metavar="N", help="ranks to shard over (default: 1)"
+    )
+    p.add_argument(
+        "--strategy",
+        type=_one_of("strategy", list(STRATEGIES)),
+        default="ddp",
+        metavar="S",
+        help=f"{', '.join(STRATEGIES)} (default: ddp); what it shards is divided by --gpus",
+    )
+    p.add_argument(
+        "--device",
+        type=_one_of("device", DEVICES),
+        default="cuda",
+        metavar="{cuda,cpu}",
+        help="the device to plan for: cuda (512-byte allocator blocks, foreach optimizers) or cpu",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=_run_estimate)
+
+
+def _load_model(spec: str) -> nn.Module:
+    """A preset's GPTLightningModule, or what ``package.module:factory`` returns, built on meta."""
+    from lightning_memkit.demos.gpt import PRESETS, GPTLightningModule
+
+    if ":" not in spec:
+        if spec not in PRESETS:
+            raise UsageError(
+                f"unknown preset {spec!r} for --model; valid: {', '.join(PRESETS)}, or package.module:factory"
+            )
+        with torch.device("meta"):
+            return GPTLightningModule(spec)
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own package is found
+    try:
+        factory = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"cannot load --model {spec}: {type(e).__name__}: {e}") from None
+    if not callable(factory):
+        raise UsageError(f"--model {spec} is a {type(factory).__name__}, not a callable returning a model")
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {spec} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _gpt_config(model: nn.Module) -> Any:
+    """The model's ``GPTConfig`` if it has one (the analytic column needs the architecture's numbers)."""
+    from lightning_memkit.demos.gpt import GPTConfig
+
+    config = getattr(model, "config", None)
+    return config if isinstance(config, GPTConfig) else None
+
+
+def _example_batch(model: nn.Module, batch_size: int, seq_len: int) -> Any:
+    if callable(getattr(model, "example_batch", None)):
+        return model.example_batch(batch_size, seq_len)
+    x = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")  # (B, T) token ids
+    return x, x.clone()
+
+
+def _lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def _simulate(model: nn.Module, args: argparse.Namespace) -> MemoryBreakdown:
+    from lightning.pytorch import LightningModule
+
+    lightning = isinstance(model, LightningModule)
+    return estimate_memory(
+        model,
+        _example_batch(model, args.batch_size, args.seq_len),
+        optimizer=args.optimizer if lightning else args.optimizer or "adamw",
+        loss_fn=None if lightning else _lm_loss,
+        precision=args.precision,
+        checkpointing=None if args.checkpointing == "none" else args.checkpointing,
+        device=args.device,
+    )
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    model = _load_model(args.model)
+    config = _gpt_config(model)
+    if config is not None and args.seq_len > config.block_size:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's block_size of {config.block_size}")
+    notes: list[str] = []
+    analytic = simulated = None
+    seconds = None
+    if config is not None:
+        analytic = estimate_analytic(
+            TransformerShape.from_config(config),
+            args.batch_size,
+            args.seq_len,
+            precision=args.precision,
+            optimizer=args.optimizer or "adamw",
+            checkpointing=args.checkpointing,
+            attention="sdpa",
+        )
+    else:
+        notes.append("analytic: needs a GPTConfig (a preset or a model with a .config); not available")
+    if args.checkpointing == "selective":
+        notes.append("simulated: selective checkpointing is not simulated yet")
+    else:
+        start = time.perf_counter()
+        simulated = _simulate(model, args)
+        seconds = time.perf_counter() - start
+        notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
+    if args.gpus > 1 or args.strategy != "ddp":
+        sharded = STRATEGIES[args.strategy]
+        analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
+        simulated = shard(simulated, args.strategy, args.gpus) if simulated is not None else None
+        notes.append(
+            f"per rank: {args.strategy} over {args.gpus} GPU(s) divides "
+            f"{', '.join(sharded) or 'nothing'} by {args.gpus}"
+        )
+    if args.json:
+        print(json.dumps(_report(args, analytic, simulated, seconds, notes), indent=2))
+    else:
+        print(_table(args, analytic, simulated, notes))
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    analytic: MemoryBreakdown | None,
+    simulated: MemoryBreakdown | None,
+    seconds: float | None,
+    notes: list[str],
+) -> dict[str, Any]:
+    """The ``--json`` object. Byte counts are integers; ``analytic``/``simulated`` are null when absent."""
+    return {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "checkpointing": args.checkpointing,
+        "device": args.device,
+        "gpus": args.gpus,
+        "strategy": args.strategy,
+        "analytic": analytic.as_dict() if analytic is not None else None,
+        "simulated": simulated.as_dict() if simulated is not None else None,
+        "simulated_seconds": seconds,
+        "notes": notes,
+    }
+
+
+def _table(
+    args: argparse.Namespace,
+    analytic: MemoryBreakdown | None,
+    simulated: MemoryBreakdown | None,
+    notes: list[str],
+) -> str:
+    """Categories as rows, the two estimates as columns (rich when installed, plain text otherwise)."""
+    title = (
+        f"Peak memory of one training step: {args.model}, batch {args.batch_size} x {args.seq_len}, "
+        f"{args.precision}, {args.optimizer or 'configure_optimizers'}, {args.device}"
+    )
+    rows = [
+        (name, *(format_bytes(getattr(b, name)) if b is not None else "—" for b in (analytic, simulated)))
+        for name in (*CATEGORIES, "peak")
+    ]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        lines = [title, f"{'category':<16}{'analytic':>14}{'simulated':>14}"]
+        lines += [f"{name:<16}{a:>14}{s:>14}" for name, a, s in rows]
+        return "\n".join([*lines, *notes])
+    table = Table()
+    table.add_column("category")
+    table.add_column("analytic", justify="right")
+    table.add_column("simulated", justify="right")
+    for name, a, s in rows:
+        table.add_row(name, a, s, style="bold" if name == "peak" else None)
+    console = Console(width=110, record=True, force_terminal=False)
+    with console.capture() as capture:
+        console.print(table)
+    return "\n".join([title, capture.get().rstrip("\n"), *notes])
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+#: subcommand name -> the function that adds its parser (see the module docstring).
+SUBCOMMANDS: dict[str, Callable[[Any], None]] = {"estimate": _add_estimate}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memkit", description="Training memory of PyTorch Lightning runs, before the run.")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in SUBCOMMANDS.values():
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``memkit`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.run(args)
+    except UsageError as e:
+        print(f"memkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # argparse after --help (0) or an error it has printed (2)
+        return e.code if isinstance(e.code, int) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

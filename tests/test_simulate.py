@@ -1,0 +1,303 @@
+"""`estimate_memory` against the allocator's record of the same step run for real, on CPU.
+
+Each accuracy test builds a twin of the estimated model with the same seed, runs its step for real and
+reads the peak from torch.profiler's memory timeline (`allocator_peak`): the issue's target is 3 %.
+"""
+
+import functools
+import math
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import EncoderLM, encoder_step
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memkit import _analytic
+from lightning_memkit._simulate import TimelineEvent, estimate_memory
+from lightning_memkit.demos.gpt import GPT, GPTConfig, GPTLightningModule
+from lightning_memkit.testing import allocator_peak, cpu_profiler, profile_peak
+
+TOLERANCE = 0.03  # the issue's target: |estimate - allocator| <= 3 %
+
+
+def _assert_close(estimate: int, truth: int) -> None:
+    error = (estimate - truth) / truth
+    assert abs(error) <= TOLERANCE, f"estimate {estimate:,} vs allocator {truth:,} ({100 * error:+.2f} %)"
+
+
+def _lm_loss(output, target):
+    logits = output[0] if isinstance(output, tuple) else output  # GPT returns (logits, loss)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _tokens(batch=16, seq_len=128, vocab=256):
+    x = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    return x, x.roll(-1, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Accuracy
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first_step", [True, False], ids=["first-step", "steady"])
+def test_torch_transformer_encoder_stack_with_adamw(first_step):
+    """A model we did not write (torch's nn.TransformerEncoderLayer), as a plain module."""
+    _, _, real_step = encoder_step()
+    if not first_step:
+        real_step()  # AdamW's state exists from the second step on
+    truth = allocator_peak(real_step)
+    model, optimizer, _ = encoder_step()
+    estimate = estimate_memory(
+        model, _tokens(8, 64), optimizer=optimizer, loss_fn=_lm_loss, device="cpu", first_step=first_step
+    )
+    _assert_close(estimate.peak, truth)
+    assert estimate.activations > estimate.parameters  # a 64-token encoder step is activation-bound
+    assert (estimate.optimizer_state > 0) is not first_step  # the first step peaks before AdamW's state
+
+
+class _ProfileOneStep(pl.Callback):
+    """The allocator's peak over training batch ``index`` of a real ``Trainer.fit``."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.peak: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.index:
+            self.prof = cpu_profiler()
+            self.prof.start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.index:
+            self.prof.stop()
+            self.peak = profile_peak(self.prof)
+
+
+def _trainer_peak(module, batch, precision, index, trainer_kwargs):
+    x, y = batch
+    loader = DataLoader(TensorDataset(x.repeat(index + 1, 1), y.repeat(index + 1, 1)), batch_size=len(x))
+    callback = _ProfileOneStep(index)
+    trainer_kwargs.update(max_steps=index + 1, logger=False, precision=precision, callbacks=[callback])
+    pl.Trainer(**trainer_kwargs).fit(module, loader)
+    assert callback.peak is not None
+    return callback.peak
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_gpt_lightning_module_against_a_real_trainer_step(precision, trainer_kwargs):
+    """The demo's own training_step and configure_optimizers (AdamW, 2 groups, LambdaLR), as Trainer runs
+    them: training_step, zero_grad, backward, step, with the previous step's gradients live."""
+    batch = _tokens(8, 128)
+    torch.manual_seed(0)
+    truth = _trainer_peak(GPTLightningModule("tiny", max_steps=10), batch, precision, 1, trainer_kwargs)
+    estimate = estimate_memory(GPTLightningModule("tiny"), batch, precision=precision, device="cpu")
+    _assert_close(estimate.peak, truth)
+    assert estimate.gradients > 0  # live from the previous step through this step's forward
+
+
+def test_bf16_true_gpt():
+    """Lightning's bf16-true: bf16 parameters and inputs, the default dtype bf16 during the forward."""
+    config = GPTConfig.from_name("tiny")
+    torch.manual_seed(0)
+    twin = GPT(config).bfloat16()
+    adamw = torch.optim.AdamW(twin.parameters())
+    x, y = _tokens(8, 64)
+
+    def step():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            loss = _lm_loss(twin(x), y)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        loss.backward()
+        adamw.step()
+        adamw.zero_grad()
+
+    step()
+    truth = allocator_peak(step)
+    model = GPT(config)
+    estimate = estimate_memory(
+        model, (x, y), optimizer="adamw", loss_fn=_lm_loss, precision="bf16-true", device="cpu"
+    )
+    _assert_close(estimate.peak, truth)
+    assert estimate.parameters == 2 * model.num_parameters()
+    assert estimate.optimizer_state == 2 * estimate.parameters + 4 * len(list(model.parameters()))
+
+
+def test_torch_encoder_as_a_lightning_module(trainer_kwargs):
+    batch = _tokens(8, 64)
+    torch.manual_seed(0)
+    truth = _trainer_peak(EncoderLM(), batch, "32-true", 1, trainer_kwargs)
+    _assert_close(estimate_memory(EncoderLM(), batch, device="cpu").peak, truth)
+
+
+def test_mlp_with_sgd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(64, 512), torch.randn(64, 512)
+
+    def step():
+        F.mse_loss(model(x), y).backward()
+        sgd.step()
+        sgd.zero_grad()
+
+    truth = allocator_peak(step)
+    estimate = estimate_memory(model, (x, y), optimizer=sgd, loss_fn=F.mse_loss, device="cpu")
+    _assert_close(estimate.peak, truth)
+    assert estimate.optimizer_state == 0
+
+
+def test_full_checkpointing_matches_a_checkpointed_twin():
+    config = GPTConfig.from_name("tiny", n_layer=3)
+    torch.manual_seed(0)
+    twin = GPT(config)
+    for block in twin.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    adamw = torch.optim.AdamW(twin.parameters())
+    x, y = _tokens(8, 128)
+
+    def step():
+        _lm_loss(twin(x), y).backward()
+        adamw.step()
+        adamw.zero_grad()
+
+    step()
+    truth = allocator_peak(step)
+    model = GPT(config)
+    kwargs = dict(optimizer="adamw", loss_fn=_lm_loss, device="cpu")
+    full = estimate_memory(model, (x, y), checkpointing="full", **kwargs)
+    _assert_close(full.peak, truth)
+    assert full.activations < estimate_memory(model, (x, y), **kwargs).activations / 4
+    assert "forward" not in model.blocks[0].__dict__  # the wrapping is undone
+
+
+# --------------------------------------------------------------------------------------------------
+# No allocation, no side effects
+# --------------------------------------------------------------------------------------------------
+
+
+def test_meta_device_model_is_planned_without_allocating():
+    with torch.device("meta"):
+        module = GPTLightningModule(
+            "gpt2"
+        )  # its configure_optimizers reads trainer.estimated_stepping_batches
+    n_params = sum(p.numel() for p in module.parameters())
+    x = torch.zeros(1, 128, dtype=torch.long, device="meta")
+    box = {}
+
+    def run():
+        start = time.perf_counter()
+        box["estimate"] = estimate_memory(module, (x, x), device="cpu")
+        box["seconds"] = time.perf_counter() - start
+
+    # Every real CPU allocation the estimate makes. Python stacks are left out of this profile: recording
+    # them through the fake tensors' Python dispatch would take minutes, and allocations need none.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    allocated = profile_peak(prof)
+    estimate = box["estimate"]
+    assert estimate.parameters == 4 * n_params  # 124,439,808 fp32 parameters: 498 MB, never allocated
+    assert estimate.optimizer_state == _analytic.adamw_state_bytes(
+        [tuple(p.shape) for p in module.parameters()]
+    )
+    assert allocated < 32 * 2**20, allocated
+    assert box["seconds"] < 20
+    assert all(p.is_meta for p in module.parameters())
+
+
+def test_the_users_model_is_left_untouched():
+    torch.manual_seed(0)
+    module = GPTLightningModule("tiny", max_steps=10).eval()
+    params = list(module.parameters())
+    before = [(p.data_ptr(), p.detach().clone()) for p in params]
+    optimizer = torch.optim.AdamW(module.parameters())
+    estimate_memory(module, _tokens(2, 16), optimizer=optimizer, precision="bf16-true", device="cpu")
+    assert list(module.parameters()) == params
+    for p, (ptr, value) in zip(params, before, strict=True):
+        assert p.data_ptr() == ptr and torch.equal(p, value) and p.dtype == torch.float32
+        assert p.grad is None
+    assert not optimizer.state  # read for its hyperparameters, never stepped
+    assert not module.training and not any(m.training for m in module.modules())
+    assert module._trainer is None and "log" not in module.__dict__
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices, optimizers, timeline
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cuda_target_rounds_blocks_uses_foreach_and_keeps_step_counters_on_cpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(100, 300), nn.GELU(), nn.Linear(300, 10))
+    batch = (torch.randn(8, 100), torch.randint(0, 10, (8,)))
+    estimate, timeline = estimate_memory(
+        model, batch, optimizer="adamw", loss_fn=F.cross_entropy, device="cuda", return_timeline=True
+    )
+    blocks = [math.ceil(4 * p.numel() / 512) * 512 for p in model.parameters()]  # caching allocator
+    assert estimate.parameters == sum(blocks)
+    assert estimate.optimizer_state == 2 * sum(blocks)  # exp_avg, exp_avg_sq; "step" lives on the CPU
+    assert any(e.op.startswith("aten._foreach") for e in timeline if e.phase == "optimizer")
+    _, cpu_timeline = estimate_memory(
+        model, batch, optimizer="adamw", loss_fn=F.cross_entropy, device="cpu", return_timeline=True
+    )
+    assert not any(e.op.startswith("aten._foreach") for e in cpu_timeline)
+
+
+def test_timeline_peaks_at_the_breakdowns_peak():
+    estimate, timeline = estimate_memory(
+        GPTLightningModule("tiny"), _tokens(4, 64), device="cpu", return_timeline=True
+    )
+    assert all(isinstance(e, TimelineEvent) for e in timeline)
+    assert max(e.live for e in timeline) == estimate.peak
+    phases = [e.phase for e in timeline]  # zero_grad(set_to_none=True) runs no op
+    assert sorted(set(phases), key=phases.index) == ["forward", "backward", "optimizer"]
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "adafactor", "adamw8bit", "lion8bit"])
+def test_optimizer_state_by_name_equals_the_analytic_bytes(name):
+    module = GPTLightningModule("tiny")
+    estimate = estimate_memory(module, _tokens(2, 32), optimizer=name, device="cpu")
+    shapes = [tuple(p.shape) for p in module.parameters()]
+    assert estimate.optimizer_state == _analytic.optimizer_state_bytes(name, shapes)
+
+
+def test_a_factory_optimizer_is_built_over_the_fake_parameters():
+    model = nn.Linear(64, 64)
+    factory = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    estimate = estimate_memory(
+        model, (torch.randn(4, 64), torch.randn(4, 64)), optimizer=factory, loss_fn=F.mse_loss, device="cpu"
+    )
+    assert estimate.optimizer_state == 4 * (64 * 64 + 64)  # one momentum buffer per parameter
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_valid_choices():
+    model, batch = nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4))
+    kwargs = dict(optimizer="adamw", loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match=r"Unknown precision 'bf16'; valid: 64-true, 32-true.*bf16-true"):
+        estimate_memory(model, batch, precision="bf16", **kwargs)
+    with pytest.raises(ValueError, match=r"Unknown optimizer 'adam'; valid: adamw.*Did you mean 'adamw'"):
+        estimate_memory(model, batch, optimizer="adam", loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="Unknown device 'mps'; valid: cuda, cpu"):
+        estimate_memory(model, batch, device="mps", **kwargs)
+    with pytest.raises(NotImplementedError, match="selective"):
+        estimate_memory(model, batch, checkpointing="selective", **kwargs)
+    with pytest.raises(ValueError, match="has no repeated blocks"):
+        estimate_memory(model, batch, checkpointing="full", **kwargs)
+    with pytest.raises(TypeError, match="needs loss_fn="):
+        estimate_memory(model, batch, optimizer="adamw")
+    with pytest.raises(TypeError, match="needs optimizer="):
+        estimate_memory(model, batch, loss_fn=F.mse_loss)
+    assert model.weight.grad is None
