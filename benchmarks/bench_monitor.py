@@ -26,38 +26,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memkit import MemoryMonitor
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
-from lightning_memkit.testing import cpu_profiler, profile_peak
+from lightning_memkit.testing import AllocatorPeaks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import EncoderLM
-
-
-class AllocatorPeaks(pl.Callback):
-    """The allocator's peak of each Trainer step; put ``start`` before MemoryMonitor and ``stop`` after."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.peaks, self._prof = device, [], None
-        outer = self
-
-        class Start(pl.Callback):
-            def on_train_batch_start(self, *args):
-                if outer.device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                else:
-                    outer._prof = cpu_profiler()
-                    outer._prof.start()
-
-        class Stop(pl.Callback):
-            def on_train_batch_end(self, *args):
-                if outer.device.type == "cuda":
-                    torch.cuda.synchronize()
-                    outer.peaks.append(torch.cuda.max_memory_allocated())
-                else:
-                    outer._prof.stop()
-                    outer.peaks.append(profile_peak(outer._prof))
-
-        self.start, self.stop = Start(), Stop()
 
 
 class StepTimer(pl.Callback):
@@ -118,7 +90,7 @@ def accuracy(accelerator: str, steps: int = 4) -> None:
         probe, monitor = AllocatorPeaks(device), MemoryMonitor(plot=False, summary=False)
         precision = "bf16-mixed" if "bf16" in name else "32-true"
         with tempfile.TemporaryDirectory() as root:
-            trainer = _trainer(root, accelerator, [probe.start, monitor, probe.stop], steps, precision)
+            trainer = _trainer(root, accelerator, probe.around(monitor), steps, precision)
             trainer.fit(model, datamodule=data)
         for (step, b), truth in zip(monitor.history, probe.peaks, strict=True):
             error = (b.peak - truth) / truth

@@ -20,6 +20,7 @@ timeline (the tests hold it to 2 %), and on CUDA the peak itself is read from th
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -183,6 +184,42 @@ class _Tracker(TorchDispatchMode):
         if rec is not None and rec.grad_at is None:
             rec.grad_at = self.clock
 
+    # --- a step's set-up -----------------------------------------------------------------------
+
+    def adopt(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Register what is live when the step begins, with the categories their owners give them."""
+        for t in model_tensors(model):
+            rec = self.record(t, preexisting=True)
+            if rec is not None:
+                rec.category = "parameters"
+        self.claim_optimizer_state(optimizers, preexisting=True)
+        for t in gradient_tensors(model):
+            rec = self.record(t, preexisting=True)
+            if rec is not None and rec.category is None:
+                rec.grad_at = 0
+
+    def claim_optimizer_state(
+        self, optimizers: Iterable[torch.optim.Optimizer], *, preexisting: bool = False
+    ) -> None:
+        """Mark the optimizers' tensors; after the step this also catches state born inside it."""
+        for t in optimizer_tensors(optimizers):
+            rec = self.record(t, preexisting=preexisting)
+            if rec is not None and rec.category is None:
+                rec.category = "optimizer_state"
+
+    @contextlib.contextmanager
+    def watching(self, model: nn.Module) -> Iterator[_Tracker]:
+        """Follow the ops, saved tensors and gradient accumulations of the step run inside."""
+        handles = [
+            p.register_post_accumulate_grad_hook(self.on_grad) for p in model.parameters() if p.requires_grad
+        ]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, _identity), self:
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
     # --- result -------------------------------------------------------------------------------
 
     def breakdown(self, peak: int | None = None) -> MemoryBreakdown:
@@ -220,7 +257,7 @@ class MemoryMeasurement:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._breakdown: MemoryBreakdown | None = None
         self._tracker: _Tracker | None = None
-        self._exits: list[Any] = []
+        self._watching: contextlib.AbstractContextManager | None = None
 
     @property
     def breakdown(self) -> MemoryBreakdown:
@@ -238,52 +275,24 @@ class MemoryMeasurement:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         tracker = self._tracker = _Tracker(self.device)
-        for t in model_tensors(self.model):
-            rec = tracker.record(t, preexisting=True)
-            if rec is not None:
-                rec.category = "parameters"
-        for t in optimizer_tensors(self.optimizers):
-            rec = tracker.record(t, preexisting=True)
-            if rec is not None and rec.category is None:
-                rec.category = "optimizer_state"
-        for t in gradient_tensors(self.model):
-            rec = tracker.record(t, preexisting=True)
-            if rec is not None and rec.category is None:
-                rec.grad_at = 0
-        handles = [
-            p.register_post_accumulate_grad_hook(tracker.on_grad)
-            for p in self.model.parameters()
-            if p.requires_grad
-        ]
-        saved_hooks = torch.autograd.graph.saved_tensors_hooks(tracker.pack, _identity)
-        saved_hooks.__enter__()
-        tracker.__enter__()
-        # Undone in reverse order on exit, even if the step raised.
-        self._exits = [
-            lambda: tracker.__exit__(None, None, None),
-            lambda: saved_hooks.__exit__(None, None, None),
-        ]
-        self._exits += [h.remove for h in handles]
+        tracker.adopt(self.model, self.optimizers)
+        self._watching = tracker.watching(self.model)
+        self._watching.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for undo in self._exits:
-            undo()
-        self._exits = []
-        tracker = self._tracker
-        assert tracker is not None
+        tracker, watching = self._tracker, self._watching
+        assert tracker is not None and watching is not None, "measure() exited without entering"
+        self._tracker = self._watching = None
+        watching.__exit__(None, None, None)
         # Optimizer state born during this step (the first step of a lazily initialised optimizer)
         # is known to be optimizer state only now.
-        for t in optimizer_tensors(self.optimizers):
-            rec = tracker.record(t)
-            if rec is not None and rec.category is None:
-                rec.category = "optimizer_state"
+        tracker.claim_optimizer_state(self.optimizers)
         allocator_peak = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             allocator_peak = torch.cuda.max_memory_allocated(self.device)
         self._breakdown = tracker.breakdown(allocator_peak)
-        self._tracker = None
 
 
 def _identity(t: Tensor) -> Tensor:

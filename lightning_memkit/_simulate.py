@@ -57,12 +57,8 @@ from lightning_memkit._analytic import OPTIMIZERS, _choose
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._measure import (
     _CUDA_BLOCK,
-    _identity,
     _Storage,
     _Tracker,
-    gradient_tensors,
-    model_tensors,
-    optimizer_tensors,
 )
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
@@ -442,32 +438,11 @@ def _track(step: _Step, model: nn.Module, rounding: int, device: torch.device, t
                     counter = optimizer.state.get(p, {}).get("step")
                     if isinstance(counter, Tensor):
                         tracker.ignore(counter)
-    for t in model_tensors(model):
-        rec = tracker.record(t, preexisting=True)
-        if rec is not None:
-            rec.category = "parameters"
-    for t in optimizer_tensors(step.optimizers):
-        rec = tracker.record(t, preexisting=True)
-        if rec is not None and rec.category is None:
-            rec.category = "optimizer_state"
-    for t in gradient_tensors(model):
-        rec = tracker.record(t, preexisting=True)
-        if rec is not None and rec.category is None:
-            rec.grad_at = 0
-    handles = [
-        p.register_post_accumulate_grad_hook(tracker.on_grad) for p in model.parameters() if p.requires_grad
-    ]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, _identity), tracker:
-            step.run(tracker)
-    finally:
-        for h in handles:
-            h.remove()
+    tracker.adopt(model, step.optimizers)
+    with tracker.watching(model):
+        step.run(tracker)
     # State born during a first step is known to be optimizer state only now.
-    for t in optimizer_tensors(step.optimizers):
-        rec = tracker.record(t)
-        if rec is not None and rec.category is None:
-            rec.category = "optimizer_state"
+    tracker.claim_optimizer_state(step.optimizers)
     return tracker
 
 

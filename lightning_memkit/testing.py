@@ -17,13 +17,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action, MemoryProfile
 
-__all__ = ["allocator_peak", "cpu_profiler", "profile_peak"]
+__all__ = ["AllocatorPeaks", "allocator_peak", "cpu_profiler", "profile_peak"]
 
 
 def cpu_profiler() -> profile:
     """A profiler configured to record the CPU allocator (start/stop it yourself, or use ``with``)."""
     return profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False
     )
 
 
@@ -55,3 +55,53 @@ def allocator_peak(step: Callable[[], object], device: str | torch.device = "cpu
     with cpu_profiler() as prof:
         step()
     return profile_peak(prof, device)
+
+
+class AllocatorPeaks:
+    """The allocator's peak of every training batch of a ``Trainer.fit``, step by step.
+
+    Two callbacks bracket the hooks to compare: ``start`` opens the window in ``on_train_batch_start``
+    and ``stop`` closes it in ``on_train_batch_end``; ``around(*callbacks)`` puts them on either side.
+    Every batch is profiled, from the first: the CPU allocator reports a free's size only for blocks
+    allocated while profiling, so a window opened late would miss the previous step's gradients that
+    ``zero_grad`` frees.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        import lightning.pytorch as pl
+
+        self.device = torch.device(device)
+        self.peaks: list[int] = []
+        self._prof: profile | None = None
+        outer = self
+
+        class Start(pl.Callback):
+            def on_train_batch_start(self, *args: object) -> None:
+                outer._open()
+
+        class Stop(pl.Callback):
+            def on_train_batch_end(self, *args: object) -> None:
+                outer._close()
+
+        self.start, self.stop = Start(), Stop()
+
+    def around(self, *callbacks: object) -> list:
+        return [self.start, *callbacks, self.stop]
+
+    def _open(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._prof = cpu_profiler()
+            self._prof.start()
+
+    def _close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peaks.append(torch.cuda.max_memory_allocated(self.device))
+        else:
+            assert self._prof is not None
+            self._prof.stop()
+            self.peaks.append(profile_peak(self._prof, self.device))
+            self._prof = None

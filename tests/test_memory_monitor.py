@@ -16,35 +16,14 @@ from torch import nn
 
 from lightning_memkit import MemoryMonitor
 from lightning_memkit._breakdown import CATEGORIES, MiB
-from lightning_memkit.testing import cpu_profiler, profile_peak
+from lightning_memkit.testing import AllocatorPeaks
 
 KEYS = [f"memory/{c}" for c in (*CATEGORIES, "peak")]
 
 
-class _ProfileSteps:
-    """Two callbacks bracketing MemoryMonitor: the profiler starts before it and stops after it."""
-
-    def __init__(self) -> None:
-        self.peaks: list[int] = []
-        self._prof = None
-        outer = self
-
-        class Start(pl.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                outer._prof = cpu_profiler()
-                outer._prof.start()
-
-        class Stop(pl.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                outer._prof.stop()
-                outer.peaks.append(profile_peak(outer._prof))
-
-        self.start, self.stop = Start(), Stop()
-
-
 def _fit(model, monitor, trainer_kwargs, *, profile=False, **overrides):
-    probe = _ProfileSteps()
-    callbacks = [probe.start, monitor, probe.stop] if profile else [monitor]
+    probe = AllocatorPeaks()
+    callbacks = probe.around(monitor) if profile else [monitor]
     kwargs = {**trainer_kwargs, "logger": CSVLogger(trainer_kwargs["default_root_dir"]), **overrides}
     trainer = pl.Trainer(callbacks=callbacks, **kwargs)
     trainer.fit(model)

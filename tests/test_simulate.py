@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_memkit import _analytic
 from lightning_memkit._simulate import TimelineEvent, estimate_memory
 from lightning_memkit.demos.gpt import GPT, GPTConfig, GPTLightningModule
-from lightning_memkit.testing import allocator_peak, cpu_profiler, profile_peak
+from lightning_memkit.testing import AllocatorPeaks, allocator_peak, profile_peak
 
 TOLERANCE = 0.03  # the issue's target: |estimate - allocator| <= 3 %
 
@@ -62,32 +62,13 @@ def test_torch_transformer_encoder_stack_with_adamw(first_step):
     assert (estimate.optimizer_state > 0) is not first_step  # the first step peaks before AdamW's state
 
 
-class _ProfileOneStep(pl.Callback):
-    """The allocator's peak over training batch ``index`` of a real ``Trainer.fit``."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.peak: int | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.index:
-            self.prof = cpu_profiler()
-            self.prof.start()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == self.index:
-            self.prof.stop()
-            self.peak = profile_peak(self.prof)
-
-
 def _trainer_peak(module, batch, precision, index, trainer_kwargs):
     x, y = batch
     loader = DataLoader(TensorDataset(x.repeat(index + 1, 1), y.repeat(index + 1, 1)), batch_size=len(x))
-    callback = _ProfileOneStep(index)
-    trainer_kwargs.update(max_steps=index + 1, logger=False, precision=precision, callbacks=[callback])
+    probe = AllocatorPeaks()
+    trainer_kwargs.update(max_steps=index + 1, logger=False, precision=precision, callbacks=probe.around())
     pl.Trainer(**trainer_kwargs).fit(module, loader)
-    assert callback.peak is not None
-    return callback.peak
+    return probe.peaks[index]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
