@@ -1,0 +1,100 @@
+"""Train the bundled GPT and watch its memory: the main lightning_memkit example.
+
+    python examples/gpt/train.py                       # tiny GPT on CPU, well under 2 minutes
+    python examples/gpt/train.py --preset gpt2 --accelerator gpu --precision bf16-mixed --budget 24GiB
+    python examples/gpt/train.py fit --config examples/gpt/config.yaml   # the same run through LightningCLI
+    tensorboard --logdir lightning_logs
+
+MemoryMonitor logs each step's memory by category to TensorBoard, prints a summary table at the end and
+writes memory.png next to the TensorBoard events. After training, the model writes a short sample.
+"""
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_memkit import MemoryMonitor
+from lightning_memkit.demos.gpt import PRESETS, GPTDataModule, GPTLightningModule
+
+if TYPE_CHECKING:
+    from lightning.pytorch.cli import LightningCLI
+
+_CLI_SUBCOMMANDS = ("fit", "validate")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model size (default: tiny)")
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default: 300)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch (default: 16)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    parser.add_argument(
+        "--learning-rate", type=float, default=3e-3, help="peak learning rate (default: 3e-3)"
+    )
+    parser.add_argument("--budget", default=None, help="memory budget for MemoryMonitor, e.g. 24GiB")
+    parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (default: auto)")
+    parser.add_argument("--devices", default="auto", help="number or list of devices (default: auto)")
+    parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
+    parser.add_argument("--val-every-n-steps", type=int, default=100, help="validate every N steps")
+    parser.add_argument("--log-every-n-steps", type=int, default=10, help="Trainer logging interval")
+    parser.add_argument("--default-root-dir", default="lightning_logs", help="logs and memory plot go here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    block_size = PRESETS[args.preset]["block_size"]
+    if args.seq_len > block_size:
+        parser.error(
+            f"--seq-len {args.seq_len} is longer than the {args.preset} preset's block_size {block_size}"
+        )
+    return args
+
+
+def print_sample(trainer: L.Trainer, model: GPTLightningModule) -> None:
+    model.to(trainer.strategy.root_device)  # the Trainer moved it to the CPU at the end of fit
+    print("\n--- sample ---")
+    print(model.generate("The ", max_new_tokens=200, temperature=0.8, top_k=20))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    L.seed_everything(args.seed)
+    model = GPTLightningModule(args.preset, learning_rate=args.learning_rate, max_steps=args.max_steps)
+    data = GPTDataModule(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        val_check_interval=min(args.val_every_n_steps, args.max_steps),
+        check_val_every_n_epoch=None,  # count val_check_interval in steps across epochs
+        limit_val_batches=10,
+        log_every_n_steps=args.log_every_n_steps,
+        enable_checkpointing=False,  # this example is about memory; add a ModelCheckpoint to keep weights
+        default_root_dir=args.default_root_dir,
+        logger=TensorBoardLogger(args.default_root_dir, name="gpt"),
+        callbacks=[MemoryMonitor(budget=args.budget)],
+    )
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        print_sample(trainer, model)
+
+
+def cli_main(args: list[str] | None = None) -> "LightningCLI":
+    """The LightningCLI path: ``train.py fit --config config.yaml [--trainer.max_steps 50 ...]``."""
+    from lightning.pytorch.cli import LightningCLI  # imported here: jsonargparse is slow to import
+
+    cli = LightningCLI(GPTLightningModule, GPTDataModule, args=args)
+    if cli.subcommand == "fit" and cli.trainer.is_global_zero:
+        print_sample(cli.trainer, cli.model)
+    return cli
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in _CLI_SUBCOMMANDS:
+        cli_main()
+    else:
+        main()
