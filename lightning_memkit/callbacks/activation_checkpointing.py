@@ -1,0 +1,265 @@
+"""ActivationCheckpointing: checkpoint the model's blocks, choosing the cheapest plan that fits a budget.
+
+The planning and the wrapping live in `lightning_memkit._checkpointing` (`plan_checkpointing`,
+`apply_checkpointing`); this callback picks the moment and the inputs. It acts in ``setup("fit")``: after
+the LightningModule's layers exist and before ``configure_optimizers`` or any strategy wraps the model
+(checkpointing patches each block's ``forward`` in place, so parameters keep their identity and the
+optimizer, DDP and ``state_dict`` keys see the same model). With a budget it needs one training batch to
+simulate the step, and takes it from the training dataloader the Trainer was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_memkit._budget import parse_bytes
+from lightning_memkit._checkpointing import (
+    LEVELS,
+    CheckpointHandle,
+    CheckpointPlan,
+    _classes,
+    _no_blocks_message,
+    apply_checkpointing,
+    find_blocks,
+    plan_checkpointing,
+)
+
+_OPTION = "ActivationCheckpointing(policy={MyBlock})"
+
+
+class ActivationCheckpointing(Callback):
+    r"""Activation checkpointing of the model's repeated blocks, per block none / selective / full, chosen
+    so that the whole training step fits ``budget`` at the least recompute cost.
+
+    What each block may get (see `lightning_memkit.plan_checkpointing` for the planner):
+
+    - ``"selective"``: op-level checkpointing; matmul and attention outputs are kept, pointwise ops, norms
+      and softmax are recomputed. About a third of the activations for a few percent of step time.
+    - ``"selective_half"``: as selective, but every second matmul is recomputed too.
+    - ``"full"``: only the block's input is kept; its forward runs again in backward (~+33 % compute).
+
+    Without a budget every block gets ``policy`` (``"auto"``: ``"selective"``). With a budget the plan is
+    the cheapest whose simulated step peak fits it: one training batch is taken from the training
+    dataloader (the datamodule's or the module's ``train_dataloader()``, or the loader passed to ``fit``),
+    and the step is simulated on fake tensors with `estimate_memory` (nothing is allocated, so a model that
+    does not fit yet can be planned) at the Trainer's precision and device type. Global rank 0 plans and
+    broadcasts the plan, so every rank checkpoints alike.
+
+    The model stays checkpointed after fit (under ``torch.no_grad()``, as in validation, the wrapped blocks
+    run their plain forward); ``apply_checkpointing(model, "none")`` removes it.
+
+    The plan is printed (``rank_zero_info``) and kept in :attr:`plan`; it is saved in the checkpoint, and a
+    run resumed with the same ``budget`` and ``policy`` re-applies the saved plan instead of a new one
+    (Lightning calls ``setup`` before it loads callback states, so a resumed run plans once and then
+    switches to the saved plan in ``load_state_dict``, before the optimizer state is restored).
+
+    Strategies: DDP and single-device runs use the in-place wrapping. ``FSDPStrategy`` wraps the model
+    itself: full checkpointing without a budget is handed to it in its own form (as if it had been built
+    with ``activation_checkpointing_policy={BlockClass}``), selective checkpointing is applied in place
+    (FSDPStrategy's own form has no selective variant), and a budget is refused, because the simulated
+    step is not sharded yet.
+
+    Args:
+        budget: the whole step's peak memory to fit (parameters, gradients, optimizer state, activations
+            and temporaries), in bytes or as a string (``"6GiB"``, ``"24GB"``). ``None``: no planning.
+        policy: ``"auto"`` (the planner may use every policy), ``"selective"``, ``"selective_half"``,
+            ``"full"`` (that policy or none per block), or a set of layer classes to checkpoint, the form
+            ``FSDPStrategy(activation_checkpointing_policy=...)`` takes (full checkpointing of those layers;
+            with a budget, the planner picks which of them).
+        cost: what the planner minimises: ``"time"`` (recomputed ops benchmarked on the device) or
+            ``"flops"``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ActivationCheckpointing(budget="6GiB")])
+
+    Raises:
+        ValueError: at setup, if the budget is below what full checkpointing reaches (the message gives
+            that floor in bytes and what else would help), or if the model has no repeated blocks (pass
+            ``policy={MyBlock}``).
+        MisconfigurationException: at setup, with a budget under FSDPStrategy, or when FSDPStrategy is
+            already configured with ``activation_checkpointing_policy``.
+    """
+
+    def __init__(
+        self,
+        budget: int | str | None = None,
+        policy: str | Iterable[type[nn.Module]] = "auto",
+        *,
+        cost: str = "time",
+    ) -> None:
+        self.budget = None if budget is None else parse_bytes(budget)
+        if isinstance(policy, str):
+            if policy not in LEVELS:
+                raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")
+            self.layer_classes: tuple[type[nn.Module], ...] | None = None
+            self.policy = policy
+        else:
+            self.layer_classes = _classes(policy)
+            self.policy = "full"
+        if cost not in ("time", "flops"):
+            raise ValueError(f"Unknown cost {cost!r}; choose 'time' or 'flops'")
+        self.cost = cost
+        #: The plan in use (block name -> policy, with the figures behind it when planned for a budget).
+        self.plan: CheckpointPlan | None = None
+        self._handle: CheckpointHandle | None = None
+        self._applied_to: nn.Module | None = None
+        self._module: pl.LightningModule | None = None
+
+    @property
+    def state_key(self) -> str:
+        classes = None if self.layer_classes is None else sorted(c.__qualname__ for c in self.layer_classes)
+        return self._generate_state_key(budget=self.budget, policy=self.policy, layer_classes=classes)
+
+    # --- Lightning hooks ----------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._module = pl_module
+        if _is_fsdp(trainer.strategy) and self._hand_to_fsdp(trainer.strategy, pl_module):
+            return
+        self._use(pl_module, self._make_plan(trainer, pl_module))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._module = None  # the model stays checkpointed; a later load_state_dict waits for setup
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": None if self.plan is None else self.plan.as_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        stored = state_dict.get("plan")
+        if stored is None:
+            return
+        plan = CheckpointPlan.from_dict(stored)
+        if self._module is None:  # loaded outside fit: applied at the next setup
+            self.plan = plan
+            return
+        missing = [b.name for b in plan.blocks if _submodule(self._module, b.name) is None]
+        if missing:
+            rank_zero_warn(
+                f"The checkpoint's activation checkpointing plan names blocks this model does not have "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); keeping the new plan."
+            )
+            return
+        if plan.policies != (self.plan.policies if self.plan is not None else None):
+            rank_zero_info("Activation checkpointing: resuming with the plan saved in the checkpoint.")
+            self._use(self._module, plan)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> CheckpointPlan:
+        if self.plan is not None and all(_submodule(pl_module, b.name) is not None for b in self.plan.blocks):
+            return self.plan  # loaded before fit, or a second fit: the same plan
+        if self.budget is None:
+            found = find_blocks(pl_module, self.layer_classes)
+            if not found:
+                raise ValueError(_no_blocks_message(pl_module, _OPTION))
+            return CheckpointPlan.uniform([name for name, _ in found], _uniform_policy(self.policy))
+        outcome: tuple[str, Any] | None = None
+        error: Exception | None = None
+        if trainer.is_global_zero:
+            try:
+                plan = plan_checkpointing(
+                    pl_module,
+                    _example_batch(trainer),
+                    self.budget,
+                    policy=self.policy,
+                    blocks=self.layer_classes,
+                    cost=self.cost,
+                    device=trainer.strategy.root_device.type,
+                    precision=trainer.precision,
+                )
+                outcome = ("plan", plan.as_dict())
+            except Exception as e:  # raised below, once every rank has left the broadcast
+                error, outcome = e, ("error", f"{type(e).__name__}: {e}")
+        outcome = trainer.strategy.broadcast(outcome, src=0)
+        assert outcome is not None
+        kind, value = outcome
+        if error is not None:
+            raise error
+        if kind == "error":
+            error_type = ValueError if value.startswith("ValueError: ") else RuntimeError
+            raise error_type(f"Planning activation checkpointing failed on global rank 0: {value}")
+        return CheckpointPlan.from_dict(value)
+
+    def _use(self, pl_module: nn.Module, plan: CheckpointPlan) -> None:
+        if self._handle is not None and self._applied_to is pl_module:
+            self._handle.remove()
+        self._handle, self._applied_to = apply_checkpointing(pl_module, plan), pl_module
+        self.plan = plan
+        rank_zero_info(str(plan))
+
+    def _hand_to_fsdp(self, strategy: Any, pl_module: nn.Module) -> bool:
+        """Configure FSDPStrategy's own activation checkpointing where it can express the plan.
+
+        Returns whether it took the plan; otherwise the plan is applied in place as for other strategies.
+        """
+        if getattr(strategy, "_activation_checkpointing_kwargs", None):
+            raise MisconfigurationException(
+                "FSDPStrategy(activation_checkpointing_policy=...) and the ActivationCheckpointing callback "
+                "both configure activation checkpointing; keep one of them."
+            )
+        if self.budget is not None:
+            raise MisconfigurationException(
+                "ActivationCheckpointing(budget=...) cannot plan under FSDPStrategy yet: the simulated step "
+                "does not shard parameters, gradients and optimizer state, so its peak is not the run's. "
+                "Pass policy='full', policy='selective' or a set of layer classes instead."
+            )
+        if self.policy != "full":
+            return False  # selective checkpointing has no FSDPStrategy form: applied in place
+        from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs
+
+        classes = self.layer_classes
+        if classes is None:
+            found = find_blocks(pl_module)
+            if not found:
+                raise ValueError(_no_blocks_message(pl_module, _OPTION))
+            classes = tuple({type(m) for _, m in found})
+        strategy._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(None, set(classes))
+        names = [name for name, _ in find_blocks(pl_module, classes)]
+        self.plan = CheckpointPlan.uniform(names, "full")
+        rank_zero_info(
+            "Activation checkpointing handed to FSDPStrategy as activation_checkpointing_policy="
+            f"{{{', '.join(c.__name__ for c in classes)}}} ({len(names)} blocks, full)."
+        )
+        return True
+
+
+def _uniform_policy(policy: str) -> str:
+    return "selective" if policy == "auto" else policy
+
+
+def _is_fsdp(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(strategy, FSDPStrategy)
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _example_batch(trainer: pl.Trainer) -> Any:
+    """One batch of the training dataloader the Trainer was given (for the simulated step)."""
+    source = trainer.fit_loop._data_source
+    loader = source.dataloader() if source.is_defined() else None
+    if loader is None:
+        raise MisconfigurationException(
+            "ActivationCheckpointing(budget=...) simulates one training step and needs a batch, but the "
+            "Trainer has no training dataloader yet. Pass one to `fit` (or a datamodule), or plan yourself "
+            "with `lightning_memkit.plan_checkpointing(model, batch, budget)` and apply the plan in "
+            "`configure_model`."
+        )
+    return next(iter(loader))

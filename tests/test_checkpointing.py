@@ -1,0 +1,452 @@
+"""Activation checkpointing: wrapping, exact gradients, recompute FLOPs, the DP, plans, the callback."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import types
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import EncoderLM
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_memkit import measure
+from lightning_memkit._checkpointing import (
+    _RANK,
+    LEVELS,
+    POLICIES,
+    CheckpointPlan,
+    CheckpointPlanner,
+    _activation_peak,
+    _Block,
+    _Option,
+    _solve,
+    apply_checkpointing,
+    checkpoint_policies,
+    find_blocks,
+    plan_checkpointing,
+)
+from lightning_memkit._simulate import estimate_memory
+from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.demos._data import GPTDataModule
+from lightning_memkit.demos.gpt import GPT, Block, GPTConfig, GPTLightningModule
+
+SMALL = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run as fast on one thread, and a shared CPU cannot stall them: with two, every op's
+    OpenMP barrier waits whenever the other thread is descheduled (60x slower on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class LM(nn.Module):
+    """The demo GPT as a plain module: token ids in, logits out (what ``estimate_memory`` steps)."""
+
+    def __init__(self, **config) -> None:
+        super().__init__()
+        self.gpt = GPT(GPTConfig(**{**SMALL, **config}))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx)[0]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _grads(model: nn.Module, loss_fn, seed: int = 1) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)  # the dropout masks
+    model.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# --------------------------------------------------------------------------------------------------
+# Discovery and wrapping
+# --------------------------------------------------------------------------------------------------
+
+
+def test_find_blocks_takes_repeated_layers():
+    gpt = GPT(GPTConfig(**SMALL))
+    assert [n for n, _ in find_blocks(gpt)] == [f"blocks.{i}" for i in range(4)]
+    encoder = EncoderLM(n_layer=3)
+    found = find_blocks(encoder)
+    assert [n for n, _ in found] == [f"encoder.layers.{i}" for i in range(3)]
+    assert all(isinstance(m, nn.TransformerEncoderLayer) for _, m in found)
+    # Named classes: every instance, the outermost where they nest.
+    assert [n for n, _ in find_blocks(gpt, {nn.LayerNorm})][:2] == ["blocks.0.ln_1", "blocks.0.ln_2"]
+    assert [n for n, _ in find_blocks(gpt, {Block, nn.LayerNorm})][:2] == ["blocks.0", "blocks.1"]
+    # A Sequential of lone layers holds nothing worth checkpointing.
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())) == []
+
+
+def test_apply_patches_forward_in_place_never_twice_and_undoes():
+    gpt = GPT(GPTConfig(**SMALL))
+    keys, params = list(gpt.state_dict()), [id(p) for p in gpt.parameters()]
+    first = apply_checkpointing(gpt, "full")
+    assert checkpoint_policies(gpt) == {f"blocks.{i}": "full" for i in range(4)}
+    second = apply_checkpointing(gpt, {"blocks.0": "selective", "blocks.3": "none"})  # replaces, no nesting
+    assert checkpoint_policies(gpt) == {"blocks.0": "selective", "blocks.1": "full", "blocks.2": "full"}
+    assert gpt.blocks[0].forward.previous is None  # wraps the class's forward, not the first wrapper
+    assert list(gpt.state_dict()) == keys and [id(p) for p in gpt.parameters()] == params
+    second.remove()
+    assert checkpoint_policies(gpt) == {f"blocks.{i}": "full" for i in range(4)}
+    first.remove()
+    assert checkpoint_policies(gpt) == {} and all("forward" not in b.__dict__ for b in gpt.blocks)
+    with apply_checkpointing(gpt, {Block}):  # a set of layer classes: full, as FSDPStrategy takes it
+        assert set(checkpoint_policies(gpt).values()) == {"full"}
+    assert checkpoint_policies(gpt) == {}
+    apply_checkpointing(gpt, {"blocks.0.mlp": "full", "blocks.1": "selective"})
+    apply_checkpointing(gpt, "none")  # removes every wrapper, not only the discovered blocks'
+    assert checkpoint_policies(gpt) == {}
+
+
+def test_does_not_wrap_blocks_checkpointed_by_torch():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential(*(checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) for _ in range(2)))
+    with pytest.warns(UserWarning, match="already checkpointed"):
+        apply_checkpointing(model, "full")
+    assert checkpoint_policies(model) == {}
+
+
+def test_no_grad_forward_is_plain():
+    gpt = GPT(GPTConfig(**SMALL)).eval()
+    x = torch.randint(0, 256, (2, 16))
+    expected = gpt(x)[0]
+    with apply_checkpointing(gpt, "full"), torch.no_grad():
+        assert torch.equal(gpt(x)[0], expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Correctness: the gradients of the unwrapped model, bit for bit
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "selective_half"])
+def test_gpt_gradients_bitwise_equal_with_dropout(policy):
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**{**SMALL, "n_layer": 3, "dropout": 0.1}))  # dropout > 0: SDPA's math path, masks
+    x = torch.randint(0, 256, (4, 32))
+    expected = _grads(gpt, lambda: gpt(x, x)[1])
+    assert not torch.equal(
+        expected["blocks.0.attn.c_attn.weight"],
+        _grads(gpt, lambda: gpt(x, x)[1], seed=2)["blocks.0.attn.c_attn.weight"],
+    )  # the masks matter, so equal gradients mean the RNG state was preserved
+    with apply_checkpointing(gpt, policy):
+        got = _grads(gpt, lambda: gpt(x, x)[1])
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_transformer_encoder_gradients_bitwise_equal(policy):
+    torch.manual_seed(0)
+    model = EncoderLM(n_layer=2)  # torch's nn.TransformerEncoderLayer, dropout 0.1
+    x = torch.randint(0, 256, (4, 32))
+
+    def loss():
+        return lm_loss(model(x), x.roll(-1, 1))
+
+    expected = _grads(model, loss)
+    with apply_checkpointing(model, policy):
+        assert set(checkpoint_policies(model)) == {"encoder.layers.0", "encoder.layers.1"}
+        got = _grads(model, loss)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Recompute, counted with FlopCounterMode
+# --------------------------------------------------------------------------------------------------
+
+
+def _step_flops(gpt: GPT, x: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        gpt(x, x)[1].backward()
+    return counter.get_total_flops()
+
+
+def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
+    model, (x, _), planner = planned
+    gpt = model.gpt
+    with FlopCounterMode(display=False) as counter:
+        gpt.blocks[0](torch.randn(*x.shape, SMALL["n_embd"]))
+    block_forward = counter.get_total_flops()
+    base = _step_flops(gpt, x)
+    for k in (1, 2, 4):
+        plan = {f"blocks.{i}": "full" for i in range(k)}
+        with apply_checkpointing(gpt, plan), set_checkpoint_early_stop(False):
+            assert _step_flops(gpt, x) - base == k * block_forward
+    # With early stop (the default) recomputing ends once backward has what it needs: the block's last
+    # matmul (the MLP's output projection) is not run again. The planner counts exactly that.
+    full = [b.options["full"].flops for b in planner.blocks]
+    with apply_checkpointing(gpt, "full"):
+        assert _step_flops(gpt, x) - base == sum(full)
+    tokens, d = x.numel(), SMALL["n_embd"]
+    assert full[0] == block_forward - 2 * tokens * (4 * d) * d
+    # Selective checkpointing keeps every matmul output: no matmul FLOPs are recomputed.
+    with apply_checkpointing(gpt, "selective"):
+        assert _step_flops(gpt, x) == base
+
+
+# --------------------------------------------------------------------------------------------------
+# The DP: exact, against brute force
+# --------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def _instances(draw):
+    n = draw(st.integers(1, 6))
+    levels = draw(st.sampled_from(sorted(LEVELS.values())))
+    small = st.integers(0, 12)  # small values: many ties, so the tie-breaking is tested too
+    blocks = [
+        _Block(
+            f"b{i}",
+            {
+                p: _Option(retained=draw(small), footprint=draw(st.integers(0, 30)), cost=draw(small))
+                for p in POLICIES
+            },
+            grads=draw(st.integers(0, 5)),
+        )
+        for i in range(n)
+    ]
+    return blocks, levels, draw(st.integers(0, 150))
+
+
+def _brute_force(blocks, cap, levels):
+    best = None
+    for choice in itertools.product(levels, repeat=len(blocks)):
+        if _activation_peak(blocks, choice) > cap:
+            continue
+        options = [b.options[c] for b, c in zip(blocks, choice, strict=True)]
+        key = (
+            sum(o.cost for o in options),
+            sum(o.retained for o in options),
+            tuple(_RANK[c] for c in choice),
+        )
+        if best is None or key < best[0]:
+            best = (key, choice)
+    return None if best is None else best[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_instances())
+def test_dp_equals_brute_force(instance):
+    blocks, levels, cap = instance
+    assert _solve(blocks, cap, levels) == _brute_force(blocks, cap, levels)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans fit: measured peaks of real steps
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """A 4-block GPT, a batch, and a planner over it (the profile and simulations are shared)."""
+    torch.manual_seed(0)
+    model = LM()
+    x, y = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))
+    planner = CheckpointPlanner(model, (x, y), optimizer="sgd", loss_fn=lm_loss, device="cpu")
+    return model, (x, y), planner
+
+
+def _measured_peak(model: nn.Module, batch, plan) -> int:
+    """The peak of a real steady-state step (SGD, as simulated) with ``plan`` applied, by `measure`."""
+    x, y = batch
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=False)
+
+    def step():
+        lm_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with apply_checkpointing(model, plan):
+        step()
+        with measure(model, optimizer) as m:
+            step()
+    return m.peak
+
+
+def test_plans_fit_their_budget_and_tighter_budgets_never_peak_higher(planned):
+    model, batch, planner = planned
+    none = planner.simulate(planner.uniform("none")).peak
+    full = planner.simulate(planner.uniform("full")).peak
+    assert _measured_peak(model, batch, "full") == full  # the simulation is exact
+    measured = []
+    for fraction in (1.0, 0.75, 0.5, 0.25, 0.0):
+        budget = int(full + fraction * (none - full))
+        plan = planner.plan(budget)
+        peak = _measured_peak(model, batch, plan)
+        assert peak <= budget, (fraction, str(plan))
+        measured.append(peak)
+        if fraction == 0.5:
+            full_cost = sum(b.options["full"].cost for b in planner.blocks) / planner.baseline
+            assert plan.overhead <= full_cost / 2, str(plan)
+    assert measured == sorted(measured, reverse=True), measured
+
+
+def test_budget_below_full_checkpointing_names_the_floor(planned):
+    _, _, planner = planned
+    floor = planner.simulate(planner.uniform("full")).peak
+    with pytest.raises(ValueError, match=rf"({floor:,} bytes).*micro-batch.*optimizer") as info:
+        planner.plan(floor - 1)
+    assert "below what activation checkpointing can reach" in str(info.value)
+
+
+def test_no_repeated_blocks_names_the_layer_classes_option():
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"blocks=\{MyBlock\}"):
+        plan_checkpointing(mlp, batch, "1MiB", optimizer="sgd", loss_fn=F.mse_loss, device="cpu")
+    with pytest.raises(ValueError, match=r"blocks=\{MyBlock\}"):
+        apply_checkpointing(mlp, "full")
+
+
+def test_plan_round_trips_as_plain_data(planned):
+    plan = planned[2].plan(None)
+    assert set(plan.policies.values()) == {"selective"}
+    data = json.loads(json.dumps(plan.as_dict()))
+    assert CheckpointPlan.from_dict(data) == plan
+    assert "selective" in str(plan) and "step peak" in str(plan)
+
+
+# --------------------------------------------------------------------------------------------------
+# The callback
+# --------------------------------------------------------------------------------------------------
+
+
+class _SpyGPT(GPTLightningModule):
+    """Records which blocks were checkpointed when the optimizer was built."""
+
+    def configure_optimizers(self):
+        self.policies_at_optimizer = checkpoint_policies(self)
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    return pl.Trainer(callbacks=callbacks, **{**defaults, **kwargs})
+
+
+def test_callback_plans_for_a_budget_in_setup(tmp_path, caplog, monkeypatch):
+    torch.manual_seed(0)
+    model = _SpyGPT(GPTConfig(**SMALL))
+    data = GPTDataModule(batch_size=8, seq_len=64, num_sentences=500)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    none = estimate_memory(model, batch, device="cpu").peak
+    with apply_checkpointing(model, "full"):
+        full = estimate_memory(model, batch, device="cpu").peak
+    callback = ActivationCheckpointing(budget=(none + full) // 2)
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)  # rank_zero_info's logger
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [callback]).fit(model, data)
+    plan = callback.plan
+    assert plan is not None and plan.peak <= plan.budget
+    chosen = {name: p for name, p in plan.policies.items() if p != "none"}
+    assert chosen and model.policies_at_optimizer == chosen == checkpoint_policies(model)
+    assert "Activation checkpointing plan" in caplog.text
+    restored = ActivationCheckpointing(budget=(none + full) // 2)
+    restored.load_state_dict(callback.state_dict())
+    assert restored.plan == plan
+
+
+@pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*dataloader is not resumable:UserWarning")
+def test_callback_resume_reapplies_the_saved_plan(tmp_path, monkeypatch):
+    import lightning_memkit.callbacks.activation_checkpointing as module
+
+    saved = CheckpointPlan.uniform(["model.blocks.0", "model.blocks.1"], "full")
+    fresh = CheckpointPlan.uniform(["model.blocks.2", "model.blocks.3"], "selective")
+    monkeypatch.setattr(module, "plan_checkpointing", lambda *args, **kwargs: saved)
+    monkeypatch.setattr(module, "_example_batch", lambda trainer: None)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _trainer(tmp_path, [ActivationCheckpointing(budget="1GiB"), checkpoints], enable_checkpointing=True).fit(
+        _SpyGPT(GPTConfig(**SMALL)), GPTDataModule(batch_size=4, seq_len=64, num_sentences=500)
+    )
+
+    monkeypatch.setattr(module, "plan_checkpointing", lambda *args, **kwargs: fresh)
+    model, callback = _SpyGPT(GPTConfig(**SMALL)), ActivationCheckpointing(budget="1GiB")
+    trainer = _trainer(tmp_path, [callback], max_steps=4)
+    data = GPTDataModule(batch_size=4, seq_len=64, num_sentences=500)
+    # weights_only=False: the demo module's hyperparameters hold a GPTConfig, which torch.load refuses.
+    trainer.fit(model, data, ckpt_path=checkpoints.last_model_path, weights_only=False)
+    assert callback.plan == saved
+    assert checkpoint_policies(model) == saved.policies
+    # The optimizer was built after the switch.
+    assert model.policies_at_optimizer == saved.policies
+
+
+def test_callback_without_blocks_names_the_layer_classes_option(tmp_path):
+    with pytest.raises(ValueError, match=r"policy=\{MyBlock\}"):
+        _trainer(tmp_path, [ActivationCheckpointing(policy="full")]).fit(BoringModel())
+
+
+def test_callback_hands_full_checkpointing_to_fsdp():
+    model = GPTLightningModule(GPTConfig(**SMALL))
+    strategy = FSDPStrategy()
+    callback = ActivationCheckpointing(policy="full")
+    callback.setup(types.SimpleNamespace(strategy=strategy), model, "fit")
+    policy = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
+    assert policy._module_classes == {Block}  # as FSDPStrategy(activation_checkpointing_policy={Block})
+    assert checkpoint_policies(model) == {}  # FSDP wraps; nothing patched in place
+    assert set(callback.plan.policies.values()) == {"full"}
+
+    selective = ActivationCheckpointing(policy="selective")
+    selective.setup(types.SimpleNamespace(strategy=FSDPStrategy()), model, "fit")  # no FSDP form: in place
+    assert set(checkpoint_policies(model).values()) == {"selective"}
+
+    with pytest.raises(MisconfigurationException, match="cannot plan under FSDPStrategy"):
+        ActivationCheckpointing(budget="1GiB").setup(
+            types.SimpleNamespace(strategy=FSDPStrategy()), model, "fit"
+        )
+    configured = FSDPStrategy(activation_checkpointing_policy={Block})
+    with pytest.raises(MisconfigurationException, match="keep one of them"):
+        ActivationCheckpointing(policy="full").setup(types.SimpleNamespace(strategy=configured), model, "fit")
+
+
+class _RecordPolicies(pl.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        path = self.directory / f"rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(checkpoint_policies(pl_module)))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_callback_under_ddp_plans_once_and_every_rank_applies_it(tmp_path):
+    model = EncoderLM(d_model=32, n_layer=3, seq_len=32, batch_size=4, n_batches=4)
+    batch = next(iter(model.train_dataloader()))
+    none = estimate_memory(model, batch, device="cpu").peak
+    with apply_checkpointing(model, "full"):
+        full = estimate_memory(model, batch, device="cpu").peak
+    callback = ActivationCheckpointing(budget=(none + full) // 2, cost="flops")
+    trainer = _trainer(tmp_path, [callback, _RecordPolicies(tmp_path)], devices=2, strategy="ddp_spawn")
+    trainer.fit(model)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 and rank0 == rank1
