@@ -1,0 +1,782 @@
+"""Swap the optimizer for a lighter one when its state does not fit the memory budget.
+
+AdamW keeps two fp32 moments, 8 bytes per parameter: often the largest single consumer of a step. When
+the step does not fit, a lighter optimizer usually trains nearly as well. This module holds the
+catalogue of those optimizers, in quality order, the rules that carry AdamW's hyperparameters over to
+each, and the decision: the first candidate whose *whole step* fits the budget, estimated on the user's
+own model. `OptimizerSwap` (callbacks/optimizer_swap.py) is the Lightning adapter; `fit_optimizer` is
+the same decision for a plain training loop.
+
+The catalogue (bytes of ``optimizer.state`` per parameter; `_analytic.OPTIMIZERS` has the exact formulas):
+
+=================  ========================================  =====================================
+name               optimizer                                 state
+=================  ========================================  =====================================
+adamw              torch.optim.AdamW                         8 B (fp32 exp_avg, exp_avg_sq)
+adamw8bit          bitsandbytes.optim.AdamW8bit              ≈2 B (+ fp32 under 4096 elements)
+paged_adamw8bit    bitsandbytes.optim.PagedAdamW8bit         ≈2 B, in CUDA managed memory
+lion               bitsandbytes.optim.Lion (32-bit)          4 B (one fp32 momentum)
+lion8bit           bitsandbytes.optim.Lion8bit               ≈1 B (+ fp32 under 4096 elements)
+adafactor          torch.optim.Adafactor                     O(rows + columns) per matrix
+sgd_momentum       torch.optim.SGD(momentum=0.9)             4 B
+sgd                torch.optim.SGD                           0 B
+=================  ========================================  =====================================
+
+Translation rules, from AdamW's per-group ``lr`` and ``weight_decay`` (every rule multiplies, so a
+group without decay keeps none and a learning-rate schedule keeps its shape, scaled):
+
+- **AdamW8bit, PagedAdamW8bit**: the same ``lr``, ``weight_decay``, ``betas``, ``eps``. Dettmers et al.
+  2022 (8-bit Optimizers via Block-wise Quantization) use AdamW's hyperparameters unchanged.
+- **Lion**: ``lr / 3``, ``weight_decay * 3``, ``betas=(0.9, 0.99)``. Chen et al. 2023 (Symbolic
+  Discovery of Optimization Algorithms, §5) advise a learning rate 3–10× smaller than AdamW's, because
+  the sign update has a larger norm, and a weight decay 3–10× larger so that the decay per step,
+  ``lr * weight_decay``, stays the same; (0.9, 0.99) are the paper's default betas. 3 is the cautious
+  end of the range.
+- **Adafactor** (torch's: relative step ``min(lr, 1/sqrt(t)) * max(1e-3, RMS(param))``, no first
+  moment, decoupled decay ``param *= 1 - lr * weight_decay``): ``lr * 10``, ``weight_decay / 10`` (the
+  decay per step stays AdamW's), ``beta2_decay=-0.8`` (Shazeer & Stern 2018's schedule, torch's
+  default). The step is relative to the parameter's scale, so AdamW's ``lr`` is far too small for it:
+  on the tiny GPT (150 steps, AdamW lr 3e-3) x1 reached a validation loss of 3.61, x10 2.06, x30 2.06.
+  10 is the smallest factor on that plateau, and maps AdamW's common 1e-3 to the paper's (and torch's
+  default) 1e-2.
+- **SGD with momentum**: ``lr * 30``, ``momentum=0.9``; torch's SGD decay is an L2 term in the
+  gradient, which momentum amplifies by ``1 / (1 - 0.9)``, so ``weight_decay / 300`` keeps AdamW's
+  decay per step. SGD is not normalized by the gradient's scale and needs a far larger learning rate
+  than Adam: on the tiny GPT x10 reached 3.05, x30 3.04 and x100 diverged; 30 is the largest stable.
+- **SGD**: ``lr * 300`` (momentum SGD's effective step is ``lr / (1 - 0.9)``, so the step size stays
+  that of the momentum rule) and ``weight_decay / 300``, the same decay per step.
+
+An original that is not AdamW is first carried back to AdamW's terms by the inverse of its own rule.
+Only ``lr``, ``weight_decay`` (and ``betas``/``eps`` between the Adam family) are carried; options such
+as ``amsgrad``, ``foreach``, ``fused`` are not. torch's ``Adam`` counts as AdamW: its L2 ``weight_decay``
+becomes a decoupled one of the same value. Other group keys (names, a scheduler's ``initial_lr``) are
+kept, learning rates among them scaled.
+
+How a candidate is judged to fit: the peak of a whole training step with it, estimated by
+`_simulate.estimate_memory` on fake tensors (the user's own forward, backward and ``optimizer.step()``),
+must be at most the budget. bitsandbytes registers fake kernels for its optimizer updates (0.50 does), so
+the 8-bit steps are simulated like any other; with an older bitsandbytes whose kernels cannot run on fake
+tensors, the step is simulated with plain SGD (no state, no temporaries in ``step()``) and the 8-bit
+state bytes from `_analytic` are added: exact where the 8-bit update works in place, as the fused CUDA
+kernels do. Where no step can be simulated (manual optimization, several optimizers, no example batch)
+the decision is on the *static* memory: parameters + gradients + the optimizers' state after one
+simulated ``step()``, so the budget must leave room for the activations.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_memkit._analytic import OPTIMIZERS, _choose
+from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
+from lightning_memkit._budget import parse_bytes
+from lightning_memkit._measure import _rounded
+
+__all__ = [
+    "CATALOGUE",
+    "DEFAULT_CANDIDATES",
+    "CatalogueEntry",
+    "OptimizerChoice",
+    "fit_optimizer",
+    "identify",
+    "rebind_scheduler",
+    "state_bytes",
+    "swap_optimizer",
+]
+
+_log = logging.getLogger(__name__)
+
+#: AdamW's lr times this is torch Adafactor's (its weight decay divided by it); see the module docstring.
+ADAFACTOR_LR_SCALE = 10.0
+#: AdamW's lr times this is SGD's with momentum 0.9 (and 10x more for plain SGD); see the module docstring.
+SGD_LR_SCALE = 30.0
+#: Keys of a param group that hold learning rates written by schedulers; scaled with ``lr``.
+_LR_KEYS = ("initial_lr", "max_lr", "min_lr")
+#: Per-group lists on a scheduler that hold learning rates (LambdaLR, CyclicLR, ReduceLROnPlateau, ...).
+_SCHEDULER_LR_LISTS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs")
+
+
+# --------------------------------------------------------------------------------------------------
+# bitsandbytes, loaded lazily
+# --------------------------------------------------------------------------------------------------
+
+
+def _bitsandbytes() -> Any | None:
+    """The ``bitsandbytes`` module, or ``None`` when it is missing or fails to load on this platform."""
+    try:
+        import bitsandbytes
+    except (ImportError, RuntimeError, OSError) as err:
+        _log.debug("bitsandbytes could not be loaded: %s", err)
+        return None
+    return bitsandbytes
+
+
+def _bnb_class(name: str) -> Callable[..., Optimizer]:
+    def build(param_groups: list[dict[str, Any]], **defaults: Any) -> Optimizer:
+        bnb = _bitsandbytes()
+        if bnb is None:
+            raise RuntimeError(
+                f"bitsandbytes.optim.{name} needs bitsandbytes, which is not installed or failed to load "
+                "here; `pip install bitsandbytes`, or drop the 8-bit and Lion candidates."
+            )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Pp]aged optimizers are not supported on CPU.*")
+            return getattr(bnb.optim, name)(param_groups, **defaults)
+
+    build.__qualname__ = f"bitsandbytes.optim.{name}"
+    return build
+
+
+# --------------------------------------------------------------------------------------------------
+# The catalogue
+# --------------------------------------------------------------------------------------------------
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One optimizer of the catalogue and the rule that carries AdamW's hyperparameters over to it.
+
+    Attributes:
+        name: the catalogue name (the names `_analytic.OPTIMIZERS` and `estimate_memory` use).
+        build: ``build(param_groups, **defaults) -> Optimizer``, torch.optim's constructor signature.
+        lr_scale: this optimizer's ``lr`` is AdamW's times ``lr_scale``.
+        decay_scale: this optimizer's ``weight_decay`` is AdamW's times ``decay_scale``.
+        carries: AdamW hyperparameters taken over unchanged (``betas``, ``eps`` within the Adam family).
+        fixed: hyperparameters set whatever AdamW had, as ``(key, value)`` pairs.
+        state: bytes of ``optimizer.state`` per parameter, in words.
+        needs_bitsandbytes: skipped, with one info line, where bitsandbytes does not load.
+    """
+
+    name: str
+    build: Callable[..., Optimizer]
+    lr_scale: float = 1.0
+    decay_scale: float = 1.0
+    carries: tuple[str, ...] = ()
+    fixed: tuple[tuple[str, Any], ...] = ()
+    state: str = ""
+    needs_bitsandbytes: bool = False
+
+    def translate(self, adamw_group: dict[str, Any]) -> dict[str, Any]:
+        """This optimizer's hyperparameters for a param group that AdamW would run with ``adamw_group``."""
+        out: dict[str, Any] = {}
+        if "lr" in adamw_group:
+            out["lr"] = _scalar(adamw_group["lr"]) * self.lr_scale
+        if "weight_decay" in adamw_group:
+            out["weight_decay"] = _scalar(adamw_group["weight_decay"]) * self.decay_scale
+        out.update({k: adamw_group[k] for k in self.carries if k in adamw_group})
+        out.update(self.fixed)
+        return out
+
+    def to_adamw(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of `translate`: AdamW's hyperparameters equivalent to this optimizer's ``group``."""
+        out = {
+            "lr": _scalar(group["lr"]) / self.lr_scale,
+            "weight_decay": _scalar(group.get("weight_decay", 0.0)) / self.decay_scale,
+        }
+        out.update({k: group[k] for k in self.carries if k in group})
+        return out
+
+
+_ADAM = ("betas", "eps")
+_SGD_DECAY = 1 / (10 * SGD_LR_SCALE)  # keeps lr * weight_decay / (1 - momentum) at AdamW's lr * weight_decay
+
+#: Every optimizer the swap knows, in quality order (best first).
+CATALOGUE: dict[str, CatalogueEntry] = {
+    e.name: e
+    for e in (
+        CatalogueEntry(
+            "adamw", torch.optim.AdamW, carries=_ADAM, state="8 B/param: fp32 exp_avg and exp_avg_sq",
+        ),
+        CatalogueEntry(
+            "adamw8bit", _bnb_class("AdamW8bit"), carries=_ADAM, needs_bitsandbytes=True,
+            state="≈2 B/param: two uint8 states + an fp32 scale per 256; fp32 (8 B) under 4096 elements",
+        ),
+        CatalogueEntry(
+            "paged_adamw8bit", _bnb_class("PagedAdamW8bit"), carries=_ADAM, needs_bitsandbytes=True,
+            state="as adamw8bit, in CUDA managed memory that pages out to the host under pressure",
+        ),
+        CatalogueEntry(
+            "lion", _bnb_class("Lion"), lr_scale=1 / 3, decay_scale=3.0, fixed=(("betas", (0.9, 0.99)),),
+            needs_bitsandbytes=True, state="4 B/param: one fp32 momentum",
+        ),
+        CatalogueEntry(
+            "lion8bit", _bnb_class("Lion8bit"), lr_scale=1 / 3, decay_scale=3.0,
+            fixed=(("betas", (0.9, 0.99)),), needs_bitsandbytes=True,
+            state="≈1 B/param: one uint8 momentum + an fp32 scale per 256; fp32 (4 B) under 4096 elements",
+        ),
+        CatalogueEntry(
+            "adafactor", torch.optim.Adafactor, lr_scale=ADAFACTOR_LR_SCALE,
+            decay_scale=1 / ADAFACTOR_LR_SCALE, fixed=(("beta2_decay", -0.8),),
+            state="(m + n) x 4 B per m x n matrix (factored second moment); 4 B/param for vectors",
+        ),
+        CatalogueEntry(
+            "sgd_momentum", torch.optim.SGD, lr_scale=SGD_LR_SCALE, decay_scale=_SGD_DECAY,
+            fixed=(("momentum", 0.9),), state="4 B/param: one momentum buffer",
+        ),
+        CatalogueEntry(
+            "sgd", torch.optim.SGD, lr_scale=10 * SGD_LR_SCALE, decay_scale=_SGD_DECAY,
+            fixed=(("momentum", 0.0),), state="0 B",
+        ),
+    )
+}  # fmt: skip
+
+#: What `OptimizerSwap` and `fit_optimizer` try by default, in order. ``paged_adamw8bit`` is left out:
+#: it holds as many bytes as ``adamw8bit``, so it never fits where that does not; name it to use it.
+DEFAULT_CANDIDATES = ("adamw", "adamw8bit", "lion", "lion8bit", "adafactor", "sgd_momentum", "sgd")
+
+#: An optimizer the catalogue does not know, used with ``allow_unknown=True``: its ``lr`` and
+#: ``weight_decay`` are read as AdamW's.
+_UNKNOWN = CatalogueEntry("unknown", build=lambda *a, **k: None)  # type: ignore[arg-type, return-value]
+
+_BNB_NAMES = {
+    "AdamW8bit": "adamw8bit",
+    "PagedAdamW8bit": "paged_adamw8bit",
+    "Lion": "lion",
+    "Lion8bit": "lion8bit",
+}
+
+
+def identify(optimizer: Optimizer) -> str | None:
+    """The catalogue name of ``optimizer``'s kind, or ``None`` when the catalogue does not know it.
+
+    Exact types only (a subclass may change the update): torch's AdamW and Adam are ``"adamw"``, SGD is
+    ``"sgd_momentum"`` or ``"sgd"`` by its momentum, Adafactor ``"adafactor"``, and bitsandbytes'
+    AdamW8bit, PagedAdamW8bit, Lion, Lion8bit their own names. ``maximize=True`` is not known.
+    """
+    if any(group.get("maximize", False) for group in optimizer.param_groups):
+        return None
+    cls = type(optimizer)
+    if cls in (torch.optim.AdamW, torch.optim.Adam):
+        return "adamw"
+    if cls is torch.optim.Adafactor:
+        return "adafactor"
+    if cls is torch.optim.SGD:
+        return "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+    if cls.__module__.startswith("bitsandbytes."):
+        return _BNB_NAMES.get(cls.__name__)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the new optimizer, rebinding schedulers
+# --------------------------------------------------------------------------------------------------
+
+
+def _entry(name: str | None) -> CatalogueEntry:
+    return _UNKNOWN if name is None else CATALOGUE[name]
+
+
+def lr_factor(source: str | None, target: str) -> float:
+    """How much ``target``'s learning rate is larger than ``source``'s under the translation rules."""
+    return CATALOGUE[target].lr_scale / _entry(source).lr_scale
+
+
+def swap_optimizer(optimizer: Optimizer, name: str, *, allow_unknown: bool = False) -> Optimizer:
+    """A new ``name`` optimizer over ``optimizer``'s param groups, hyperparameters translated per group.
+
+    Each group keeps its parameters and its own keys (a group's ``"name"``, a scheduler's
+    ``"initial_lr"``, learning rates scaled by the rule); the old optimizer's hyperparameters are
+    translated (see the module docstring). An optimizer the catalogue does not know raises unless
+    ``allow_unknown=True``, which reads its ``lr`` and ``weight_decay`` as AdamW's. The new optimizer has
+    no state yet; ``optimizer`` is left as it was.
+    """
+    target = CATALOGUE[_choose("optimizer", name, CATALOGUE)]
+    source_name = identify(optimizer)
+    if source_name is None and not allow_unknown:
+        raise ValueError(
+            f"{type(optimizer).__name__} is not in the optimizer catalogue ({', '.join(CATALOGUE)}); pass "
+            "allow_unknown=True to read its lr and weight_decay as AdamW's."
+        )
+    source = _entry(source_name)
+    factor = target.lr_scale / source.lr_scale
+    hyper = set(optimizer.defaults)
+    groups = []
+    for group in optimizer.param_groups:
+        kept = {k: v for k, v in group.items() if k != "params" and k not in hyper}
+        for key in _LR_KEYS:
+            if key in kept:
+                kept[key] = _scalar(kept[key]) * factor
+        groups.append({**kept, **target.translate(source.to_adamw(group)), "params": list(group["params"])})
+    defaults = target.translate(source.to_adamw(optimizer.defaults))
+    return target.build(groups, **defaults)
+
+
+def rebind_scheduler(scheduler: Any, optimizer: Optimizer, lr_factor: float = 1.0) -> None:
+    """Point ``scheduler`` at ``optimizer`` (built by `swap_optimizer`), keeping its schedule's shape.
+
+    The schedule's own state (``last_epoch``, lambdas, counters) is kept; its per-group learning rates
+    (``base_lrs``, ``min_lrs``, ...) are multiplied by ``lr_factor``, the ratio of the new optimizer's
+    learning rates to the old one's, so every later ``lr`` is the old schedule's times ``lr_factor``.
+    ``SequentialLR``/``ChainedScheduler`` are rebound with their children.
+    """
+    old = scheduler.optimizer
+    scheduler.optimizer = optimizer
+    for attr in _SCHEDULER_LR_LISTS:
+        values = scheduler.__dict__.get(attr)
+        if isinstance(values, list) and len(values) == len(optimizer.param_groups):
+            setattr(scheduler, attr, [_scalar(v) * lr_factor for v in values])
+    for child in scheduler.__dict__.get("_schedulers", ()):
+        if child.optimizer is old:
+            rebind_scheduler(child, optimizer, lr_factor)
+    _track_step_calls(optimizer, old)
+
+
+def _track_step_calls(optimizer: Optimizer, old: Optimizer) -> None:
+    """Wrap ``optimizer.step`` as torch's LRScheduler does on construction, so that scheduler's check
+    "was ``optimizer.step()`` called before ``scheduler.step()``?" keeps working after the swap."""
+    if getattr(old, "_opt_called", False):
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------------------------------
+# Estimating a step with a given set of optimizers
+# --------------------------------------------------------------------------------------------------
+
+#: ``estimate(optimizers) -> MemoryBreakdown`` of one training step run with those optimizers.
+Estimator = Callable[[Sequence[Optimizer]], MemoryBreakdown]
+
+
+class _Holder(nn.Module):
+    """The parameters of one optimizer as a module, so `estimate_memory` can step them on fake tensors."""
+
+    def __init__(self, params: Iterable[Tensor]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return sum((p.sum() for p in self.params), x.sum())
+
+
+def state_bytes(optimizer: Optimizer, *, device: str | torch.device = "cpu") -> int:
+    """Bytes of ``optimizer.state`` after one ``step()`` over its parameters, from a simulated step.
+
+    The optimizer is rebuilt (same class and param groups) over fake twins of its parameters and
+    stepped once with zero gradients, so nothing is allocated and ``optimizer`` is not touched. Any
+    optimizer torch can rebuild as ``type(opt)(param_groups, **opt.defaults)`` works. ``device="cuda"``
+    rounds each tensor to the caching allocator's 512-byte blocks.
+    """
+    from lightning_memkit._simulate import estimate_memory
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params:
+        return 0
+    holder = _Holder(params)
+    x = torch.zeros(1)
+    try:
+        return estimate_memory(
+            holder, (x, x), optimizer=optimizer, loss_fn=_output, device=device
+        ).optimizer_state
+    except Exception:
+        name = identify(optimizer)
+        if name is None or not CATALOGUE[name].needs_bitsandbytes:
+            raise
+    # A bitsandbytes without fake kernels: `_analytic`'s formulas, exact against bitsandbytes 0.43-0.50.
+    return _analytic_state_bytes(name, params)
+
+
+def _output(output: Tensor, target: Tensor) -> Tensor:
+    return output
+
+
+def _analytic_state_bytes(name: str, params: Sequence[Tensor]) -> int:
+    """`_analytic`'s bytes for ``params``; torch.optim state takes each parameter's element size. The
+    CUDA allocator's 512-byte rounding of each state tensor is not added (under 0.1 % for real models)."""
+    by_size: dict[int, list[tuple[int, ...]]] = {}
+    for p in params:
+        by_size.setdefault(p.element_size(), []).append(tuple(p.shape))
+    return sum(OPTIMIZERS[name](shapes, size) for size, shapes in by_size.items())
+
+
+def _model_device(model: nn.Module) -> str:
+    for p in model.parameters():
+        return "cuda" if p.device.type in ("cuda", "meta") else "cpu"
+    return "cpu"
+
+
+def static_estimator(model: nn.Module, *, device: str | torch.device | None = None) -> Estimator:
+    """Parameters + gradients + the optimizers' state (`state_bytes`): the step without activations."""
+    device = torch.device(device or _model_device(model))
+    rounding = 512 if device.type == "cuda" else 1
+
+    def storages(tensors: Iterable[Tensor]) -> int:
+        # One entry per storage (tied weights once); meta tensors have none, so they count by identity.
+        sizes = {}
+        for t in tensors:
+            if t.device.type == "meta":
+                sizes[id(t)] = t.numel() * t.element_size()
+            else:
+                sizes[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return sum(_rounded(n, rounding) for n in sizes.values())
+
+    params = storages([*model.parameters(), *model.buffers()])
+    grads = storages(p for p in model.parameters() if p.requires_grad)
+
+    def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
+        state = sum(state_bytes(o, device=device) for o in optimizers)
+        return MemoryBreakdown(parameters=params, gradients=grads, optimizer_state=state)
+
+    return estimate
+
+
+def simulated_estimator(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    precision: str = "32-true",
+    device: str | torch.device | None = None,
+) -> Estimator:
+    """The whole step on fake tensors (`estimate_memory`), with one optimizer."""
+    from lightning_memkit._simulate import estimate_memory
+
+    device = torch.device(device or _model_device(model))
+    run = functools.partial(
+        estimate_memory, model, batch, loss_fn=loss_fn, precision=precision, device=device
+    )
+
+    def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
+        if len(optimizers) != 1:
+            raise NotImplementedError(f"The simulated step takes one optimizer, got {len(optimizers)}")
+        (optimizer,) = optimizers
+        try:
+            return run(optimizer=optimizer)
+        except Exception:
+            name = identify(optimizer)
+            if name is None or not CATALOGUE[name].needs_bitsandbytes:
+                raise
+        # bitsandbytes without fake kernels: the rest of the step with plain SGD (no state, no
+        # temporaries in step()), plus the 8-bit state, which lives through the whole step.
+        rest = run(optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return replace(rest, optimizer_state=_analytic_state_bytes(name, params))
+
+    return estimate
+
+
+# --------------------------------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """What `fit_optimizer` (and `OptimizerSwap`) decided, with the numbers. Bytes throughout.
+
+    Attributes:
+        name: the catalogue name of the optimizer(s) now in use; ``None`` when the originals were kept
+            and are not in the catalogue.
+        originals: the catalogue name of each original optimizer (``None``: not in the catalogue).
+        optimizers: the optimizers to train with, one per original, in order; one that was not swapped
+            is the original object itself.
+        replaced: the original optimizers, in the same order.
+        budget: the budget the step had to fit.
+        breakdown: the estimated step with ``optimizers`` (``None`` when nothing was estimated: an
+            unknown optimizer left alone).
+        tried: ``(name, estimated peak)`` of every setup estimated, in order, the originals first
+            (named ``"original"``).
+        method: ``"simulated"`` (the whole step on fake tensors), ``"static"`` (parameters + gradients +
+            optimizer state) or ``"given"`` (the caller's ``step_peak``).
+    """
+
+    name: str | None
+    originals: tuple[str | None, ...]
+    optimizers: tuple[Optimizer, ...]
+    replaced: tuple[Optimizer, ...]
+    budget: int
+    breakdown: MemoryBreakdown | None
+    tried: tuple[tuple[str, int], ...] = ()
+    method: str = "simulated"
+    lr_factors: tuple[float, ...] = field(default=())
+
+    @property
+    def changed(self) -> bool:
+        """Whether any optimizer was replaced."""
+        return any(new is not old for new, old in zip(self.optimizers, self.replaced, strict=True))
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer to train with, when there is one."""
+        if len(self.optimizers) != 1:
+            raise ValueError(f"There are {len(self.optimizers)} optimizers; read `optimizers`.")
+        return self.optimizers[0]
+
+    @property
+    def peak(self) -> int | None:
+        """The estimated step peak with ``optimizers``, in bytes."""
+        return None if self.breakdown is None else self.breakdown.peak
+
+    @property
+    def state_bytes(self) -> int | None:
+        """Bytes of the optimizers' state in the estimated step."""
+        return None if self.breakdown is None else self.breakdown.optimizer_state
+
+    @property
+    def hparams(self) -> list[list[dict[str, Any]]]:
+        """Each optimizer's param groups without their parameters: the translated hyperparameters."""
+        return [
+            [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in self.optimizers
+        ]
+
+    def rebind(self, scheduler: Any) -> None:
+        """Point a scheduler of a replaced optimizer at its replacement, keeping the schedule's shape."""
+        for old, new, factor in zip(self.replaced, self.optimizers, self.lr_factors, strict=True):
+            if scheduler.optimizer is old and new is not old:
+                rebind_scheduler(scheduler, new, factor)
+                return
+
+    def summary(self) -> str:
+        """One paragraph with the decision and its numbers, as `OptimizerSwap` prints it."""
+        what = "parameters + gradients + optimizer state" if self.method == "static" else "step peak"
+        budget = format_bytes(self.budget)
+        tried = ", ".join(f"{name} {format_bytes(peak)}" for name, peak in self.tried)
+        if self.breakdown is None:
+            return f"kept {_describe(self.replaced)}: not in the catalogue (allow_unknown=False)."
+        if not self.changed:
+            state = format_bytes(self.breakdown.optimizer_state)
+            return (
+                f"kept {_describe(self.replaced)}: estimated {what} {format_bytes(self.breakdown.peak)} "
+                f"(optimizer state {state}) fits the budget of {budget}."
+            )
+        old = self.tried[0][1] if self.tried else 0
+        hp = "; ".join(_hparams_text(o) for o in self.optimizers if o not in self.replaced)
+        return (
+            f"{_describe(self.replaced)} -> {self.name}: estimated {what} {format_bytes(old)} is over the "
+            f"budget of {budget}; {self.name} needs {format_bytes(self.breakdown.peak)} (optimizer state "
+            f"{format_bytes(self.breakdown.optimizer_state)}). Tried: {tried}. Hyperparameters: {hp}."
+        )
+
+
+def _describe(optimizers: Sequence[Optimizer]) -> str:
+    return " + ".join(type(o).__name__ for o in optimizers)
+
+
+def _hparams_text(optimizer: Optimizer) -> str:
+    keys = ("lr", "weight_decay", "betas", "momentum")
+    groups = [", ".join(f"{k}={_fmt(g[k])}" for k in keys if k in g) for g in optimizer.param_groups]
+    return f"{type(optimizer).__name__}: " + " | ".join(f"[{g}]" for g in groups)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_fmt(v) for v in value) + ")"
+    return str(value)
+
+
+def _validate_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(candidates, str):
+        candidates = (candidates,)
+    out = tuple(_choose("optimizer candidate", name, CATALOGUE) for name in candidates)
+    if not out:
+        raise ValueError(f"candidates must name at least one of {', '.join(CATALOGUE)}")
+    return out
+
+
+def choose(
+    optimizers: Sequence[Optimizer],
+    budget: int,
+    estimate: Estimator,
+    *,
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    allow_unknown: bool = False,
+    method: str = "simulated",
+    info: Callable[[str], Any] = _log.info,
+    warn: Callable[[str], Any] | None = None,
+) -> OptimizerChoice:
+    """The decision behind `fit_optimizer` and `OptimizerSwap`, over any ``estimate``.
+
+    The originals are estimated first and kept when they fit. Otherwise each candidate in order
+    replaces every swappable original (known to the catalogue, or any with ``allow_unknown``) and the
+    first whose estimate fits is returned. None fitting raises ``ValueError`` with the numbers.
+    """
+    warn = warn or _warn
+    optimizers = tuple(optimizers)
+    originals = tuple(identify(o) for o in optimizers)
+    swappable = tuple(name is not None or allow_unknown for name in originals)
+    unknown = [type(o).__name__ for o, name in zip(optimizers, originals, strict=True) if name is None]
+    if unknown and not allow_unknown:
+        warn(
+            f"{', '.join(unknown)} is not in the optimizer catalogue ({', '.join(CATALOGUE)}), so it is "
+            "left as it is; pass allow_unknown=True to swap it anyway (its lr and weight_decay are then "
+            "read as AdamW's)."
+        )
+    unchanged = functools.partial(
+        OptimizerChoice, originals=originals, optimizers=optimizers, replaced=optimizers, budget=budget,
+        method=method, lr_factors=(1.0,) * len(optimizers),
+    )  # fmt: skip
+    if not any(swappable):
+        return unchanged(name=originals[0] if len(set(originals)) == 1 else None, breakdown=None)
+
+    baseline = estimate(optimizers)
+    tried = [("original", baseline.peak)]
+    if baseline.peak <= budget:
+        kept = originals[0] if len(set(originals)) == 1 else None
+        return unchanged(name=kept, breakdown=baseline, tried=tuple(tried))
+
+    available = _available(candidates, info)
+    best: tuple[str, MemoryBreakdown] = ("original", baseline)
+    for name in available:
+        if all(not s or o == name for o, s in zip(originals, swappable, strict=True)):
+            continue  # already this optimizer
+        new = tuple(
+            swap_optimizer(o, name, allow_unknown=True) if s else o
+            for o, s in zip(optimizers, swappable, strict=True)
+        )
+        b = estimate(new)
+        tried.append((name, b.peak))
+        if b.peak < best[1].peak:
+            best = (name, b)
+        if b.peak <= budget:
+            factors = tuple(
+                lr_factor(src, name) if s else 1.0 for src, s in zip(originals, swappable, strict=True)
+            )
+            return OptimizerChoice(
+                name=name, originals=originals, optimizers=new, replaced=optimizers, budget=budget,
+                breakdown=b, tried=tuple(tried), method=method, lr_factors=factors,
+            )  # fmt: skip
+    raise ValueError(_infeasible(budget, best, tried, method))
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _available(candidates: Sequence[str], info: Callable[[str], Any]) -> list[str]:
+    names = list(_validate_candidates(candidates))
+    needs = [n for n in names if CATALOGUE[n].needs_bitsandbytes]
+    if needs and _bitsandbytes() is None:
+        info(f"bitsandbytes is not available here: skipping the candidates {', '.join(needs)}.")
+        names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]
+    return names
+
+
+def _infeasible(budget: int, best: tuple[str, MemoryBreakdown], tried: list, method: str) -> str:
+    name, b = best
+    floor = b.parameters + b.gradients
+    tried_text = ", ".join(f"{n} {format_bytes(p)}" for n, p in tried)
+    rest = f", activations {format_bytes(b.activations)}, temporary {format_bytes(b.temporary)}"
+    head = (
+        f"No optimizer fits the memory budget of {format_bytes(budget)}: the leanest, {name}, needs "
+        f"{format_bytes(b.peak)} (static floor: parameters {format_bytes(b.parameters)} + gradients "
+        f"{format_bytes(b.gradients)} = {format_bytes(floor)}; optimizer state "
+        f"{format_bytes(b.optimizer_state)}{'' if method == 'static' else rest}). Tried: {tried_text}. "
+    )
+    if floor >= budget:
+        return head + (
+            "The parameters and gradients alone exceed the budget, so no optimizer can fit: shard them over "
+            "more GPUs (ZeRO-3 / FSDP), or train in lower precision (bf16-true)."
+        )
+    return head + (
+        "A lighter optimizer cannot save more; to fit, shrink the rest of the step: activation "
+        "checkpointing, a smaller micro-batch (with gradient accumulation to keep the batch size), lower "
+        "precision, or more GPUs with ZeRO / FSDP sharding of parameters, gradients and optimizer state."
+    )
+
+
+def fit_optimizer(
+    model: nn.Module,
+    optimizer: Optimizer | Sequence[Optimizer],
+    budget: int | str,
+    *,
+    batch: Any = None,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    step_peak: Callable[[Sequence[Optimizer]], int | MemoryBreakdown] | None = None,
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    allow_unknown: bool = False,
+    precision: str = "32-true",
+    device: str | torch.device | None = None,
+) -> OptimizerChoice:
+    """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
+
+    For training loops without a Trainer. The optimizers are not modified: train with
+    ``choice.optimizer`` (or ``choice.optimizers``) and point schedulers at it with
+    ``choice.rebind(scheduler)``, before the first step.
+
+    Args:
+        model: the model ``optimizer`` trains (a plain ``nn.Module`` or a ``LightningModule``).
+        optimizer: the configured optimizer, or several (each that is known is swapped to the same
+            candidate, deciding on their sum).
+        budget: bytes, or a string like ``"24GiB"``: what one training step may use at its peak.
+        batch: an example batch. With it the whole step is simulated on fake tensors
+            (`estimate_memory`): a ``LightningModule``'s own ``training_step``, or
+            ``loss_fn(model(input), target)`` with ``input, target = batch``. Without it (or with several
+            optimizers) only the static memory is judged: parameters + gradients + optimizer state.
+        loss_fn: ``(output, target) -> loss`` for a plain module with ``batch``.
+        step_peak: instead of the estimators, ``step_peak(optimizers)`` returns the step's peak (bytes
+            or a `MemoryBreakdown`) with those (fresh, not yet stepped) optimizers.
+        candidates: catalogue names to try in order (see `CATALOGUE`).
+        allow_unknown: also swap an optimizer the catalogue does not know, reading its ``lr`` and
+            ``weight_decay`` as AdamW's. Otherwise it is left alone with a warning.
+        precision: the Lightning precision string the step runs in (simulated step only).
+        device: ``"cuda"`` or ``"cpu"``: the allocator to plan for (default: the model's device).
+
+    Returns:
+        An `OptimizerChoice`: the name chosen, the optimizers, the estimated breakdown and every estimate
+        tried.
+
+    Raises:
+        ValueError: no candidate fits, with the numbers and what else could make the step fit.
+
+    Example::
+
+        choice = fit_optimizer(model, optimizer, "6GiB", batch=(x, y), loss_fn=F.cross_entropy)
+        optimizer = choice.optimizer
+        choice.rebind(scheduler)
+        print(choice.summary())
+    """
+    budget = parse_bytes(budget)
+    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    if step_peak is not None:
+        estimate, method = _given(step_peak), "given"
+    elif batch is not None and len(optimizers) == 1 and not _manual(model):
+        estimate = simulated_estimator(model, batch, loss_fn=loss_fn, precision=precision, device=device)
+        method = "simulated"
+    else:
+        estimate, method = static_estimator(model, device=device), "static"
+    return choose(
+        optimizers, budget, estimate, candidates=candidates, allow_unknown=allow_unknown, method=method
+    )
+
+
+def _manual(model: nn.Module) -> bool:
+    return getattr(model, "automatic_optimization", True) is False
+
+
+def _given(step_peak: Callable[[Sequence[Optimizer]], int | MemoryBreakdown]) -> Estimator:
+    def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
+        value = step_peak(optimizers)
+        if isinstance(value, MemoryBreakdown):
+            return value
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TypeError(f"step_peak must return bytes as an int or a MemoryBreakdown, got {value!r}")
+        return MemoryBreakdown(temporary=value)
+
+    return estimate

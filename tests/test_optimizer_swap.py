@@ -1,0 +1,559 @@
+"""OptimizerSwap and the optimizer catalogue: state bytes, translation rules, the decision, the callback."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import logging
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memkit import _optim
+from lightning_memkit._analytic import OPTIMIZERS
+from lightning_memkit._breakdown import format_bytes
+from lightning_memkit._measure import optimizer_tensors, storage_bytes
+from lightning_memkit._optim import (
+    CATALOGUE,
+    fit_optimizer,
+    identify,
+    lr_factor,
+    rebind_scheduler,
+    state_bytes,
+    swap_optimizer,
+)
+from lightning_memkit._simulate import estimate_memory
+from lightning_memkit.callbacks.optimizer_swap import OptimizerSwap
+from lightning_memkit.demos.gpt import GPTConfig, GPTLightningModule, WarmupCosine
+
+bnb = pytest.importorskip("bitsandbytes")
+
+VOCAB, D, SEQ, BATCH, N_BATCHES = 64, 64, 16, 8, 4
+
+
+def _groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+class TinyLM(pl.LightningModule):
+    """Deterministic on CPU: no dropout, unshuffled data. Three 4096-element matrices (8-bit state) and
+    small vectors (fp32 state in bitsandbytes), AdamW with decay / no-decay groups."""
+
+    def __init__(self, optimizer: str = "adamw", scheduler: bool = False, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.fc = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+        self.optimizer, self.scheduler, self.lr = optimizer, scheduler, lr
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.head(self.norm(F.gelu(self.fc(self.embed(x)))))  # (B, T, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Not in training_step: OptimizerSwap's estimate runs training_step once on fake tensors.
+        self.losses.append(outputs["loss"].item())
+
+    def configure_optimizers(self):
+        if self.optimizer == "rmsprop":
+            optimizer = torch.optim.RMSprop(_groups(self), lr=self.lr)
+        else:
+            optimizer = torch.optim.AdamW(_groups(self), lr=self.lr, betas=(0.9, 0.95))
+        if not self.scheduler:
+            return optimizer
+        scheduler = LambdaLR(optimizer, WarmupCosine(warmup_steps=2, max_steps=8))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, VOCAB, (N_BATCHES * BATCH, SEQ + 1), generator=g)
+        return DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=BATCH)
+
+
+def _batch():
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return x, x
+
+
+def _peak(model: nn.Module, optimizer: str) -> int:
+    return estimate_memory(model, _batch(), optimizer=optimizer, device="cpu").peak
+
+
+def _between(model: nn.Module, fits: str, over: str) -> int:
+    """A budget that ``fits`` fits and ``over`` does not."""
+    low, high = _peak(model, fits), _peak(model, over)
+    assert low < high
+    return (low + high) // 2
+
+
+@pytest.fixture
+def trainer_kwargs(tmp_path):
+    return dict(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+    )
+
+
+@pytest.fixture
+def lightning_log(caplog, monkeypatch):
+    """What Lightning's ``rank_zero_info`` prints (its logger does not propagate to pytest's handler)."""
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    with caplog.at_level(logging.INFO):
+        yield caplog
+
+
+# --------------------------------------------------------------------------------------------------
+# The catalogue
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
+@pytest.mark.parametrize("name", list(CATALOGUE))
+def test_state_bytes_match_a_real_step(name):
+    """Simulated state bytes = the formulas = real optimizer.state after one step, for every entry."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = swap_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3), name)
+    simulated = state_bytes(optimizer)
+    x, y = _batch()
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+    real = storage_bytes(optimizer_tensors([optimizer]))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert simulated == real == OPTIMIZERS[name](shapes, 4)
+    if name in ("adamw8bit", "lion8bit"):  # 8-bit state for the matrices, fp32 for the vectors
+        dtypes = {tuple(p.shape): optimizer.state[p]["state1"].dtype for p in model.parameters()}
+        assert dtypes[(D, D)] == torch.uint8 and dtypes[(D,)] == torch.float32
+
+
+def test_identify():
+    p = [nn.Parameter(torch.zeros(4))]
+    assert identify(torch.optim.AdamW(p)) == identify(torch.optim.Adam(p)) == "adamw"
+    assert identify(torch.optim.SGD(p, lr=0.1)) == "sgd"
+    assert identify(torch.optim.SGD(p, lr=0.1, momentum=0.9)) == "sgd_momentum"
+    assert identify(torch.optim.Adafactor(p)) == "adafactor"
+    assert identify(bnb.optim.AdamW8bit(p)) == "adamw8bit"
+    assert identify(bnb.optim.Lion8bit(p)) == "lion8bit"
+    assert identify(torch.optim.RMSprop(p)) is None
+    assert identify(torch.optim.AdamW(p, maximize=True)) is None
+
+
+def test_translation_per_group():
+    model = TinyLM()
+    adamw = torch.optim.AdamW(_groups(model, weight_decay=0.1), lr=3e-3, betas=(0.9, 0.95))
+    lion = swap_optimizer(adamw, "lion")
+    decay, no_decay = lion.param_groups
+    assert type(lion) is bnb.optim.Lion
+    assert decay["lr"] == pytest.approx(1e-3) and decay["weight_decay"] == pytest.approx(0.3)
+    assert no_decay["weight_decay"] == 0.0  # the no-decay group stays at zero
+    assert decay["betas"] == (0.9, 0.99) and decay["name"] == "decay"  # group keys kept
+    assert [g["params"] for g in lion.param_groups] == [g["params"] for g in adamw.param_groups]
+
+    eight = swap_optimizer(adamw, "adamw8bit")  # same hyperparameters, betas and eps carried
+    assert [(g["lr"], g["weight_decay"], g["betas"]) for g in eight.param_groups] == [
+        (3e-3, 0.1, (0.9, 0.95)),
+        (3e-3, 0.0, (0.9, 0.95)),
+    ]
+    sgd = swap_optimizer(adamw, "sgd_momentum")
+    assert sgd.param_groups[0]["momentum"] == 0.9
+    # decay per step kept: lr * wd / (1 - momentum) equals AdamW's lr * wd
+    g = sgd.param_groups[0]
+    assert g["lr"] * g["weight_decay"] / (1 - 0.9) == pytest.approx(3e-3 * 0.1)
+
+    back = swap_optimizer(lion, "adamw8bit")  # from Lion, through AdamW's terms
+    assert back.param_groups[0]["lr"] == pytest.approx(3e-3)
+    assert back.param_groups[0]["weight_decay"] == pytest.approx(0.1)
+    assert lr_factor("lion", "adamw8bit") == pytest.approx(3.0)
+
+    with pytest.raises(ValueError, match="RMSprop is not in the optimizer catalogue"):
+        swap_optimizer(torch.optim.RMSprop(model.parameters()), "lion")
+    with pytest.raises(ValueError, match="Did you mean 'lion'"):
+        swap_optimizer(adamw, "loin")
+
+
+def test_rebind_scheduler_keeps_the_schedule_shape():
+    def lrs(swap_at: int | None) -> list[float]:
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
+        scheduler = LambdaLR(optimizer, WarmupCosine(warmup_steps=3, max_steps=10))
+        out = []
+        for step in range(10):
+            if step == swap_at:
+                new = swap_optimizer(optimizer, "lion")
+                rebind_scheduler(scheduler, new, lr_factor("adamw", "lion"))
+                optimizer = new
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    reference, swapped = lrs(None), lrs(0)
+    assert swapped == pytest.approx([lr / 3 for lr in reference])
+    midway = lrs(5)  # swapped in the middle of the schedule: the same curve, scaled from there on
+    assert midway == pytest.approx(reference[:5] + [lr / 3 for lr in reference[5:]])
+
+
+# --------------------------------------------------------------------------------------------------
+# The decision, without a Trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fit_optimizer_keeps_what_fits_and_picks_the_first_that_does():
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
+    kept = fit_optimizer(model, optimizer, "1GiB", batch=_batch(), device="cpu")
+    assert not kept.changed and kept.optimizer is optimizer and kept.name == "adamw"
+
+    scheduler = LambdaLR(optimizer, WarmupCosine(warmup_steps=2, max_steps=8))
+    budget = _between(model, "adamw8bit", "adamw")
+    choice = fit_optimizer(model, optimizer, budget, batch=_batch(), device="cpu")
+    assert choice.changed and choice.name == "adamw8bit" and type(choice.optimizer) is bnb.optim.AdamW8bit
+    assert optimizer.param_groups[0]["params"][0] in choice.optimizer.param_groups[0]["params"]
+    choice.rebind(scheduler)
+    assert scheduler.optimizer is choice.optimizer and scheduler.base_lrs == [3e-3, 3e-3]
+    assert choice.peak <= budget < choice.tried[0][1]
+    assert [name for name, _ in choice.tried] == ["original", "adamw8bit"]
+    decay, no_decay = choice.hparams[0]
+    assert decay["lr"] == 1.5e-3 and decay["initial_lr"] == 3e-3  # warmup's first step: half the peak
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert "AdamW -> adamw8bit" in choice.summary()
+
+
+def test_bitsandbytes_without_fake_kernels_falls_back_to_sgd_plus_state(monkeypatch):
+    """An older bitsandbytes cannot step fake tensors: the step with SGD plus the 8-bit state bytes
+    gives the same estimate as the full simulation (the 8-bit update works in place)."""
+    from lightning_memkit import _simulate
+
+    model = TinyLM()
+    optimizer = swap_optimizer(torch.optim.AdamW(_groups(model), lr=3e-3), "adamw8bit")
+    full = _optim.simulated_estimator(model, _batch(), device="cpu")([optimizer])
+    real = _simulate.estimate_memory
+
+    def no_bnb_kernels(*args, optimizer=None, **kwargs):
+        if type(optimizer).__module__.startswith("bitsandbytes"):
+            raise NotImplementedError("no fake kernel for bitsandbytes::optimizer_update_8bit_blockwise")
+        return real(*args, optimizer=optimizer, **kwargs)
+
+    monkeypatch.setattr(_simulate, "estimate_memory", no_bnb_kernels)
+    fallback = _optim.simulated_estimator(model, _batch(), device="cpu")([optimizer])
+    assert fallback == full
+    assert state_bytes(optimizer) == full.optimizer_state
+
+
+def test_bitsandbytes_missing_skips_the_8bit_candidates(monkeypatch, caplog):
+    monkeypatch.setattr(_optim, "_bitsandbytes", lambda: None)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
+    budget = _between(model, "adafactor", "adamw")
+    with caplog.at_level(logging.INFO, logger="lightning_memkit._optim"):
+        choice = fit_optimizer(model, optimizer, budget, batch=_batch(), device="cpu")
+    assert choice.name == "adafactor"
+    assert [name for name, _ in choice.tried] == ["original", "adafactor"]
+    lines = [r.getMessage() for r in caplog.records if "bitsandbytes" in r.getMessage()]
+    assert lines == ["bitsandbytes is not available here: skipping the candidates adamw8bit, lion, lion8bit."]
+
+
+def test_unknown_optimizer_left_alone_unless_allowed():
+    model = TinyLM()
+    rmsprop = torch.optim.RMSprop(_groups(model), lr=1e-3)
+    with pytest.warns(UserWarning, match="RMSprop is not in the optimizer catalogue"):
+        choice = fit_optimizer(model, rmsprop, 1, batch=_batch(), device="cpu")
+    assert choice.optimizer is rmsprop and not choice.changed
+
+    budget = _between(model, "adamw8bit", "lion")  # RMSprop keeps 4 B/param, as Lion
+    choice = fit_optimizer(model, rmsprop, budget, batch=_batch(), device="cpu", allow_unknown=True)
+    assert choice.name == "adamw8bit"
+    assert choice.optimizer.param_groups[0]["lr"] == 1e-3  # read as AdamW's lr
+
+
+def test_infeasible_budget_names_the_numbers_and_the_way_out():
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
+    floor = 2 * sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(
+        ValueError, match=r"No optimizer fits .* the leanest, sgd, needs .*static floor"
+    ) as err:
+        fit_optimizer(model, optimizer, floor + 1000, batch=_batch(), device="cpu")
+    message = str(err.value)
+    for hint in ("activation checkpointing", "smaller micro-batch", "ZeRO"):
+        assert hint in message
+    with pytest.raises(ValueError, match="parameters and gradients alone"):
+        fit_optimizer(model, optimizer, floor - 1000, device="cpu")  # static: nothing but sharding helps
+
+
+def test_static_decision_and_step_peak():
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
+    n = sum(p.numel() for p in model.parameters())
+    floor = 2 * 4 * n
+    # Without a batch: parameters + gradients + the state of a simulated step.
+    choice = fit_optimizer(model, optimizer, floor + 4 * n, device="cpu")  # fits Lion's 4 B/param
+    assert choice.method == "static" and choice.name == "adamw8bit"
+    assert choice.breakdown.parameters == choice.breakdown.gradients == 4 * n
+
+    calls = []
+
+    def step_peak(optimizers):
+        calls.append(type(optimizers[0]).__name__)
+        return 10 if type(optimizers[0]) is torch.optim.Adafactor else 1000
+
+    choice = fit_optimizer(model, optimizer, 100, step_peak=step_peak)
+    assert choice.name == "adafactor" and choice.method == "given"
+    assert calls == ["AdamW", "AdamW8bit", "Lion", "Lion8bit", "Adafactor"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The callback
+# --------------------------------------------------------------------------------------------------
+
+
+class _Record(pl.Callback):
+    """Records the optimizer and learning rate each step actually used."""
+
+    def __init__(self):
+        self.types, self.lrs = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.types.append(type(optimizer).__name__)
+        self.lrs.append([g["lr"] for g in optimizer.param_groups])
+
+
+def test_callback_leaves_an_optimizer_that_fits_untouched(trainer_kwargs):
+    model = TinyLM()
+    seen = {}
+
+    class Keep(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["before"] = trainer.optimizers[0]
+
+    swap = OptimizerSwap(budget="1GiB")
+    trainer = pl.Trainer(callbacks=[Keep(), swap], max_steps=2, **trainer_kwargs)
+    trainer.fit(model)
+    assert trainer.optimizers[0] is seen["before"]
+    assert not swap.choice.changed and swap.state_dict()["swapped"] is False
+
+
+def test_callback_swaps_keeps_groups_and_logs(trainer_kwargs, tmp_path, lightning_log):
+    model = TinyLM()
+    budget = _between(model, "adamw8bit", "adamw")
+    record = _Record()
+    swap = OptimizerSwap(budget=budget)
+    trainer_kwargs["logger"] = CSVLogger(tmp_path)
+    trainer = pl.Trainer(callbacks=[swap, record], max_steps=3, log_every_n_steps=1, **trainer_kwargs)
+    trainer.fit(model)
+    optimizer = trainer.optimizers[0]
+    assert type(optimizer) is bnb.optim.AdamW8bit and record.types == ["AdamW8bit"] * 3
+    assert [g["name"] for g in optimizer.param_groups] == ["decay", "no_decay"]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.state  # it trained
+
+    printed = next(line for line in lightning_log.messages if "OptimizerSwap: AdamW ->" in line)
+    assert f"budget of {format_bytes(budget)}" in printed and format_bytes(swap.choice.peak) in printed
+    assert "Tried: original" in printed and "lr=0.01" in printed
+
+    with open(trainer.logger.experiment.metrics_file_path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("optimizer_swap/peak")]
+    assert float(rows[0]["optimizer_swap/swapped"]) == 1.0
+    assert float(rows[0]["optimizer_swap/peak"]) == pytest.approx(swap.choice.peak / 2**20)
+    assert float(rows[0]["optimizer_swap/budget"]) == pytest.approx(budget / 2**20)
+    assert swap.state_dict() == {
+        "optimizer": "adamw8bit",
+        "swapped": True,
+        "originals": ["adamw"],
+        "allow_unknown": False,
+        "budget": budget,
+        "peak": swap.choice.peak,
+        "optimizer_state": swap.choice.state_bytes,
+    }
+
+
+def test_callback_rebinds_the_gpt_warmup_cosine(trainer_kwargs):
+    """The GPT example's LambdaLR keeps its shape: every step's lr is the unswapped one / 3 (Lion)."""
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = GPTLightningModule(
+            GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), warmup_steps=2, max_steps=6
+        )
+        x = torch.randint(0, 256, (6 * 2, 17))
+        data = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=2)
+        record = _Record()
+        pl.Trainer(callbacks=[*callbacks, record], max_steps=6, **trainer_kwargs).fit(model, data)
+        return record
+
+    reference = run([])
+    budget = _between_gpt(GPTLightningModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)))
+    swapped = run([OptimizerSwap(budget=budget, candidates=("lion",))])
+    assert swapped.types == ["Lion"] * 6
+    assert len(set(map(tuple, reference.lrs))) > 3  # the schedule moves: warmup, then cosine
+    for ref, new in zip(reference.lrs, swapped.lrs, strict=True):
+        assert new == pytest.approx([lr / 3 for lr in ref])
+
+
+def _between_gpt(model):
+    x = torch.randint(0, 256, (2, 16))
+    low = estimate_memory(model, (x, x), optimizer="lion", device="cpu").peak
+    high = estimate_memory(model, (x, x), optimizer="adamw", device="cpu").peak
+    return (low + high) // 2
+
+
+def test_stop_and_resume_reaches_the_same_loss(trainer_kwargs, tmp_path):
+    """Two epochs straight through vs one, a checkpoint, and a resumed second: same optimizer, same
+    8-bit state, same losses."""
+    budget = _between(TinyLM(), "adamw8bit", "adamw")
+
+    torch.manual_seed(0)
+    straight = TinyLM(scheduler=True)
+    pl.Trainer(callbacks=[OptimizerSwap(budget)], **{**trainer_kwargs, "max_epochs": 2}).fit(straight)
+
+    torch.manual_seed(0)
+    first = TinyLM(scheduler=True)
+    trainer = pl.Trainer(callbacks=[OptimizerSwap(budget)], **trainer_kwargs)
+    trainer.fit(first)
+    ckpt = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved_state1 = trainer.optimizers[0].state_dict()
+
+    loaded = {}
+
+    class Inspect(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            loaded["type"] = type(optimizer)
+            loaded["state"] = copy.deepcopy(optimizer.state_dict())  # the steps update it in place
+            loaded["lr_scheduler_bound"] = trainer.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+
+    torch.manual_seed(1)  # the resumed weights must come from the checkpoint, not the seed
+    resumed = TinyLM(scheduler=True)
+    # A budget that AdamW fits now: the stored choice holds, the checkpoint has 8-bit state.
+    trainer = pl.Trainer(callbacks=[OptimizerSwap("1GiB"), Inspect()], **{**trainer_kwargs, "max_epochs": 2})
+    trainer.fit(resumed, ckpt_path=ckpt)
+
+    assert loaded["type"] is bnb.optim.AdamW8bit and loaded["lr_scheduler_bound"]
+    # the 8-bit moments and their scales were loaded
+    torch.testing.assert_close(loaded["state"]["state"], saved_state1["state"], rtol=0, atol=0)
+    assert first.losses == straight.losses[:N_BATCHES]
+    assert resumed.losses == straight.losses[N_BATCHES:]
+    assert type(trainer.optimizers[0]) is bnb.optim.AdamW8bit
+
+
+def test_callback_unknown_optimizer_warns_and_allow_unknown_swaps(trainer_kwargs):
+    budget = _between(TinyLM(), "adamw8bit", "lion")  # RMSprop keeps 4 B/param, as Lion
+    model = TinyLM(optimizer="rmsprop")
+    trainer = pl.Trainer(callbacks=[OptimizerSwap(budget)], max_steps=1, **trainer_kwargs)
+    with pytest.warns(UserWarning, match="RMSprop is not in the optimizer catalogue"):
+        trainer.fit(model)
+    assert type(trainer.optimizers[0]) is torch.optim.RMSprop
+
+    model = TinyLM(optimizer="rmsprop")
+    trainer = pl.Trainer(callbacks=[OptimizerSwap(budget, allow_unknown=True)], max_steps=1, **trainer_kwargs)
+    trainer.fit(model)
+    assert type(trainer.optimizers[0]) is bnb.optim.AdamW8bit
+
+
+class TwoNets(pl.LightningModule):
+    """Manual optimization with one optimizer per net, as a GAN does; ``second`` picks the other's kind."""
+
+    def __init__(self, second: str = "adamw") -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.second = second
+        self.used: list[tuple[str, ...]] = []
+
+    def training_step(self, batch, batch_idx):
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        self.used.append(tuple(type(o.optimizer).__name__ for o in optimizers))
+        x = batch[0]
+        losses = [self.a(x).pow(2).mean(), self.b(x).pow(2).mean()]
+        if len(optimizers) == 1:
+            losses = [sum(losses)]
+        for loss, opt in zip(losses, optimizers, strict=True):
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        first = torch.optim.AdamW(self.a.parameters(), lr=1e-3)
+        if self.second == "none":
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        second = torch.optim.RMSprop(self.b.parameters(), lr=1e-3) if self.second == "rmsprop" else (
+            torch.optim.AdamW(self.b.parameters(), lr=1e-3)
+        )  # fmt: skip
+        return [first, second]
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, D)), batch_size=4)
+
+
+def _static(n_params: int, state_per_param: float) -> int:
+    return int(2 * 4 * n_params + state_per_param * n_params)
+
+
+def test_manual_optimization_swaps_what_self_optimizers_returns(trainer_kwargs, lightning_log):
+    model = TwoNets(second="none")
+    n = sum(p.numel() for p in model.parameters())
+    trainer = pl.Trainer(callbacks=[OptimizerSwap(_static(n, 5))], max_steps=2, **trainer_kwargs)
+    trainer.fit(model)
+    assert model.used == [("AdamW8bit",), ("AdamW8bit",)]
+    assert trainer.strategy._lightning_optimizers[0].optimizer is trainer.optimizers[0]
+    assert any("manual optimization cannot be simulated" in line for line in lightning_log.messages)
+
+
+def test_two_optimizers_swap_together_on_their_sum(trainer_kwargs):
+    model = TwoNets()
+    n = sum(p.numel() for p in model.parameters())
+    # Two AdamW: 8 B/param over the budget's 5; both as AdamW8bit (about 2.6 B/param) fit.
+    swap = OptimizerSwap(_static(n, 5))
+    trainer = pl.Trainer(callbacks=[swap], max_steps=1, **trainer_kwargs)
+    trainer.fit(model)
+    assert model.used == [("AdamW8bit", "AdamW8bit")]
+    assert swap.choice.originals == ("adamw", "adamw") and swap.choice.method == "static"
+
+    model = TwoNets(second="rmsprop")  # the unknown one is left alone and still counted
+    trainer = pl.Trainer(callbacks=[OptimizerSwap(_static(n, 5))], max_steps=1, **trainer_kwargs)
+    with pytest.warns(UserWarning, match="RMSprop is not in the optimizer catalogue"):
+        trainer.fit(model)
+    assert model.used == [("AdamW8bit", "RMSprop")]
+
+
+def test_strategies_that_own_the_optimizer_are_skipped():
+    swap = OptimizerSwap("1GiB")
+    strategy = SimpleNamespace(restore_checkpoint_after_setup=True, lightning_restore_optimizer=False)
+    trainer = SimpleNamespace(strategy=strategy)
+    with pytest.warns(UserWarning, match="OptimizerSwap does nothing with SimpleNamespace"):
+        swap.setup(trainer, None, "fit")
+    swap.on_train_batch_start(trainer, None, None, 0)  # disabled: touches nothing
+    assert swap.choice is None
+
+
+def test_arguments_are_validated():
+    with pytest.raises(ValueError, match="Unknown optimizer candidate 'adam8bit'"):
+        OptimizerSwap("1GiB", candidates=("adam8bit",))
+    with pytest.raises(ValueError, match="Cannot read"):
+        OptimizerSwap("lots")
+    assert OptimizerSwap("1GiB").load_state_dict({}) is None  # old or empty checkpoints load
