@@ -332,11 +332,109 @@ def _table(
 
 
 # --------------------------------------------------------------------------------------------------
+# memkit plan
+# --------------------------------------------------------------------------------------------------
+
+
+def _add_plan(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="micro-batch, accumulation, checkpointing and optimizer that fit a GPU, and the what-if table",
+        description=(
+            "Search micro-batch x gradient accumulation x checkpointing x optimizer (x precision) on "
+            "simulated steps and print the fastest plan whose peak fits the GPU, with every configuration "
+            "simulated. Nothing is allocated; no GPU is needed."
+        ),
+    )
+    p.add_argument("--model", required=True, metavar="PRESET|MODULE:FACTORY", help="as for memkit estimate")
+    p.add_argument(
+        "--gpu", required=True, metavar="GPU|SIZE", help="a GPU name (A100-40GB) or a card size (24GB)"
+    )
+    p.add_argument("--global-batch", type=_positive_int, required=True, metavar="G", help="samples per step")
+    p.add_argument("--seq-len", type=_positive_int, required=True, metavar="T", help="tokens per sequence")
+    p.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="ranks (default: 1)")
+    p.add_argument(
+        "--strategy", type=_one_of("strategy", list(STRATEGIES)), default="ddp", metavar="S",
+        help=f"{', '.join(STRATEGIES)} (default: ddp)",
+    )  # fmt: skip
+    p.add_argument("--margin", type=float, default=0.1, help="share of the budget kept free (default: 0.1)")
+    p.add_argument(
+        "--precision", default="32-true", metavar="P[,P...]",
+        help="allowed precisions, in order of preference (default: 32-true)",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimizer", default=None, metavar="O[,O...]",
+        help="candidate optimizers in quality order (default: the model's own, then the lighter ones)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.set_defaults(run=_run_plan)
+
+
+def _names(kind: str, text: str | None, valid: Sequence[str]) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(_choose(kind, name.strip(), valid) for name in text.split(","))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from lightning.pytorch import LightningModule
+
+    from lightning_memkit._autofit import plan_fit
+    from lightning_memkit._budget import parse_budget
+
+    try:
+        budget = parse_budget(args.gpu, device_size=True)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not 0.0 <= args.margin < 1.0:
+        raise UsageError(f"--margin must be in [0, 1), got {args.margin}")
+    model = _load_model(args.model)
+    config = _gpt_config(model)
+    if config is not None and args.seq_len > config.block_size:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's block_size of {config.block_size}")
+    if args.global_batch % args.gpus:
+        raise UsageError(
+            f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}"
+        )
+    lightning = isinstance(model, LightningModule)
+    start = time.perf_counter()
+    try:
+        plan = plan_fit(
+            model,
+            _example_batch(model, args.global_batch, args.seq_len),
+            budget,
+            margin=args.margin,
+            optimizers=_names("optimizer", args.optimizer, list(OPTIMIZERS)),
+            precision=_names("precision", args.precision, list(PRECISION_DTYPES)) or "32-true",
+            strategy=args.strategy,
+            n_gpus=args.gpus,
+            device="cuda",
+            loss_fn=None if lightning else _lm_loss,
+            cost="flops",
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"model": args.model, **plan.as_dict(), "seconds": seconds}, indent=2))
+    else:
+        print(f"{args.model} on {budget.source}, global batch {args.global_batch} x {args.seq_len}:")
+        print(plan)
+        if plan.n_gpus > 1:
+            print(f"Trainer(strategy={plan.strategy!r}, devices={plan.n_gpus}, ...)")
+        print(f"planned in {seconds:.1f} s ({len(plan.alternatives)} simulated steps)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------
 
 #: subcommand name -> the function that adds its parser (see the module docstring).
-SUBCOMMANDS: dict[str, Callable[[Any], None]] = {"estimate": _add_estimate}
+SUBCOMMANDS: dict[str, Callable[[Any], None]] = {"estimate": _add_estimate, "plan": _add_plan}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,0 +1,232 @@
+"""AutoFit: fit a run to a memory budget from the estimate, before the first step; no trial OOMs.
+
+The search lives in `lightning_memkit._autofit` (`plan_fit`); this callback picks the moment and installs
+the plan in the Trainer.
+
+When. ``setup("fit")`` runs after the datamodule's ``setup`` and before the strategy builds the optimizers
+(``configure_optimizers``) and the fit loop makes the train dataloader, so the batch size attribute, the
+Trainer's ``accumulate_grad_batches`` (read by the fit loop at every batch), the checkpointing and the
+optimizer all take effect from the first step. Rank 0 plans and ``trainer.strategy.broadcast``\\s the plan's
+plain dict, so every rank applies the same plan.
+
+How. The global batch is the batch size attribute (found as ``BatchSizeFinder`` finds it:
+``lightning_hasattr``/``lightning_setattr`` on the module, its hparams and the datamodule) times the
+Trainer's ``accumulate_grad_batches``; the example batch is the train dataloader's first batch, repeated
+to the global size. The plan's micro-batch becomes the attribute and its accumulation the Trainer's. The
+plan is for one rank's unsharded step (what DDP runs); under FSDP/DeepSpeed it is conservative. Precision is
+the Trainer's: a callback cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
+
+After. For the first ``verify_steps`` steps on CUDA the measured peak (``torch.cuda.max_memory_allocated``)
+is compared with the plan and a warning names both when it is over. A CUDA OOM raised by ``training_step``
+in those steps frees the cache, switches to `FitPlan.leaner` (stronger checkpointing first, which applies
+at once; a smaller micro-batch applies from the next dataloader reload) and retries the same batch under
+full checkpointing, so that batch is not lost. An OOM in backward or the optimizer step, outside
+``training_step``, is not caught.
+
+Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit/accumulate_grad_batches``,
+``autofit/estimated_peak_mib`` (MiB, 2**20 bytes).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+from lightning_memkit._autofit import FitPlan, plan_fit
+from lightning_memkit._breakdown import MiB, format_bytes
+from lightning_memkit._budget import Budget, parse_budget
+
+__all__ = ["AutoFit"]
+
+_SIMULATED = ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+
+class AutoFit(Callback):
+    """Choose micro-batch, gradient accumulation, checkpointing and optimizer so the step fits ``budget``.
+
+    Args:
+        budget: per device: bytes, ``"24GB"``, a GPU name (``"A100-40GB"``), a fraction of the current
+            CUDA device or ``"auto"`` (the current CUDA device). On CPU give a size.
+        margin: share of the budget kept free for what the estimate cannot see.
+        batch_size_attr: the attribute holding the micro-batch size (``BatchSizeFinder``'s default).
+        optimizers: candidate catalogue names in quality order (default: the module's own, then lighter).
+        checkpointing: the uniform checkpointing levels allowed.
+        cost: the throughput model (`plan_fit`'s ``cost``).
+        verify_steps: steps whose measured peak is checked and whose OOM is recovered from (CUDA).
+    """
+
+    def __init__(
+        self,
+        budget: int | float | str = "auto",
+        *,
+        margin: float = 0.1,
+        batch_size_attr: str = "batch_size",
+        optimizers: Sequence[str] | None = None,
+        checkpointing: Sequence[str] = ("none", "selective", "full"),
+        cost: str = "auto",
+        verify_steps: int = 3,
+    ) -> None:
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        self.budget, self.margin, self.batch_size_attr = budget, margin, batch_size_attr
+        self.optimizers, self.checkpointing, self.cost = optimizers, tuple(checkpointing), cost
+        self.verify_steps = verify_steps
+        self.plan: FitPlan | None = None
+        self._applied: Any = None
+        self._original_step: Any = None
+
+    # --- planning -----------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not lightning_hasattr(pl_module, self.batch_size_attr):
+            raise AttributeError(
+                f"AutoFit sets the micro-batch through `{self.batch_size_attr}`, which neither the module, "
+                "its hparams nor the datamodule has; set batch_size_attr= to the attribute your dataloader "
+                "reads."
+            )
+        local = self._plan(trainer, pl_module).as_dict() if trainer.is_global_zero else None
+        self.plan = FitPlan.from_dict(trainer.strategy.broadcast(local, src=0))
+        self._install(trainer, pl_module, self.plan)
+        rank_zero_info(f"AutoFit: {self.plan}")
+
+    def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
+        accumulate = trainer.accumulate_grad_batches
+        source = trainer.datamodule if trainer.datamodule is not None else pl_module
+        example = next(iter(source.train_dataloader()))
+        # (micro, ...) -> (micro * accumulate, ...): the global batch this rank sees per optimizer step.
+        example = apply_to_collection(example, torch.Tensor, lambda t: torch.cat([t] * accumulate))
+        device = trainer.strategy.root_device.type
+        return plan_fit(
+            pl_module,
+            example,
+            self._budget(device),
+            margin=self.margin,
+            optimizers=self.optimizers,
+            precision=_precision(trainer),
+            checkpointing=self.checkpointing,
+            device="cuda" if device == "cuda" else "cpu",
+            cost=self.cost,
+        )
+
+    def _budget(self, device: str) -> Budget:
+        if device != "cuda" and (self.budget == "auto" or isinstance(self.budget, float)):
+            raise ValueError(
+                f"AutoFit(budget={self.budget!r}) reads the CUDA device, but the run is on {device}; "
+                "give the budget as a size, e.g. AutoFit(budget='8GiB')."
+            )
+        return parse_budget(self.budget)
+
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: FitPlan) -> None:
+        lightning_setattr(pl_module, self.batch_size_attr, plan.micro_batch_size)
+        trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        if self._applied is not None:
+            self._applied.remove()
+        self._applied = plan.apply(pl_module)
+        if self._original_step is None and self.verify_steps > 0:
+            self._original_step = pl_module.__dict__.get("training_step")
+            pl_module.training_step = _guarded_step(self, trainer, pl_module)
+
+    # --- after planning -------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plan is None:
+            return
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        metrics = {
+            "autofit/micro_batch_size": float(self.plan.micro_batch_size),
+            "autofit/accumulate_grad_batches": float(self.plan.accumulate_grad_batches),
+            "autofit/estimated_peak_mib": self.plan.estimated_peak / MiB,
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.plan is None or trainer.global_step > self.verify_steps:
+            return
+        if trainer.global_step == self.verify_steps:
+            self._restore_step(pl_module)
+        device = trainer.strategy.root_device
+        if device.type != "cuda":
+            return
+        measured = torch.cuda.max_memory_allocated(device)
+        if measured > self.plan.limit:
+            rank_zero_warn(
+                f"AutoFit: step {trainer.global_step} peaked at {format_bytes(measured)}, over the plan's "
+                f"limit of {format_bytes(self.plan.limit)} (estimated "
+                f"{format_bytes(self.plan.estimated_peak)}); "
+                "raise margin= or lower the budget."
+            )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_step(pl_module)
+
+    def _restore_step(self, pl_module: pl.LightningModule) -> None:
+        if getattr(pl_module.__dict__.get("training_step"), "autofit_guard", False):
+            del pl_module.__dict__["training_step"]
+            if self._original_step is not None:
+                pl_module.training_step = self._original_step
+
+    def replan_after_oom(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
+        """Switch to the plan one notch leaner (`FitPlan.leaner`); raises if there is none."""
+        assert self.plan is not None
+        leaner = self.plan.leaner()
+        if leaner is None:
+            raise RuntimeError(
+                f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with full "
+                "checkpointing: no leaner plan is left; lower the budget given to AutoFit so that a lighter "
+                "optimizer is chosen."
+            )
+        rank_zero_warn(f"AutoFit: CUDA out of memory; re-planned one notch leaner: {leaner.summary()}")
+        self.plan = leaner
+        self._install(trainer, pl_module, leaner)
+        return leaner
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.as_dict() if self.plan is not None else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        plan = state_dict.get("plan")
+        self.plan = FitPlan.from_dict(plan) if plan else None
+
+
+def _guarded_step(callback: AutoFit, trainer: pl.Trainer, module: pl.LightningModule) -> Any:
+    """``training_step`` that, in the first steps, turns a CUDA OOM into a leaner plan and a retry (a plain
+    function: Lightning's ``is_overridden`` reads its ``__code__``)."""
+    step = type(module).training_step.__get__(module)
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            pass  # leave the except block so the traceback's frames (and their tensors) are freed
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        callback.replan_after_oom(trainer, module)
+        from lightning_memkit._checkpointing import apply_checkpointing
+
+        # This batch still has the old micro-batch size: run it under full checkpointing, the leanest.
+        with apply_checkpointing(module, "full"):
+            return step(*args, **kwargs)
+
+    training_step.autofit_guard = True  # type: ignore[attr-defined]
+    return training_step
+
+
+def _precision(trainer: pl.Trainer) -> str:
+    """The Trainer's precision as `estimate_memory` reads it; anything else is planned as 32-true."""
+    precision = str(trainer.precision)
+    return precision if precision in _SIMULATED else "32-true"

@@ -1,0 +1,169 @@
+"""plan_fit, FitPlan, AutoFit and `memkit plan` on the tiny GPT, on CPU."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_memkit import measure
+from lightning_memkit._autofit import FitPlan, StepCost, grid, plan_fit
+from lightning_memkit._budget import parse_budget
+from lightning_memkit.callbacks.auto_fit import AutoFit
+from lightning_memkit.cli import main
+from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
+
+G, T = 8, 32
+BUDGET = 24_000_000  # bytes: the default step (micro-batch 8, no checkpointing, AdamW) needs about 27 MB
+COST = StepCost(fixed=0.01, per_sample=0.01)  # a fixed cost model keeps the tests fast and deterministic
+
+
+@pytest.fixture(scope="module")
+def module():
+    torch.manual_seed(0)
+    return GPTLightningModule("tiny", max_steps=10)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    x = torch.randint(0, 256, (G, T))
+    return x, x.roll(-1, 1)
+
+
+@pytest.fixture(scope="module")
+def plan(module, batch):
+    return plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST)
+
+
+def test_plan_fits_and_is_the_largest_micro_batch(module, batch, plan):
+    assert plan.estimated_peak <= plan.limit == int(BUDGET * 0.9)
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == G
+    assert plan.optimizer == "adamw"  # the module's own, and it fits
+    peaks = grid(module, batch, optimizer="adamw", device="cpu")
+    fitting = [m for (m, level), peak in peaks.items() if level == plan.checkpointing and peak <= plan.limit]
+    assert plan.micro_batch_size == max(fitting)
+    assert peaks[(G, "none")] > plan.limit  # the default run does not fit
+    assert any(a.fits is False for a in plan.alternatives)
+
+
+def test_applied_plan_measured_peak_within_budget(module, batch, plan):
+    m = plan.micro_batch_size
+    with plan.apply(module) as applied:
+        assert applied.checkpointing is not None
+        optimizer = module.configure_optimizers()["optimizer"]
+        with measure(module, optimizer, device="cpu") as result:
+            for i in range(plan.accumulate_grad_batches):
+                part = tuple(t[i * m : (i + 1) * m] for t in batch)
+                loss = module.model(*part)[1] / plan.accumulate_grad_batches
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert result.breakdown.peak <= BUDGET
+
+
+def test_apply_swaps_optimizer_and_checkpoints(module):
+    from lightning_memkit._checkpointing import checkpoint_policies
+
+    plan = FitPlan(2, 4, "full", "sgd_momentum", "32-true", 1, budget=parse_budget(10**9))
+    with plan.apply(module):
+        config = module.configure_optimizers()
+        assert type(config["optimizer"]) is torch.optim.SGD
+        assert config["lr_scheduler"]["scheduler"].optimizer is config["optimizer"]
+        assert set(checkpoint_policies(module).values()) == {"full"}
+    assert type(module.configure_optimizers()["optimizer"]) is torch.optim.AdamW
+    assert checkpoint_policies(module) == {}
+
+
+def test_leaner_and_dict_round_trip(plan):
+    assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))) == plan
+    p = plan
+    seen = []
+    while p is not None:
+        assert p.micro_batch_size * p.accumulate_grad_batches == G
+        seen.append((p.micro_batch_size, p.checkpointing))
+        p = p.leaner()
+    assert seen[-1] == (1, "full")
+
+
+def test_infeasible_budget_names_floor_and_fixes(module, batch):
+    with pytest.raises(ValueError, match=r"Static floor.*leanest plan.*What would fit: .*GPUs .*fsdp"):
+        plan_fit(module, batch, 8_000_000, device="cpu", cost=COST)
+
+
+def test_lighter_optimizer_when_adamw_cannot_fit(module, batch):
+    plan = plan_fit(module, batch, 11_000_000, margin=0.0, device="cpu", cost=COST)
+    assert plan.optimizer == "adamw8bit"
+    assert plan.estimated_peak <= 11_000_000
+
+
+def test_multi_gpu_plan_is_per_rank(module, batch):
+    plan = plan_fit(module, batch, 12_000_000, margin=0.0, device="cpu", strategy="fsdp", n_gpus=4, cost=COST)
+    assert (plan.strategy, plan.n_gpus) == ("fsdp", 4)
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == G // 4
+
+
+def test_autofit_in_trainer(tmp_path):
+    torch.manual_seed(0)
+    module = GPTLightningModule("tiny", max_steps=4)
+    data = GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
+    callback = AutoFit(budget=BUDGET, cost="flops")
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, accelerator="cpu", devices=1,
+        callbacks=[callback], enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger(tmp_path), enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    plan = callback.plan
+    assert (plan.micro_batch_size, plan.checkpointing) != (G, "none")  # the default run does not fit
+    assert data.batch_size == plan.micro_batch_size
+    assert trainer.accumulate_grad_batches == plan.accumulate_grad_batches == G // plan.micro_batch_size
+    assert trainer.global_step == 2
+    logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    for key in ("autofit/micro_batch_size", "autofit/accumulate_grad_batches", "autofit/estimated_peak_mib"):
+        assert key in logged
+
+
+def test_autofit_replans_after_oom(tmp_path):
+    torch.manual_seed(0)
+    module = GPTLightningModule("tiny", max_steps=4)
+    original = GPTLightningModule.training_step
+    calls = {"n": 0}
+
+    def flaky(self, batch, batch_idx):
+        if type(batch[0]) is not torch.Tensor:  # the planner's simulated steps run on fake tensors
+            return original(self, batch, batch_idx)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(self, batch, batch_idx)
+
+    module.__class__ = type("Flaky", (GPTLightningModule,), {"training_step": flaky})
+    data = GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
+    callback = AutoFit(budget=BUDGET, cost="flops")
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, accelerator="cpu", devices=1,
+        callbacks=[callback], enable_progress_bar=False, enable_model_summary=False, logger=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="re-planned one notch leaner"):
+        trainer.fit(module, data)
+    assert trainer.global_step == 2
+    assert calls["n"] >= 3  # the OOM, its retry, the second step
+
+
+def test_cli_plan_json(capsys):
+    assert (
+        main(["plan", "--model", "tiny", "--gpu", "T4", "--global-batch", "8", "--seq-len", "32", "--json"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["micro_batch_size"] * out["accumulate_grad_batches"] == 8
+    assert out["estimated_peak"] <= out["limit"]
+
+
+def test_cli_plan_unknown_gpu(capsys):
+    assert (
+        main(["plan", "--model", "tiny", "--gpu", "A100-40", "--global-batch", "8", "--seq-len", "32"]) == 2
+    )
+    assert "Did you mean A100-40GB" in capsys.readouterr().err
