@@ -2,36 +2,60 @@
 
 Public surface (everything else lives in private modules):
 
-- `MemoryBreakdown`: a step's peak memory by category, in bytes.
-- `measure`: measure one training step of any model and optimizer.
-- `MemoryMonitor`: a Lightning callback that logs every step's breakdown.
-- `estimate_memory`: the same breakdown for a step that is simulated on fake tensors, before any memory
-  is spent (a 7B model planned on a laptop).
+- `MemoryBreakdown`: a step's peak memory by category, in bytes; `measure`: measure one training step
+  of any model and optimizer; `estimate_memory`: the same breakdown for a step simulated on fake tensors,
+  before any memory is spent.
+- Callbacks: `MemoryMonitor` (log every step's breakdown), `ActivationCheckpointing` (the cheapest
+  checkpointing plan that fits a budget), `OptimizerSwap` (the best optimizer that fits), `AutoFit`
+  (micro-batch, accumulation, checkpointing and optimizer for a GPU size).
+- The plain functions behind them: `plan_checkpointing` / `apply_checkpointing`, `fit_optimizer` /
+  `swap_optimizer`, `plan_fit`.
 - `parse_bytes`, `parse_budget`: read a memory size (``"24GB"``) or a budget (``"A100-40GB"``, ``0.9``).
 - `lightning_memkit.demos.gpt`: the bundled nanoGPT-style example.
 """
 
+from lightning_memkit._autofit import FitPlan, plan_fit
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget, parse_bytes
+from lightning_memkit._checkpointing import (
+    CheckpointPlan,
+    apply_checkpointing,
+    find_blocks,
+    plan_checkpointing,
+)
 from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
+from lightning_memkit._optim import CATALOGUE, OptimizerChoice, fit_optimizer, swap_optimizer
 from lightning_memkit._simulate import TimelineEvent, estimate_memory
-from lightning_memkit.callbacks import MemoryMonitor
+from lightning_memkit.callbacks import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CATALOGUE",
     "CATEGORIES",
     "GPUS",
+    "ActivationCheckpointing",
+    "AutoFit",
     "Budget",
+    "CheckpointPlan",
+    "FitPlan",
     "MemoryBreakdown",
     "MemoryMeasurement",
     "MemoryMonitor",
+    "OptimizerChoice",
+    "OptimizerSwap",
     "TimelineEvent",
     "__version__",
+    "apply_checkpointing",
     "estimate_memory",
+    "find_blocks",
+    "fit_optimizer",
     "format_bytes",
     "measure",
     "parse_budget",
     "parse_bytes",
+    "plan_checkpointing",
+    "plan_fit",
     "storage_bytes",
+    "swap_optimizer",
 ]

@@ -1,5 +1,8 @@
 """Lightning callbacks: thin adapters over the plain functions in the package."""
 
+from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
+from lightning_memkit.callbacks.optimizer_swap import OptimizerSwap
 
-__all__ = ["MemoryMonitor"]
+__all__ = ["ActivationCheckpointing", "AutoFit", "MemoryMonitor", "OptimizerSwap"]
