@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit._analytic import OPTIMIZERS, _choose
 from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._checkpointing import CheckpointPlan, apply_checkpointing
 from lightning_memkit._measure import (
     _CUDA_BLOCK,
     _Storage,
@@ -74,7 +75,7 @@ PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     "bf16-true": (torch.bfloat16, None),
 }
 DEVICES = ("cuda", "cpu")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "selective", "selective_half", "full")
 
 _SIM_DEVICE = torch.device("cpu")  # where the fake tensors live; see the module docstring for why
 # Left out of the timeline: metadata queries (fake tensors answer ``.device`` through dispatch) and the
@@ -334,46 +335,6 @@ def _loss_of(output: Any) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpointing
-# --------------------------------------------------------------------------------------------------
-
-
-def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of the model's largest ``nn.ModuleList``/``nn.Sequential`` of same-typed modules."""
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.children())
-            if len(children) > len(best) and len({type(c) for c in children}) == 1:
-                best = children
-    return best
-
-
-@contextlib.contextmanager
-def _full_checkpointing(model: nn.Module) -> Iterator[None]:
-    """Recompute every repeated block in backward (``use_reentrant=False``), as ``checkpoint_sequential``."""
-    from torch.utils.checkpoint import checkpoint
-
-    blocks = _repeated_blocks(model)
-    if len(blocks) < 2:
-        raise ValueError(
-            f"checkpointing='full' recomputes the model's repeated blocks, but {type(model).__name__} has no "
-            "repeated blocks (an nn.ModuleList or nn.Sequential of same-typed modules); checkpoint inside "
-            "the model's forward instead and pass checkpointing=None."
-        )
-    own = [block.__dict__.get("forward") for block in blocks]  # a forward the user set on the instance
-    for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    try:
-        yield
-    finally:
-        for block, forward in zip(blocks, own, strict=True):
-            del block.forward
-            if forward is not None:
-                block.forward = forward
-
-
-# --------------------------------------------------------------------------------------------------
 # The step
 # --------------------------------------------------------------------------------------------------
 
@@ -454,7 +415,7 @@ def estimate_memory(
     optimizer: OptimizerLike | None = ...,
     loss_fn: Callable[[Any, Any], Tensor] | None = ...,
     precision: str = ...,
-    checkpointing: str | None = ...,
+    checkpointing: str | CheckpointPlan | None = ...,
     device: str | torch.device = ...,
     first_step: bool = ...,
     return_timeline: Literal[False] = ...,
@@ -469,7 +430,7 @@ def estimate_memory(
     optimizer: OptimizerLike | None = ...,
     loss_fn: Callable[[Any, Any], Tensor] | None = ...,
     precision: str = ...,
-    checkpointing: str | None = ...,
+    checkpointing: str | CheckpointPlan | None = ...,
     device: str | torch.device = ...,
     first_step: bool = ...,
     return_timeline: Literal[True],
@@ -483,7 +444,7 @@ def estimate_memory(
     optimizer: OptimizerLike | None = None,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     precision: str = "32-true",
-    checkpointing: str | None = None,
+    checkpointing: str | CheckpointPlan | None = None,
     device: str | torch.device = "cuda",
     first_step: bool = False,
     return_timeline: bool = False,
@@ -509,10 +470,10 @@ def estimate_memory(
         loss_fn: ``(output, target) -> loss`` for a plain module; not used for a LightningModule.
         precision: a Lightning precision string: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
             ``"16-true"``, ``"bf16-true"``, ``"64-true"``.
-        checkpointing: ``None`` (or ``"none"``): the model as written. ``"full"``: every block of the
-            model's largest ``nn.ModuleList``/``nn.Sequential`` of same-typed modules is recomputed in
-            backward (``torch.utils.checkpoint``, ``use_reentrant=False``). Selective plans are not
-            simulated yet.
+        checkpointing: ``None`` (or ``"none"``): the model as written. A policy name (``"full"``,
+            ``"selective"``, ``"selective_half"``) for every block `find_blocks` finds, or a
+            `CheckpointPlan` / ``{module name: policy}`` mapping: applied with `apply_checkpointing` for
+            the simulation only, and undone after it.
         device: the device type to plan for, ``"cuda"`` (the default: 512-byte allocator blocks, foreach
             optimizer kernels) or ``"cpu"``.
         first_step: estimate the first step, before the optimizer has state, instead of the steady state.
@@ -534,13 +495,8 @@ def estimate_memory(
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     target = torch.device(device)
     _choose("device", target.type, DEVICES)
-    if checkpointing is not None:
-        checkpointing = _choose("checkpointing", checkpointing, (*CHECKPOINTING, "selective"))
-        if checkpointing == "selective":
-            raise NotImplementedError(
-                "checkpointing='selective' is not simulated yet; use the analytic estimate "
-                "(estimate_analytic(..., checkpointing='selective')) or checkpointing='full'."
-            )
+    if isinstance(checkpointing, str):
+        checkpointing = _choose("checkpointing", checkpointing, CHECKPOINTING)
     if autocast_dtype == torch.float16 and target.type == "cpu":
         autocast_dtype = torch.bfloat16  # as Lightning does: fp16 AMP is not supported on CPU
     lightning = _is_lightning(model)
@@ -568,8 +524,8 @@ def estimate_memory(
         warnings.filterwarnings("ignore", message=".*[Pp]aged optimizers are not supported on CPU.*")
         if lightning:
             stack.enter_context(_lightning_stand_ins(model))
-        if checkpointing == "full":
-            stack.enter_context(_full_checkpointing(model))
+        if checkpointing is not None and checkpointing != "none":
+            stack.enter_context(apply_checkpointing(model, checkpointing))  # undone on exit
         fake_batch = _fake_batch(batch, mode, param_dtype)
 
         # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
