@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 
 from lightning_memkit._analytic import OPTIMIZERS, _choose
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
-from lightning_memkit._budget import parse_bytes
+from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._measure import _rounded
 
 __all__ = [
@@ -706,7 +706,7 @@ def _infeasible(budget: int, best: tuple[str, MemoryBreakdown], tried: list, met
 def fit_optimizer(
     model: nn.Module,
     optimizer: Optimizer | Sequence[Optimizer],
-    budget: int | str,
+    budget: int | float | str | Budget,
     *,
     batch: Any = None,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
@@ -726,7 +726,8 @@ def fit_optimizer(
         model: the model ``optimizer`` trains (a plain ``nn.Module`` or a ``LightningModule``).
         optimizer: the configured optimizer, or several (each that is known is swapped to the same
             candidate, deciding on their sum).
-        budget: bytes, or a string like ``"24GiB"``: what one training step may use at its peak.
+        budget: what one training step may use at its peak: bytes, a size (``"24GiB"``), a GPU name
+            (``"A100-40GB"``), a fraction of the current CUDA device or ``"auto"`` (`parse_budget`).
         batch: an example batch. With it the whole step is simulated on fake tensors
             (`estimate_memory`): a ``LightningModule``'s own ``training_step``, or
             ``loss_fn(model(input), target)`` with ``input, target = batch``. Without it (or with several
@@ -754,7 +755,7 @@ def fit_optimizer(
         choice.rebind(scheduler)
         print(choice.summary())
     """
-    budget = parse_bytes(budget)
+    budget = parse_budget(budget).usable
     optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
     if step_peak is not None:
         estimate, method = _given(step_peak), "given"

@@ -554,6 +554,11 @@ def test_strategies_that_own_the_optimizer_are_skipped():
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="Unknown optimizer candidate 'adam8bit'"):
         OptimizerSwap("1GiB", candidates=("adam8bit",))
-    with pytest.raises(ValueError, match="Cannot read"):
+    with pytest.raises(ValueError, match="Unknown GPU or size 'lots'"):
         OptimizerSwap("lots")
+    assert OptimizerSwap("A100-40GB").budget < 40 * 2**30  # the CUDA context and a reserve taken off
+    assert OptimizerSwap(0.9).budget is None  # read from the device at setup
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            OptimizerSwap("auto").setup(SimpleNamespace(), None, "fit")
     assert OptimizerSwap("1GiB").load_state_dict({}) is None  # old or empty checkpoints load

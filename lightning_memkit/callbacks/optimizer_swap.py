@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MiB
-from lightning_memkit._budget import parse_bytes
+from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._optim import (
     CATALOGUE,
     DEFAULT_CANDIDATES,
@@ -91,8 +91,10 @@ class OptimizerSwap(Callback):
       cycle momentum (``OneCycleLR``, ``CyclicLR``) keep writing the original's momentum key.
 
     Args:
-        budget: bytes, or a string like ``"24GiB"``: what one training step may use at its peak, per
-            device.
+        budget: what one training step may use at its peak, per device: bytes, a size (``"24GiB"``), a
+            GPU name (``"A100-40GB"``), a fraction of the current CUDA device (``0.9``) or ``"auto"``
+            (`lightning_memkit._budget.parse_budget`; devices lose the CUDA context and a fragmentation
+            reserve).
         candidates: catalogue names to try, best first (default: adamw, adamw8bit, lion, lion8bit,
             adafactor, sgd_momentum, sgd).
         allow_unknown: also swap optimizers the catalogue does not know.
@@ -107,11 +109,13 @@ class OptimizerSwap(Callback):
 
     def __init__(
         self,
-        budget: int | str,
+        budget: int | float | str | Budget,
         candidates: Sequence[str] = DEFAULT_CANDIDATES,
         allow_unknown: bool = False,
     ) -> None:
-        self.budget = parse_bytes(budget)
+        self._budget_spec = budget
+        #: Bytes the step's peak may reach; read from the device in ``setup`` for ``"auto"`` or a fraction.
+        self.budget: int | None = None if _reads_device(budget) else parse_budget(budget).usable
         self.candidates = _validate_candidates(candidates)
         self.allow_unknown = allow_unknown
         #: The decision, once made (``None`` before the first batch, and in a resumed run).
@@ -124,6 +128,8 @@ class OptimizerSwap(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if self.budget is None:
+            self.budget = parse_budget(self._budget_spec).usable
         strategy = trainer.strategy
         if strategy.restore_checkpoint_after_setup or not strategy.lightning_restore_optimizer:
             rank_zero_warn(
@@ -150,6 +156,7 @@ class OptimizerSwap(Callback):
     ) -> None:
         if self._disabled or self._state:
             return
+        assert self.budget is not None  # resolved in setup
         old = list(trainer.strategy.optimizers)
         estimate, method = self._estimator(trainer, pl_module, batch)
         choice = choose(
@@ -240,3 +247,8 @@ class OptimizerSwap(Callback):
         for logger in trainer.loggers:
             logger.log_hyperparams({"optimizer_swap/optimizer": choice.name or "unknown"})
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _reads_device(budget: Any) -> bool:
+    """``"auto"`` and fractions are read from the CUDA device, once the run is on it."""
+    return isinstance(budget, float) or (isinstance(budget, str) and budget.strip().lower() == "auto")
