@@ -103,17 +103,11 @@ def _between(model: nn.Module, fits: str, over: str) -> int:
 
 
 @pytest.fixture
-def trainer_kwargs(tmp_path):
-    return dict(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-    )
+def trainer_kwargs(trainer_kwargs):
+    """conftest's Trainer settings, for one epoch and without a logger."""
+    kwargs = {**trainer_kwargs, "max_epochs": 1, "logger": False}
+    del kwargs["max_steps"]  # the tests set their own
+    return kwargs
 
 
 @pytest.fixture
