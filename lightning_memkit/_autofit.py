@@ -113,11 +113,17 @@ class StepCost:
         return accumulate * per_micro
 
 
-def _slice(batch: Any, m: int) -> Any:
-    """The first ``m`` samples of every tensor in ``batch`` (dim 0)."""
+def _slice(batch: Any, stop: int, start: int = 0) -> Any:
+    """Samples ``start:stop`` of every tensor in ``batch`` (dim 0); other leaves are kept whole."""
     from lightning.fabric.utilities.apply_func import apply_to_collection
 
-    return apply_to_collection(batch, Tensor, lambda t: t[:m])
+    return apply_to_collection(batch, Tensor, lambda t: t[start:stop] if t.dim() > 0 else t)
+
+
+def pieces(batch: Any, size: int) -> list[Any]:
+    """``batch`` cut along dim 0 into consecutive slices of ``size`` samples (the last may be shorter)."""
+    total = _batch_size(batch)
+    return [_slice(batch, min(start + size, total), start) for start in range(0, total, size)]
 
 
 def _batch_size(batch: Any) -> int:

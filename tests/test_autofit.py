@@ -124,32 +124,99 @@ def test_autofit_in_trainer(tmp_path):
         assert key in logged
 
 
-def test_autofit_replans_after_oom(tmp_path):
-    torch.manual_seed(0)
-    module = GPTLightningModule("tiny", max_steps=4)
-    original = GPTLightningModule.training_step
-    calls = {"n": 0}
+class _Device(GPTLightningModule):
+    """The tiny GPT on a pretend device that runs out of memory when a real step on batch ``at`` has more
+    than ``rows`` samples: in the forward, or in the backward, raised at block 1's output, after the layers
+    above it have accumulated their gradients."""
 
-    def flaky(self, batch, batch_idx):
-        if type(batch[0]) is not torch.Tensor:  # the planner's simulated steps run on fake tensors
-            return original(self, batch, batch_idx)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return original(self, batch, batch_idx)
+    def __init__(self, rows: int | None = None, where: str = "forward", at: int = 0) -> None:
+        torch.manual_seed(0)
+        super().__init__("tiny", max_steps=4)
+        self.rows, self.where, self.at, self.ooms = rows, where, at, 0
+        self.grads: list[dict[str, torch.Tensor]] = []  # each optimizer step's gradients
 
-    module.__class__ = type("Flaky", (GPTLightningModule,), {"training_step": flaky})
-    data = GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
-    callback = AutoFit(budget=BUDGET, cost="flops")
-    trainer = L.Trainer(
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        fits = self.rows is None or type(x) is not torch.Tensor or batch_idx != self.at or len(x) <= self.rows
+        if not fits and self.where == "forward":
+            self._oom()
+        hook = None if fits else self.model.blocks[1].register_forward_hook(self._oom_in_backward)
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def _oom(self, *_):
+        self.ooms += 1
+        raise torch.OutOfMemoryError("out of memory (pretend device)")
+
+    def _oom_in_backward(self, module, args, output):
+        output.register_hook(self._oom)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
+
+
+def _fit_on_device(tmp_path, module, budget=20_000_000, ckpt_path=None, **trainer_kwargs):
+    L.seed_everything(0)
+    callback = AutoFit(budget=budget, cost="flops")
+    kwargs = dict(
         default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, accelerator="cpu", devices=1,
         callbacks=[callback], enable_progress_bar=False, enable_model_summary=False, logger=False,
         enable_checkpointing=False,
     )  # fmt: skip
+    trainer = L.Trainer(**{**kwargs, **trainer_kwargs})
+    trainer.fit(module, GPTDataModule(batch_size=G, seq_len=T, num_sentences=300), ckpt_path=ckpt_path)
+    return trainer, callback
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run the pretend device's runs must reproduce: micro-batch 4 x 2, selective, no OOM."""
+    module = _Device()
+    _, callback = _fit_on_device(tmp_path_factory.mktemp("reference"), module)
+    assert (callback.plan.micro_batch_size, callback.plan.accumulate_grad_batches) == (4, 2)
+    assert callback.plan.checkpointing == "selective"
+    return module
+
+
+@pytest.mark.parametrize(("where", "at"), [("forward", 0), ("backward", 1)])
+def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
+    """An OOM re-plans leaner until the step fits and loses no sample and counts no gradient twice: the
+    optimizer sees the same gradients as the run without OOM. Batch 1 is the second micro-batch of the
+    step: its failed backward already added some layers' gradients to batch 0's."""
+    module = _Device(rows=2, where=where, at=at)
     with pytest.warns(UserWarning, match="re-planned one notch leaner"):
-        trainer.fit(module, data)
+        trainer, callback = _fit_on_device(tmp_path, module)
+    assert module.ooms == 2  # selective -> full at micro-batch 4 (OOM again) -> micro-batch 2
+    plan = callback.plan
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (2, 4, "full")
+    assert trainer.accumulate_grad_batches == 2  # the dataloader still yields 4; the guard cuts them
     assert trainer.global_step == 2
-    assert calls["n"] >= 3  # the OOM, its retry, the second step
+    assert len(module.grads) == len(reference.grads) == 2
+    for name, grad in reference.grads[0].items():
+        torch.testing.assert_close(module.grads[0][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert "training_step" not in module.__dict__  # handed back at the end of the fit
+
+
+def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
+    with pytest.raises(RuntimeError, match="no leaner plan is left"):
+        _fit_on_device(tmp_path, _Device(rows=0))
+
+
+def test_resume_installs_the_saved_plan(tmp_path):
+    """A resumed run trains with the plan its checkpoint was made with (its optimizer, whose state the
+    checkpoint holds), whatever a new plan would be."""
+    trainer, callback = _fit_on_device(tmp_path, _Device(), budget=15_000_000, enable_checkpointing=True)
+    saved = callback.plan
+    assert saved.optimizer == "adamw8bit"
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    trainer, callback = _fit_on_device(tmp_path, _Device(), budget=10**9, ckpt_path=ckpt, max_steps=3)
+    assert callback.plan == saved
+    assert type(trainer.optimizers[0]).__name__ == "AdamW8bit"
+    assert trainer.accumulate_grad_batches == saved.accumulate_grad_batches
+    assert trainer.global_step == 3
 
 
 def test_cli_plan_json(capsys):

@@ -1,6 +1,8 @@
-"""MemoryMonitor under 2-process DDP on CPU (gloo): every rank's figure reaches rank 0's logger."""
+"""Callbacks under 2-process DDP on CPU (gloo): MemoryMonitor's figures from every rank reach rank 0's
+logger; AutoFit plans on rank 0 and every rank installs that plan."""
 
 import csv
+import json
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -9,7 +11,7 @@ import torch.distributed
 from conftest import EncoderLM
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_memkit import MemoryMonitor
+from lightning_memkit import AutoFit, MemoryMonitor
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -38,3 +40,45 @@ def test_ddp_logs_each_rank_without_deadlock(tmp_path):
         # Same model, same batch shapes: the ranks' peaks agree to within the DDP buckets' layout.
         assert rank1 == pytest.approx(rank0, rel=0.25)
     assert (log_dir / "memory.png").exists()
+
+
+class _RecordingAutoFit(AutoFit):
+    """AutoFit that notes, per rank, whether the rank planned and what it installed."""
+
+    def __init__(self, out: Path, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def _plan(self, trainer, pl_module):
+        (self.out / f"planned_{trainer.global_rank}").touch()
+        return super()._plan(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        record = {
+            "plan": self.plan.as_dict(),
+            "batch_size": pl_module.hparams.batch_size,
+            "accumulate": trainer.accumulate_grad_batches,
+            "guarded": "training_step" in pl_module.__dict__,
+        }
+        (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_ddp_autofit_rank_zero_plans_for_all(tmp_path):
+    """Rank 0 plans, every rank installs the same plan. The OOM guard stays off: one rank cannot retry a
+    step alone while the others wait in the all-reduce."""
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2,
+        logger=False, callbacks=[_RecordingAutoFit(tmp_path, budget=8_000_000, cost="flops")],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(EncoderLM(batch_size=8))
+    assert (tmp_path / "planned_0").exists() and not (tmp_path / "planned_1").exists()
+    rank0, rank1 = (json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1
+    plan = rank0["plan"]
+    m, accumulate = plan["micro_batch_size"], plan["accumulate_grad_batches"]
+    assert m < 8 and plan["estimated_peak"] <= plan["limit"]  # the default micro-batch does not fit
+    assert (rank0["batch_size"], rank0["accumulate"]) == (m, accumulate)
+    assert m * accumulate == 8
+    assert not rank0["guarded"]

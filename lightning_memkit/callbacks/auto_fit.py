@@ -17,11 +17,15 @@ plan is for one rank's unsharded step (what DDP runs); under FSDP/DeepSpeed it i
 the Trainer's: a callback cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
 
 After. For the first ``verify_steps`` steps on CUDA the measured peak (``torch.cuda.max_memory_allocated``)
-is compared with the plan and a warning names both when it is over. A CUDA OOM raised by ``training_step``
-in those steps frees the cache, switches to `FitPlan.leaner` (stronger checkpointing first, which applies
-at once; a smaller micro-batch applies from the next dataloader reload) and retries the same batch under
-full checkpointing, so that batch is not lost. An OOM in backward or the optimizer step, outside
-``training_step``, is not caught.
+is compared with the plan and a warning names both when it is over. In those steps an out-of-memory error
+in the forward or the backward (`StepGuard <lightning_memkit.callbacks._step_guard>`) frees what the failed
+attempt held, switches to `FitPlan.leaner` (stronger checkpointing first, then half the micro-batch) and
+runs the same batch again, cut into slices of the new micro-batch, without counting any gradient twice:
+the batch is not lost and the global batch is unchanged. One process, automatic optimization; an OOM in
+the optimizer step is not recovered from (a warning says what to change).
+
+Resume. The plan is saved with the callback's state; a resumed run installs the saved plan (its optimizer
+among it) before the optimizers are built, so the checkpoint's optimizer state loads into the same optimizer.
 
 Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit/accumulate_grad_batches``,
 ``autofit/estimated_peak_mib`` (MiB, 2**20 bytes).
@@ -29,7 +33,6 @@ Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +46,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning_memkit._autofit import FitPlan, plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
+from lightning_memkit.callbacks._step_guard import StepGuard
 
 __all__ = ["AutoFit"]
 
@@ -60,7 +64,8 @@ class AutoFit(Callback):
         optimizers: candidate catalogue names in quality order (default: the module's own, then lighter).
         checkpointing: the uniform checkpointing levels allowed.
         cost: the throughput model (`plan_fit`'s ``cost``).
-        verify_steps: steps whose measured peak is checked and whose OOM is recovered from (CUDA).
+        verify_steps: first steps whose measured peak is checked (CUDA) and whose OOM in the forward or
+            backward is recovered from (one process, automatic optimization); 0 turns both off.
     """
 
     def __init__(
@@ -81,7 +86,9 @@ class AutoFit(Callback):
         self.verify_steps = verify_steps
         self.plan: FitPlan | None = None
         self._applied: Any = None
-        self._original_step: Any = None
+        self._guard: StepGuard | None = None
+        self._target: tuple[pl.Trainer, pl.LightningModule] | None = None
+        self._first_step = 0  # the global step this process started training at
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -96,7 +103,8 @@ class AutoFit(Callback):
             )
         local = self._plan(trainer, pl_module).as_dict() if trainer.is_global_zero else None
         self.plan = FitPlan.from_dict(trainer.strategy.broadcast(local, src=0))
-        self._install(trainer, pl_module, self.plan)
+        self._target = (trainer, pl_module)
+        self._install(self.plan)
         rank_zero_info(f"AutoFit: {self.plan}")
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
@@ -126,21 +134,27 @@ class AutoFit(Callback):
             )
         return parse_budget(self.budget)
 
-    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: FitPlan) -> None:
+    def _install(self, plan: FitPlan) -> None:
+        assert self._target is not None
+        trainer, pl_module = self._target
         lightning_setattr(pl_module, self.batch_size_attr, plan.micro_batch_size)
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        self._apply(plan)
+        if self._guard is None and self.verify_steps > 0 and _recoverable(trainer, pl_module):
+            self._guard = StepGuard(pl_module, self._replan)
+
+    def _apply(self, plan: FitPlan) -> None:
+        assert self._target is not None
         if self._applied is not None:
             self._applied.remove()
-        self._applied = plan.apply(pl_module)
-        if self._original_step is None and self.verify_steps > 0:
-            self._original_step = pl_module.__dict__.get("training_step")
-            pl_module.training_step = _guarded_step(self, trainer, pl_module)
+        self._applied = plan.apply(self._target[1])
 
     # --- after planning -------------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.plan is None:
             return
+        self._first_step = trainer.global_step
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         metrics = {
@@ -154,10 +168,13 @@ class AutoFit(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.plan is None or trainer.global_step > self.verify_steps:
+        steps = trainer.global_step - self._first_step
+        if self.plan is None or steps > self.verify_steps:
             return
-        if trainer.global_step == self.verify_steps:
-            self._restore_step(pl_module)
+        if steps == self.verify_steps and self._guard is not None:
+            self._guard.catch(False)
+            if self._guard.size is None:  # nothing to cut: the module gets its own hooks back
+                self._release()
         device = trainer.strategy.root_device
         if device.type != "cuda":
             return
@@ -170,17 +187,32 @@ class AutoFit(Callback):
                 "raise margin= or lower the budget."
             )
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore_step(pl_module)
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self.plan is not None and isinstance(exception, torch.OutOfMemoryError):
+            rank_zero_warn(
+                f"AutoFit: out of memory with the plan {self.plan.summary()}. Outside the first "
+                f"{self.verify_steps} steps' forward and backward an OOM is not recovered from; if it came "
+                "from the optimizer step or a later, larger batch, lower the budget given to AutoFit (a "
+                "lighter optimizer and a smaller micro-batch follow) or raise margin=."
+            )
+        self._release()
 
-    def _restore_step(self, pl_module: pl.LightningModule) -> None:
-        if getattr(pl_module.__dict__.get("training_step"), "autofit_guard", False):
-            del pl_module.__dict__["training_step"]
-            if self._original_step is not None:
-                pl_module.training_step = self._original_step
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
 
-    def replan_after_oom(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
-        """Switch to the plan one notch leaner (`FitPlan.leaner`); raises if there is none."""
+    def _release(self) -> None:
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+
+    def _replan(self) -> FitPlan:
+        """Switch to the plan one notch leaner (`FitPlan.leaner`) after an OOM; raises if none is left.
+
+        The checkpointing changes at once; the micro-batch by cutting batches (`StepGuard`): the Trainer's
+        accumulation and the dataloader stay as they are, so the global batch does.
+        """
         assert self.plan is not None
         leaner = self.plan.leaner()
         if leaner is None:
@@ -189,41 +221,29 @@ class AutoFit(Callback):
                 "checkpointing: no leaner plan is left; lower the budget given to AutoFit so that a lighter "
                 "optimizer is chosen."
             )
-        rank_zero_warn(f"AutoFit: CUDA out of memory; re-planned one notch leaner: {leaner.summary()}")
+        rank_zero_warn(f"AutoFit: out of memory; re-planned one notch leaner: {leaner.summary()}")
         self.plan = leaner
-        self._install(trainer, pl_module, leaner)
+        self._apply(leaner)
         return leaner
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.as_dict() if self.plan is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        plan = state_dict.get("plan")
-        self.plan = FitPlan.from_dict(plan) if plan else None
+        """Resume with the saved plan. Lightning restores callbacks after ``setup`` and, for one device and
+        DDP, before ``configure_optimizers``: the saved optimizer is the one built."""
+        saved = FitPlan.from_dict(state_dict["plan"]) if state_dict.get("plan") else None
+        if saved is None or saved == self.plan:
+            return
+        self.plan = saved
+        if self._target is not None:
+            self._install(saved)
+            rank_zero_info(f"AutoFit: resumed with the saved plan: {saved.summary()}")
 
 
-def _guarded_step(callback: AutoFit, trainer: pl.Trainer, module: pl.LightningModule) -> Any:
-    """``training_step`` that, in the first steps, turns a CUDA OOM into a leaner plan and a retry (a plain
-    function: Lightning's ``is_overridden`` reads its ``__code__``)."""
-    step = type(module).training_step.__get__(module)
-
-    def training_step(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return step(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            pass  # leave the except block so the traceback's frames (and their tensors) are freed
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        callback.replan_after_oom(trainer, module)
-        from lightning_memkit._checkpointing import apply_checkpointing
-
-        # This batch still has the old micro-batch size: run it under full checkpointing, the leanest.
-        with apply_checkpointing(module, "full"):
-            return step(*args, **kwargs)
-
-    training_step.autofit_guard = True  # type: ignore[attr-defined]
-    return training_step
+def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
+    """Whether `StepGuard` can recover from an OOM here: one process, automatic optimization."""
+    return trainer.world_size == 1 and module.automatic_optimization
 
 
 def _precision(trainer: pl.Trainer) -> str:
