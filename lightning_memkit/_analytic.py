@@ -381,15 +381,27 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
 }
 
 
-def shard(breakdown: MemoryBreakdown, strategy: str, n_gpus: int) -> MemoryBreakdown:
+def shard(
+    breakdown: MemoryBreakdown, strategy: str, n_gpus: int, *, gradient_bytes: int | None = None
+) -> MemoryBreakdown:
     """One rank's share: the categories ``strategy`` partitions are divided by ``n_gpus`` (rounded up).
 
     Activations and temporaries are per rank already (``batch`` is the per-device micro-batch) and are
     never divided. Sharding moves bytes between devices; the sum over ranks stays the same.
+
+    ``"ddp"`` over several ranks divides nothing and adds its reducer's flat all-reduce buckets to
+    ``gradients``: one more copy of every gradient, alive for the whole run (a DDP step on CPU/gloo peaks
+    higher than the same step unwrapped by exactly its gradient bytes, with ``gradient_as_bucket_view``
+    or without). ``gradient_bytes`` is that size where ``breakdown.gradients`` is not all of it (a
+    simulated peak taken before every gradient exists); ZeRO's and FSDP's own buffers are not modelled.
     """
     sharded = STRATEGIES[_choose("strategy", strategy, STRATEGIES)]
     _positive("n_gpus", n_gpus)
-    return replace(breakdown, **{c: _ceil_div(getattr(breakdown, c), n_gpus) for c in sharded})
+    one_rank = replace(breakdown, **{c: _ceil_div(getattr(breakdown, c), n_gpus) for c in sharded})
+    if strategy == "ddp" and n_gpus > 1:
+        buckets = breakdown.gradients if gradient_bytes is None else gradient_bytes
+        one_rank = replace(one_rank, gradients=one_rank.gradients + buckets)
+    return one_rank
 
 
 # --------------------------------------------------------------------------------------------------

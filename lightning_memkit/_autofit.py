@@ -510,20 +510,23 @@ class _Search:
         key = (m, checkpointing, optimizer, precision)
         if key not in self.cache:
             b = self.estimate(m, checkpointing, optimizer=optimizer, precision=precision)
-            self.cache[key] = shard(b, self.strategy, self.n_gpus)
+            grads = self._static(None, precision).gradients
+            self.cache[key] = shard(b, self.strategy, self.n_gpus, gradient_bytes=grads)
         return self.cache[key]
 
     def static(self, optimizer: str | None, precision: str) -> int:
         """A lower bound of the peak: sharded parameters + gradients + optimizer state, no simulation."""
         if optimizer is None:
             return 0
-        shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
-        scheme = precision if precision in ("bf16-mixed", "16-mixed", "bf16-true", "16-true") else "32-true"
         try:
-            return shard(static_breakdown(shapes, precision=scheme, optimizer=optimizer), self.strategy,
-                         self.n_gpus).static  # fmt: skip
+            return shard(self._static(optimizer, precision), self.strategy, self.n_gpus).static
         except ValueError:
             return 0
+
+    def _static(self, optimizer: str | None, precision: str) -> MemoryBreakdown:
+        shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
+        scheme = precision if precision in ("bf16-mixed", "16-mixed", "bf16-true", "16-true") else "32-true"
+        return static_breakdown(shapes, precision=scheme, optimizer=optimizer or "sgd")
 
 
 def _largest_fitting(fits: Callable[[int], bool], sizes: Sequence[int]) -> int | None:

@@ -48,6 +48,7 @@ from lightning_memkit._analytic import (
     _choose,
     estimate_analytic,
     shard,
+    static_breakdown,
 )
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, estimate_memory
@@ -257,10 +258,14 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if args.gpus > 1 or args.strategy != "ddp":
         sharded = STRATEGIES[args.strategy]
         analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
-        simulated = shard(simulated, args.strategy, args.gpus) if simulated is not None else None
+        if simulated is not None:
+            shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+            grads = static_breakdown(shapes, precision=args.precision, optimizer="sgd").gradients
+            simulated = shard(simulated, args.strategy, args.gpus, gradient_bytes=grads)
+        buckets = " and adds its all-reduce buckets (a copy of the gradients)" if args.gpus > 1 else ""
         notes.append(
             f"per rank: {args.strategy} over {args.gpus} GPU(s) divides "
-            f"{', '.join(sharded) or 'nothing'} by {args.gpus}"
+            f"{', '.join(sharded) or 'nothing'} by {args.gpus}{buckets if not sharded else ''}"
         )
     if args.json:
         print(json.dumps(_report(args, analytic, simulated, seconds, notes), indent=2))

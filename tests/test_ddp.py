@@ -80,5 +80,57 @@ def test_ddp_autofit_rank_zero_plans_for_all(tmp_path):
     m, accumulate = plan["micro_batch_size"], plan["accumulate_grad_batches"]
     assert m < 8 and plan["estimated_peak"] <= plan["limit"]  # the default micro-batch does not fit
     assert (rank0["batch_size"], rank0["accumulate"]) == (m, accumulate)
-    assert m * accumulate == 8
+    assert m * accumulate == 8 and (plan["n_gpus"], plan["strategy"]) == (2, "ddp")
     assert not rank0["guarded"]
+
+
+_BUCKETS = """
+import os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+sys.path.insert(0, sys.argv[1])
+from conftest import EncoderLM
+from lightning_memkit.testing import allocator_peak
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+x = torch.randint(0, 256, (8, 64))
+
+def run(wrap):
+    def job():  # the model is built inside the window: the profiler sees every allocation
+        torch.manual_seed(0)
+        model = EncoderLM()
+        net = DistributedDataParallel(model) if wrap else model
+        optimizer = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(net(x).flatten(0, 1), x.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return allocator_peak(job)
+
+print(run(False), run(True))
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_ddp_buckets_cost_one_copy_of_the_gradients(tmp_path):
+    """What `shard(..., "ddp", n)` adds, checked against the allocator: a DDP step peaks higher than the same
+    step unwrapped by the gradient bytes (one process, gloo, in a child so no process group leaks)."""
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_memkit._analytic import shard
+    from lightning_memkit._breakdown import MemoryBreakdown
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests = str(Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", _BUCKETS, tests, str(port)], capture_output=True, text=True, check=True
+    ).stdout
+    plain, ddp = map(int, out.split()[-2:])
+    grads = 4 * sum(p.numel() for p in EncoderLM().parameters())
+    assert ddp - plain == pytest.approx(grads, rel=0.01)
+    step = MemoryBreakdown(parameters=grads, gradients=grads)
+    assert shard(step, "ddp", 2).peak - step.peak == grads

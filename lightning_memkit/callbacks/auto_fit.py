@@ -11,10 +11,11 @@ plain dict, so every rank applies the same plan.
 
 How. The global batch is the batch size attribute (found as ``BatchSizeFinder`` finds it:
 ``lightning_hasattr``/``lightning_setattr`` on the module, its hparams and the datamodule) times the
-Trainer's ``accumulate_grad_batches``; the example batch is the train dataloader's first batch, repeated
-to the global size. The plan's micro-batch becomes the attribute and its accumulation the Trainer's. The
-plan is for one rank's unsharded step (what DDP runs); under FSDP/DeepSpeed it is conservative. Precision is
-the Trainer's: a callback cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
+Trainer's ``accumulate_grad_batches`` times the ranks; the example batch is the train dataloader's first
+batch, repeated to the global size. The plan's micro-batch becomes the attribute and its accumulation the
+Trainer's. The plan is one rank's step under the Trainer's strategy (`_analytic.shard`): DDP's all-reduce
+buckets are counted; FSDP and DeepSpeed ZeRO divide what they shard. Precision is the Trainer's: a callback
+cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
 
 After. For the first ``verify_steps`` steps on CUDA the measured peak (``torch.cuda.max_memory_allocated``)
 is compared with the plan and a warning names both when it is over. In those steps an out-of-memory error
@@ -108,11 +109,12 @@ class AutoFit(Callback):
         rank_zero_info(f"AutoFit: {self.plan}")
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
-        accumulate = trainer.accumulate_grad_batches
+        strategy, ranks = _sharding(trainer)
+        copies = trainer.accumulate_grad_batches * ranks
         source = trainer.datamodule if trainer.datamodule is not None else pl_module
         example = next(iter(source.train_dataloader()))
-        # (micro, ...) -> (micro * accumulate, ...): the global batch this rank sees per optimizer step.
-        example = apply_to_collection(example, torch.Tensor, lambda t: torch.cat([t] * accumulate))
+        # (micro, ...) -> (micro * accumulate * ranks, ...): the global batch of one optimizer step.
+        example = apply_to_collection(example, torch.Tensor, lambda t: torch.cat([t] * copies))
         device = trainer.strategy.root_device.type
         return plan_fit(
             pl_module,
@@ -123,6 +125,8 @@ class AutoFit(Callback):
             precision=_precision(trainer),
             checkpointing=self.checkpointing,
             device="cuda" if device == "cuda" else "cpu",
+            strategy=strategy,
+            n_gpus=ranks,
             cost=self.cost,
         )
 
@@ -244,6 +248,22 @@ class AutoFit(Callback):
 def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
     """Whether `StepGuard` can recover from an OOM here: one process, automatic optimization."""
     return trainer.world_size == 1 and module.automatic_optimization
+
+
+def _sharding(trainer: pl.Trainer) -> tuple[str, int]:
+    """The Trainer's strategy as `_analytic.STRATEGIES` names it, and its number of ranks."""
+    ranks, strategy = trainer.world_size, trainer.strategy
+    if ranks == 1:
+        return "ddp", 1
+    kind = type(strategy).__name__
+    if kind == "DeepSpeedStrategy":
+        return f"deepspeed_stage_{strategy.config['zero_optimization']['stage']}", ranks
+    if kind == "FSDPStrategy":
+        sharding = str(getattr(strategy, "sharding_strategy", "FULL_SHARD"))
+        if "SHARD_GRAD_OP" in sharding:
+            return "zero2", ranks
+        return ("ddp" if "NO_SHARD" in sharding else "fsdp"), ranks
+    return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
 
 
 def _precision(trainer: pl.Trainer) -> str:
