@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import lightning.pytorch as pl
 import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action, MemoryProfile
@@ -68,22 +69,10 @@ class AllocatorPeaks:
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
-        import lightning.pytorch as pl
-
         self.device = torch.device(device)
         self.peaks: list[int] = []
         self._prof: profile | None = None
-        outer = self
-
-        class Start(pl.Callback):
-            def on_train_batch_start(self, *args: object) -> None:
-                outer._open()
-
-        class Stop(pl.Callback):
-            def on_train_batch_end(self, *args: object) -> None:
-                outer._close()
-
-        self.start, self.stop = Start(), Stop()
+        self.start, self.stop = _Open(self), _Close(self)
 
     def around(self, *callbacks: object) -> list:
         return [self.start, *callbacks, self.stop]
@@ -105,3 +94,19 @@ class AllocatorPeaks:
             self._prof.stop()
             self.peaks.append(profile_peak(self._prof, self.device))
             self._prof = None
+
+
+class _Open(pl.Callback):  # module level, so that ddp_spawn can pickle it
+    def __init__(self, peaks: AllocatorPeaks) -> None:
+        self.peaks = peaks
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.peaks._open()
+
+
+class _Close(pl.Callback):
+    def __init__(self, peaks: AllocatorPeaks) -> None:
+        self.peaks = peaks
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.peaks._close()

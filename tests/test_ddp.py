@@ -11,35 +11,55 @@ import torch.distributed
 from conftest import EncoderLM
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_memkit import AutoFit, MemoryMonitor
+from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
+from lightning_memkit._analytic import shard
+from lightning_memkit._breakdown import MiB
+from lightning_memkit.testing import AllocatorPeaks
+
+
+class _Record(pl.Callback):
+    """Writes each rank's allocator peaks and MemoryMonitor history to ``out`` (ranks are processes)."""
+
+    def __init__(self, out: Path, peaks: AllocatorPeaks, monitor: MemoryMonitor) -> None:
+        self.out, self.peaks, self.monitor = out, peaks, monitor
+
+    def on_train_end(self, trainer, pl_module):
+        record = {"allocator": self.peaks.peaks, "monitor": [b.peak for _, b in self.monitor.history]}
+        (self.out / f"peaks_{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-def test_ddp_logs_each_rank_without_deadlock(tmp_path):
-    logger = CSVLogger(tmp_path, name="ddp")
+def test_ddp_logs_each_rank_matching_the_allocator(tmp_path):
+    """Every rank's figure reaches rank 0's logger without a deadlock; each rank's measured peak matches
+    its allocator; the estimate for one DDP rank (`shard` adds the all-reduce buckets) matches it too."""
+    peaks, monitor = AllocatorPeaks(), MemoryMonitor()
+    callbacks = [*peaks.around(monitor), _Record(tmp_path, peaks, monitor)]
     trainer = pl.Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        max_steps=3,
-        logger=logger,
-        callbacks=[MemoryMonitor()],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3,
+        logger=CSVLogger(tmp_path, name="ddp"), callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
     trainer.fit(EncoderLM())
     (log_dir,) = {p.parent for p in Path(tmp_path, "ddp").rglob("metrics.csv")}  # rank 0 wrote it
     with open(log_dir / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("memory/peak")]
     assert len(rows) == 3
     for row in rows:
-        rank0, rank1 = float(row["memory/rank_0/peak"]), float(row["memory/rank_1/peak"])
-        assert float(row["memory/peak"]) == rank0
-        # Same model, same batch shapes: the ranks' peaks agree to within the DDP buckets' layout.
-        assert rank1 == pytest.approx(rank0, rel=0.25)
+        assert float(row["memory/peak"]) == float(row["memory/rank_0/peak"])
     assert (log_dir / "memory.png").exists()
+
+    model = EncoderLM()
+    x = torch.randint(0, 256, (8, 64))
+    estimate = estimate_memory(model, (x, x), optimizer="adamw", device="cpu")
+    grads = 4 * sum(p.numel() for p in model.parameters())
+    one_rank = shard(estimate, "ddp", 2, gradient_bytes=grads).peak
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"peaks_{rank}.json").read_text())
+        for measured, truth in zip(record["monitor"], record["allocator"], strict=True):
+            assert measured == pytest.approx(truth, rel=0.001)
+        logged = float(rows[-1][f"memory/rank_{rank}/peak"]) * MiB
+        assert logged == pytest.approx(record["monitor"][-1], rel=1e-4)
+        assert one_rank == pytest.approx(record["allocator"][-1], rel=0.01)  # a step with last step's grads
 
 
 class _RecordingAutoFit(AutoFit):
@@ -119,7 +139,6 @@ def test_ddp_buckets_cost_one_copy_of_the_gradients(tmp_path):
     import subprocess
     import sys
 
-    from lightning_memkit._analytic import shard
     from lightning_memkit._breakdown import MemoryBreakdown
 
     with socket.socket() as s:
