@@ -12,13 +12,16 @@ time, and a monitor built on it would break users' own profiling.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action, MemoryProfile
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["AllocatorPeaks", "allocator_peak", "cpu_profiler", "profile_peak"]
+__all__ = ["AllocatorPeaks", "PretendOOM", "allocator_peak", "cpu_profiler", "profile_peak"]
 
 
 def cpu_profiler() -> profile:
@@ -110,3 +113,51 @@ class _Close(pl.Callback):
 
     def on_train_batch_end(self, *args: object) -> None:
         self.peaks._close()
+
+
+class PretendOOM:
+    """Makes a LightningModule behave as if on a small device, to test out-of-memory handling on any machine.
+
+    A real (not fake) ``training_step`` on batch ``batch_idx`` with more than ``rows`` samples raises
+    `torch.OutOfMemoryError`: in the forward, or with ``where="backward"`` when the gradient reaches
+    ``layer``'s output, after the layers above it have accumulated theirs. ``raised`` counts the errors.
+    It takes the module's ``training_step`` (an instance attribute); ``remove()`` gives it back.
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        rows: int,
+        *,
+        where: str = "forward",
+        layer: nn.Module | None = None,
+        batch_idx: int = 0,
+    ) -> None:
+        if where not in ("forward", "backward") or (where == "backward") != (layer is not None):
+            raise ValueError("where='forward', or where='backward' with the layer= to raise at")
+        self.module, self.rows, self.where, self.layer, self.batch_idx = module, rows, where, layer, batch_idx
+        self.raised = 0
+        self._step = module.training_step
+        module.__dict__["training_step"] = self.training_step
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        x = next(t for t in tree_leaves(batch) if isinstance(t, Tensor))
+        if type(x) is not Tensor or batch_idx != self.batch_idx or len(x) <= self.rows:
+            return self._step(batch, batch_idx, *args, **kwargs)
+        if self.layer is None:
+            self._raise()
+        hook = self.layer.register_forward_hook(self._raise_in_backward)
+        try:
+            return self._step(batch, batch_idx, *args, **kwargs)
+        finally:
+            hook.remove()
+
+    def _raise_in_backward(self, layer: nn.Module, args: object, out: Tensor) -> None:
+        out.register_hook(self._raise)
+
+    def _raise(self, *_: object) -> None:
+        self.raised += 1
+        raise torch.OutOfMemoryError(f"out of memory (pretend: more than {self.rows} samples)")
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("training_step", None)

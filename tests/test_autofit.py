@@ -13,6 +13,7 @@ from lightning_memkit._budget import parse_budget
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
+from lightning_memkit.testing import PretendOOM
 
 G, T = 8, 32
 BUDGET = 24_000_000  # bytes: the default step (micro-batch 8, no checkpointing, AdamW) needs about 27 MB
@@ -125,34 +126,17 @@ def test_autofit_in_trainer(tmp_path):
 
 
 class _Device(GPTLightningModule):
-    """The tiny GPT on a pretend device that runs out of memory when a real step on batch ``at`` has more
-    than ``rows`` samples: in the forward, or in the backward, raised at block 1's output, after the layers
-    above it have accumulated their gradients."""
+    """The tiny GPT, recording the gradients of each optimizer step; ``PretendOOM`` runs it on a pretend
+    device that runs out of memory above ``rows`` samples on batch ``at``: in the forward, or in the
+    backward at block 1's output, after the layers above it have accumulated their gradients."""
 
     def __init__(self, rows: int | None = None, where: str = "forward", at: int = 0) -> None:
         torch.manual_seed(0)
         super().__init__("tiny", max_steps=4)
-        self.rows, self.where, self.at, self.ooms = rows, where, at, 0
-        self.grads: list[dict[str, torch.Tensor]] = []  # each optimizer step's gradients
-
-    def training_step(self, batch, batch_idx):
-        x = batch[0]
-        fits = self.rows is None or type(x) is not torch.Tensor or batch_idx != self.at or len(x) <= self.rows
-        if not fits and self.where == "forward":
-            self._oom()
-        hook = None if fits else self.model.blocks[1].register_forward_hook(self._oom_in_backward)
-        try:
-            return super().training_step(batch, batch_idx)
-        finally:
-            if hook is not None:
-                hook.remove()
-
-    def _oom(self, *_):
-        self.ooms += 1
-        raise torch.OutOfMemoryError("out of memory (pretend device)")
-
-    def _oom_in_backward(self, module, args, output):
-        output.register_hook(self._oom)
+        self.grads: list[dict[str, torch.Tensor]] = []
+        layer = self.model.blocks[1] if where == "backward" else None
+        if rows is not None:
+            self.pretend = PretendOOM(self, rows, where=where, layer=layer, batch_idx=at)
 
     def on_before_optimizer_step(self, optimizer):
         self.grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
@@ -189,7 +173,7 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     module = _Device(rows=2, where=where, at=at)
     with pytest.warns(UserWarning, match="re-planned one notch leaner"):
         trainer, callback = _fit_on_device(tmp_path, module)
-    assert module.ooms == 2  # selective -> full at micro-batch 4 (OOM again) -> micro-batch 2
+    assert module.pretend.raised == 2  # selective -> full at micro-batch 4 (OOM again) -> micro-batch 2
     plan = callback.plan
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (2, 4, "full")
     assert trainer.accumulate_grad_batches == 2  # the dataloader still yields 4; the guard cuts them
@@ -197,7 +181,7 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     assert len(module.grads) == len(reference.grads) == 2
     for name, grad in reference.grads[0].items():
         torch.testing.assert_close(module.grads[0][name], grad, rtol=1e-4, atol=1e-7, msg=name)
-    assert "training_step" not in module.__dict__  # handed back at the end of the fit
+    assert module.__dict__["training_step"] == module.pretend.training_step  # AutoFit gave it back
 
 
 def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
