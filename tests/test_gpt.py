@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
 from lightning_memkit.demos._data import decode, encode, make_corpus
 from lightning_memkit.demos.gpt import (
     GPT,
@@ -263,10 +264,46 @@ def test_train_script_end_to_end(tmp_path):
     assert (log_dir / "memory.png").is_file()
 
 
-def test_train_script_lightning_cli(tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def train():
+    """examples/gpt/train.py as a module."""
     spec = importlib.util.spec_from_file_location("gpt_train", TRAIN_SCRIPT)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SHORT_RUN = ["--max-steps", "2", "--batch-size", "8", "--seq-len", "32", "--val-every-n-steps", "2"]
+
+
+def test_train_script_autofit(tmp_path, monkeypatch, train):
+    """``--autofit``: the default run (about 27 MB) does not fit 20 MB; the plan's real steps do."""
+    monkeypatch.chdir(tmp_path)
+    trainer = train.main([*SHORT_RUN, "--autofit", "20MB"])
+    autofit = next(c for c in trainer.callbacks if isinstance(c, AutoFit))
+    monitor = next(c for c in trainer.callbacks if isinstance(c, MemoryMonitor))
+    plan = autofit.plan
+    assert (plan.micro_batch_size, plan.checkpointing) != (8, "none")
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == 8
+    assert trainer.datamodule.batch_size == plan.micro_batch_size
+    assert monitor.history and all(b.peak <= 20_000_000 for _, b in monitor.history)
+
+
+def test_train_script_single_levers(tmp_path, monkeypatch, train):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--autofit", "20MB", "--optimizer-budget", "20MB"])
+    trainer = train.main([*SHORT_RUN, "--checkpointing-budget", "22MB", "--optimizer-budget", "22MB"])
+    checkpointing = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
+    swap = next(c for c in trainer.callbacks if isinstance(c, OptimizerSwap))
+    monitor = next(c for c in trainer.callbacks if isinstance(c, MemoryMonitor))
+    assert checkpointing.plan is not None and swap.choice is not None
+    assert monitor.history and all(b.peak <= 22_000_000 for _, b in monitor.history)  # default: ~27 MB
+    # OptimizerSwap's estimate of the step with the checkpointing applied is the step the Trainer ran.
+    assert swap.choice.tried[-1][1] == pytest.approx(monitor.history[-1][1].peak, rel=0.01)
+
+
+def test_train_script_lightning_cli(tmp_path, monkeypatch, capsys, train):
     monkeypatch.chdir(tmp_path)
     cli = train.cli_main(
         [

@@ -2,11 +2,18 @@
 
     python examples/gpt/train.py                       # tiny GPT on CPU, well under 2 minutes
     python examples/gpt/train.py --preset gpt2 --accelerator gpu --precision bf16-mixed --budget 24GiB
+    python examples/gpt/train.py --autofit 40MB     # micro-batch, accumulation, checkpointing, optimizer
+    python examples/gpt/train.py --checkpointing-budget 60MB --optimizer-budget 60MB
     python examples/gpt/train.py fit --config examples/gpt/config.yaml   # the same run through LightningCLI
     tensorboard --logdir lightning_logs
 
 MemoryMonitor logs each step's memory by category to TensorBoard, prints a summary table at the end and
 writes memory.png next to the TensorBoard events. After training, the model writes a short sample.
+
+To make the run fit a memory budget, ``--autofit`` plans the micro-batch (``--batch-size`` stays the
+global batch), gradient accumulation, activation checkpointing and optimizer together (AutoFit);
+``--checkpointing-budget`` and ``--optimizer-budget`` use one lever each (ActivationCheckpointing,
+OptimizerSwap). Budgets are sizes ("24GB", "6GiB") or, for --autofit, GPU names ("A100-40GB").
 """
 
 import argparse
@@ -16,7 +23,7 @@ from typing import TYPE_CHECKING
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_memkit import MemoryMonitor
+from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
 from lightning_memkit.demos.gpt import PRESETS, GPTDataModule, GPTLightningModule
 
 if TYPE_CHECKING:
@@ -44,7 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-every-n-steps", type=int, default=10, help="Trainer logging interval")
     parser.add_argument("--default-root-dir", default="lightning_logs", help="logs and memory plot go here")
     parser.add_argument("--seed", type=int, default=0)
+    fit = parser.add_argument_group("fitting a memory budget")
+    fit.add_argument("--autofit", metavar="BUDGET", help="AutoFit: plan every lever to fit, e.g. 24GB, T4")
+    fit.add_argument("--checkpointing-budget", metavar="BUDGET", help="ActivationCheckpointing's budget")
+    fit.add_argument("--optimizer-budget", metavar="BUDGET", help="OptimizerSwap's budget")
     args = parser.parse_args(argv)
+    if args.autofit and (args.checkpointing_budget or args.optimizer_budget):
+        parser.error("--autofit already chooses the checkpointing and the optimizer; give it alone")
     block_size = PRESETS[args.preset]["block_size"]
     if args.seq_len > block_size:
         parser.error(
@@ -59,7 +72,18 @@ def print_sample(trainer: L.Trainer, model: GPTLightningModule) -> None:
     print(model.generate("The ", max_new_tokens=200, temperature=0.8, top_k=20))
 
 
-def main(argv: list[str] | None = None) -> None:
+def callbacks(args: argparse.Namespace) -> list[L.Callback]:
+    chosen: list[L.Callback] = []
+    if args.autofit:
+        chosen.append(AutoFit(budget=args.autofit))
+    if args.checkpointing_budget:
+        chosen.append(ActivationCheckpointing(budget=args.checkpointing_budget))
+    if args.optimizer_budget:
+        chosen.append(OptimizerSwap(budget=args.optimizer_budget))
+    return [*chosen, MemoryMonitor(budget=args.budget)]
+
+
+def main(argv: list[str] | None = None) -> L.Trainer:
     args = parse_args(argv)
     L.seed_everything(args.seed)
     model = GPTLightningModule(args.preset, learning_rate=args.learning_rate, max_steps=args.max_steps)
@@ -76,11 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         enable_checkpointing=False,  # this example is about memory; add a ModelCheckpoint to keep weights
         default_root_dir=args.default_root_dir,
         logger=TensorBoardLogger(args.default_root_dir, name="gpt"),
-        callbacks=[MemoryMonitor(budget=args.budget)],
+        callbacks=callbacks(args),
     )
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         print_sample(trainer, model)
+    return trainer
 
 
 def cli_main(args: list[str] | None = None) -> "LightningCLI":
