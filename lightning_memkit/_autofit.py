@@ -497,6 +497,7 @@ class _Search:
                 return estimate_memory(
                     self.model,
                     _slice(self.batch, m),
+                    accumulating=m < _batch_size(self.batch),  # the cycle's last micro-batch is its peak
                     optimizer=optimizer,
                     loss_fn=self.loss_fn,
                     precision=precision,

@@ -952,7 +952,8 @@ def plan_checkpointing(
             and attention, elements written for other ops).
         device: the device type the run will use, ``"cuda"`` or ``"cpu"`` (default: the model's; ``"cuda"``
             for a model on the meta device).
-        estimate_kwargs: passed to `estimate_memory`: ``optimizer``, ``loss_fn``, ``precision``.
+        estimate_kwargs: passed to `estimate_memory`: ``optimizer``, ``loss_fn``, ``precision``,
+            ``accumulating``.
 
     Returns:
         A `CheckpointPlan`; ``print(plan)`` shows it as a table. Apply it with `apply_checkpointing`.

@@ -454,13 +454,21 @@ def simulated_estimator(
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     precision: str = "32-true",
     device: str | torch.device | None = None,
+    accumulating: bool = False,
 ) -> Estimator:
-    """The whole step on fake tensors (`estimate_memory`), with one optimizer."""
+    """The whole step on fake tensors (`estimate_memory`), with one optimizer; ``accumulating``: the last
+    micro-batch of a gradient accumulation cycle."""
     from lightning_memkit._simulate import estimate_memory
 
     device = torch.device(device or _model_device(model))
     run = functools.partial(
-        estimate_memory, model, batch, loss_fn=loss_fn, precision=precision, device=device
+        estimate_memory,
+        model,
+        batch,
+        loss_fn=loss_fn,
+        precision=precision,
+        device=device,
+        accumulating=accumulating,
     )
 
     def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:

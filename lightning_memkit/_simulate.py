@@ -346,6 +346,7 @@ class _Step:
     forward: Callable[[], Tensor]
     optimizers: list[torch.optim.Optimizer]
     lightning: bool
+    accumulating: bool = False
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
@@ -362,7 +363,7 @@ class _Step:
 
         phase("forward")
         loss = self.forward()
-        if self.lightning:
+        if self.lightning and not self.accumulating:
             # Lightning's automatic optimization: training_step, zero_grad, backward, step. The previous
             # step's gradients are still live during the forward.
             phase("zero_grad")
@@ -376,13 +377,17 @@ class _Step:
             phase("zero_grad")
             self.zero_grad()
 
-    def warm_up(self, model: nn.Module) -> None:
-        """Create the optimizer state a real first step would, without running forward or backward."""
+    def warm_up(self, model: nn.Module, *, state: bool = True) -> None:
+        """Create the optimizer state a real first step would (``state``), without running forward or
+        backward, and leave the gradients the measured step starts with."""
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        self.step()
-        if not self.lightning:  # in Lightning the gradients live on until the next zero_grad
+        if state:
+            self.step()
+        # In Lightning the gradients live on until the next zero_grad; an accumulating micro-batch finds
+        # the earlier micro-batches' gradients.
+        if not self.lightning and not self.accumulating:
             self.zero_grad()
 
 
@@ -418,6 +423,7 @@ def estimate_memory(
     checkpointing: str | CheckpointPlan | None = ...,
     device: str | torch.device = ...,
     first_step: bool = ...,
+    accumulating: bool = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -433,6 +439,7 @@ def estimate_memory(
     checkpointing: str | CheckpointPlan | None = ...,
     device: str | torch.device = ...,
     first_step: bool = ...,
+    accumulating: bool = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -447,6 +454,7 @@ def estimate_memory(
     checkpointing: str | CheckpointPlan | None = None,
     device: str | torch.device = "cuda",
     first_step: bool = False,
+    accumulating: bool = False,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -477,6 +485,9 @@ def estimate_memory(
         device: the device type to plan for, ``"cuda"`` (the default: 512-byte allocator blocks, foreach
             optimizer kernels) or ``"cpu"``.
         first_step: estimate the first step, before the optimizer has state, instead of the steady state.
+        accumulating: estimate the last micro-batch of a gradient accumulation cycle
+            (``accumulate_grad_batches > 1``), the cycle's highest: its backward adds to gradients that
+            are already there (no ``zero_grad`` before it), then the optimizer steps.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -541,12 +552,12 @@ def estimate_memory(
         _use_device_defaults(optimizers, target)
 
         forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
-        step = _Step(forward, optimizers, lightning)
+        step = _Step(forward, optimizers, lightning, accumulating)
         rounding = _CUDA_BLOCK if target.type == "cuda" else 1
         stack.enter_context(mode)
-        if not first_step:
+        if not first_step or accumulating:
             with _Placeholders():
-                step.warm_up(model)
+                step.warm_up(model, state=not first_step)
         tracker = _track(step, model, rounding, target, return_timeline)
         breakdown = tracker.breakdown()
     if return_timeline:

@@ -7,13 +7,13 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_memkit import measure
+from lightning_memkit import MemoryMonitor, measure
 from lightning_memkit._autofit import FitPlan, StepCost, grid, plan_fit
 from lightning_memkit._budget import parse_budget
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
-from lightning_memkit.testing import PretendOOM
+from lightning_memkit.testing import AllocatorPeaks, PretendOOM
 
 G, T = 8, 32
 BUDGET = 24_000_000  # bytes: the default step (micro-batch 8, no checkpointing, AdamW) needs about 27 MB
@@ -218,3 +218,24 @@ def test_cli_plan_unknown_gpu(capsys):
         main(["plan", "--model", "tiny", "--gpu", "A100-40", "--global-batch", "8", "--seq-len", "32"]) == 2
     )
     assert "Did you mean A100-40GB" in capsys.readouterr().err
+
+
+def test_plan_and_monitor_match_the_allocator_in_the_trainer(tmp_path):
+    """With AutoFit's guard on the first steps and the plan applied, MemoryMonitor's figure for every
+    step is the allocator's, and the plan's estimated peak is within 1 % of it."""
+    torch.manual_seed(0)
+    peaks, monitor, callback = AllocatorPeaks(), MemoryMonitor(), AutoFit(budget=20_000_000, cost="flops")
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=5, limit_val_batches=0, accelerator="cpu", devices=1,
+        callbacks=[callback, *peaks.around(monitor)], enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger(tmp_path), enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(
+        GPTLightningModule("tiny", max_steps=5), GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
+    )
+    k = callback.plan.accumulate_grad_batches
+    steps = [max(peaks.peaks[i : i + k]) for i in range(0, len(peaks.peaks), k)]
+    assert len(steps) == len(monitor.history) == 5
+    for (_, measured), truth in zip(monitor.history, steps, strict=True):
+        assert measured.peak == pytest.approx(truth, rel=0.001)
+    assert callback.plan.estimated_peak == pytest.approx(max(steps[1:]), rel=0.01)  # steps with grads alive

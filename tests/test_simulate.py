@@ -119,6 +119,21 @@ def test_torch_encoder_as_a_lightning_module(trainer_kwargs):
     _assert_close(estimate_memory(EncoderLM(), batch, device="cpu").peak, truth)
 
 
+def test_accumulating_micro_batch_against_a_trainer_with_accumulation(trainer_kwargs):
+    """With ``accumulate_grad_batches=2`` a cycle peaks in its last micro-batch, whose backward adds to
+    the gradients already there before the optimizer steps: ``accumulating=True`` simulates that one."""
+    x, y = batch = _tokens(8, 64)
+    loader = DataLoader(TensorDataset(x.repeat(4, 1), y.repeat(4, 1)), batch_size=len(x))
+    probe = AllocatorPeaks()
+    trainer_kwargs.update(max_steps=2, logger=False, accumulate_grad_batches=2, callbacks=probe.around())
+    torch.manual_seed(0)
+    pl.Trainer(**trainer_kwargs).fit(EncoderLM(), loader)
+    truth = max(probe.peaks[2:])  # the second cycle: the optimizer state exists
+    accumulating = estimate_memory(EncoderLM(), batch, device="cpu", accumulating=True)
+    _assert_close(accumulating.peak, truth)
+    assert estimate_memory(EncoderLM(), batch, device="cpu").peak < accumulating.peak
+
+
 def test_mlp_with_sgd():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))

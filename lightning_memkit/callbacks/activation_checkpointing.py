@@ -177,6 +177,7 @@ class ActivationCheckpointing(Callback):
                     cost=self.cost,
                     device=trainer.strategy.root_device.type,
                     precision=trainer.precision,
+                    accumulating=trainer.accumulate_grad_batches > 1,
                 )
                 outcome = ("plan", plan.as_dict())
             except Exception as e:  # raised below, once every rank has left the broadcast

@@ -213,7 +213,11 @@ class OptimizerSwap(Callback):
         device = device if device in ("cuda", "cpu") else "cpu"
         if pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1:
             precision = trainer.precision if trainer.precision in _SIMULATED_PRECISIONS else "32-true"
-            return simulated_estimator(pl_module, batch, precision=precision, device=device), "simulated"
+            accumulating = trainer.accumulate_grad_batches > 1
+            estimator = simulated_estimator(
+                pl_module, batch, precision=precision, device=device, accumulating=accumulating
+            )
+            return estimator, "simulated"
         rank_zero_info(
             "OptimizerSwap: manual optimization cannot be simulated, so the budget is checked against "
             "parameters + gradients + optimizer state only; leave room for activations in it."
