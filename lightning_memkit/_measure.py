@@ -214,7 +214,8 @@ class _Tracker(TorchDispatchMode):
             p.register_post_accumulate_grad_hook(self.on_grad) for p in model.parameters() if p.requires_grad
         ]
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, _identity), self._rng_states(), self:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _identity)
+            with hooks, self._rng_states(), self._selective_checkpoint_saves(), self:
                 yield self
         finally:
             for handle in handles:
@@ -239,6 +240,31 @@ class _Tracker(TorchDispatchMode):
             yield
         finally:
             torch.get_rng_state = original
+
+    @contextlib.contextmanager
+    def _selective_checkpoint_saves(self) -> Iterator[None]:
+        """Mark the outputs selective checkpointing's policy saves as activations: torch keeps them in its
+        own cache, each in a ``torch.utils.checkpoint._VersionWrapper``, not through autograd's
+        saved-tensor hooks. That class is private; on a torch without it they count as temporary (the
+        peak is the same) and ``tests/test_measure.py`` says so."""
+        from torch.utils import checkpoint
+
+        wrapper = getattr(checkpoint, "_VersionWrapper", None)
+        if wrapper is None:
+            yield
+            return
+        original = wrapper.__init__
+
+        def __init__(cached: Any, val: Any) -> None:
+            original(cached, val)
+            if isinstance(val, Tensor):
+                self.pack(val)
+
+        wrapper.__init__ = __init__
+        try:
+            yield
+        finally:
+            wrapper.__init__ = original
 
     # --- result -------------------------------------------------------------------------------
 

@@ -69,6 +69,26 @@ def test_checkpointed_encoder_matches_the_allocator_to_the_byte(level):
     assert result.peak == pytest.approx(truth, rel=1e-5)  # 5,056 bytes would be 2e-4 here
 
 
+def test_what_selective_checkpointing_keeps_counts_as_activations():
+    """Selective checkpointing keeps the outputs its policy saves in torch's own cache, each wrapped in the
+    private ``torch.utils.checkpoint._VersionWrapper``, which `measure` watches: this fails if torch changes
+    it (the peak stays exact; only the split between activations and temporary would suffer)."""
+    from torch.utils import checkpoint
+
+    from lightning_memkit import apply_checkpointing
+
+    assert hasattr(checkpoint, "_VersionWrapper"), "torch changed SAC's cache: see _Tracker._selective_..."
+    model, optimizer, step = encoder_step(n_layer=3)
+    kept = {}
+    for level in ("selective", "full"):
+        with apply_checkpointing(model, level):
+            step()
+            with measure(model, optimizer) as result:
+                step()
+        kept[level] = result.breakdown.activations
+    assert kept["selective"] > 10 * kept["full"]  # the saved matmul outputs, beside each layer's input
+
+
 def test_peak_inside_a_foreach_optimizer_step_is_caught():
     """foreach AdamW allocates a temporary the size of all parameters inside `step()`."""
     model, opt, step = _mlp_step(foreach=True)
