@@ -11,7 +11,7 @@ import torch.distributed
 from conftest import EncoderLM
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
+from lightning_memkit import AutoFit, MemoryMonitor, OptimizerSwap, estimate_memory
 from lightning_memkit._analytic import shard
 from lightning_memkit._breakdown import MiB
 from lightning_memkit.testing import AllocatorPeaks
@@ -155,3 +155,31 @@ def test_ddp_buckets_cost_one_copy_of_the_gradients(tmp_path):
     assert ddp - plain == pytest.approx(grads, rel=0.01)
     step = MemoryBreakdown(parameters=grads, gradients=grads)
     assert shard(step, "ddp", 2).peak - step.peak == grads
+
+
+class _RecordSwap(pl.Callback):
+    def __init__(self, out: Path, swap: OptimizerSwap, monitor: MemoryMonitor) -> None:
+        self.out, self.swap, self.monitor = out, swap, monitor
+
+    def on_train_end(self, trainer, pl_module):
+        record = {"optimizer": self.swap.choice.name, "peaks": [b.peak for _, b in self.monitor.history]}
+        (self.out / f"swap_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_ddp_optimizer_swap_counts_the_buckets(tmp_path):
+    """13 MB fits the encoder's AdamW step alone (12.8 MB) but not under DDP (13.3 MB, with the buckets):
+    OptimizerSwap must see the buckets, swap, and every rank's real peak then fits."""
+    swap, monitor = OptimizerSwap(budget=13_000_000), MemoryMonitor()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3,
+        logger=CSVLogger(tmp_path), callbacks=[swap, monitor, _RecordSwap(tmp_path, swap, monitor)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(EncoderLM())
+    x = torch.randint(0, 256, (8, 64))
+    assert estimate_memory(EncoderLM(), (x, x), device="cpu").peak < 13_000_000  # alone, AdamW fits
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"swap_{rank}.json").read_text())
+        assert record["optimizer"] == "adamw8bit"
+        assert max(record["peaks"]) <= 13_000_000

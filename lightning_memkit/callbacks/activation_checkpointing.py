@@ -30,6 +30,7 @@ from lightning_memkit._checkpointing import (
     find_blocks,
     plan_checkpointing,
 )
+from lightning_memkit.callbacks._strategy import ddp_bucket_bytes
 
 _OPTION = "ActivationCheckpointing(policy={MyBlock})"
 
@@ -168,10 +169,11 @@ class ActivationCheckpointing(Callback):
         error: Exception | None = None
         if trainer.is_global_zero:
             try:
+                # DDP's all-reduce buckets are there all along: what is left is the step's to fit in.
                 plan = plan_checkpointing(
                     pl_module,
                     _example_batch(trainer),
-                    self.budget,
+                    self.budget - ddp_bucket_bytes(trainer, pl_module),
                     policy=self.policy,
                     blocks=self.layer_classes,
                     cost=self.cost,

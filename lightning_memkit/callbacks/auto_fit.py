@@ -48,6 +48,7 @@ from lightning_memkit._autofit import FitPlan, plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit.callbacks._step_guard import StepGuard
+from lightning_memkit.callbacks._strategy import sharding
 
 __all__ = ["AutoFit"]
 
@@ -109,7 +110,7 @@ class AutoFit(Callback):
         rank_zero_info(f"AutoFit: {self.plan}")
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
-        strategy, ranks = _sharding(trainer)
+        strategy, ranks = sharding(trainer)
         copies = trainer.accumulate_grad_batches * ranks
         source = trainer.datamodule if trainer.datamodule is not None else pl_module
         example = next(iter(source.train_dataloader()))
@@ -248,22 +249,6 @@ class AutoFit(Callback):
 def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
     """Whether `StepGuard` can recover from an OOM here: one process, automatic optimization."""
     return trainer.world_size == 1 and module.automatic_optimization
-
-
-def _sharding(trainer: pl.Trainer) -> tuple[str, int]:
-    """The Trainer's strategy as `_analytic.STRATEGIES` names it, and its number of ranks."""
-    ranks, strategy = trainer.world_size, trainer.strategy
-    if ranks == 1:
-        return "ddp", 1
-    kind = type(strategy).__name__
-    if kind == "DeepSpeedStrategy":
-        return f"deepspeed_stage_{strategy.config['zero_optimization']['stage']}", ranks
-    if kind == "FSDPStrategy":
-        sharding = str(getattr(strategy, "sharding_strategy", "FULL_SHARD"))
-        if "SHARD_GRAD_OP" in sharding:
-            return "zero2", ranks
-        return ("ddp" if "NO_SHARD" in sharding else "fsdp"), ranks
-    return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
 
 
 def _precision(trainer: pl.Trainer) -> str:

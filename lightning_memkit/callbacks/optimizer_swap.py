@@ -19,6 +19,7 @@ the new one, its learning rates scaled by the translation rule, so a warmup-cosi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_memkit._breakdown import MiB
+from lightning_memkit._breakdown import MemoryBreakdown, MiB
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._optim import (
     CATALOGUE,
@@ -42,6 +43,7 @@ from lightning_memkit._optim import (
     static_estimator,
     swap_optimizer,
 )
+from lightning_memkit.callbacks._strategy import ddp_bucket_bytes
 
 #: Lightning precision strings the simulator knows; others are estimated as "32-true".
 _SIMULATED_PRECISIONS = ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -217,12 +219,22 @@ class OptimizerSwap(Callback):
             estimator = simulated_estimator(
                 pl_module, batch, precision=precision, device=device, accumulating=accumulating
             )
-            return estimator, "simulated"
-        rank_zero_info(
-            "OptimizerSwap: manual optimization cannot be simulated, so the budget is checked against "
-            "parameters + gradients + optimizer state only; leave room for activations in it."
-        )
-        return static_estimator(pl_module, device=device), "static"
+            method = "simulated"
+        else:
+            rank_zero_info(
+                "OptimizerSwap: manual optimization cannot be simulated, so the budget is checked against "
+                "parameters + gradients + optimizer state only; leave room for activations in it."
+            )
+            estimator, method = static_estimator(pl_module, device=device), "static"
+        buckets = ddp_bucket_bytes(trainer, pl_module)
+        if not buckets:
+            return estimator, method
+
+        def with_buckets(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
+            step = estimator(optimizers)  # and DDP's all-reduce buckets, there all along
+            return replace(step, gradients=step.gradients + buckets)
+
+        return with_buckets, method
 
     @staticmethod
     def _swap(optimizer: Optimizer, name: str, allow_unknown: bool) -> Optimizer:

@@ -1,0 +1,38 @@
+"""What the Trainer's strategy adds to one rank's memory, read the way every callback needs it."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from torch import nn
+
+from lightning_memkit._analytic import PRECISIONS, static_breakdown
+
+__all__ = ["ddp_bucket_bytes", "sharding"]
+
+
+def sharding(trainer: pl.Trainer) -> tuple[str, int]:
+    """The Trainer's strategy as `_analytic.STRATEGIES` names it, and its number of ranks."""
+    ranks, strategy = trainer.world_size, trainer.strategy
+    if ranks == 1:
+        return "ddp", 1
+    kind = type(strategy).__name__
+    if kind == "DeepSpeedStrategy":
+        return f"deepspeed_stage_{strategy.config['zero_optimization']['stage']}", ranks
+    if kind == "FSDPStrategy":
+        mode = str(getattr(strategy, "sharding_strategy", "FULL_SHARD"))
+        if "SHARD_GRAD_OP" in mode:
+            return "zero2", ranks
+        return ("ddp" if "NO_SHARD" in mode else "fsdp"), ranks
+    return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
+
+
+def ddp_bucket_bytes(trainer: pl.Trainer, module: nn.Module) -> int:
+    """Bytes of DDP's all-reduce buckets on each rank: a copy of every trainable parameter's gradient in
+    the precision the run trains in (`_analytic.shard`); 0 unless DDP runs over several ranks."""
+    strategy, ranks = sharding(trainer)
+    if strategy != "ddp" or ranks == 1:
+        return 0
+    precision = str(trainer.precision)
+    shapes = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
+    scheme = precision if precision in PRECISIONS else "32-true"
+    return static_breakdown(shapes, precision=scheme, optimizer="sgd").gradients
