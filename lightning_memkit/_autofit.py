@@ -121,15 +121,27 @@ def _slice(batch: Any, stop: int, start: int = 0) -> Any:
 
 
 def pieces(batch: Any, size: int) -> list[Any]:
-    """``batch`` cut along dim 0 into consecutive slices of ``size`` samples (the last may be shorter)."""
+    """``batch`` cut along dim 0 into consecutive slices of ``size`` samples (the last may be shorter).
+
+    Only tensors are cut; a batch that also holds strings or numbers (per-sample lists, say) is refused
+    rather than cut out of step with its tensors.
+    """
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    others: list[Any] = []
+    apply_to_collection(batch, (str, bytes, int, float), others.append)
+    if others:
+        kind = type(others[0]).__name__
+        raise ValueError(f"it holds values other than tensors ({kind}), which cannot be cut")
     total = _batch_size(batch)
     return [_slice(batch, min(start + size, total), start) for start in range(0, total, size)]
 
 
 def _batch_size(batch: Any) -> int:
-    from torch.utils._pytree import tree_leaves
+    from lightning.fabric.utilities.apply_func import apply_to_collection
 
-    sizes = {t.shape[0] for t in tree_leaves(batch) if isinstance(t, Tensor) and t.dim() > 0}
+    sizes: set[int] = set()
+    apply_to_collection(batch, Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() > 0 else None)
     if len(sizes) != 1:
         raise ValueError(
             f"The example batch must hold tensors of one size along dim 0 (the global batch); got sizes "
@@ -258,15 +270,18 @@ class FitPlan:
         """Samples per optimizer step across all ranks."""
         return self.micro_batch_size * self.accumulate_grad_batches * self.n_gpus
 
-    def leaner(self) -> FitPlan | None:
-        """The next plan one notch leaner (after an OOM): stronger checkpointing at the same micro-batch,
-        else half the micro-batch (the largest divisor of it at most half) with accumulation multiplied to
-        keep the global batch, checkpointing unchanged; ``None`` at micro-batch 1 with full checkpointing.
-        Its ``estimated_peak`` is not simulated: it is the current one, an upper bound."""
-        levels = tuple(RECOMPUTE)
-        index = levels.index(self.checkpointing)
-        if index + 1 < len(levels):
-            return replace(self, checkpointing=levels[index + 1])
+    def leaner(self, levels: Sequence[str] = tuple(RECOMPUTE)) -> FitPlan | None:
+        """The next plan one notch leaner (after an OOM): the next stronger checkpointing level allowed
+        (``levels``) at the same micro-batch, else half the micro-batch (the largest divisor of it at most
+        half) with accumulation multiplied to keep the global batch, checkpointing unchanged; ``None`` at
+        micro-batch 1 with the strongest level allowed. Its ``estimated_peak`` is not simulated: it is the
+        current one."""
+        stronger = [level for level in RECOMPUTE if level in levels]
+        stronger = (
+            stronger[stronger.index(self.checkpointing) + 1 :] if self.checkpointing in stronger else []
+        )
+        if stronger:
+            return replace(self, checkpointing=stronger[0])
         m = self.micro_batch_size
         smaller = max((d for d in range(1, m // 2 + 1) if m % d == 0), default=None)
         if smaller is None:

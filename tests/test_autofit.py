@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_memkit import MemoryMonitor, measure
 from lightning_memkit._autofit import FitPlan, StepCost, grid, plan_fit
 from lightning_memkit._budget import parse_budget
+from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
@@ -64,8 +65,6 @@ def test_applied_plan_measured_peak_within_budget(module, batch, plan):
 
 
 def test_apply_swaps_optimizer_and_checkpoints(module):
-    from lightning_memkit._checkpointing import checkpoint_policies
-
     plan = FitPlan(2, 4, "full", "sgd_momentum", "32-true", 1, budget=parse_budget(10**9))
     with plan.apply(module):
         config = module.configure_optimizers()
@@ -134,9 +133,20 @@ class _Device(GPTLightningModule):
         torch.manual_seed(0)
         super().__init__("tiny", max_steps=4)
         self.grads: list[dict[str, torch.Tensor]] = []
+        self.calls: list[tuple[int, bool]] = []  # (samples, autocast on) of each real training_step
+        self.outputs: list[dict] = []
         layer = self.model.blocks[1] if where == "backward" else None
         if rows is not None:
             self.pretend = PretendOOM(self, rows, where=where, layer=layer, batch_idx=at)
+
+    def training_step(self, batch, batch_idx):
+        if type(batch[0]) is torch.Tensor:
+            self.calls.append((len(batch[0]), torch.is_autocast_enabled("cpu")))
+        loss = super().training_step(batch, batch_idx)
+        return {"loss": loss, "twice": 2 * loss}  # an extra output with a graph
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.outputs.append(outputs)
 
     def on_before_optimizer_step(self, optimizer):
         self.grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
@@ -172,21 +182,75 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     step: its failed backward already added some layers' gradients to batch 0's."""
     module = _Device(rows=2, where=where, at=at)
     with pytest.warns(UserWarning, match="re-planned one notch leaner"):
-        trainer, callback = _fit_on_device(tmp_path, module)
+        trainer, callback = _fit_on_device(tmp_path, module, max_steps=5)  # past the 3 verify steps
     assert module.pretend.raised == 2  # selective -> full at micro-batch 4 (OOM again) -> micro-batch 2
     plan = callback.plan
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (2, 4, "full")
     assert trainer.accumulate_grad_batches == 2  # the dataloader still yields 4; the guard cuts them
-    assert trainer.global_step == 2
-    assert len(module.grads) == len(reference.grads) == 2
+    assert trainer.global_step == 5
+    assert len(module.grads) == 5 and len(reference.grads) >= 2
     for name, grad in reference.grads[0].items():
         torch.testing.assert_close(module.grads[0][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    for name, grad in reference.grads[1].items():  # all cut, after a step from nearly equal weights
+        torch.testing.assert_close(module.grads[1][name], grad, rtol=1e-2, atol=1e-5, msg=name)
+    assert {n for n, _ in module.calls[-4:]} == {2}  # still cut after the verify steps
+    assert not any(o["twice"].requires_grad for o in module.outputs)  # no graph kept alive
+    assert all(p.requires_grad for p in module.parameters())
     assert module.__dict__["training_step"] == module.pretend.training_step  # AutoFit gave it back
+    assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
+
+
+def test_slices_run_under_the_precision_plugin(tmp_path):
+    """bf16-mixed: the slices run from Lightning's backward call are under autocast too."""
+    module = _Device(rows=2)
+    with pytest.warns(UserWarning, match="re-planned one notch leaner"):
+        _fit_on_device(tmp_path, module, precision="bf16-mixed")
+    assert {n for n, _ in module.calls} >= {2} and all(on for _, on in module.calls)
+
+
+def test_guard_only_where_it_can_recover():
+    from lightning_memkit.callbacks.auto_fit import _recoverable
+
+    module = GPTLightningModule("tiny")
+    assert _recoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module)
+    assert not _recoverable(L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False), module)
+    module.automatic_optimization = False
+    assert not _recoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module)
+
+
+def test_a_ready_made_dataloader_is_refused(tmp_path):
+    """The batch size attribute cannot reach a DataLoader passed to fit(): say so instead of planning."""
+    from torch.utils.data import DataLoader
+
+    data = GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
+    data.setup("fit")
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=1, accelerator="cpu", devices=1, logger=False,
+        callbacks=[AutoFit(budget=BUDGET, cost="flops")], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    module = GPTLightningModule("tiny")
+    module.batch_size = G  # an attribute AutoFit could set, but the loader below does not read it
+    with pytest.raises(ValueError, match="ready-made"):
+        trainer.fit(module, train_dataloaders=DataLoader(data.train_dataloader().dataset, batch_size=G))
 
 
 def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
+    module = _Device(rows=0)
     with pytest.raises(RuntimeError, match="no leaner plan is left"):
-        _fit_on_device(tmp_path, _Device(rows=0))
+        _fit_on_device(tmp_path, module)
+    assert all(p.requires_grad for p in module.parameters())
+    assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
+
+
+def test_leaner_keeps_to_the_allowed_checkpointing():
+    def plan(m, checkpointing):
+        return FitPlan(m, 8 // m, checkpointing, "adamw", "32-true", 1, budget=parse_budget(10**9))
+
+    assert plan(8, "none").leaner(("none", "full")) == plan(8, "full")  # no selective: not allowed
+    assert plan(8, "none").leaner(("none",)) == plan(4, "none")
+    assert plan(8, "selective").leaner() == plan(8, "full")
+    assert plan(1, "full").leaner() is None
 
 
 def test_resume_installs_the_saved_plan(tmp_path):

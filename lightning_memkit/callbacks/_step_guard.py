@@ -2,12 +2,14 @@
 
 Where. The guard replaces the module's ``training_step`` and ``backward`` hooks (instance attributes,
 removed afterwards), so it sees an OOM raised in the forward or in the backward. The ``training_step``
-Lightning calls runs the module's own forward and hands Lightning a detached copy of the loss; the real
-loss, with its graph, stays with the guard, which back-propagates it when Lightning calls ``backward`` (after
-its ``zero_grad``). Lightning scales what it back-propagates (``1 / accumulate_grad_batches``, then the AMP
-grad scaler); the guard reads that factor as the gradient of Lightning's tensor with respect to the copy and
-applies it to the real loss. Holding the only reference to the graph is what lets an OOM in the backward
-free the failed attempt's activations before the retry.
+Lightning calls runs the module's own forward and hands Lightning a detached copy of the loss (and of any
+other tensor it returns); the real loss, with its graph, stays with the guard, which back-propagates it
+when Lightning calls ``backward`` (after its ``zero_grad``). Lightning scales what it back-propagates
+(``1 / accumulate_grad_batches``, then the AMP grad scaler); the guard reads that factor as the gradient of
+Lightning's tensor with respect to the copy and applies it to the real loss. Holding the only reference to
+the graph is what lets an OOM in the backward free the failed attempt's activations before the retry.
+Slices run from ``backward`` enter the precision plugin's ``train_step_context`` (autocast) as Lightning's
+own ``training_step`` call does.
 
 Exactness. A retried batch must not count any gradient twice. An OOM in the forward leaves the gradients
 as they were. An OOM in the backward may leave some parameters' gradients accumulated: autograd runs a
@@ -20,10 +22,16 @@ is not rebuilt mid-epoch), and the guard cuts each batch into slices of the new 
 other, each loss weighted by its slice's share of the batch. Like Lightning's own gradient accumulation,
 this assumes ``training_step`` returns a mean over the batch. The first slice runs inside Lightning's
 ``training_step`` call, the others inside its ``backward`` call, so Lightning's ``zero_grad`` precedes all of
-them; anything ``training_step`` logs is logged once per slice.
+them. What Lightning sees of the step is the first slice's: the loss it reports and the outputs
+``on_train_batch_end`` receives; ``self.log(..., on_step=True)`` keeps the last slice's value. A retried
+forward runs the module's code again: BatchNorm statistics, metrics and epoch aggregates see the failed
+attempt too, and BatchNorm normalizes each slice by its own statistics, so gradients are exact for models
+without batch-dependent layers.
 
 Not covered: an OOM in the optimizer step (a partly applied update cannot be undone), manual optimization
-(the module runs its own backward) and several processes (the other ranks would wait in the all-reduce).
+(the module runs its own backward), strategies that wrap the model or run their own backward (DDP, FSDP,
+DeepSpeed) and several processes (the other ranks would wait in the all-reduce). `AutoFit` installs the
+guard only where it applies.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_memkit._autofit import FitPlan, _batch_size, pieces
@@ -60,12 +70,21 @@ class StepGuard:
     """Runs a module's training steps so that an OOM re-plans (``replan``) and retries instead of crashing.
 
     Args:
-        module: the LightningModule (automatic optimization, one process).
+        trainer: the Trainer running ``module`` (one device, automatic optimization).
+        module: the LightningModule.
         replan: switches to the next leaner plan and returns it; raises when none is left.
+        micro_batch_size: the dataloader's batch size.
     """
 
-    def __init__(self, module: pl.LightningModule, replan: Callable[[], FitPlan]) -> None:
-        self.module, self.replan = module, replan
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        replan: Callable[[], FitPlan],
+        micro_batch_size: int,
+    ) -> None:
+        self.trainer, self.module, self.replan = trainer, module, replan
+        self.micro_batch_size = micro_batch_size
         #: the micro-batch the batches are cut into; ``None`` while the dataloader's batches are run whole
         self.size: int | None = None
         self._originals = {name: module.__dict__.get(name) for name in _HOOKS}
@@ -77,20 +96,24 @@ class StepGuard:
         self._touched: set[Tensor] = set()
         self._hooks: list[Any] = []
         module.__dict__.update(training_step=self.training_step, backward=self.backward)
-        self.catch(True)
-
-    @property
-    def catching(self) -> bool:
-        """Whether an OOM is recovered from (the first steps); otherwise it propagates."""
-        return bool(self._hooks)
+        #: whether an OOM is recovered from (the first steps); otherwise it propagates
+        self.catching = True
 
     def catch(self, enabled: bool) -> None:
+        self.catching = enabled
+        self._unhook()
+
+    def _hook(self) -> None:
+        """Watch which parameters receive a gradient. Registered at each guarded step, not once: layers
+        that ``configure_model`` creates after ``setup`` are watched too."""
+        self._unhook()
+        trainable = (p for p in self.module.parameters() if p.requires_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._touched.add) for p in trainable]
+
+    def _unhook(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if enabled:
-            trainable = (p for p in self.module.parameters() if p.requires_grad)
-            self._hooks = [p.register_post_accumulate_grad_hook(self._touched.add) for p in trainable]
 
     def remove(self) -> None:
         """Give the module its own hooks back."""
@@ -103,6 +126,14 @@ class StepGuard:
     # --- the two hooks ------------------------------------------------------------------------------
 
     def training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._pending is not None or self._queue:
+            rank_zero_warn(
+                "AutoFit: the last step's backward did not run (a callback skipped it?); its remaining "
+                "slices are dropped."
+            )
+            self._pending, self._queue = None, []
+        if self.catching:
+            self._hook()
         self._args, self._kwargs = args, kwargs
         self._queue = self._cut(_Piece(batch))
         while True:
@@ -121,7 +152,10 @@ class StepGuard:
             return output
         copy = loss.detach().requires_grad_()
         self._pending = (piece, loss, copy)
-        return {**output, "loss": copy} if isinstance(output, Mapping) else copy
+        if not isinstance(output, Mapping):
+            return copy
+        rest = apply_to_collection({k: v for k, v in output.items() if k != "loss"}, Tensor, Tensor.detach)
+        return {**rest, "loss": copy}
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         if self._pending is None:  # not a loss this guard handed out
@@ -135,9 +169,10 @@ class StepGuard:
             try:
                 with _frozen(piece.frozen):
                     if real is None:
-                        with _logging_as_training_step(self.module):
+                        with _logging_as_training_step(self.module), self._precision():
                             real = _loss_of(self._step(piece.batch, *self._args, **self._kwargs))
-                    if real is not None:
+                    # Every parameter may already hold its share (an OOM after the last accumulation).
+                    if real is not None and real.requires_grad:
                         self._backward(real * (scale * piece.weight), *args, **kwargs)
                 failed = False
             except torch.OutOfMemoryError:
@@ -153,11 +188,16 @@ class StepGuard:
 
     # --- recovery -----------------------------------------------------------------------------------
 
+    def _precision(self) -> Any:
+        return self.trainer.precision_plugin.train_step_context()
+
     def _recover(self, piece: _Piece, touched: Iterable[Tensor] = ()) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.size = self.replan().micro_batch_size
+        size = self.replan().micro_batch_size
+        if size < self.micro_batch_size:  # else only the checkpointing changed: nothing to cut
+            self.size = size
         self._queue[:0] = self._cut(replace(piece, frozen=piece.frozen | frozenset(touched)))
 
     def _cut(self, piece: _Piece) -> list[_Piece]:
@@ -165,17 +205,16 @@ class StepGuard:
             return [piece]
         try:
             rows = _batch_size(piece.batch)
+            parts = pieces(piece.batch, self.size) if rows > self.size else [piece.batch]
         except ValueError as error:
             raise RuntimeError(
                 f"AutoFit re-planned to micro-batch {self.size} and must cut each batch along dim 0, but "
-                f"this batch cannot be cut: {error}"
+                f"this batch cannot be cut: {error}. Lower the budget given to AutoFit so that the plan "
+                "starts at this micro-batch."
             ) from error
-        if rows <= self.size:
+        if len(parts) == 1:
             return [piece]
-        return [
-            replace(piece, batch=part, weight=piece.weight * _batch_size(part) / rows)
-            for part in pieces(piece.batch, self.size)
-        ]
+        return [replace(piece, batch=part, weight=piece.weight * _batch_size(part) / rows) for part in parts]
 
 
 def _loss_of(output: Any) -> Tensor | None:
@@ -184,13 +223,14 @@ def _loss_of(output: Any) -> Tensor | None:
 
 @contextmanager
 def _frozen(params: frozenset[Tensor]) -> Iterator[None]:
+    flags = [(p, p.requires_grad) for p in params]
     for p in params:
         p.requires_grad_(False)
     try:
         yield
     finally:
-        for p in params:
-            p.requires_grad_(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 @contextmanager

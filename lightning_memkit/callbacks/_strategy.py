@@ -17,12 +17,13 @@ def sharding(trainer: pl.Trainer) -> tuple[str, int]:
         return "ddp", 1
     kind = type(strategy).__name__
     if kind == "DeepSpeedStrategy":
-        return f"deepspeed_stage_{strategy.config['zero_optimization']['stage']}", ranks
+        stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage", 0)
+        return (f"deepspeed_stage_{stage}" if stage in (1, 2, 3) else "ddp"), ranks
     if kind == "FSDPStrategy":
         mode = str(getattr(strategy, "sharding_strategy", "FULL_SHARD"))
-        if "SHARD_GRAD_OP" in mode:
-            return "zero2", ranks
-        return ("ddp" if "NO_SHARD" in mode else "fsdp"), ranks
+        if "HYBRID" in mode or "NO_SHARD" in mode:  # hybrid shards within a node only: read as unsharded
+            return "ddp", ranks
+        return ("zero2" if "SHARD_GRAD_OP" in mode else "fsdp"), ranks
     return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
 
 

@@ -41,6 +41,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
@@ -103,8 +105,20 @@ class AutoFit(Callback):
                 "its hparams nor the datamodule has; set batch_size_attr= to the attribute your dataloader "
                 "reads."
             )
-        local = self._plan(trainer, pl_module).as_dict() if trainer.is_global_zero else None
-        self.plan = FitPlan.from_dict(trainer.strategy.broadcast(local, src=0))
+        outcome: dict[str, Any] | None = None
+        error: Exception | None = None
+        if trainer.is_global_zero:
+            try:
+                outcome = {"plan": self._plan(trainer, pl_module).as_dict()}
+            except Exception as e:  # raised below, once every rank has left the broadcast
+                error, outcome = e, {"error": f"{type(e).__name__}: {e}"}
+        outcome = trainer.strategy.broadcast(outcome, src=0)
+        assert outcome is not None
+        if error is not None:
+            raise error
+        if "error" in outcome:
+            raise RuntimeError(f"AutoFit: planning failed on global rank 0: {outcome['error']}")
+        self.plan = FitPlan.from_dict(outcome["plan"])
         self._target = (trainer, pl_module)
         self._install(self.plan)
         rank_zero_info(f"AutoFit: {self.plan}")
@@ -112,8 +126,14 @@ class AutoFit(Callback):
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
         strategy, ranks = sharding(trainer)
         copies = trainer.accumulate_grad_batches * ranks
-        source = trainer.datamodule if trainer.datamodule is not None else pl_module
-        example = next(iter(source.train_dataloader()))
+        source = trainer.fit_loop._data_source  # what BatchSizeFinder reads too
+        if not source.is_module():
+            raise ValueError(
+                f"AutoFit sets the micro-batch through `{self.batch_size_attr}`, but the train dataloader "
+                "was passed to fit() ready-made and will not read it: pass a LightningDataModule, or build "
+                "the dataloader in the module's train_dataloader() from that attribute."
+            )
+        example = next(iter(source.dataloader()))
         # (micro, ...) -> (micro * accumulate * ranks, ...): the global batch of one optimizer step.
         example = apply_to_collection(example, torch.Tensor, lambda t: torch.cat([t] * copies))
         device = trainer.strategy.root_device.type
@@ -146,7 +166,7 @@ class AutoFit(Callback):
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
         self._apply(plan)
         if self._guard is None and self.verify_steps > 0 and _recoverable(trainer, pl_module):
-            self._guard = StepGuard(pl_module, self._replan)
+            self._guard = StepGuard(trainer, pl_module, self._replan, plan.micro_batch_size)
 
     def _apply(self, plan: FitPlan) -> None:
         assert self._target is not None
@@ -203,14 +223,24 @@ class AutoFit(Callback):
                 "lighter optimizer and a smaller micro-batch follow) or raise margin=."
             )
         self._release()
+        self._unapply()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._release()
+        """The module leaves the fit as it came: its own hooks, no checkpointing, its own
+        ``configure_optimizers`` (the plan stays in `plan` and in the checkpoint)."""
+        if stage == "fit":
+            self._release()
+            self._unapply()
 
     def _release(self) -> None:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+
+    def _unapply(self) -> None:
+        if self._applied is not None:
+            self._applied.remove()
+            self._applied = None
 
     def _replan(self) -> FitPlan:
         """Switch to the plan one notch leaner (`FitPlan.leaner`) after an OOM; raises if none is left.
@@ -219,7 +249,7 @@ class AutoFit(Callback):
         accumulation and the dataloader stay as they are, so the global batch does.
         """
         assert self.plan is not None
-        leaner = self.plan.leaner()
+        leaner = self.plan.leaner(self.checkpointing)
         if leaner is None:
             raise RuntimeError(
                 f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with full "
@@ -240,6 +270,14 @@ class AutoFit(Callback):
         saved = FitPlan.from_dict(state_dict["plan"]) if state_dict.get("plan") else None
         if saved is None or saved == self.plan:
             return
+        if self._target is not None and self._target[0].strategy.restore_checkpoint_after_setup:
+            strategy = type(self._target[0].strategy).__name__
+            planned = self.plan.summary() if self.plan else "nothing"
+            raise RuntimeError(
+                f"AutoFit: the checkpoint was trained with {saved.summary()}, but this run planned "
+                f"{planned}, and {strategy} restores callbacks only after it built the optimizers. Resume "
+                "with the same budget and margin, so that the same plan is made."
+            )
         self.plan = saved
         if self._target is not None:
             self._install(saved)
@@ -247,8 +285,13 @@ class AutoFit(Callback):
 
 
 def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    """Whether `StepGuard` can recover from an OOM here: one process, automatic optimization."""
-    return trainer.world_size == 1 and module.automatic_optimization
+    """Whether `StepGuard` can recover from an OOM here: one device that runs the module unwrapped, a
+    precision plugin whose backward calls the module's ``backward`` hook, automatic optimization."""
+    return (
+        isinstance(trainer.strategy, SingleDeviceStrategy)
+        and type(trainer.precision_plugin).backward is Precision.backward
+        and module.automatic_optimization
+    )
 
 
 def _precision(trainer: pl.Trainer) -> str:
