@@ -7,7 +7,9 @@ When. ``setup("fit")`` runs after the datamodule's ``setup`` and before the stra
 (``configure_optimizers``) and the fit loop makes the train dataloader, so the batch size attribute, the
 Trainer's ``accumulate_grad_batches`` (read by the fit loop at every batch), the checkpointing and the
 optimizer all take effect from the first step. Rank 0 plans and ``trainer.strategy.broadcast``\\s the plan's
-plain dict, so every rank applies the same plan.
+plain dict (or its error), so every rank applies the same plan. Layers a module builds in
+``configure_model``, which Lightning calls after ``setup``, are not in the plan: build them in ``__init__``
+(on the meta device for a large model) to have them planned.
 
 How. The global batch is the batch size attribute (found as ``BatchSizeFinder`` finds it:
 ``lightning_hasattr``/``lightning_setattr`` on the module, its hparams and the datamodule) times the
@@ -22,11 +24,15 @@ is compared with the plan and a warning names both when it is over. In those ste
 in the forward or the backward (`StepGuard <lightning_memkit.callbacks._step_guard>`) frees what the failed
 attempt held, switches to `FitPlan.leaner` (stronger checkpointing first, then half the micro-batch) and
 runs the same batch again, cut into slices of the new micro-batch, without counting any gradient twice:
-the batch is not lost and the global batch is unchanged. One process, automatic optimization; an OOM in
-the optimizer step is not recovered from (a warning says what to change).
+the batch is not lost and the global batch is unchanged. This needs one device (``SingleDeviceStrategy``),
+a precision plugin that calls the module's ``backward`` hook and automatic optimization; an OOM in the
+optimizer step is not recovered from (a warning says what to change).
 
 Resume. The plan is saved with the callback's state; a resumed run installs the saved plan (its optimizer
 among it) before the optimizers are built, so the checkpoint's optimizer state loads into the same optimizer.
+Strategies that restore callbacks after building the optimizers (``restore_checkpoint_after_setup``: FSDP,
+DeepSpeed) must plan the same again; a different plan raises. At the end of the fit the module gets its
+own hooks, blocks and ``configure_optimizers`` back; the plan stays in `plan`.
 
 Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit/accumulate_grad_batches``,
 ``autofit/estimated_peak_mib`` (MiB, 2**20 bytes).
