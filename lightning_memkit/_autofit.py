@@ -86,6 +86,8 @@ LIGHTNING_STRATEGY: dict[str, str] = {
     "deepspeed_stage_3": "deepspeed_stage_3",
 }
 _SUGGESTED_GPUS = (2, 4, 8, 16, 32, 64)
+#: Seconds of planning after which each further simulation is reported to ``plan_fit(progress=...)``.
+PROGRESS_AFTER_S = 2.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,11 +496,13 @@ def _candidates(model: nn.Module, optimizers: Sequence[str | None] | None) -> tu
 class _Search:
     """Simulations of one model and batch, cached by configuration; one rank's (sharded) peak."""
 
-    def __init__(self, model, batch, loss_fn, device, strategy, n_gpus) -> None:
+    def __init__(self, model, batch, loss_fn, device, strategy, n_gpus, progress=None) -> None:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
         self.strategy, self.n_gpus = strategy, n_gpus
         self.cache: dict[tuple, MemoryBreakdown] = {}
         self.seconds = 0.0
+        self.progress = progress
+        self.started = time.perf_counter()
 
     def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", return_timeline=False):
         from lightning_memkit._checkpointing import apply_checkpointing
@@ -525,6 +529,13 @@ class _Search:
     def peak(self, m: int, checkpointing: str, optimizer: str | None, precision: str) -> MemoryBreakdown:
         key = (m, checkpointing, optimizer, precision)
         if key not in self.cache:
+            elapsed = time.perf_counter() - self.started
+            if self.progress is not None and elapsed >= PROGRESS_AFTER_S:
+                self.progress(
+                    f"simulating micro-batch {m}, checkpointing {checkpointing}, optimizer "
+                    f"{optimizer or 'as configured'}, {precision} ({len(self.cache)} simulated in "
+                    f"{elapsed:.0f} s)"
+                )
             b = self.estimate(m, checkpointing, optimizer=optimizer, precision=precision)
             grads = self._static(None, precision).gradients
             self.cache[key] = shard(b, self.strategy, self.n_gpus, gradient_bytes=grads)
@@ -571,6 +582,7 @@ def plan_fit(
     device: str = "cuda",
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     cost: str | StepCost = "auto",
+    progress: Callable[[str], None] | None = None,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -590,6 +602,8 @@ def plan_fit(
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.
+        progress: called with a line before each simulation once planning has taken
+            ``PROGRESS_AFTER_S`` seconds (a large model's simulations take seconds each).
 
     Raises:
         ValueError: no configuration fits; the message gives the static floor, the leanest plan's peak and
@@ -609,7 +623,7 @@ def plan_fit(
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
     per_rank = _slice(batch, total // n_gpus)
     sizes = _divisors(total // n_gpus)
-    search = _Search(model, per_rank, loss_fn, device, strategy if n_gpus > 1 else "ddp", n_gpus)
+    search = _Search(model, per_rank, loss_fn, device, strategy if n_gpus > 1 else "ddp", n_gpus, progress)
     candidates = _candidates(model, optimizers)
 
     chosen: tuple[str | None, str] | None = None

@@ -416,6 +416,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             device="cuda",
             loss_fn=None if lightning else _lm_loss,
             cost="flops",
+            progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

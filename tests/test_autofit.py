@@ -86,6 +86,16 @@ def test_leaner_and_dict_round_trip(plan):
     assert seen[-1] == (1, "full")
 
 
+def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, monkeypatch):
+    import lightning_memkit._autofit as autofit
+
+    lines = []
+    monkeypatch.setattr(autofit, "PROGRESS_AFTER_S", 0.0)  # as if every simulation were slow
+    plan = plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST, progress=lines.append)
+    assert len(lines) == len(plan.alternatives) > 1
+    assert lines[0].startswith("simulating micro-batch") and "(0 simulated in" in lines[0]
+
+
 def test_infeasible_budget_names_floor_and_fixes(module, batch):
     with pytest.raises(ValueError, match=r"Static floor.*leanest plan.*What would fit: .*GPUs .*fsdp"):
         plan_fit(module, batch, 8_000_000, device="cpu", cost=COST)

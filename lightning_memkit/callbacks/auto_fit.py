@@ -155,6 +155,7 @@ class AutoFit(Callback):
             strategy=strategy,
             n_gpus=ranks,
             cost=self.cost,
+            progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
         )
 
     def _budget(self, device: str) -> Budget:
