@@ -251,6 +251,11 @@ PRECISIONS: dict[str, PrecisionScheme] = {
 }
 
 
+def scheme(precision: str) -> str:
+    """The `PRECISIONS` name for a Lightning precision string; ``"32-true"`` for one it does not know."""
+    return precision if precision in PRECISIONS else "32-true"
+
+
 def _precision(precision: str | PrecisionScheme) -> PrecisionScheme:
     return precision if isinstance(precision, PrecisionScheme) else PrecisionScheme.from_name(precision)
 

@@ -21,6 +21,7 @@ timeline (the tests hold it to 2 %), and on CUDA the peak itself is read from th
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -113,6 +114,11 @@ class _Storage:
 class _Tracker(TorchDispatchMode):
     """Follows storage lifetimes on one device; keeps the live set at the highest point."""
 
+    #: whether fake tensors are storages of the step (the simulator's) or of a simulation run inside it
+    counts_fakes = False
+    #: whether the CPU RNG states checkpointing keeps are on this tracker's device
+    counts_rng_states = True
+
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
@@ -129,6 +135,8 @@ class _Tracker(TorchDispatchMode):
     def record(self, t: Tensor, *, preexisting: bool = False) -> _Storage | None:
         """The record of ``t``'s storage, registering it if this is the first sight of it."""
         if t.device != self.device or t.is_sparse:
+            return None
+        if not self.counts_fakes and _is_fake(t):  # a simulation run inside a measured step
             return None
         storage = t.untyped_storage()
         entry = self.live.get(id(storage))
@@ -215,56 +223,20 @@ class _Tracker(TorchDispatchMode):
         ]
         try:
             hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _identity)
-            with hooks, self._rng_states(), self._selective_checkpoint_saves(), self:
+            with hooks, _watched_elsewhere(self), self:
                 yield self
         finally:
             for handle in handles:
                 handle.remove()
 
-    @contextlib.contextmanager
-    def _rng_states(self) -> Iterator[None]:
-        """See the CPU RNG states activation checkpointing keeps for its recompute (5,056 bytes per
-        checkpointed region): ``torch.get_rng_state`` allocates them without an op the dispatcher sees."""
-        original = torch.get_rng_state
-
-        def get_rng_state() -> Tensor:
-            state = original()
-            rec = self.record(state)
-            if rec is not None:
-                rec.saved_at = self.clock  # kept for backward, like a saved activation
-                self._check_peak()
-            return state
-
-        torch.get_rng_state = get_rng_state
-        try:
-            yield
-        finally:
-            torch.get_rng_state = original
-
-    @contextlib.contextmanager
-    def _selective_checkpoint_saves(self) -> Iterator[None]:
-        """Mark the outputs selective checkpointing's policy saves as activations: torch keeps them in its
-        own cache, each in a ``torch.utils.checkpoint._VersionWrapper``, not through autograd's
-        saved-tensor hooks. That class is private; on a torch without it they count as temporary (the
-        peak is the same) and ``tests/test_measure.py`` says so."""
-        from torch.utils import checkpoint
-
-        wrapper = getattr(checkpoint, "_VersionWrapper", None)
-        if wrapper is None:
-            yield
+    def on_rng_state(self, state: Tensor) -> None:
+        """A CPU RNG state activation checkpointing keeps for its recompute: kept for backward."""
+        if not self.counts_rng_states:
             return
-        original = wrapper.__init__
-
-        def __init__(cached: Any, val: Any) -> None:
-            original(cached, val)
-            if isinstance(val, Tensor):
-                self.pack(val)
-
-        wrapper.__init__ = __init__
-        try:
-            yield
-        finally:
-            wrapper.__init__ = original
+        rec = self.record(state)
+        if rec is not None:
+            rec.saved_at = self.clock
+            self._check_peak()
 
     # --- result -------------------------------------------------------------------------------
 
@@ -343,6 +315,85 @@ class MemoryMeasurement:
 
 def _identity(t: Tensor) -> Tensor:
     return t
+
+
+try:
+    from torch._subclasses.fake_tensor import FakeTensor
+except ImportError:  # pragma: no cover - a torch without it has no simulations to tell apart either
+    FakeTensor = ()  # type: ignore[assignment,misc]
+
+
+def _is_fake(t: Tensor) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+# Two allocations of activation checkpointing bypass both the dispatcher and autograd's saved-tensor hooks:
+# the CPU RNG state ``torch.utils.checkpoint`` keeps per region for its recompute (``torch.get_rng_state``,
+# 5,056 bytes), and the outputs selective checkpointing's policy saves in its own cache, each wrapped in the
+# private ``torch.utils.checkpoint._VersionWrapper`` (without that class they count as temporary; the peak is
+# the same, and tests/test_measure.py says so). Both functions are patched once, while any tracker watches,
+# and report to the innermost tracker of the calling thread only.
+_WATCHING = threading.local()
+_PATCH_LOCK = threading.Lock()
+_patched: dict[str, Any] = {}
+_users = 0  # trackers watching, in all threads
+
+
+def _innermost() -> _Tracker | None:
+    stack = getattr(_WATCHING, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _get_rng_state(*args: Any, **kwargs: Any) -> Tensor:
+    state = _patched["get_rng_state"](*args, **kwargs)
+    tracker = _innermost()
+    if tracker is not None:
+        tracker.on_rng_state(state)
+    return state
+
+
+def _version_wrapper_init(cached: Any, *args: Any, **kwargs: Any) -> None:
+    _patched["_VersionWrapper.__init__"](cached, *args, **kwargs)
+    tracker, value = _innermost(), getattr(cached, "val", None)
+    if tracker is not None and isinstance(value, Tensor):
+        tracker.pack(value)
+
+
+def _patch() -> None:
+    from torch.utils import checkpoint
+
+    _patched["get_rng_state"], torch.get_rng_state = torch.get_rng_state, _get_rng_state
+    wrapper = getattr(checkpoint, "_VersionWrapper", None)
+    if wrapper is not None:
+        _patched["_VersionWrapper.__init__"], wrapper.__init__ = wrapper.__init__, _version_wrapper_init
+
+
+def _unpatch() -> None:
+    from torch.utils import checkpoint
+
+    torch.get_rng_state = _patched.pop("get_rng_state")
+    if "_VersionWrapper.__init__" in _patched:
+        checkpoint._VersionWrapper.__init__ = _patched.pop("_VersionWrapper.__init__")
+
+
+@contextlib.contextmanager
+def _watched_elsewhere(tracker: _Tracker) -> Iterator[None]:
+    """Route the two checkpointing allocations above to ``tracker`` while it watches this thread."""
+    global _users
+    with _PATCH_LOCK:
+        if _users == 0:
+            _patch()
+        _users += 1
+    stack = _WATCHING.__dict__.setdefault("stack", [])
+    stack.append(tracker)
+    try:
+        yield
+    finally:
+        stack.remove(tracker)  # trackers may close out of order
+        with _PATCH_LOCK:
+            _users -= 1
+            if _users == 0:
+                _unpatch()
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -121,9 +121,13 @@ class _Placeholders(TorchDispatchMode):
 class _SimTracker(_Tracker):
     """`_Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline."""
 
-    def __init__(self, rounding: int, timeline: bool) -> None:
+    counts_fakes = True
+
+    def __init__(self, rounding: int, timeline: bool, counts_rng_states: bool = True) -> None:
         super().__init__(_SIM_DEVICE)
         self.rounding = rounding
+        # Checkpointing's RNG states are real CPU tensors: device memory only when the target is the CPU.
+        self.counts_rng_states = counts_rng_states
         self.phase = "forward"
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
 
@@ -393,7 +397,7 @@ class _Step:
 
 def _track(step: _Step, model: nn.Module, rounding: int, device: torch.device, timeline: bool) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
-    tracker = _SimTracker(rounding, timeline)
+    tracker = _SimTracker(rounding, timeline, counts_rng_states=device.type == "cpu")
     if device.type == "cuda":
         # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
         for optimizer in step.optimizers:

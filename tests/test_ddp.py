@@ -183,3 +183,25 @@ def test_ddp_optimizer_swap_counts_the_buckets(tmp_path):
         record = json.loads((tmp_path / f"swap_{rank}.json").read_text())
         assert record["optimizer"] == "adamw8bit"
         assert max(record["peaks"]) <= 13_000_000
+
+
+def test_which_strategies_keep_ddp_buckets_and_accumulate():
+    """`ddp_bucket_bytes` and `accumulates`, as the budget callbacks read the Trainer."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_memkit.callbacks._strategy import accumulates, ddp_bucket_bytes, sharding
+
+    module = EncoderLM()
+    grads = 4 * sum(p.numel() for p in module.parameters())
+
+    def trainer(**kwargs):
+        return pl.Trainer(accelerator="cpu", logger=False, **{"devices": 1, **kwargs})
+
+    assert ddp_bucket_bytes(trainer(), module) == 0
+    assert ddp_bucket_bytes(trainer(strategy="ddp"), module) == grads  # wrapped even on one device
+    assert ddp_bucket_bytes(trainer(strategy="ddp_spawn", devices=2), module) == grads
+    assert ddp_bucket_bytes(trainer(strategy="ddp", precision="bf16-true"), module) == grads // 2
+    assert sharding(trainer(strategy="ddp_spawn", devices=2)) == ("ddp", 2)
+    assert not accumulates(trainer())
+    assert accumulates(trainer(accumulate_grad_batches=2))
+    assert accumulates(trainer(callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})]))

@@ -89,6 +89,50 @@ def test_what_selective_checkpointing_keeps_counts_as_activations():
     assert kept["selective"] > 10 * kept["full"]  # the saved matmul outputs, beside each layer's input
 
 
+def test_a_simulation_inside_a_measured_step_is_not_counted():
+    """Fake tensors (an OptimizerSwap estimate run while MemoryMonitor measures) are not the step's."""
+    from lightning_memkit import estimate_memory
+
+    model, optimizer, step = encoder_step()
+    step()
+    with measure(model, optimizer) as plain:
+        step()
+    x = torch.randint(0, 256, (64, 64))  # 8x the real batch: its fake activations would top the peak
+    with measure(model, optimizer) as around:
+        estimate_memory(model, (x, x), device="cpu", checkpointing="selective")
+        step()
+    assert around.peak == pytest.approx(plain.peak, rel=1e-4)
+    assert around.breakdown.activations == pytest.approx(plain.breakdown.activations, rel=1e-3)
+
+
+def test_checkpointing_patches_are_undone_in_any_order_and_thread():
+    """Measurements closing out of order, in two threads, or on an error leave torch as it was."""
+    import threading
+
+    from torch.utils import checkpoint
+
+    originals = torch.get_rng_state, checkpoint._VersionWrapper.__init__
+    model, optimizer, _ = encoder_step()
+    opened, close = threading.Event(), threading.Event()
+
+    def other_thread():
+        with measure(model, optimizer):
+            opened.set()
+            close.wait(10)
+
+    first = measure(model, optimizer).__enter__()
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    opened.wait(10)
+    with pytest.raises(ValueError), measure(model, optimizer):
+        raise ValueError("a step that fails")
+    first.__exit__(None, None, None)  # before the other thread's
+    assert torch.get_rng_state is not originals[0]  # the other thread still measures
+    close.set()
+    thread.join(10)
+    assert (torch.get_rng_state, checkpoint._VersionWrapper.__init__) == originals
+
+
 def test_peak_inside_a_foreach_optimizer_step_is_caught():
     """foreach AdamW allocates a temporary the size of all parameters inside `step()`."""
     model, opt, step = _mlp_step(foreach=True)

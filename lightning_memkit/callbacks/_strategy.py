@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lightning_memkit._analytic import PRECISIONS, static_breakdown
+from lightning_memkit._analytic import scheme, static_breakdown
 
-__all__ = ["ddp_bucket_bytes", "sharding"]
+__all__ = ["accumulates", "ddp_bucket_bytes", "sharding"]
 
 
 def sharding(trainer: pl.Trainer) -> tuple[str, int]:
@@ -29,11 +31,17 @@ def sharding(trainer: pl.Trainer) -> tuple[str, int]:
 
 def ddp_bucket_bytes(trainer: pl.Trainer, module: nn.Module) -> int:
     """Bytes of DDP's all-reduce buckets on each rank: a copy of every trainable parameter's gradient in
-    the precision the run trains in (`_analytic.shard`); 0 unless DDP runs over several ranks."""
-    strategy, ranks = sharding(trainer)
-    if strategy != "ddp" or ranks == 1:
+    the precision the run trains in (`_analytic.shard`); 0 unless the strategy is DDP (one rank too: the
+    model is wrapped all the same)."""
+    if not isinstance(trainer.strategy, DDPStrategy):
         return 0
-    precision = str(trainer.precision)
     shapes = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
-    scheme = precision if precision in PRECISIONS else "32-true"
-    return static_breakdown(shapes, precision=scheme, optimizer="sgd").gradients
+    return static_breakdown(shapes, precision=scheme(str(trainer.precision)), optimizer="sgd").gradients
+
+
+def accumulates(trainer: pl.Trainer) -> bool:
+    """Whether any step of the fit accumulates gradients: now, or in a later epoch of a
+    ``GradientAccumulationScheduler``."""
+    schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
+    scheduled = [n for c in schedulers for n in c.scheduling.values()]
+    return trainer.accumulate_grad_batches > 1 or any(n > 1 for n in scheduled)

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
+from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import parse_bytes
 from lightning_memkit._checkpointing import (
     LEVELS,
@@ -30,7 +31,7 @@ from lightning_memkit._checkpointing import (
     find_blocks,
     plan_checkpointing,
 )
-from lightning_memkit.callbacks._strategy import ddp_bucket_bytes
+from lightning_memkit.callbacks._strategy import accumulates, ddp_bucket_bytes
 
 _OPTION = "ActivationCheckpointing(policy={MyBlock})"
 
@@ -170,16 +171,22 @@ class ActivationCheckpointing(Callback):
         if trainer.is_global_zero:
             try:
                 # DDP's all-reduce buckets are there all along: what is left is the step's to fit in.
+                buckets = ddp_bucket_bytes(trainer, pl_module)
+                if buckets:
+                    rank_zero_info(
+                        f"Activation checkpointing: DDP's all-reduce buckets take {format_bytes(buckets)} "
+                        f"of the {format_bytes(self.budget)} budget; the step is planned to fit the rest."
+                    )
                 plan = plan_checkpointing(
                     pl_module,
                     _example_batch(trainer),
-                    self.budget - ddp_bucket_bytes(trainer, pl_module),
+                    max(self.budget - buckets, 0),
                     policy=self.policy,
                     blocks=self.layer_classes,
                     cost=self.cost,
                     device=trainer.strategy.root_device.type,
                     precision=trainer.precision,
-                    accumulating=trainer.accumulate_grad_batches > 1,
+                    accumulating=accumulates(trainer),
                 )
                 outcome = ("plan", plan.as_dict())
             except Exception as e:  # raised below, once every rank has left the broadcast
