@@ -294,19 +294,31 @@ def test_cli_plan_unknown_gpu(capsys):
     assert "Did you mean A100-40GB" in capsys.readouterr().err
 
 
-def test_plan_and_monitor_match_the_allocator_in_the_trainer(tmp_path):
+def _gpt():
+    return GPTLightningModule("tiny", max_steps=5), GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
+
+
+def _encoder():
+    from conftest import EncoderLM
+
+    return EncoderLM(batch_size=8, n_batches=16), None  # torch's own layers, its own train_dataloader
+
+
+@pytest.mark.parametrize(
+    ("model", "budget"), [(_gpt, 20_000_000), (_encoder, 8_000_000)], ids=["gpt", "torch"]
+)
+def test_plan_and_monitor_match_the_allocator_in_the_trainer(tmp_path, model, budget):
     """With AutoFit's guard on the first steps and the plan applied, MemoryMonitor's figure for every
     step is the allocator's, and the plan's estimated peak is within 1 % of it."""
     torch.manual_seed(0)
-    peaks, monitor, callback = AllocatorPeaks(), MemoryMonitor(), AutoFit(budget=20_000_000, cost="flops")
+    module, data = model()
+    peaks, monitor, callback = AllocatorPeaks(), MemoryMonitor(), AutoFit(budget=budget, cost="flops")
     trainer = L.Trainer(
         default_root_dir=tmp_path, max_steps=5, limit_val_batches=0, accelerator="cpu", devices=1,
         callbacks=[callback, *peaks.around(monitor)], enable_progress_bar=False, enable_model_summary=False,
         logger=CSVLogger(tmp_path), enable_checkpointing=False,
     )  # fmt: skip
-    trainer.fit(
-        GPTLightningModule("tiny", max_steps=5), GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
-    )
+    trainer.fit(module, data)
     k = callback.plan.accumulate_grad_batches
     assert k > 1 and callback.plan.checkpointing != "none"  # what this test is about: both at once
     steps = [max(peaks.peaks[i : i + k]) for i in range(0, len(peaks.peaks), k)]
