@@ -723,6 +723,7 @@ def fit_optimizer(
     allow_unknown: bool = False,
     precision: str = "32-true",
     device: str | torch.device | None = None,
+    accumulating: bool = False,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -748,6 +749,8 @@ def fit_optimizer(
             ``weight_decay`` as AdamW's. Otherwise it is left alone with a warning.
         precision: the Lightning precision string the step runs in (simulated step only).
         device: ``"cuda"`` or ``"cpu"``: the allocator to plan for (default: the model's device).
+        accumulating: the loop accumulates gradients over micro-batches of ``batch`` (its highest
+            micro-batch is simulated; `estimate_memory`).
 
     Returns:
         An `OptimizerChoice`: the name chosen, the optimizers, the estimated breakdown and every estimate
@@ -768,7 +771,9 @@ def fit_optimizer(
     if step_peak is not None:
         estimate, method = _given(step_peak), "given"
     elif batch is not None and len(optimizers) == 1 and not _manual(model):
-        estimate = simulated_estimator(model, batch, loss_fn=loss_fn, precision=precision, device=device)
+        estimate = simulated_estimator(
+            model, batch, loss_fn=loss_fn, precision=precision, device=device, accumulating=accumulating
+        )
         method = "simulated"
     else:
         estimate, method = static_estimator(model, device=device), "static"

@@ -149,6 +149,14 @@ def _add_estimate(subparsers: Any) -> None:
         "(every repeated block recomputed)",
     )
     p.add_argument(
+        "--accumulate",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="micro-batches per optimizer step (default: 1); above 1 the simulated column is the highest "
+        "micro-batch, whose backward adds to gradients already there",
+    )
+    p.add_argument(
         "--gpus", type=_positive_int, default=1, metavar="N", help="ranks to shard over (default: 1)"
     )
     p.add_argument(
@@ -228,6 +236,7 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> MemoryBreakdown:
         precision=args.precision,
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,
+        accumulating=args.accumulate > 1,
     )
 
 

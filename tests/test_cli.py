@@ -45,6 +45,15 @@ def test_json_numbers_are_the_library_calls(capsys):
     assert report["simulated_seconds"] > 0
 
 
+def test_accumulate_simulates_the_highest_micro_batch(capsys):
+    report = _run_json(capsys, [*TINY, "--accumulate", "4", "--json"])
+    with torch.device("meta"):
+        module = GPTLightningModule("tiny")
+    accumulating = estimate_memory(module, _tiny_tokens(), device="cpu", accumulating=True)
+    assert report["simulated"] == accumulating.as_dict()
+    assert accumulating.peak > estimate_memory(module, _tiny_tokens(), device="cpu").peak
+
+
 def test_sharding_applies_to_both_columns_per_rank(capsys):
     report = _run_json(capsys, [*TINY, "--optimizer", "adamw", "--gpus", "4", "--strategy", "fsdp", "--json"])
     with torch.device("meta"):

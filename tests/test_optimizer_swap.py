@@ -229,6 +229,9 @@ def test_fit_optimizer_keeps_what_fits_and_picks_the_first_that_does():
     assert scheduler.optimizer is choice.optimizer and scheduler.base_lrs == [3e-3, 3e-3]
     assert choice.peak <= budget < choice.tried[0][1]
     assert [name for name, _ in choice.tried] == ["original", "adamw8bit"]
+    # Accumulating, the highest micro-batch holds the earlier ones' gradients: a higher estimate.
+    accumulating = fit_optimizer(model, optimizer, "1GiB", batch=_batch(), device="cpu", accumulating=True)
+    assert accumulating.peak > kept.peak
     decay, no_decay = choice.hparams[0]
     assert decay["lr"] == 1.5e-3 and decay["initial_lr"] == 3e-3  # warmup's first step: half the peak
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
