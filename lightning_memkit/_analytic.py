@@ -359,6 +359,13 @@ def optimizer_state_bytes(name: str, shapes: Sequence[Shape], *, state_bytes: in
 # --------------------------------------------------------------------------------------------------
 
 
+def model_static(model: Any, precision: str, optimizer: str = "sgd") -> MemoryBreakdown:
+    """`static_breakdown` of a model's trainable parameters under a Lightning precision string (`scheme`);
+    the default optimizer keeps no state, for the parameters and gradients alone."""
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    return static_breakdown(shapes, precision=scheme(precision), optimizer=optimizer)
+
+
 def static_breakdown(
     shapes: Sequence[Shape], *, precision: str | PrecisionScheme = "bf16-mixed", optimizer: str = "adamw"
 ) -> MemoryBreakdown:

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memkit._analytic import STRATEGIES, _choose, scheme, shard, static_breakdown
+from lightning_memkit._analytic import STRATEGIES, _choose, model_static, shard
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget
 
@@ -551,8 +551,7 @@ class _Search:
             return 0
 
     def _static(self, optimizer: str | None, precision: str) -> MemoryBreakdown:
-        shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
-        return static_breakdown(shapes, precision=scheme(precision), optimizer=optimizer or "sgd")
+        return model_static(self.model, precision, optimizer or "sgd")
 
 
 def _largest_fitting(fits: Callable[[int], bool], sizes: Sequence[int]) -> int | None:

@@ -47,8 +47,8 @@ from lightning_memkit._analytic import (
     TransformerShape,
     _choose,
     estimate_analytic,
+    model_static,
     shard,
-    static_breakdown,
 )
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, estimate_memory
@@ -268,8 +268,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         sharded = STRATEGIES[args.strategy]
         analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
         if simulated is not None:
-            shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-            grads = static_breakdown(shapes, precision=args.precision, optimizer="sgd").gradients
+            grads = model_static(model, args.precision).gradients
             simulated = shard(simulated, args.strategy, args.gpus, gradient_bytes=grads)
         buckets = " and adds its all-reduce buckets (a copy of the gradients)" if args.gpus > 1 else ""
         notes.append(
