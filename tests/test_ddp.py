@@ -192,7 +192,7 @@ def test_which_strategies_keep_ddp_buckets_and_accumulate():
     """`ddp_bucket_bytes` and `accumulates`, as the budget callbacks read the Trainer."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-    from lightning_memkit.callbacks._strategy import accumulates, ddp_bucket_bytes, sharding
+    from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, sharding
 
     module = EncoderLM()
     grads = 4 * sum(p.numel() for p in module.parameters())
@@ -208,3 +208,28 @@ def test_which_strategies_keep_ddp_buckets_and_accumulate():
     assert not accumulates(trainer())
     assert accumulates(trainer(accumulate_grad_batches=2))
     assert accumulates(trainer(callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})]))
+
+
+def test_a_decision_that_fails_on_rank_zero_fails_on_every_rank():
+    """`on_rank_zero`: rank 0 raises its own error; another rank gets its kind and message from the
+    broadcast instead of waiting for a decision (here the broadcast is played by hand)."""
+    from types import SimpleNamespace
+
+    from lightning_memkit.callbacks._trainer import on_rank_zero
+
+    sent = []
+
+    def zero_broadcast(obj, src):
+        sent.append(obj)
+        return obj
+
+    rank0 = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(broadcast=zero_broadcast))
+    with pytest.raises(ValueError, match="no plan fits") as own:
+        on_rank_zero(rank0, lambda: (_ for _ in ()).throw(ValueError("no plan fits")), "Planning")
+    rank1 = SimpleNamespace(
+        is_global_zero=False, strategy=SimpleNamespace(broadcast=lambda obj, src: sent[0])
+    )
+    with pytest.raises(ValueError, match="Planning failed on global rank 0: ValueError: no plan") as copy:
+        on_rank_zero(rank1, lambda: pytest.fail("only rank 0 decides"), "Planning")
+    assert copy.value is not own.value
+    assert on_rank_zero(rank0, lambda: {"plan": 1}, "Planning") == {"plan": 1} == sent[-1][1]

@@ -1,15 +1,49 @@
-"""What the Trainer's strategy adds to one rank's memory, read the way every callback needs it."""
+"""The Trainer as the budget callbacks read it: its precision, strategy, accumulation, and one decision
+taken on rank 0 for every rank."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lightning_memkit._analytic import scheme, static_breakdown
+from lightning_memkit._analytic import model_static, scheme
 
-__all__ = ["accumulates", "ddp_bucket_bytes", "sharding"]
+__all__ = ["accumulates", "ddp_bucket_bytes", "on_rank_zero", "precision", "sharding"]
+
+T = TypeVar("T")
+
+
+def precision(trainer: pl.Trainer) -> str:
+    """The Trainer's precision as the estimators know it; one they do not know is read as 32-true."""
+    return scheme(str(trainer.precision))
+
+
+def on_rank_zero(trainer: pl.Trainer, decide: Callable[[], T], what: str) -> T:
+    """``decide()`` on global rank 0, its (picklable) result broadcast to every rank. An error there is
+    raised on every rank once all have left the broadcast, so none waits for a decision that never comes:
+    rank 0 raises its own, the others a ``ValueError`` or ``RuntimeError`` with its message."""
+    outcome: tuple[str, ...] | tuple[str, T] | None = None
+    error: Exception | None = None
+    if trainer.is_global_zero:
+        try:
+            outcome = ("value", decide())
+        except Exception as e:
+            error, outcome = e, ("error", type(e).__name__, str(e))
+    outcome = trainer.strategy.broadcast(outcome, src=0)
+    assert outcome is not None
+    if error is not None:
+        raise error
+    if outcome[0] == "error":
+        _, kind, message = outcome
+        raise (ValueError if kind == "ValueError" else RuntimeError)(
+            f"{what} failed on global rank 0: {kind}: {message}"
+        )
+    return outcome[1]  # type: ignore[return-value]
 
 
 def sharding(trainer: pl.Trainer) -> tuple[str, int]:
@@ -35,8 +69,7 @@ def ddp_bucket_bytes(trainer: pl.Trainer, module: nn.Module) -> int:
     model is wrapped all the same)."""
     if not isinstance(trainer.strategy, DDPStrategy):
         return 0
-    shapes = [tuple(p.shape) for p in module.parameters() if p.requires_grad]
-    return static_breakdown(shapes, precision=scheme(str(trainer.precision)), optimizer="sgd").gradients
+    return model_static(module, precision(trainer)).gradients
 
 
 def accumulates(trainer: pl.Trainer) -> bool:

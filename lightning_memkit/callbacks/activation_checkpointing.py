@@ -31,7 +31,7 @@ from lightning_memkit._checkpointing import (
     find_blocks,
     plan_checkpointing,
 )
-from lightning_memkit.callbacks._strategy import accumulates, ddp_bucket_bytes
+from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, on_rank_zero, precision
 
 _OPTION = "ActivationCheckpointing(policy={MyBlock})"
 
@@ -166,40 +166,29 @@ class ActivationCheckpointing(Callback):
             if not found:
                 raise ValueError(_no_blocks_message(pl_module, _OPTION))
             return CheckpointPlan.uniform([name for name, _ in found], _uniform_policy(self.policy))
-        outcome: tuple[str, Any] | None = None
-        error: Exception | None = None
-        if trainer.is_global_zero:
-            try:
-                # DDP's all-reduce buckets are there all along: what is left is the step's to fit in.
-                buckets = ddp_bucket_bytes(trainer, pl_module)
-                if buckets:
-                    rank_zero_info(
-                        f"Activation checkpointing: DDP's all-reduce buckets take {format_bytes(buckets)} "
-                        f"of the {format_bytes(self.budget)} budget; the step is planned to fit the rest."
-                    )
-                plan = plan_checkpointing(
-                    pl_module,
-                    _example_batch(trainer),
-                    max(self.budget - buckets, 0),
-                    policy=self.policy,
-                    blocks=self.layer_classes,
-                    cost=self.cost,
-                    device=trainer.strategy.root_device.type,
-                    precision=trainer.precision,
-                    accumulating=accumulates(trainer),
+        budget = self.budget
+
+        def decide() -> dict[str, Any]:
+            # DDP's all-reduce buckets are there all along: what is left is the step's to fit in.
+            buckets = ddp_bucket_bytes(trainer, pl_module)
+            if buckets:
+                rank_zero_info(
+                    f"Activation checkpointing: DDP's all-reduce buckets take {format_bytes(buckets)} "
+                    f"of the {format_bytes(budget)} budget; the step is planned to fit the rest."
                 )
-                outcome = ("plan", plan.as_dict())
-            except Exception as e:  # raised below, once every rank has left the broadcast
-                error, outcome = e, ("error", f"{type(e).__name__}: {e}")
-        outcome = trainer.strategy.broadcast(outcome, src=0)
-        assert outcome is not None
-        kind, value = outcome
-        if error is not None:
-            raise error
-        if kind == "error":
-            error_type = ValueError if value.startswith("ValueError: ") else RuntimeError
-            raise error_type(f"Planning activation checkpointing failed on global rank 0: {value}")
-        return CheckpointPlan.from_dict(value)
+            return plan_checkpointing(
+                pl_module,
+                _example_batch(trainer),
+                max(budget - buckets, 0),
+                policy=self.policy,
+                blocks=self.layer_classes,
+                cost=self.cost,
+                device=trainer.strategy.root_device.type,
+                precision=precision(trainer),
+                accumulating=accumulates(trainer),
+            ).as_dict()
+
+        return CheckpointPlan.from_dict(on_rank_zero(trainer, decide, "Planning activation checkpointing"))
 
     def _use(self, pl_module: nn.Module, plan: CheckpointPlan) -> None:
         if self._handle is not None and self._applied_to is pl_module:

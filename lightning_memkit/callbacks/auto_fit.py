@@ -56,11 +56,9 @@ from lightning_memkit._autofit import FitPlan, plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit.callbacks._step_guard import StepGuard
-from lightning_memkit.callbacks._strategy import sharding
+from lightning_memkit.callbacks._trainer import on_rank_zero, precision, sharding
 
 __all__ = ["AutoFit"]
-
-_SIMULATED = ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 
 class AutoFit(Callback):
@@ -111,20 +109,8 @@ class AutoFit(Callback):
                 "its hparams nor the datamodule has; set batch_size_attr= to the attribute your dataloader "
                 "reads."
             )
-        outcome: dict[str, Any] | None = None
-        error: Exception | None = None
-        if trainer.is_global_zero:
-            try:
-                outcome = {"plan": self._plan(trainer, pl_module).as_dict()}
-            except Exception as e:  # raised below, once every rank has left the broadcast
-                error, outcome = e, {"error": f"{type(e).__name__}: {e}"}
-        outcome = trainer.strategy.broadcast(outcome, src=0)
-        assert outcome is not None
-        if error is not None:
-            raise error
-        if "error" in outcome:
-            raise RuntimeError(f"AutoFit: planning failed on global rank 0: {outcome['error']}")
-        self.plan = FitPlan.from_dict(outcome["plan"])
+        plan = on_rank_zero(trainer, lambda: self._plan(trainer, pl_module).as_dict(), "AutoFit's planning")
+        self.plan = FitPlan.from_dict(plan)
         self._target = (trainer, pl_module)
         self._install(self.plan)
         rank_zero_info(f"AutoFit: {self.plan}")
@@ -149,7 +135,7 @@ class AutoFit(Callback):
             self._budget(device),
             margin=self.margin,
             optimizers=self.optimizers,
-            precision=_precision(trainer),
+            precision=precision(trainer),
             checkpointing=self.checkpointing,
             device="cuda" if device == "cuda" else "cpu",
             strategy=strategy,
@@ -299,9 +285,3 @@ def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
         and type(trainer.precision_plugin).backward is Precision.backward
         and module.automatic_optimization
     )
-
-
-def _precision(trainer: pl.Trainer) -> str:
-    """The Trainer's precision as `estimate_memory` reads it; anything else is planned as 32-true."""
-    precision = str(trainer.precision)
-    return precision if precision in _SIMULATED else "32-true"

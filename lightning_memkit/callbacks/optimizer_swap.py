@@ -43,10 +43,7 @@ from lightning_memkit._optim import (
     static_estimator,
     swap_optimizer,
 )
-from lightning_memkit.callbacks._strategy import accumulates, ddp_bucket_bytes
-
-#: Lightning precision strings the simulator knows; others are estimated as "32-true".
-_SIMULATED_PRECISIONS = ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, precision
 
 
 class OptimizerSwap(Callback):
@@ -214,9 +211,12 @@ class OptimizerSwap(Callback):
         device = trainer.strategy.root_device.type
         device = device if device in ("cuda", "cpu") else "cpu"
         if pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1:
-            precision = trainer.precision if trainer.precision in _SIMULATED_PRECISIONS else "32-true"
             estimator = simulated_estimator(
-                pl_module, batch, precision=precision, device=device, accumulating=accumulates(trainer)
+                pl_module,
+                batch,
+                precision=precision(trainer),
+                device=device,
+                accumulating=accumulates(trainer),
             )
             method = "simulated"
         else:
