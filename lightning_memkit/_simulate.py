@@ -398,6 +398,7 @@ class _Step:
 def _track(step: _Step, model: nn.Module, rounding: int, device: torch.device, timeline: bool) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
     tracker = _SimTracker(rounding, timeline, counts_rng_states=device.type == "cpu")
+    tracker.counts_cpu_kernels = device.type == "cpu"  # CPU kernels' own buffers (`_kernels`)
     if device.type == "cuda":
         # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
         for optimizer in step.optimizers:

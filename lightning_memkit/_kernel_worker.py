@@ -1,0 +1,95 @@
+"""The process `_kernels` asks what a CPU kernel allocates: ``python -m lightning_memkit._kernel_worker``.
+
+Reads requests from stdin and answers on stdout, each a length-prefixed pickle. A request is
+``(op name, argument specs, keyword specs, threads)``; the answer is the highest total of the bytes the
+op allocated while it ran (outputs included, its inputs not), in torch.profiler's memory timeline, or
+``None`` if the op could not be run on random data. It runs in its own process because torch.profiler
+allows one session per process: the user's (or a test's) profiler stays free.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import sys
+from typing import Any, BinaryIO
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action, MemoryProfile
+
+
+def _materialize(x: Any) -> Any:
+    """A random tensor for a ``("tensor", shape, stride, dtype)`` spec; other values as they are."""
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == "tensor":
+        _, shape, stride, dtype = x
+        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0) if all(shape) else 0
+        base = torch.empty(size, dtype=dtype)
+        if base.is_floating_point() or base.is_complex():
+            base.normal_()
+        else:
+            base.zero_()  # indices, masks and counts: zeros are valid everywhere
+        return base.as_strided(shape, stride)
+    if isinstance(x, list):
+        return [_materialize(i) for i in x]
+    if isinstance(x, tuple):
+        return tuple(_materialize(i) for i in x)
+    if isinstance(x, dict):
+        return {k: _materialize(v) for k, v in x.items()}
+    return x
+
+
+def _op(name: str) -> Any:
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def internal_peak(name: str, args: Any, kwargs: Any) -> int | None:
+    func = _op(name)
+    try:
+        a, kw = _materialize(args), _materialize(kwargs)
+        func(*a, **kw)  # warm-up: one-time caches (oneDNN primitives) are not the step's memory
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+            out = func(*a, **kw)
+        del out
+    except Exception:  # an op that needs particular values: the caller counts nothing extra
+        return None
+    live = peak = 0
+    created = set()
+    for _, action, (key, _), nbytes in MemoryProfile(prof.profiler.kineto_results).timeline:
+        if key.device.type != "cpu":
+            continue
+        if action == Action.CREATE:
+            created.add(key)
+            live += nbytes
+        elif action == Action.DESTROY and key in created:
+            live -= nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _read(stream: BinaryIO) -> Any:
+    header = stream.read(8)
+    if len(header) < 8:
+        return None
+    (size,) = struct.unpack("<Q", header)
+    return pickle.loads(stream.read(size))
+
+
+def write(stream: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def main() -> None:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed by torch must not corrupt the answers
+    while (request := _read(stdin)) is not None:
+        name, args, kwargs, threads = request
+        torch.set_num_threads(threads)
+        write(stdout, internal_peak(name, args, kwargs))
+
+
+if __name__ == "__main__":
+    main()

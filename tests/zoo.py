@@ -1,0 +1,180 @@
+"""A zoo of models this project did not write, as users bring them: tiny random configs, default settings.
+
+Hugging Face families (BERT, T5, a LLaMA-family decoder with grouped-query attention, GPT-NeoX, GPT-2,
+ViT) are built from their config classes with random weights (nothing is downloaded) and keep every
+default a user would not change: ``use_cache=True``, dropout, the SDPA attention path. The CNN is a small
+ResNet with BatchNorm, written here (torchvision/timm would pull another torch build).
+
+``ZooModule(name)`` is a LightningModule over one of them; ``zoo_batch(name)`` a batch of its shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB = 128
+SEQ = 32
+BATCH = 4
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    return BertForMaskedLM(cfg)
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(cfg)
+
+
+def _qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(cfg)
+
+
+def _neox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    return GPTNeoXForCausalLM(cfg)
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=64, num_labels=10,
+    )  # fmt: skip
+    return ViTForImageClassification(cfg)
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN plus the identity (or a strided 1x1 projection)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.skip = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.skip = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """A 4-block ResNet for 3x32x32 images, 10 classes."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.Sequential(
+            BasicBlock(width, width), BasicBlock(width, width),
+            BasicBlock(width, 2 * width, stride=2), BasicBlock(2 * width, 2 * width),
+        )  # fmt: skip
+        self.head = nn.Linear(2 * width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+#: name -> (factory, kind): "mlm" / "seq2seq" / "causal" take token batches, "image" image batches.
+MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "bert": (_bert, "mlm"),
+    "t5": (_t5, "seq2seq"),
+    "qwen2": (_qwen2, "causal"),
+    "gpt_neox": (_neox, "causal"),
+    "gpt2": (_gpt2, "causal"),
+    "vit": (_vit, "image"),
+    "resnet": (ResNet, "cnn"),
+}
+
+
+def zoo_batch(name: str, batch_size: int = BATCH, seq_len: int = SEQ, seed: int = 0) -> dict:
+    """One batch for model ``name``, as its collator would give it (a dict of tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    kind = MODELS[name][1]
+    if kind in ("image", "cnn"):
+        pixels = torch.randn(batch_size, 3, 32, 32, generator=g)
+        labels = torch.randint(0, 10, (batch_size,), generator=g)
+        return {"pixel_values": pixels, "labels": labels}
+    ids = torch.randint(1, VOCAB, (batch_size, seq_len), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if kind == "mlm":
+        masked = torch.rand(batch_size, seq_len, generator=g) < 0.15
+        batch["labels"] = torch.where(masked, ids, torch.full_like(ids, -100))
+    if kind == "seq2seq":
+        batch["labels"] = torch.randint(1, VOCAB, (batch_size, seq_len // 2), generator=g)
+    return batch
+
+
+class _Batches(Dataset):
+    def __init__(self, name: str, n: int, batch_size: int, seq_len: int) -> None:
+        self.batches = [zoo_batch(name, batch_size, seq_len, seed=i) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.batches[i]
+
+
+class ZooModule(pl.LightningModule):
+    """A LightningModule over zoo model ``name``: its own loss (Hugging Face's ``labels=``), AdamW."""
+
+    def __init__(self, name: str, batch_size: int = BATCH, seq_len: int = SEQ, n_batches: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.model = MODELS[name][0]()
+        self.kind = MODELS[name][1]
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        if self.kind == "cnn":
+            return nn.functional.cross_entropy(self.model(batch["pixel_values"]), batch["labels"])
+        return self.model(**batch).loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        h = self.hparams
+        data = _Batches(h.name, h.n_batches, h.batch_size, h.seq_len)
+        return DataLoader(data, batch_size=None)  # each item is already a batch
