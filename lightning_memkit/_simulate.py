@@ -32,9 +32,13 @@ op lists (CUDA runs e.g. ``softmax`` and ``sum`` in fp32 under autocast, CPU doe
 scalars, and CUDA's choice among attention kernels (the CPU flash kernel saves the same
 ``out``/``logsumexp`` tensors as CUDA's flash kernel; CUDA's math fallback would save the T×T matrix).
 
-Values are fake, so Python values read from tensors during the step (``.item()``, ``bool(tensor)``)
-are placeholders: ``1`` for numbers, ``False`` for booleans. Data-dependent shapes (``nonzero``,
-boolean-mask indexing) cannot be simulated and raise.
+The batch is real, though, and so the step takes the branches the real batch takes: a Python value read
+from a tensor (``.item()``, ``bool(mask.all())``) that depends only on the batch and on constants (the
+attention mask, positions built with ``torch.arange``) is computed for real on small "shadow" copies, and
+so is the shape of a boolean-mask selection; transformers' ``is_tracing`` is told that the simulation's
+fake tensors are no trace (see `_shadow`). Any other value read, one that depends on the weights (a NaN
+check on the loss), is a placeholder: ``1`` for numbers, ``False`` for booleans. Data-dependent shapes
+of values that are not known (``nonzero`` of an activation) cannot be simulated and raise.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memkit import _shadow
 from lightning_memkit._analytic import OPTIMIZERS, _choose
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing import CheckpointPlan, apply_checkpointing
@@ -122,6 +127,7 @@ class _SimTracker(_Tracker):
     """`_Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline."""
 
     counts_fakes = True
+    shadows: _shadow.Shadows | None = None  # the real values the batch gives (see _shadow)
 
     def __init__(self, rounding: int, timeline: bool, counts_rng_states: bool = True) -> None:
         super().__init__(_SIM_DEVICE)
@@ -132,10 +138,19 @@ class _SimTracker(_Tracker):
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        shadows = self.shadows
+        if shadows is not None:
+            value = shadows.value(func, args, kwargs)  # .item() and the like, from the batch's real values
+            if value is not _shadow.NO_VALUE:
+                return value
         value = _placeholder_scalar(func, args)
         if value is not None:
             return value
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        dispatch = super().__torch_dispatch__
+        if shadows is None:
+            out = dispatch(func, types, args, kwargs)
+        else:  # the same dispatch, with the real values of the outputs followed
+            out = shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
         if self.timeline is not None and func.namespace not in _UNTIMED:
             self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
         return out
@@ -189,10 +204,19 @@ def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype 
             table[name] = t
 
 
-def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None) -> Any:
+def _fake_batch(
+    batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None, shadows: _shadow.Shadows | None = None
+) -> Any:
+    """The batch with fake twins for its tensors; ``shadows`` learns the real values of the twins."""
     from lightning_utilities.core.apply_func import apply_to_collection
 
-    return apply_to_collection(batch, Tensor, _fake_like, mode, dtype)
+    def fake(t: Tensor) -> Tensor:
+        twin = _fake_like(t, mode, dtype)
+        if shadows is not None:
+            shadows.adopt(t, twin)
+        return twin
+
+    return apply_to_collection(batch, Tensor, fake)
 
 
 def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Optimizer]:
@@ -395,10 +419,18 @@ class _Step:
             self.zero_grad()
 
 
-def _track(step: _Step, model: nn.Module, rounding: int, device: torch.device, timeline: bool) -> _SimTracker:
+def _track(
+    step: _Step,
+    model: nn.Module,
+    rounding: int,
+    device: torch.device,
+    timeline: bool,
+    shadows: _shadow.Shadows | None = None,
+) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
     tracker = _SimTracker(rounding, timeline, counts_rng_states=device.type == "cpu")
     tracker.counts_cpu_kernels = device.type == "cpu"  # CPU kernels' own buffers (`_kernels`)
+    tracker.shadows = shadows
     if device.type == "cuda":
         # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
         for optimizer in step.optimizers:
@@ -473,8 +505,9 @@ def estimate_memory(
             backward, step) — or a plain ``nn.Module``, stepped as ``loss_fn(model(input), target)`` with
             ``input, target = batch``, then backward, step, zero_grad. Its parameters may be real or on
             the meta device.
-        batch: what ``training_step`` receives, or ``(input, target)`` for a plain module. Only shapes and
-            dtypes are read; its tensors may be on the meta device.
+        batch: what ``training_step`` receives, or ``(input, target)`` for a plain module. Its values are
+            read (on copies, never changed) where the step branches on them, e.g. on the attention mask;
+            its tensors may be on the meta device, and the step then takes placeholder branches.
         optimizer: overrides ``configure_optimizers``: an optimizer name (``"adamw"``, ``"sgd"``,
             ``"sgd_momentum"``, ``"adafactor"``, or bitsandbytes' ``"adamw8bit"``, ``"paged_adamw8bit"``,
             ``"lion"``, ``"lion8bit"``, each with its defaults), a factory ``params -> Optimizer``, or an
@@ -542,7 +575,9 @@ def estimate_memory(
             stack.enter_context(_lightning_stand_ins(model))
         if checkpointing is not None and checkpointing != "none":
             stack.enter_context(apply_checkpointing(model, checkpointing))  # undone on exit
-        fake_batch = _fake_batch(batch, mode, param_dtype)
+        shadows = _shadow.Shadows()
+        fake_batch = _fake_batch(batch, mode, param_dtype, shadows)
+        stack.enter_context(_shadow.not_tracing(mode))  # transformers: our fakes are not a trace
 
         # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
         # from real values when constructed. The parameters they hold are already fake.
@@ -563,7 +598,7 @@ def estimate_memory(
         if not first_step or accumulating:
             with _Placeholders():
                 step.warm_up(model, state=not first_step)
-        tracker = _track(step, model, rounding, target, return_timeline)
+        tracker = _track(step, model, rounding, target, return_timeline, shadows)
         breakdown = tracker.breakdown()
     if return_timeline:
         assert tracker.timeline is not None
