@@ -9,7 +9,9 @@ is kept below the budget, and all the levers are searched:
 - micro-batch ``m`` over the divisors of the per-rank global batch ``G`` (``accumulate = G / m``, so the
   global batch stays what the user set; micro-batches are slices of the example batch along dim 0);
 - activation checkpointing, uniform over the model's repeated blocks: ``"none"``, ``"selective"``,
-  ``"full"`` (`_checkpointing.apply_checkpointing`, simulated with the policy applied);
+  ``"full"`` (`_checkpointing.apply_checkpointing`, simulated with the policy applied); a model without
+  repeated blocks (an MLP, one layer) has nothing to checkpoint and is planned with ``"none"`` only, which
+  the plan's `FitPlan.note` (and its summary) says;
 - the optimizer, in the catalogue's quality order (`_optim.DEFAULT_CANDIDATES`), starting at the model's
   own (a model with AdamW may get AdamW8bit, never the reverse);
 - precision, only among the Lightning precision strings the caller allows, in the order given.
@@ -247,6 +249,9 @@ class FitPlan:
             for one GPU.
         n_gpus: ranks the global batch is split across.
         cost: the throughput model the times came from.
+        levels: the checkpointing levels that were candidates (``("none",)`` for a model without
+            repeated blocks, which cannot be checkpointed); `leaner` keeps to them.
+        note: why some levels asked for were not candidates (``""`` when all were); `summary` shows it.
     """
 
     micro_batch_size: int
@@ -261,6 +266,8 @@ class FitPlan:
     strategy: str = "auto"
     n_gpus: int = 1
     cost: StepCost | None = field(default=None, compare=False)
+    levels: tuple[str, ...] = field(default=tuple(RECOMPUTE), compare=False)
+    note: str = field(default="", compare=False)
 
     @property
     def limit(self) -> int:
@@ -278,7 +285,7 @@ class FitPlan:
         half) with accumulation multiplied to keep the global batch, checkpointing unchanged; ``None`` at
         micro-batch 1 with the strongest level allowed. Its ``estimated_peak`` is not simulated: it is the
         current one."""
-        stronger = [level for level in RECOMPUTE if level in levels]
+        stronger = [level for level in RECOMPUTE if level in levels and level in self.levels]
         stronger = (
             stronger[stronger.index(self.checkpointing) + 1 :] if self.checkpointing in stronger else []
         )
@@ -330,6 +337,8 @@ class FitPlan:
             strategy=data.get("strategy", "ddp"),
             n_gpus=data.get("n_gpus", 1),
             cost=StepCost(**cost) if cost else None,
+            levels=tuple(data.get("levels", RECOMPUTE)),
+            note=data.get("note", ""),
         )
 
     def summary(self) -> str:
@@ -340,6 +349,7 @@ class FitPlan:
             f"checkpointing {self.checkpointing}, optimizer {self.optimizer or 'as configured'}, "
             f"{self.precision}: estimated peak {format_bytes(self.estimated_peak)} of "
             f"{format_bytes(self.limit)} ({self.budget.source} less {self.margin:.0%} margin)"
+            + (f"; {self.note}" if self.note else "")
         )
 
     def __str__(self) -> str:
@@ -615,6 +625,7 @@ def plan_fit(
     levels = tuple(c for c in RECOMPUTE if c in checkpointing)
     if not levels or len(levels) != len(set(checkpointing)):
         raise ValueError(f"checkpointing must be a subset of {tuple(RECOMPUTE)}, got {tuple(checkpointing)}")
+    levels, note = _checkpointable(model, levels)
     strategy = _choose("strategy", strategy, STRATEGIES)
     total = _batch_size(batch)
     if total % n_gpus:
@@ -683,6 +694,25 @@ def plan_fit(
         strategy=LIGHTNING_STRATEGY[strategy] if n_gpus > 1 else "auto",
         n_gpus=n_gpus,
         cost=step_cost,
+        levels=levels,
+        note=note,
+    )
+
+
+def _checkpointable(model: nn.Module, levels: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """The levels that are candidates for ``model``, and a note on those that are not.
+
+    Checkpointing is uniform over the repeated blocks `_checkpointing.find_blocks` finds; a model with
+    none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
+    allowed.
+    """
+    from lightning_memkit._checkpointing import find_blocks
+
+    if levels == ("none",) or find_blocks(model):
+        return levels, ""
+    dropped = ", ".join(level for level in levels if level != "none")
+    return ("none",), (
+        f"checkpointing {dropped} not planned: {type(model).__name__} has no repeated blocks to checkpoint"
     )
 
 

@@ -70,7 +70,8 @@ class AutoFit(Callback):
         margin: share of the budget kept free for what the estimate cannot see.
         batch_size_attr: the attribute holding the micro-batch size (``BatchSizeFinder``'s default).
         optimizers: candidate catalogue names in quality order (default: the module's own, then lighter).
-        checkpointing: the uniform checkpointing levels allowed.
+        checkpointing: the uniform checkpointing levels allowed; a module without repeated blocks is
+            planned without checkpointing (the plan's ``note``, in the info line, says so).
         cost: the throughput model (`plan_fit`'s ``cost``).
         verify_steps: first steps whose measured peak is checked (CUDA) and whose OOM in the forward or
             backward is recovered from (one process, automatic optimization); 0 turns both off.
