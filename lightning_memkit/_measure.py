@@ -210,6 +210,12 @@ class _Tracker(TorchDispatchMode):
             rec.saved_at = self.clock
         return t
 
+    def kept(self, packed: Any) -> None:
+        """What a saved-tensor pack hook of the user's returned: autograd keeps it for backward
+        (``save_on_cpu``'s copy, on a CPU run, is memory of this device)."""
+        for t in _iter_tensors([packed]):
+            self.pack(t)
+
     def on_grad(self, param: Tensor) -> None:
         if param.grad is None:
             return
@@ -247,12 +253,26 @@ class _Tracker(TorchDispatchMode):
             p.register_post_accumulate_grad_hook(self.on_grad) for p in model.parameters() if p.requires_grad
         ]
         try:
-            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _identity)
-            with hooks, _watched_elsewhere(self), self:
+            with self._saved_tensors_hooks(), _watched_elsewhere(self), self:
                 yield self
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Our pack hook, over the saved-tensor hooks in force (only the innermost pair runs): theirs still
+        pack and unpack, and what they return is what counts as kept."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is None:
+            return torch.autograd.graph.saved_tensors_hooks(self.pack, _identity)
+        outer_pack, outer_unpack = outer
+
+        def pack(t: Tensor) -> Any:
+            packed = outer_pack(t)
+            self.kept(packed)
+            return packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
 
     def on_rng_state(self, state: Tensor) -> None:
         """A CPU RNG state activation checkpointing keeps for its recompute: kept for backward."""
@@ -356,8 +376,10 @@ def _is_fake(t: Tensor) -> bool:
 # the CPU RNG state ``torch.utils.checkpoint`` keeps per region for its recompute (``torch.get_rng_state``,
 # 5,056 bytes), and the outputs selective checkpointing's policy saves in its own cache, each wrapped in the
 # private ``torch.utils.checkpoint._VersionWrapper`` (without that class they count as temporary; the peak is
-# the same, and tests/test_measure.py says so). Both functions are patched once, while any tracker watches,
-# and report to the innermost tracker of the calling thread only.
+# the same, and tests/test_measure.py says so). And saved-tensor hooks the step pushes itself
+# (``save_on_cpu``) replace the tracker's while they are in force: what they pack is reported all the same.
+# These functions are patched once, while any tracker watches, and report to the innermost tracker of the
+# calling thread only.
 _WATCHING = threading.local()
 _PATCH_LOCK = threading.Lock()
 _patched: dict[str, Any] = {}
@@ -384,10 +406,31 @@ def _version_wrapper_init(cached: Any, *args: Any, **kwargs: Any) -> None:
         tracker.pack(value)
 
 
+def _hooks_enter(hooks: torch.autograd.graph.saved_tensors_hooks) -> None:
+    """``saved_tensors_hooks.__enter__`` while a tracker watches: hooks the step pushes (``save_on_cpu``)
+    run instead of the tracker's, so what they pack is reported to it. Checkpointing's own hooks keep no
+    tensor in their packs; they are left as they are."""
+    if type(hooks).__module__ == "torch.utils.checkpoint":
+        _patched["saved_tensors_hooks.__enter__"](hooks)
+        return
+    user_pack = hooks.pack_hook
+
+    def pack(t: Tensor) -> Any:
+        packed = user_pack(t)
+        tracker = _innermost()
+        if tracker is not None:
+            tracker.kept(packed)
+        return packed
+
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, hooks.unpack_hook)
+
+
 def _patch() -> None:
     from torch.utils import checkpoint
 
     _patched["get_rng_state"], torch.get_rng_state = torch.get_rng_state, _get_rng_state
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    _patched["saved_tensors_hooks.__enter__"], hooks.__enter__ = hooks.__enter__, _hooks_enter
     wrapper = getattr(checkpoint, "_VersionWrapper", None)
     if wrapper is not None:
         _patched["_VersionWrapper.__init__"], wrapper.__init__ = wrapper.__init__, _version_wrapper_init
@@ -397,6 +440,7 @@ def _unpatch() -> None:
     from torch.utils import checkpoint
 
     torch.get_rng_state = _patched.pop("get_rng_state")
+    torch.autograd.graph.saved_tensors_hooks.__enter__ = _patched.pop("saved_tensors_hooks.__enter__")
     if "_VersionWrapper.__init__" in _patched:
         checkpoint._VersionWrapper.__init__ = _patched.pop("_VersionWrapper.__init__")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -266,3 +267,188 @@ def test_plain_model_without_lightning_helpers(trainer_kwargs):
     _, truths = _fit(DictBatch(), monitor, trainer_kwargs, profile=True)
     for (_, b), truth in zip(monitor.history, truths, strict=True):
         assert abs(b.peak - truth) <= 0.02 * truth
+
+
+# --- batches and optimizer state the signature must see into --------------------------------------
+
+
+@dataclasses.dataclass
+class _Tokens:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def _batch_encoding(x, y):
+    from transformers import BatchEncoding
+
+    return BatchEncoding({"input_ids": x, "labels": y})
+
+
+class _Varying(EncoderLM):
+    """Sequence lengths vary from batch to batch, inside a container ``tree_leaves`` sees as one leaf."""
+
+    LENGTHS = (32, 32, 16, 16, 32)  # steps 0, 1 (gradients appear), 2 (shorter) are measured; 3, 4 reuse
+
+    def __init__(self, wrap):
+        super().__init__(d_model=32, n_layer=1, vocab=64)
+        self.wrap = wrap
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, 64, (4, t), generator=g) for t in self.LENGTHS]
+        batches = [self.wrap(x, x.roll(-1, 1)) for x in ids]
+        return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+    def training_step(self, batch, batch_idx):
+        x, y = (batch.x, batch.y) if isinstance(batch, _Tokens) else (batch["input_ids"], batch["labels"])
+        return super().training_step((x, y), batch_idx)
+
+
+@pytest.mark.parametrize("wrap", [_batch_encoding, _Tokens], ids=["BatchEncoding", "dataclass"])
+def test_batches_of_varying_shape_in_any_container_match_the_allocator(trainer_kwargs, wrap):
+    monitor = MemoryMonitor(plot=False, summary=False)
+    _, truths = _fit(_Varying(wrap), monitor, trainer_kwargs, profile=True, max_steps=5)
+    assert len(monitor.history) == len(truths) == 5
+    for step, ((_, b), truth) in enumerate(zip(monitor.history, truths, strict=True)):
+        assert b.peak == pytest.approx(truth, rel=0.001), f"step {step}"
+    assert monitor.measured_steps == 3  # steps alike still reuse their twin
+
+
+class _MLP(pl.LightningModule):
+    def __init__(self, optimizer):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return self.optimizer(self.parameters())
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(96, 32, generator=g)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16
+        )
+
+
+class _AveragedSGD(torch.optim.Optimizer):
+    """Steps along the mean of every gradient so far, kept in a list per parameter: as many state entries
+    each step, more bytes in them (as LBFGS's ``old_dirs``/``old_stps``)."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                history = self.state[p].setdefault("history", [])
+                history.append(p.grad.clone())
+                p.sub_(group["lr"] * torch.stack(history).mean(0))
+        return loss
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=4, history_size=10),
+        lambda params: _AveragedSGD(params),
+    ],
+    ids=["LBFGS-closure", "state-growing-in-lists"],
+)
+def test_optimizer_state_that_grows_inside_its_entries_matches_the_allocator(trainer_kwargs, optimizer):
+    monitor = MemoryMonitor(plot=False, summary=False)
+    _, truths = _fit(_MLP(optimizer), monitor, trainer_kwargs, profile=True, max_steps=5)
+    assert len(monitor.history) == len(truths) == 5
+    for step, ((_, b), truth) in enumerate(zip(monitor.history, truths, strict=True)):
+        assert b.peak == pytest.approx(truth, rel=0.001), f"step {step}"
+
+
+def test_batch_signature_sees_every_tensor_and_refuses_what_it_cannot_read():
+    from collections import namedtuple
+
+    from lightning_memkit.callbacks.memory_monitor import batch_signature
+
+    def ids(t):
+        return torch.zeros(2, t, dtype=torch.long)
+
+    Pair = namedtuple("Pair", "x y")
+
+    class Holder:  # a user's batch class: tensors in its __dict__
+        def __init__(self, t):
+            self.inputs = {"ids": [ids(t)]}
+
+    class Slotted:
+        __slots__ = ("x",)
+
+        def __init__(self, t):
+            self.x = ids(t)
+
+    makers = [
+        lambda t: _batch_encoding(ids(t), ids(t)),
+        lambda t: _Tokens(ids(t), ids(t)),
+        lambda t: Pair(ids(t), ids(t)),
+        Holder,
+        Slotted,
+        lambda t: [{"a": (Holder(t),)}],
+    ]
+    for make in makers:
+        assert batch_signature(make(8)) == batch_signature(make(8)) is not None
+        assert batch_signature(make(8)) != batch_signature(make(16))
+    cyclic = {"x": ids(8)}
+    cyclic["self"] = cyclic
+    assert batch_signature(cyclic) is not None  # no endless walk
+    assert batch_signature(["a", "b", 3]) is None  # no tensor: nothing to tell steps apart by
+    assert batch_signature({"x": ids(8), "opaque": object()}) is None  # an object it cannot read
+
+
+# --- saved-tensor hooks of the user's own -------------------------------------------------------
+
+
+class _OffloadedEncoder(EncoderLM):
+    def __init__(self, offload):
+        super().__init__(d_model=32, n_layer=1, vocab=64)
+        self.offload = offload
+
+    def training_step(self, batch, batch_idx):
+        if not self.offload:
+            return super().training_step(batch, batch_idx)
+        with torch.autograd.graph.save_on_cpu():  # on a CPU run, the "CPU copies" are the tensors themselves
+            return super().training_step(batch, batch_idx)
+
+
+def test_save_on_cpu_in_training_step_keeps_its_activations_on_a_cpu_run(trainer_kwargs):
+    """Hooks the step pushes run instead of the tracker's; what they pack is still kept for backward."""
+    runs = {}
+    for offload in (False, True):
+        monitor = MemoryMonitor(plot=False, summary=False)
+        _, truths = _fit(_OffloadedEncoder(offload), monitor, trainer_kwargs, profile=True, max_steps=2)
+        runs[offload] = monitor.history[-1][1]
+        assert runs[offload].peak == pytest.approx(truths[-1], rel=0.001)
+    assert runs[True].activations == runs[False].activations > 0
+
+
+def test_saved_tensor_hooks_around_the_fit_stay_in_force(trainer_kwargs):
+    """A measured step runs the user's saved-tensor hooks as an unmeasured one does."""
+    calls = {}
+    for watched in (False, True):
+        packs = []
+
+        def pack(t, packs=packs):
+            packs.append(1)
+            return t
+
+        callbacks = [MemoryMonitor(plot=False, summary=False)] if watched else []
+        kwargs = {**trainer_kwargs, "max_steps": 2}
+        trainer = pl.Trainer(callbacks=callbacks, logger=CSVLogger(kwargs["default_root_dir"]), **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            trainer.fit(EncoderLM(d_model=32, n_layer=1, vocab=64))
+        calls[watched] = len(packs)
+    assert calls[True] == calls[False] > 0

@@ -3,9 +3,13 @@
 The measurement itself lives in `lightning_memkit._measure`; this callback decides *which* steps to
 measure, keeps the run cheap, and reports. A measured step follows every op (about 1.3x a plain step on
 CPU), so it is done only for steps unlike any measured before. Two steps are alike when their
-*signature* matches: the batch's shapes and dtypes, which parameters hold a gradient when the step
-begins, how many tensors the optimizers keep, and whether the step accumulates or steps. Steps alike
-allocate alike, so a later step reuses the exact breakdown of its measured twin; every
+*signature* matches: the shape, dtype and device of every tensor in the batch, however it is nested
+(dicts, ``UserDict`` and Hugging Face's ``BatchEncoding``, dataclasses, named tuples, objects holding
+tensors in their attributes: `batch_signature`), which parameters hold a gradient when the step begins,
+how many tensors and bytes the optimizers keep (`optimizer_signature`), and whether the step accumulates
+or steps. Steps alike allocate alike, so a later step reuses the exact breakdown of its measured twin. A
+batch the signature cannot see into (no tensor found, an object without readable attributes) and an
+optimizer whose step allocates by value (LBFGS) have no twins: every such step is measured. Every
 ``remeasure_every_n_steps`` steps it is measured again anyway, for models whose allocations depend on
 the data. On CUDA the caching allocator also gives the peak of every single step
 (``torch.cuda.max_memory_allocated``), so ``memory/peak`` is read fresh each step there and the
@@ -14,7 +18,12 @@ difference from the twin lands in ``memory/temporary``.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import enum
+import types
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +32,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils._pytree import tree_leaves
 
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
 from lightning_memkit._budget import parse_bytes
@@ -31,6 +39,10 @@ from lightning_memkit._measure import MemoryMeasurement, measure
 from lightning_memkit._report import plot_history, render_summary
 
 _MAX_SIGNATURES = 64
+#: Objects a batch signature walks at most; a larger batch is measured every step rather than guessed at.
+_MAX_NODES = 10_000
+#: Nesting a batch signature follows at most.
+_MAX_DEPTH = 32
 
 
 class MemoryMonitor(Callback):
@@ -130,7 +142,7 @@ class MemoryMonitor(Callback):
             signature = self._step_signature(trainer, pl_module, batch)
             self._signature = signature
             due = self.remeasure_every_n_steps and self._since_measured + 1 >= self.remeasure_every_n_steps
-            if signature not in self._twins or due:
+            if signature is None or signature not in self._twins or due:
                 self._measurement = measure(pl_module, trainer.optimizers, device=self._device)
                 self._measurement.__enter__()
             elif self._device.type == "cuda":
@@ -179,13 +191,17 @@ class MemoryMonitor(Callback):
     # --- measuring ----------------------------------------------------------------------------
 
     @staticmethod
-    def _step_signature(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> tuple:
-        """What decides a step's allocations, cheaply: shapes, gradients held, optimizer state, stepping."""
-        shapes = tuple(
-            (tuple(t.shape), t.dtype, t.device) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
-        )
+    def _step_signature(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> tuple | None:
+        """What decides a step's allocations, cheaply: shapes, gradients held, optimizer state, stepping.
+
+        ``None`` when the batch cannot be seen into (`batch_signature`) or an optimizer's step depends on
+        values (`optimizer_signature`): such a step is always measured.
+        """
+        shapes = batch_signature(batch)
+        if shapes is None or any(isinstance(opt, _VALUE_DEPENDENT) for opt in trainer.optimizers):
+            return None
         grads = tuple(p.grad is not None for p in pl_module.parameters())
-        states = tuple(len(opt.state) for opt in trainer.optimizers)
+        states = tuple(optimizer_signature(opt) for opt in trainer.optimizers)
         return shapes, grads, states, trainer.fit_loop.epoch_loop._should_accumulate()
 
     def _finish_step(self) -> MemoryBreakdown:
@@ -193,10 +209,11 @@ class MemoryMonitor(Callback):
         if self._measurement is not None:
             self._close_measurement()
             breakdown = self._last_measured
-            self._twins[signature] = breakdown
-            self._twins.move_to_end(signature)
-            while len(self._twins) > _MAX_SIGNATURES:
-                self._twins.popitem(last=False)
+            if signature is not None:  # a batch it cannot see into is no twin of any other
+                self._twins[signature] = breakdown
+                self._twins.move_to_end(signature)
+                while len(self._twins) > _MAX_SIGNATURES:
+                    self._twins.popitem(last=False)
             self.measured_steps += 1
             self._since_measured = 0
             return breakdown
@@ -334,3 +351,116 @@ def _log_image(logger: Any, figure: Any, path: Path, step: int) -> None:
         logger.log_image(key="memory/breakdown", images=[str(path)], step=step)
     elif isinstance(logger, MLFlowLogger):
         logger.experiment.log_artifact(logger.run_id, str(path))
+
+
+# --- signatures -----------------------------------------------------------------------------------
+
+#: Optimizers whose step allocates by the values it sees, so that no earlier step is a twin: LBFGS runs
+#: the closure until it converges (up to ``max_iter`` times) and keeps a curvature pair only where
+#: ``y·s > 1e-10``, so two steps that begin with the same state can peak differently (tiny MLP, history 10:
+#: 6.4 % apart).
+_VALUE_DEPENDENT: tuple[type, ...] = (torch.optim.LBFGS,)
+
+_ATOMS = (
+    type(None), bool, int, float, complex, str, bytes, range, slice, enum.Enum, torch.dtype, torch.device,
+    datetime.date, datetime.time, datetime.timedelta,
+)  # fmt: skip
+
+
+_CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+
+
+class _Opaque(Exception):
+    """The batch holds something the signature cannot see into."""
+
+
+def batch_signature(batch: Any) -> tuple | None:
+    """Every tensor in ``batch`` (shape, dtype, device) with the structure around it; ``None`` when it
+    cannot be read.
+
+    Walks what users pass as batches, nested arbitrarily: tensors (and arrays with ``shape``/``dtype``),
+    sequences, sets, mappings (``dict``, ``UserDict`` and so Hugging Face's ``BatchEncoding``), dataclasses,
+    named tuples and any object whose ``__dict__`` or ``__slots__`` holds them; an object met twice (a
+    cycle, a shared tensor) is referred back to. Values of numbers and strings are not part of it (a batch
+    of per-sample strings would otherwise never match), only their types. ``None`` (measure the step, never
+    reuse a twin) when the batch holds no tensor, an object with no attributes to read (a C extension's),
+    or more than ``_MAX_NODES`` objects or ``_MAX_DEPTH`` levels.
+    """
+    seen: dict[int, int] = {}
+    found = [0]
+
+    def walk(obj: Any, depth: int) -> Any:
+        if isinstance(obj, _ATOMS):
+            return type(obj).__name__
+        if depth > _MAX_DEPTH or len(seen) >= _MAX_NODES:
+            raise _Opaque
+        if id(obj) in seen:
+            return ("ref", seen[id(obj)])
+        seen[id(obj)] = len(seen)
+        kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        if isinstance(obj, torch.Tensor):
+            found[0] += 1
+            return (kind, tuple(obj.shape), obj.dtype, obj.device)
+        shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
+        if isinstance(shape, tuple) and dtype is not None and not isinstance(obj, type):  # numpy and the like
+            found[0] += 1
+            return (kind, shape, str(dtype))
+        if isinstance(obj, Mapping):
+            return (kind, tuple((_key(k), walk(v, depth + 1)) for k, v in obj.items()))
+        if isinstance(obj, (list, tuple)):
+            return (kind, tuple(walk(v, depth + 1) for v in obj))
+        if isinstance(obj, (set, frozenset)):
+            return (kind, tuple(sorted(map(repr, (walk(v, depth + 1) for v in obj)))))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            fields = [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
+            return (kind, tuple((name, walk(v, depth + 1)) for name, v in fields))
+        attributes = _attributes(obj)
+        if attributes is None:
+            raise _Opaque
+        return (kind, tuple((name, walk(v, depth + 1)) for name, v in attributes))
+
+    try:
+        signature = walk(batch, 0)
+    except Exception:  # _Opaque, or an attribute that raised when read: measure rather than guess
+        return None
+    return signature if found[0] else None
+
+
+def _key(key: Any) -> Any:
+    return key if isinstance(key, _ATOMS) else repr(key)
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]] | None:
+    """``obj``'s instance attributes (``__dict__`` and ``__slots__``); ``None`` for an object without any.
+    Classes, modules and functions are read as their types alone: they are code, not data."""
+    if isinstance(obj, _CODE) or (callable(obj) and not hasattr(obj, "__dict__")):
+        return []
+    names: list[str] = []
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += (
+            [slots] if isinstance(slots, str) else [n for n in slots if n not in ("__dict__", "__weakref__")]
+        )
+    items = [(n, getattr(obj, n)) for n in names if hasattr(obj, n)]
+    if hasattr(obj, "__dict__"):
+        items += list(vars(obj).items())
+    elif not names:
+        return None
+    return items
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(entries, tensors, bytes) of ``optimizer.state``: its count alone misses state that grows inside
+    an entry, as LBFGS's history (``old_dirs``, ``old_stps``, ``ro``: lists of tensors) does."""
+    tensors = nbytes = 0
+    stack: list[Any] = list(optimizer.state.values())
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            tensors += 1
+            nbytes += item.untyped_storage().nbytes()
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return len(optimizer.state), tensors, nbytes
