@@ -91,12 +91,18 @@ class TransformerShape:
     position: str = "learned"  # "learned": a (block_size, d) table | "none": RoPE/ALiBi, no parameters
     block_size: int | None = None  # context length; needed for position="learned"
     fused_qkv: bool = True  # one (3d, d) QKV matrix (GPT-2) vs three (d, d) (LLaMA); only Adafactor cares
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None -> n_head
+    qkv_bias: bool | None = None  # biases on the Q, K, V projections alone (Qwen2); None -> bias
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head"):
             _positive(name, getattr(self, name))
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_kv_head is not None:  # left None, so that replacing n_head or bias carries over
+            _positive("n_kv_head", self.n_kv_head)
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         _positive("d_ff", self.d_ff)
@@ -138,6 +144,67 @@ class TransformerShape:
             fused_qkv=getattr(config, "fused_qkv", True),
         )
 
+    @classmethod
+    def from_hf_config(cls, config: Any) -> TransformerShape:
+        """Read a Hugging Face ``PretrainedConfig`` of a decoder-only family whose layout this model
+        describes: ``gpt2``; ``gpt_neox``; the LLaMA family (``llama``, ``mistral``, ``qwen2``: SwiGLU,
+        RMSNorm, RoPE, grouped-query attention). Only attributes are read: ``hidden_size`` (``n_embd``),
+        ``num_hidden_layers`` (``n_layer``), ``num_attention_heads`` (``n_head``), ``num_key_value_heads``,
+        ``intermediate_size`` (``n_inner``), ``vocab_size``, ``tie_word_embeddings``, ``n_positions``,
+        ``attention_bias``.
+
+        Raises:
+            ValueError: another family (an encoder, an encoder-decoder, a vision model, ...) or a config
+                whose numbers do not fit (a ``head_dim`` other than ``hidden_size / num_attention_heads``).
+                A family's variants this layout does not cover (extra norms or biases) are not detected
+                here: compare `count_parameters` with the model's, as ``memkit estimate`` does.
+        """
+        family = getattr(config, "model_type", None)
+        if family not in _HF_FAMILIES:
+            raise ValueError(
+                f"the analytic model describes decoder-only transformers of the {', '.join(_HF_FAMILIES)} "
+                f"layouts; a {family or type(config).__name__!s} model is not one of them"
+            )
+
+        def first(*names: str, default: Any = None) -> Any:
+            for name in names:
+                value = getattr(config, name, None)
+                if value is not None:
+                    return value
+            return default
+
+        d = first("hidden_size", "n_embd")
+        n_head = first("num_attention_heads", "n_head")
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is not None and n_head and head_dim * n_head != d:
+            raise ValueError(
+                f"head_dim={head_dim} x num_attention_heads={n_head} != hidden_size={d}: the analytic model "
+                "assumes d_model = n_head x head_dim"
+            )
+        common = dict(
+            vocab_size=first("vocab_size"),
+            d_model=d,
+            n_layer=first("num_hidden_layers", "n_layer"),
+            n_head=n_head,
+            tie_weights=bool(first("tie_word_embeddings", default=True)),
+        )
+        if family == "gpt2":
+            return cls(
+                **common, d_ff=first("n_inner"), block_size=first("n_positions", "max_position_embeddings")
+            )
+        if family == "gpt_neox":
+            return cls(**common, d_ff=first("intermediate_size"), position="none", n_kv_head=None)
+        qkv_bias = True if family == "qwen2" else bool(first("attention_bias", default=False))
+        return cls(
+            **common, d_ff=first("intermediate_size"), mlp="swiglu", bias=False, norm="rmsnorm",
+            position="none", fused_qkv=False, n_kv_head=first("num_key_value_heads", default=n_head),
+            qkv_bias=qkv_bias,
+        )  # fmt: skip
+
+
+#: Hugging Face ``model_type`` values `TransformerShape.from_hf_config` reads.
+_HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
+
 
 _PRESETS = {
     "gpt2": TransformerShape(50257, 768, 12, 12, block_size=1024),
@@ -160,10 +227,19 @@ def _linear_shapes(d_in: int, d_out: int, bias: bool) -> list[Shape]:
     return [(d_out, d_in), (d_out,)] if bias else [(d_out, d_in)]  # torch layout: weight is (out, in)
 
 
+def _kv_width(shape: TransformerShape) -> int:
+    """Width of the K and V projections: ``d_model`` with one K/V head per query head, less with GQA."""
+    return shape.d_model if shape.n_kv_head is None else shape.d_model // shape.n_head * shape.n_kv_head
+
+
 def _block_shapes(shape: TransformerShape) -> list[Shape]:
     d, d_ff, b = shape.d_model, shape.d_ff, shape.bias
     assert d_ff is not None  # resolved in __post_init__
-    qkv = _linear_shapes(d, 3 * d, b) if shape.fused_qkv else 3 * _linear_shapes(d, d, b)
+    kv, qb = _kv_width(shape), b if shape.qkv_bias is None else shape.qkv_bias
+    if shape.fused_qkv:
+        qkv = _linear_shapes(d, d + 2 * kv, qb)
+    else:
+        qkv = _linear_shapes(d, d, qb) + 2 * _linear_shapes(d, kv, qb)
     mlp_in = 2 if shape.mlp == "swiglu" else 1  # swiglu: gate and up projections
     return [
         *_norm_shapes(shape),
@@ -444,6 +520,8 @@ def activation_bytes(
       softmax statistics are not counted.
     - ``checkpointing="full"`` keeps only each block's input, ``B·T·d`` elements per layer; the one block
       being recomputed during backward is transient and not counted.
+    - Grouped-query attention (``n_kv_head < n_head``) keeps K and V at their width ``d_kv``: of the
+      ``34·d``, the ``2·d`` each of K and V become ``2·d_kv``.
 
     Assumptions: the paper's constants, derived for a GELU MLP with d_ff = 4d, dropout and 2-byte
     elements with 1-byte dropout masks. Other element sizes scale the whole figure by
@@ -459,7 +537,7 @@ def activation_bytes(
     if checkpointing == "full":
         return L * batch * seq_len * d * bytes_per_element
     keeps_core = checkpointing == "none" and attention == "eager"
-    per_token = 34 * d + (5 * h * seq_len if keeps_core else 0)  # bytes at 2 B/element
+    per_token = 34 * d - 4 * (d - _kv_width(shape)) + (5 * h * seq_len if keeps_core else 0)  # at 2 B/elt
     return _ceil_div(L * batch * seq_len * per_token * bytes_per_element, 2)
 
 

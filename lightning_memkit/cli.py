@@ -3,7 +3,9 @@
     memkit estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision bf16-mixed --optimizer adamw
 
 prints one training step's peak memory by category in two columns side by side: ``analytic``
-(architecture arithmetic, `estimate_analytic`; GPT presets and models carrying a ``GPTConfig``) and
+(architecture arithmetic, `estimate_analytic`; GPT presets, models carrying a ``GPTConfig``, and Hugging
+Face GPT-2, GPT-NeoX and LLaMA-family models whose ``.config`` maps onto it parameter for parameter,
+`TransformerShape.from_hf_config`; otherwise a note says why not) and
 ``simulated`` (the step run on fake tensors, `estimate_memory`). ``--json`` prints the same as one
 JSON object; ``--gpus N --strategy S`` shows one rank's share under that strategy.
 
@@ -18,7 +20,11 @@ what it returns is the batch (build it on the meta device to keep it free). Othe
 model's ``training_step`` takes. A ``LightningModule`` runs its own ``training_step`` (and
 ``configure_optimizers`` unless ``--optimizer`` is given); a plain ``nn.Module`` is stepped as a
 language model, ``cross_entropy(model(x), y)`` over its output's last dimension (the first element of
-a tuple output), with ``--optimizer`` (default ``adamw``).
+a tuple output), with ``--optimizer`` (default ``adamw``). A Hugging Face ``PreTrainedModel`` is stepped
+as it trains itself: ``model(input_ids=x, labels=x)`` and the ``loss`` of its ``ModelOutput`` (a model
+without ``labels`` in its ``forward``: cross-entropy over its ``logits``, else its first output). The
+header names the optimizer the simulated step uses: ``--optimizer``, what ``configure_optimizers`` builds,
+or ``adamw``.
 
 Adding a subcommand: write ``_add_<name>(subparsers)`` that adds its parser with ``set_defaults(run=...)``,
 where ``run(args) -> int``, and list it in ``SUBCOMMANDS``. Raise `UsageError` for bad input: `main`
@@ -30,11 +36,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import inspect
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +54,7 @@ from lightning_memkit._analytic import (
     STRATEGIES,
     TransformerShape,
     _choose,
+    count_parameters,
     estimate_analytic,
     model_static,
     shard,
@@ -110,8 +119,8 @@ def _add_estimate(subparsers: Any) -> None:
         epilog=(
             "A LightningModule runs its own training_step (and configure_optimizers unless --optimizer is "
             "given); a plain nn.Module is stepped as a language model, cross_entropy(model(x), y) over its "
-            "output's last dimension. Nothing is allocated: the model is built on the meta device and the "
-            "step runs on fake tensors."
+            "output's last dimension; a Hugging Face model as model(input_ids=x, labels=x).loss. Nothing is "
+            "allocated: the model is built on the meta device and the step runs on fake tensors."
         ),
     )
     p.add_argument(
@@ -201,7 +210,36 @@ def _load_model(spec: str) -> nn.Module:
         model = factory()
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model {spec} returned a {type(model).__name__}, not an nn.Module")
+    if _is_hf(model):
+        return _HFLanguageModel(model)
     return model
+
+
+def _is_hf(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face ``PreTrainedModel`` (transformers is not imported for it)."""
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+class _HFLanguageModel(nn.Module):
+    """A Hugging Face model stepped on token ids as it trains itself: ``model(input_ids=x, labels=x)``
+    (the collator's ``labels`` are the input ids; a causal LM shifts them itself) and its own ``.loss``;
+    a model whose ``forward`` takes no ``labels`` gets ``input_ids`` alone and the loss from its logits
+    (`_lm_loss`). Its parameters, blocks and ``config`` are the wrapped model's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.takes_labels = "labels" in inspect.signature(model.forward).parameters
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        if self.takes_labels:
+            return self.model(input_ids=input_ids, labels=input_ids)
+        return self.model(input_ids=input_ids)
 
 
 def _gpt_config(model: nn.Module) -> Any:
@@ -212,6 +250,80 @@ def _gpt_config(model: nn.Module) -> Any:
     return config if isinstance(config, GPTConfig) else None
 
 
+def _hf_model(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face ``PreTrainedModel`` ``model`` is or holds (a LightningModule around one)."""
+    if "transformers" not in sys.modules:
+        return None
+    return next((m for m in model.modules() if _is_hf(m)), None)
+
+
+def _analytic_shape(model: nn.Module) -> tuple[TransformerShape | None, str | None]:
+    """The architecture's numbers for the analytic column, or ``None`` and the note that says why not.
+
+    From a ``GPTConfig`` (the presets, nanoGPT-style models), or from a Hugging Face model's ``.config``
+    (`TransformerShape.from_hf_config`) when the numbers it maps to give exactly the model's parameter
+    count: a variant with extra norms, biases or heads is not described by the analytic model.
+    """
+    config = _gpt_config(model)
+    if config is not None:
+        return TransformerShape.from_config(config), None
+    hf = _hf_model(model)
+    if hf is None:
+        return None, (
+            "analytic: not available: it needs the architecture's numbers, from a preset, a model with a "
+            "GPTConfig (.config) or a Hugging Face model (.config)"
+        )
+    name = type(hf).__name__
+    try:
+        shape = TransformerShape.from_hf_config(hf.config)
+    except ValueError as e:
+        return None, f"analytic: not available for {name}: {e}"
+    n_model = sum(p.numel() for p in model.parameters())
+    n_shape = count_parameters(shape)
+    if n_model != n_shape:
+        return None, (
+            f"analytic: not available for {name}: its config maps to {n_shape:,} parameters, the model has "
+            f"{n_model:,} (a layout the analytic model does not describe: other norms, biases or heads)"
+        )
+    kv = f", {shape.n_kv_head} K/V heads" if shape.n_kv_head not in (None, shape.n_head) else ""
+    return shape, (
+        f"analytic: from {name}'s config: d_model {shape.d_model}, {shape.n_layer} layers, {shape.n_head} "
+        f"heads{kv}, d_ff {shape.d_ff}, {shape.mlp}, {shape.norm}; activations per Korthikanti et al."
+    )
+
+
+def _check_seq_len(model: nn.Module, shape: TransformerShape | None, seq_len: int) -> None:
+    config = _gpt_config(model)
+    block = config.block_size if config is not None else None
+    if shape is not None and shape.position == "learned":
+        block = shape.block_size
+    if block is not None and seq_len > block:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size of {block}")
+
+
+def _optimizer_used(model: nn.Module, args: argparse.Namespace) -> tuple[str, str | None]:
+    """(what the header names, its catalogue name or ``None``) of the optimizer the simulation steps."""
+    from lightning.pytorch import LightningModule
+
+    if args.optimizer is not None:
+        return args.optimizer, args.optimizer
+    if not isinstance(model, LightningModule):
+        return "adamw", "adamw"
+    from lightning_memkit._optim import identify
+    from lightning_memkit._simulate import _lightning_stand_ins, _optimizers_from
+
+    try:
+        with _lightning_stand_ins(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizers = _optimizers_from(model.configure_optimizers())
+    except Exception:
+        return "configure_optimizers", None
+    if not optimizers:
+        return "configure_optimizers (no optimizer)", None
+    names = [identify(o) or type(o).__name__ for o in optimizers]
+    return f"{' + '.join(names)} (configure_optimizers)", names[0] if len(names) == 1 else None
+
+
 def _example_batch(model: nn.Module, batch_size: int, seq_len: int) -> Any:
     if callable(getattr(model, "example_batch", None)):
         return model.example_batch(batch_size, seq_len)
@@ -220,7 +332,17 @@ def _example_batch(model: nn.Module, batch_size: int, seq_len: int) -> Any:
 
 
 def _lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
+    """The model's own loss when its output has one (a Hugging Face ``ModelOutput`` given ``labels``),
+    else cross-entropy over the logits (``.logits``, a mapping's first tensor, a tuple's first element)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        if isinstance(output, Mapping):
+            logits = next(v for v in output.values() if isinstance(v, torch.Tensor))
+        else:
+            logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
@@ -242,24 +364,26 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> MemoryBreakdown:
 
 def _run_estimate(args: argparse.Namespace) -> int:
     model = _load_model(args.model)
-    config = _gpt_config(model)
-    if config is not None and args.seq_len > config.block_size:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's block_size of {config.block_size}")
-    notes: list[str] = []
+    shape, note = _analytic_shape(model)
+    _check_seq_len(model, shape, args.seq_len)
+    args.optimizer_used, catalogued = _optimizer_used(model, args)
+    notes: list[str] = [note] if note else []
     analytic = simulated = None
     seconds = None
-    if config is not None:
+    if shape is not None:
+        if catalogued is None:
+            notes.append(
+                f"analytic: {args.optimizer_used} is not in the catalogue; its state is AdamW's there"
+            )
         analytic = estimate_analytic(
-            TransformerShape.from_config(config),
+            shape,
             args.batch_size,
             args.seq_len,
             precision=args.precision,
-            optimizer=args.optimizer or "adamw",
+            optimizer=catalogued or "adamw",
             checkpointing=args.checkpointing,
             attention="sdpa",
         )
-    else:
-        notes.append("analytic: needs a GPTConfig (a preset or a model with a .config); not available")
     start = time.perf_counter()
     simulated = _simulate(model, args)
     seconds = time.perf_counter() - start
@@ -296,6 +420,7 @@ def _report(
         "seq_len": args.seq_len,
         "precision": args.precision,
         "optimizer": args.optimizer,
+        "optimizer_used": args.optimizer_used,
         "checkpointing": args.checkpointing,
         "device": args.device,
         "gpus": args.gpus,
@@ -316,7 +441,7 @@ def _table(
     """Categories as rows, the two estimates as columns (rich when installed, plain text otherwise)."""
     title = (
         f"Peak memory of one training step: {args.model}, batch {args.batch_size} x {args.seq_len}, "
-        f"{args.precision}, {args.optimizer or 'configure_optimizers'}, {args.device}"
+        f"{args.precision}, {args.optimizer_used}, {args.device}"
     )
     rows = [
         (name, *(format_bytes(getattr(b, name)) if b is not None else "—" for b in (analytic, simulated)))
@@ -402,9 +527,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not 0.0 <= args.margin < 1.0:
         raise UsageError(f"--margin must be in [0, 1), got {args.margin}")
     model = _load_model(args.model)
-    config = _gpt_config(model)
-    if config is not None and args.seq_len > config.block_size:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's block_size of {config.block_size}")
+    _check_seq_len(model, _analytic_shape(model)[0], args.seq_len)
     if args.global_batch % args.gpus:
         raise UsageError(
             f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}"

@@ -152,3 +152,80 @@ def test_the_console_script_runs():
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["simulated"]["peak"] > 0
+
+
+# --- plain Hugging Face models (tests/zoo.py: tiny random configs) -------------------------------
+
+
+def _hf_direct(factory, batch_size, seq_len):
+    """What ``memkit estimate`` must report for a Hugging Face model: its own loss on labels = input ids."""
+    from lightning_memkit.cli import _HFLanguageModel, _lm_loss
+
+    with torch.device("meta"):
+        model = _HFLanguageModel(factory())
+    x = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    return model, estimate_memory(model, (x, x.clone()), optimizer="adamw", loss_fn=_lm_loss)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_a_hugging_face_model_factory(capsys, name):
+    import zoo
+
+    argv = ["estimate", "--model", f"zoo:_{name}", "--batch-size", "2", "--seq-len", "16"]  # --device cuda
+    report = _run_json(capsys, [*argv, "--json"])
+    model, direct = _hf_direct(zoo.MODELS[name][0], 2, 16)
+    assert report["simulated"] == direct.as_dict()
+    assert report["optimizer_used"] == "adamw"
+    n = sum(p.numel() for p in model.parameters())
+    # The analytic column reads the Hugging Face config (GQA for Qwen2) and counts the parameters exactly.
+    assert report["analytic"]["parameters"] == 4 * n == report["analytic"]["gradients"]
+    assert report["analytic"]["optimizer_state"] == 8 * n + 4 * len(list(model.parameters()))  # AdamW
+    assert any(f"from {type(model.model).__name__}'s config" in note for note in report["notes"])
+    assert main(argv) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith(", 32-true, adamw, cuda"), header
+
+
+def test_hugging_face_loss_is_the_models_own():
+    """With labels the model computes its loss; without (a base model) the loss is over its first output."""
+    import zoo
+    from transformers import GPT2Config, GPT2Model
+
+    from lightning_memkit.cli import _HFLanguageModel, _lm_loss
+
+    torch.manual_seed(0)
+    lm = _HFLanguageModel(zoo._gpt2())
+    x = torch.randint(0, zoo.VOCAB, (2, 8))
+    out = lm(x)
+    assert lm.takes_labels and _lm_loss(out, x) is out.loss
+    base = _HFLanguageModel(
+        GPT2Model(GPT2Config(vocab_size=zoo.VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    )
+    assert not base.takes_labels
+    assert _lm_loss(base(x), x % 32).shape == ()  # cross-entropy over last_hidden_state's last dimension
+
+
+def test_analytic_column_says_why_it_does_not_apply(capsys):
+    argv = ["estimate", "--model", "zoo:_bert", "--batch-size", "2", "--seq-len", "16", "--device", "cpu"]
+    report = _run_json(capsys, [*argv, "--json"])
+    assert report["analytic"] is None and report["simulated"]["peak"] > 0
+    assert any("not available for BertForMaskedLM" in n and "decoder-only" in n for n in report["notes"])
+    assert main(["estimate", "--model", "zoo:_gpt2", "--batch-size", "2", "--seq-len", "65"]) == 2
+    assert "--seq-len 65 exceeds the model's block_size of 64" in capsys.readouterr().err
+
+
+def test_header_names_the_optimizer_used(capsys):
+    for model, optimizer in (("test_cli:tiny_lm", "adamw"), ("test_cli:Regressor", "sgd_momentum")):
+        assert (
+            main(["estimate", "--model", model, "--batch-size", "2", "--seq-len", "4", "--device", "cpu"])
+            == 0
+        )
+        header = capsys.readouterr().out.splitlines()[0]
+        assert f", 32-true, {optimizer}" in header, header
+
+
+def test_plan_a_hugging_face_model_factory(capsys):
+    argv = ["plan", "--model", "zoo:_gpt2", "--gpu", "T4", "--global-batch", "4", "--seq-len", "16", "--json"]
+    report = _run_json(capsys, argv)
+    assert (report["micro_batch_size"], report["accumulate_grad_batches"]) == (4, 1)
+    assert report["optimizer"] == "adamw" and report["estimated_peak"] <= report["limit"]
