@@ -20,7 +20,9 @@ The pieces, in order:
    ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``. Parameters keep
    their identity and ``state_dict`` keys do not change; a block is never wrapped twice; the returned
    handle undoes everything (``with apply_checkpointing(...):`` for a temporary plan, as a simulation
-   needs).
+   needs). The model's state ends as without checkpointing: a recompute updates scratch copies of
+   BatchNorm's running statistics, and Hugging Face's key/value cache (``config.use_cache``) is off while
+   any block is checkpointed, as ``gradient_checkpointing_enable()`` does in training.
 2. Discovery: `find_blocks` takes the repeated layers of the model's ``ModuleList``/``Sequential``
    containers, or the instances of the layer classes the user names.
 3. Costs, measured on fake tensors inside one simulated step (`_simulate.estimate_memory`, so nothing
@@ -68,7 +70,7 @@ from weakref import ref
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -235,7 +237,7 @@ class _CheckpointedForward:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         return checkpoint(
-            forward,
+            _Recomputable(forward, self.module),
             *args,
             use_reentrant=False,
             preserve_rng_state=True,
@@ -245,6 +247,57 @@ class _CheckpointedForward:
 
     def __repr__(self) -> str:
         return f"CheckpointedForward({type(self.module).__name__}, policy={self.policy.name!r})"
+
+
+class _Recomputable:
+    """The function one ``checkpoint`` call runs: the first call is the forward, later ones recompute it.
+
+    Non-reentrant checkpointing calls the function again in backward. A recompute must leave the module's
+    state as the forward alone would: BatchNorm in training mode updates its running statistics on every
+    call, so during a recompute each ``_BatchNorm`` of the block updates scratch copies of its buffers
+    instead (what fairscale's checkpoint wrapper achieves by pausing the tracking); the recomputed outputs
+    and saved tensors are identical in number and shape, the batch statistics being the same.
+    """
+
+    def __init__(self, forward: Callable, module: nn.Module) -> None:
+        self.forward = forward
+        self.module = module
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            return self.forward(*args, **kwargs)
+        with _scratch_running_stats(self.module):
+            return self.forward(*args, **kwargs)
+
+
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@contextlib.contextmanager
+def _scratch_running_stats(module: nn.Module) -> Iterator[None]:
+    """While inside, the training-mode BatchNorms in ``module`` update copies of their running statistics;
+    the module's own buffers (the same tensor objects) are back on exit, untouched, even on error (early
+    stop of a recompute raises through here)."""
+    swapped: list[tuple[nn.Module, str, Tensor]] = []
+    try:
+        for m in module.modules():
+            if not (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats):
+                continue
+            for name in _RUNNING_STATS:
+                buffer = m._buffers.get(name)
+                if buffer is not None:
+                    # Outside the recompute's dispatch modes: selective checkpointing replays only the ops
+                    # the forward ran, and a simulation's ledger need not count these few bytes.
+                    with _disable_current_modes(), torch.no_grad():
+                        scratch = buffer.clone()
+                    swapped.append((m, name, buffer))
+                    m._buffers[name] = scratch
+        yield
+    finally:
+        for m, name, buffer in reversed(swapped):
+            m._buffers[name] = buffer
 
 
 def _checkpointed_elsewhere(module: nn.Module, current: Any) -> bool:
@@ -262,8 +315,11 @@ class CheckpointHandle:
 
     def __init__(self) -> None:
         self._undo: list[tuple[nn.Module, Any]] = []
+        #: Hugging Face configs whose ``use_cache`` this handle turned off, with the value it had.
+        self._configs: list[tuple[Any, Any]] = []
 
-    def _set(self, module: nn.Module, policy: Any) -> None:
+    def _set(self, module: nn.Module, policy: Any) -> bool:
+        """Give ``module`` ``policy``; returns whether it is now checkpointed by this handle."""
         current = module.__dict__.get("forward")
         ours = isinstance(current, _CheckpointedForward)
         if not ours and policy.checkpoints and _checkpointed_elsewhere(module, current):
@@ -271,9 +327,9 @@ class CheckpointHandle:
                 f"{type(module).__name__} is already checkpointed by other code (torch's CheckpointWrapper, "
                 "a checkpoint partial, Hugging Face's gradient checkpointing); it is left as it is, not "
                 "wrapped twice.",
-                stacklevel=3,
+                stacklevel=4,
             )
-            return
+            return False
         self._undo.append((module, current))
         previous = current.previous if ours else current
         if policy.checkpoints:
@@ -282,9 +338,22 @@ class CheckpointHandle:
             module.__dict__.pop("forward", None)
         else:
             module.__dict__["forward"] = previous
+        return bool(policy.checkpoints)
+
+    def _turn_off_cache(self, model: nn.Module, announce: bool) -> None:
+        """``use_cache = False`` on the Hugging Face configs in ``model`` that have it on."""
+        configs = _caching_configs(model)
+        for config in configs:
+            self._configs.append((config, config.use_cache))
+            config.use_cache = False
+        if configs and announce:
+            _announce_cache_off(configs)
 
     def remove(self) -> None:
-        """Put every patched ``forward`` back as it was, in reverse order."""
+        """Put every patched ``forward`` and every ``use_cache`` back as it was, in reverse order."""
+        for config, previous in reversed(self._configs):
+            config.use_cache = previous
+        self._configs = []
         for module, previous in reversed(self._undo):
             if previous is None:
                 module.__dict__.pop("forward", None)
@@ -297,6 +366,58 @@ class CheckpointHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _caching_configs(model: nn.Module) -> list[Any]:
+    """The distinct Hugging Face configs reachable from ``model``'s submodules with ``use_cache`` on.
+
+    Hugging Face's key/value cache is for generation. In a training step it fills on the first forward, so
+    a checkpointed block recomputes against a cache that differs from the one its forward saw (a different
+    number of saved tensors, shapes that do not match, a graph backpropagated twice), and it keeps every
+    layer's keys and values alive, which checkpointing exists to free. ``gradient_checkpointing_enable()``
+    turns it off in training for the same reasons. T5's encoder and decoder stacks hold configs of their own.
+    """
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", None) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+#: ``id(config) -> weakref``: the configs whose cache was turned off and said so (one line per model).
+_ANNOUNCED: dict[int, Any] = {}
+
+
+def _forget_announced(key: int, _: Any) -> None:
+    _ANNOUNCED.pop(key, None)
+
+
+def _announce_cache_off(configs: Sequence[Any]) -> None:
+    fresh = [c for c in configs if (r := _ANNOUNCED.get(id(c))) is None or r() is not c]
+    if not fresh:
+        return
+    for c in fresh:
+        key = id(c)
+        _ANNOUNCED[key] = ref(c, functools.partial(_forget_announced, key))
+    names = Counter(type(c).__name__ for c in configs)
+    which = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in names.items())
+    log.warning(  # a warning, as Hugging Face's own gradient_checkpointing_enable() says it
+        "Turned off Hugging Face's key/value cache (config.use_cache=False on %s) while checkpointing: it "
+        "is for generation, and in training it keeps every layer's keys/values alive and makes the "
+        "recomputed forward differ from the first (as gradient_checkpointing_enable() does; "
+        "handle.remove() turns it back on).",
+        which,
+    )
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module) -> Iterator[None]:
+    """``use_cache`` off in ``model``'s Hugging Face configs while inside (silently: for simulations)."""
+    handle = CheckpointHandle()
+    handle._turn_off_cache(model, announce=False)
+    with handle:
+        yield
 
 
 def checkpoint_policies(model: nn.Module) -> dict[str, str]:
@@ -332,11 +453,25 @@ def apply_checkpointing(
 
         with apply_checkpointing(model, "selective"):  # undone on exit
             loss = model(x).sum(); loss.backward()
+
+    When at least one block gets checkpointed, Hugging Face's key/value cache is turned off for training
+    (``use_cache = False`` on every config in ``model`` that has it on, as ``gradient_checkpointing_enable()``
+    does; said once in the log): the handle turns it back on.
     """
+    return _apply(model, plan, blocks, announce=True)
+
+
+def _apply(
+    model: nn.Module, plan: Any, blocks: LayerClasses | None = None, *, announce: bool
+) -> CheckpointHandle:
+    """`apply_checkpointing`; ``announce=False`` for the planner's temporary plans (nothing logged)."""
     assignment = _assignment(model, plan, blocks)
     handle = CheckpointHandle()
+    checkpointed = False
     for module, policy in assignment:
-        handle._set(module, policy)
+        checkpointed |= handle._set(module, policy)
+    if checkpointed:
+        handle._turn_off_cache(model, announce)
     return handle
 
 
@@ -665,6 +800,14 @@ def _detached(x: Any) -> Any:
     return y.requires_grad_() if x.requires_grad else y
 
 
+def _without_kv_cache(x: Any) -> Any:
+    """``None`` for a Hugging Face ``Cache`` (``DynamicCache``, ``EncoderDecoderCache``...), else ``x``."""
+    if isinstance(x, (Tensor, type(None), bool, int, float, str)):
+        return x
+    is_cache = any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__)
+    return None if is_cache else x
+
+
 def _run_block(block: nn.Module, policy: Any, args: tuple, kwargs: dict, rounding: int) -> _Run:
     """Forward and backward of ``block`` alone on (detached) ``args``, under ``policy``, in a ledger."""
     params = [p for p in block.parameters() if p.requires_grad]
@@ -676,6 +819,10 @@ def _run_block(block: nn.Module, policy: Any, args: tuple, kwargs: dict, roundin
         previous = previous.previous
     call = _CheckpointedForward(block, policy, previous)
     forward = call if policy.checkpoints else call.original()
+    # Hugging Face's key/value cache is shared by the whole step and filled as it goes: running the block
+    # again with it would extend it (and backpropagate through the step's graph). The planner profiles with
+    # the cache off; should a caller pass one all the same, the block runs as without it.
+    args, kwargs = tree_map(_without_kv_cache, args), tree_map(_without_kv_cache, kwargs)
     args, kwargs = tree_map(_detached, args), tree_map(_detached, kwargs)
     ledger = _Ledger(rounding)
     try:
@@ -1005,9 +1152,11 @@ class CheckpointPlanner:
         self.estimate_kwargs = {**estimate_kwargs, "device": target.type}
         self._simulated: dict[tuple[str, ...], MemoryBreakdown] = {}
 
-        # Profile every distinct block inside one simulated step (the step's own result is not used).
+        # Profile every distinct block inside one simulated step (the step's own result is not used), with
+        # Hugging Face's key/value cache off: every plan that checkpoints a block runs so (apply_checkpointing
+        # turns it off), and the block options are only read for such plans.
         profiler = _Profiler(found, self.levels, rounding=512 if target.type == "cuda" else 1)
-        with self._bare(), profiler.hooks(), torch.random.fork_rng(devices=[]):
+        with self._bare(), _without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
             self._estimate()
         if not profiler.order:
             raise ValueError(f"None of the {len(found)} candidate blocks ran in the training step.")
@@ -1030,15 +1179,31 @@ class CheckpointPlanner:
 
     def _bare(self) -> CheckpointHandle:
         """Remove any checkpointing `apply_checkpointing` left on the model, while planning."""
-        return apply_checkpointing(self.model, {name: "none" for name in checkpoint_policies(self.model)})
+        return _apply(self.model, {name: "none" for name in checkpoint_policies(self.model)}, announce=False)
 
     def simulate(self, choice: Sequence[str]) -> MemoryBreakdown:
-        """The simulated step's breakdown with ``choice`` (one policy per block, in `names` order)."""
+        """The simulated step's breakdown with ``choice`` (one policy per block, in `names` order).
+
+        As the plan will run: a choice that checkpoints a block runs with Hugging Face's key/value cache off
+        (`apply_checkpointing` turns it off), one that checkpoints nothing with the model's own setting.
+        """
         choice = tuple(choice)
         if choice not in self._simulated:
-            with self._bare(), apply_checkpointing(self.model, dict(zip(self.names, choice, strict=True))):
+            plan = dict(zip(self.names, choice, strict=True))
+            with self._bare(), _apply(self.model, plan, announce=False):
                 self._simulated[choice] = self._estimate()
         return self._simulated[choice]
+
+    def _peak_none_without_cache(self, peak_none: int) -> int:
+        """The peak without checkpointing as the plans that checkpoint see the rest of the step: with
+        Hugging Face's key/value cache off (``peak_none`` itself where the model has none on)."""
+        if not _caching_configs(self.model):
+            return peak_none
+        key = ("none, without cache",)
+        if key not in self._simulated:
+            with self._bare(), _without_cache(self.model):
+                self._simulated[key] = self._estimate()
+        return self._simulated[key].peak
 
     def uniform(self, policy: str) -> tuple[str, ...]:
         return (policy,) * len(self.blocks)
@@ -1079,7 +1244,10 @@ class CheckpointPlanner:
 
     def _fit(self, limit: int, peak_none: int) -> tuple[str, ...]:
         """Solve for ``limit``, simulate, and lower the target by the miss until the simulated peak fits."""
-        offset = peak_none - _activation_peak(self.blocks, self.uniform("none"))  # peak ~= offset + A(plan)
+        # peak ~= offset + A(plan), for the plans that checkpoint something (so run without the cache)
+        offset = self._peak_none_without_cache(peak_none) - _activation_peak(
+            self.blocks, self.uniform("none")
+        )
         target = limit
         for _ in range(self.max_rounds):
             choice = _solve(self.blocks, target - offset, self.levels)
