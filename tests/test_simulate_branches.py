@@ -146,29 +146,7 @@ class _Plain(nn.Module):
         return self.zoo(batch)
 
 
-@pytest.mark.parametrize("name", ["bert", "t5", "qwen2", "gpt_neox", "gpt2", "vit"])
+@pytest.mark.parametrize("name", ["qwen2", "gpt_neox"])  # the ones that went wrong; test_zoo.py has all
 def test_zoo_token_models_within_one_percent(name):
     truth, estimate = _real_and_estimated(functools.partial(_Plain, name), zoo_batch(name))
     _assert_close(estimate, truth)
-
-
-def test_zoo_lightning_module_in_lightnings_order():
-    """The LightningModule itself, against Lightning's order: training_step, zero_grad, backward, step.
-
-    The warm-up step is profiled too: the CPU allocator reports the size of a free only for blocks
-    allocated while profiling, so a profile of the second step alone would miss the previous step's
-    gradients, live through the forward until zero_grad.
-    """
-    torch.manual_seed(0)
-    module = ZooModule("qwen2")
-    adamw = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    batch = zoo_batch("qwen2")
-
-    def step():
-        loss = module.training_step(batch, 0)
-        adamw.zero_grad()
-        loss.backward()
-        adamw.step()
-
-    truth = allocator_peak(lambda: (step(), step()))  # the second step peaks higher than the first
-    _assert_close(estimate_memory(ZooModule("qwen2"), batch, device="cpu").peak, truth)

@@ -1,0 +1,107 @@
+"""The model zoo's table: every feature against the allocator on models this project did not write.
+
+For each model of ``tests/zoo.py`` (tiny random Hugging Face configs at their defaults, and a ResNet with
+BatchNorm), on the CPU, with torch.profiler's memory timeline as the truth:
+
+- monitor: the largest error of `MemoryMonitor` over 3 Trainer steps;
+- estimate: `estimate_memory` against the steady Trainer step (the previous gradients alive);
+- checkpointing: the real peak with full checkpointing of every block, against without (plain steps);
+- plan: AutoFit at a budget 45 % of the way from the static memory to the naive peak, global batch 8:
+  the plan, and its highest real micro-step against the budget.
+
+    python benchmarks/bench_zoo.py            # all models; prints a Markdown table (README's)
+    python benchmarks/bench_zoo.py qwen2 t5   # some
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from zoo import MODELS, ZooModule, zoo_batch
+
+from lightning_memkit import AutoFit, MemoryMonitor, apply_checkpointing, estimate_memory
+from lightning_memkit.testing import AllocatorPeaks, allocator_peak
+
+
+def _fit(module: pl.LightningModule, callbacks: list, max_steps: int) -> pl.Trainer:
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(
+            default_root_dir=root, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
+            logger=pl.loggers.CSVLogger(root), callbacks=callbacks, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(module)
+    return trainer
+
+
+def monitor_and_estimate(name: str) -> tuple[float, float]:
+    module = ZooModule(name)
+    estimate = estimate_memory(module, zoo_batch(name), device="cpu").peak
+    peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
+    _fit(module, peaks.around(monitor), max_steps=3)
+    monitor_error = max(abs(b.peak / t - 1) for (_, b), t in zip(monitor.history, peaks.peaks, strict=True))
+    return monitor_error, estimate / max(peaks.peaks[1:]) - 1
+
+
+def _real_peak(name: str, policy: str) -> int:
+    """The allocator's peak of a plain step (backward, step, zero_grad) with ``policy`` on every block."""
+    module, batch = ZooModule(name), zoo_batch(name)
+    if hasattr(module.model, "config"):  # as checkpointing turns it off: the same computation
+        module.model.config.use_cache = False
+    opt = module.configure_optimizers()
+
+    def step() -> None:
+        module(batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with apply_checkpointing(module, policy):
+        step()
+        return allocator_peak(step)
+
+
+def checkpointing_saving(name: str) -> float:
+    return 1 - _real_peak(name, "full") / _real_peak(name, "none")
+
+
+def plan(name: str) -> str:
+    module = ZooModule(name, batch_size=8, n_batches=16)
+    naive = estimate_memory(module, zoo_batch(name, 8), device="cpu")
+    static = naive.parameters + naive.gradients + naive.optimizer_state
+    budget = int(static + 0.45 * (naive.peak - static))
+    peaks, callback = AllocatorPeaks(), AutoFit(budget=budget, cost="flops", optimizers=["adamw"])
+    _fit(module, [callback, *peaks.around()], max_steps=2)
+    p = callback.plan
+    return (
+        f"{p.micro_batch_size} x {p.accumulate_grad_batches}, {p.checkpointing}: "
+        f"{max(peaks.peaks) / budget:.1%} of the budget"
+    )
+
+
+def main(names: list[str]) -> None:
+    columns = ("model", "monitor error", "estimate error", "full checkpointing saves", "AutoFit plan (peak)")
+    rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for name in names:
+        torch.manual_seed(0)
+        monitor, estimate = monitor_and_estimate(name)
+        row = (
+            f"| {name} | {monitor:.3%} | {estimate:+.3%} | {checkpointing_saving(name):.1%} | {plan(name)} |"
+        )
+        print(row, file=sys.stderr, flush=True)
+        rows.append(row)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_memkit").setLevel(logging.ERROR)
+    main(sys.argv[1:] or list(MODELS))

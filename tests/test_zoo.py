@@ -1,0 +1,69 @@
+"""Every zoo model (tests/zoo.py: Hugging Face families at their defaults, a ResNet with BatchNorm) against
+the allocator: the monitor on each Trainer step, the estimate, and AutoFit's plan at a tight budget.
+Checkpointing on the zoo is in test_checkpointing_hf.py."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from zoo import MODELS, ZooModule, zoo_batch
+
+from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
+from lightning_memkit.testing import AllocatorPeaks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+NAMES = list(MODELS)
+
+
+def _fit(module: pl.LightningModule, callbacks: list, tmp_path, max_steps: int) -> pl.Trainer:
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
+        logger=CSVLogger(tmp_path), callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return trainer
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_monitor_and_estimate_match_the_allocator(name, tmp_path):
+    """MemoryMonitor within 0.1 % of the allocator on every Trainer step, estimate_memory within 1 % of the
+    steady steps (the previous step's gradients alive through the forward, as in Lightning's order)."""
+    module = ZooModule(name)
+    estimate = estimate_memory(module, zoo_batch(name), device="cpu")
+    peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
+    _fit(module, peaks.around(monitor), tmp_path, max_steps=2)
+    assert len(monitor.history) == len(peaks.peaks) == 2
+    for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
+        assert measured.peak == pytest.approx(truth, rel=1e-3)
+    assert estimate.peak == pytest.approx(max(peaks.peaks[1:]), rel=0.01)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_autofit_at_a_tight_budget_keeps_the_global_batch_and_fits(name, tmp_path):
+    """A budget 45 % of the way from the static memory to the naive peak: AutoFit plans (micro-batch,
+    accumulation, checkpointing), the global batch is kept, and every real step fits."""
+    global_batch = 4
+    module = ZooModule(name, batch_size=global_batch, n_batches=8)  # enough micro-batches for 2 steps
+    naive = estimate_memory(module, zoo_batch(name, global_batch), device="cpu")
+    static = naive.parameters + naive.gradients + naive.optimizer_state
+    budget = int(static + 0.45 * (naive.peak - static))
+    # The model's own AdamW only: the optimizer search is tested elsewhere and doubles the plan's time.
+    peaks, callback = AllocatorPeaks(), AutoFit(budget=budget, cost="flops", optimizers=["adamw"])
+    trainer = _fit(module, [callback, *peaks.around()], tmp_path, max_steps=2)
+    plan = callback.plan
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == global_batch
+    assert trainer.accumulate_grad_batches == plan.accumulate_grad_batches
+    assert plan.micro_batch_size < global_batch or plan.checkpointing != "none"  # it had to do something
+    assert len(peaks.peaks) == 2 * plan.accumulate_grad_batches
+    assert max(peaks.peaks) <= budget
+
+
+def test_zoo_models_keep_their_defaults():
+    """The zoo is what users bring: the decoders keep Hugging Face's key/value cache on."""
+    for name in ("qwen2", "gpt_neox", "gpt2", "t5"):
+        assert ZooModule(name).model.config.use_cache is True
+    assert torch.is_tensor(zoo_batch("bert")["attention_mask"])
