@@ -1,4 +1,4 @@
-"""The process `_kernels` asks what a CPU kernel allocates: ``python -m lightning_memkit._kernel_worker``.
+"""The process `_kernels` asks what a CPU kernel allocates: ``python lightning_memkit/_kernel_worker.py``.
 
 Reads requests from stdin and answers on stdout, each a length-prefixed pickle. A request is
 ``(op name, argument specs, keyword specs, threads)``; the answer is the highest total of the bytes the
@@ -9,10 +9,14 @@ allows one session per process: the user's (or a test's) profiler stays free.
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 import sys
 from typing import Any, BinaryIO
+
+if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # run as a file: the package's modules (cli, testing, ...) must not shadow others
 
 import torch
 from torch.profiler import ProfilerActivity, profile

@@ -25,11 +25,13 @@ import subprocess
 import sys
 import threading
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_memkit._checkpointing import _hashable
 from lightning_memkit._kernel_worker import _read, write
 
 log = logging.getLogger(__name__)
@@ -64,14 +66,6 @@ def _spec(x: Any) -> Any:
         return {k: _spec(v) for k, v in x.items()}
     if isinstance(x, torch.device):
         return x
-    return x
-
-
-def _hashable(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return tuple(_hashable(i) for i in x)
-    if isinstance(x, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in x.items()))
     return x
 
 
@@ -110,8 +104,8 @@ class _Worker:
     def _request(self, request: tuple) -> int | None:
         if self.process is None:
             env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "lightning_memkit._kernel_worker"],
+            self.process = subprocess.Popen(  # the file itself: the package's imports are not needed there
+                [sys.executable, str(Path(__file__).with_name("_kernel_worker.py"))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             )  # fmt: skip
             atexit.register(self.stop)
