@@ -341,10 +341,14 @@ class CheckpointHandle:
         return bool(policy.checkpoints)
 
     def _turn_off_cache(self, model: nn.Module, announce: bool) -> None:
-        """``use_cache = False`` on the Hugging Face configs in ``model`` that have it on."""
+        """``use_cache = False`` on the Hugging Face configs in ``model`` that have it on; ``announce``
+        (`apply_checkpointing`'s own plans, not the planner's) also says so and remembers the value, so
+        that ``apply_checkpointing(model, "none")`` can give it back without this handle."""
         configs = _caching_configs(model)
         for config in configs:
             self._configs.append((config, config.use_cache))
+            if announce:
+                _CACHE_TURNED_OFF[id(config)] = (ref(config), config.use_cache)
             config.use_cache = False
         if configs and announce:
             _announce_cache_off(configs)
@@ -353,6 +357,7 @@ class CheckpointHandle:
         """Put every patched ``forward`` and every ``use_cache`` back as it was, in reverse order."""
         for config, previous in reversed(self._configs):
             config.use_cache = previous
+            _CACHE_TURNED_OFF.pop(id(config), None)
         self._configs = []
         for module, previous in reversed(self._undo):
             if previous is None:
@@ -387,6 +392,18 @@ def _caching_configs(model: nn.Module) -> list[Any]:
 
 #: ``id(config) -> weakref``: the configs whose cache was turned off and said so (one line per model).
 _ANNOUNCED: dict[int, Any] = {}
+#: ``id(config) -> (weakref, use_cache before)``: configs `apply_checkpointing` turned the cache off on.
+_CACHE_TURNED_OFF: dict[int, tuple[Any, Any]] = {}
+
+
+def _give_back_cache(model: nn.Module) -> None:
+    """``use_cache`` as it was on ``model``'s configs, once none of its blocks is checkpointed any more."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        entry = _CACHE_TURNED_OFF.get(id(config)) if config is not None else None
+        if entry is not None and entry[0]() is config:
+            config.use_cache = entry[1]
+            del _CACHE_TURNED_OFF[id(config)]
 
 
 def _forget_announced(key: int, _: Any) -> None:
@@ -406,7 +423,7 @@ def _announce_cache_off(configs: Sequence[Any]) -> None:
         "Turned off Hugging Face's key/value cache (config.use_cache=False on %s) while checkpointing: it "
         "is for generation, and in training it keeps every layer's keys/values alive and makes the "
         "recomputed forward differ from the first (as gradient_checkpointing_enable() does; "
-        "handle.remove() turns it back on).",
+        "apply_checkpointing(model, 'none') or handle.remove() turns it back on).",
         which,
     )
 
@@ -472,6 +489,8 @@ def _apply(
         checkpointed |= handle._set(module, policy)
     if checkpointed:
         handle._turn_off_cache(model, announce)
+    elif announce and not checkpoint_policies(model):
+        _give_back_cache(model)
     return handle
 
 

@@ -1,10 +1,12 @@
 """The process `_kernels` asks what a CPU kernel allocates: ``python lightning_memkit/_kernel_worker.py``.
 
 Reads requests from stdin and answers on stdout, each a length-prefixed pickle. A request is
-``(op name, argument specs, keyword specs, threads)``; the answer is the highest total of the bytes the
-op allocated while it ran (outputs included, its inputs not), in torch.profiler's memory timeline, or
-``None`` if the op could not be run on random data. It runs in its own process because torch.profiler
-allows one session per process: the user's (or a test's) profiler stays free.
+``(op name, argument specs, keyword specs, settings)`` (threads, oneDNN on or off, fp32 matmul
+precision, deterministic algorithms: what selects a kernel besides its arguments). The answer is the
+highest total of the bytes the op allocated while it ran (outputs included, its inputs not), in
+torch.profiler's memory timeline, or ``None`` if the op could not be run on random data. It runs in its
+own process because torch.profiler allows one session per process: the user's (or a test's) profiler
+stays free.
 """
 
 from __future__ import annotations
@@ -90,8 +92,11 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed by torch must not corrupt the answers
     while (request := _read(stdin)) is not None:
-        name, args, kwargs, threads = request
+        name, args, kwargs, (threads, mkldnn, matmul_precision, deterministic) = request
         torch.set_num_threads(threads)
+        torch.backends.mkldnn.enabled = mkldnn
+        torch.set_float32_matmul_precision(matmul_precision)
+        torch.use_deterministic_algorithms(deterministic)
         write(stdout, internal_peak(name, args, kwargs))
 
 

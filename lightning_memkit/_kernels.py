@@ -6,18 +6,21 @@ TorchDispatchMode (`_measure`) nor fake tensors (`_simulate`) can see it, yet th
 (a Conv2d step reads 28 % low without it). For these ops the highest total a call allocates is asked of
 a helper process (`_kernel_worker`), which runs the op once on random data of the same shapes, strides
 and dtypes under torch.profiler's memory timeline: a separate process, because the profiler allows one
-session per process and that one belongs to the user. The answer depends only on the op and its
-argument specs (and the thread count), so it is cached for the life of the process; the worker starts
-on the first question (about two seconds) and only for runs that use these ops on the CPU.
+session per process and that one belongs to the user. The answer depends only on the op, its argument
+specs and the settings that select a kernel (threads, oneDNN on or off, fp32 matmul precision,
+deterministic algorithms), so it is cached for the life of the process; the worker starts on the first
+question (about two seconds) and only for runs that use these ops on the CPU. A forked child starts a
+helper of its own (the parent's pipes are the parent's); a helper that dies is started again once.
 
 The trackers then count, for such an op, ``live before the op + its highest allocation`` as a candidate
-peak, the excess over what they see landing in ``temporary``. If the worker cannot start or answer, one
+peak, the excess over what they see landing in ``temporary``. If the worker still cannot answer, one
 warning says so and nothing is added.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import select
@@ -43,18 +46,44 @@ def _ops(*names: str) -> frozenset:
     return frozenset(getattr(_aten, n).default for n in names if hasattr(getattr(_aten, n, None), "default"))
 
 
-#: Ops whose CPU kernels allocate outside the dispatcher: oneDNN convolutions (reorders, scratchpad) and
-#: the flash attention kernels (per-thread accumulators), in every dtype ...
+#: Ops whose CPU kernels allocate outside the dispatcher, in every dtype and layout: oneDNN convolutions
+#: (reorders, scratchpad), the flash attention kernels (per-thread accumulators), oneDNN's LSTM/GRU layers,
+#: and the embedding's backward (a sorted copy of the indices) ...
 OPAQUE = _ops(
     "convolution",
     "convolution_backward",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "mkldnn_rnn_layer",
+    "mkldnn_rnn_layer_backward",
+    "embedding_dense_backward",
 )
-#: ... and matmuls in 16-bit dtypes, which oneDNN computes through fp32 copies of their operands.
-OPAQUE_16BIT = _ops("mm", "addmm", "bmm", "baddbmm", "_addmm_activation")
+#: ... and matmuls, which copy an operand BLAS cannot read as it is (a zero-stride gradient from
+#: ``loss = out.sum()``, a strided slice), and in 16-bit dtypes compute through fp32 copies.
+MATMULS = _ops("mm", "addmm", "bmm", "baddbmm", "_addmm_activation")
 _16BIT = (torch.bfloat16, torch.float16)
 _TIMEOUT_S = 60.0  # the first answer includes the worker's start (importing torch)
+_MAX_CACHED = 16_384  # answers kept (shapes seen); variable shapes beyond it are asked again
+
+
+def _blas_ready(t: Tensor) -> bool:
+    """Whether a matmul can read ``t`` without a copy: its last two dims dense one way or the other."""
+    if t.dim() < 2:
+        return True
+    (m, n), (a, b) = t.shape[-2:], t.stride()[-2:]
+    row_major = (b == 1 or n == 1) and (a >= n or m == 1)
+    column_major = (a == 1 or m == 1) and (b >= m or n == 1)
+    return row_major or column_major
+
+
+def _settings() -> tuple:
+    """What selects a CPU kernel besides the op and its arguments: the helper runs under the same."""
+    return (
+        torch.get_num_threads(),
+        torch.backends.mkldnn.enabled,
+        torch.get_float32_matmul_precision(),
+        torch.are_deterministic_algorithms_enabled(),
+    )
 
 
 def _spec(x: Any) -> Any:
@@ -70,36 +99,57 @@ def _spec(x: Any) -> Any:
 
 
 class _Worker:
-    """One helper process, started on demand; every failure leaves it off for the rest of the process."""
+    """One helper process, started on demand and again after a fork or a crash (once); if it cannot
+    answer after that, one warning, and nothing more is asked for the rest of the process."""
 
     def __init__(self) -> None:
         self.process: subprocess.Popen | None = None
+        self.pid = os.getpid()  # the process the helper belongs to
         self.failed = False
+        self.restarted = False
         self.lock = threading.Lock()
         self.cache: dict[Any, int | None] = {}
 
     def ask(self, func: Any, args: tuple, kwargs: dict) -> int | None:
+        if self.pid != os.getpid():
+            self._forked()
         spec_args, spec_kwargs = _spec(args), _spec(kwargs)
-        threads = torch.get_num_threads()
-        key = (str(func), _hashable(spec_args), _hashable(spec_kwargs), threads)
+        settings = _settings()
+        key = (str(func), _hashable(spec_args), _hashable(spec_kwargs), settings)
         with self.lock:
             if key in self.cache:
                 return self.cache[key]
             if self.failed:
                 return None
+            request = (str(func), spec_args, spec_kwargs, settings)
             try:
-                answer = self._request((str(func), spec_args, spec_kwargs, threads))
-            except Exception as e:  # a broken helper must never break the step it measures
-                self.failed = True
+                answer = self._request(request)
+            except Exception as first:  # a broken helper must never break the step it measures
                 self.stop()
-                warnings.warn(
-                    f"Could not measure what CPU kernels allocate outside the dispatcher ({e}); {func} and "
-                    "the like are counted without their internal buffers, so CPU peaks may read low.",
-                    stacklevel=4,
-                )
-                return None
+                try:
+                    if self.restarted:
+                        raise first
+                    self.restarted = True
+                    answer = self._request(request)
+                except Exception as e:
+                    self.failed = True
+                    self.stop()
+                    warnings.warn(
+                        f"Could not measure what CPU kernels allocate outside the dispatcher ({e}); {func} "
+                        "and the like are counted without their internal buffers, so CPU peaks may read low.",
+                        stacklevel=4,
+                    )
+                    return None
+            if len(self.cache) >= _MAX_CACHED:
+                self.cache.clear()
             self.cache[key] = answer
             return answer
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's helper and lock are the parent's; the answers still hold."""
+        self.pid = os.getpid()
+        self.process = None
+        self.lock = threading.Lock()
 
     def _request(self, request: tuple) -> int | None:
         if self.process is None:
@@ -108,7 +158,6 @@ class _Worker:
                 [sys.executable, str(Path(__file__).with_name("_kernel_worker.py"))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             )  # fmt: skip
-            atexit.register(self.stop)
         assert self.process.stdin is not None and self.process.stdout is not None
         write(self.process.stdin, request)
         ready, _, _ = select.select([self.process.stdout], [], [], _TIMEOUT_S)
@@ -121,19 +170,29 @@ class _Worker:
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
+        if process is None or self.pid != os.getpid():
+            return
+        if process.poll() is None:
             process.kill()
-            process.wait()
+        process.wait()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):  # a dead helper's unread request: a broken pipe
+                    pipe.close()
 
 
 _WORKER = _Worker()
+atexit.register(_WORKER.stop)
 
 
 def hides_memory(func: Any, args: tuple) -> bool:
     """Whether ``func``'s CPU kernel allocates outside the dispatcher on arguments like ``args``."""
-    return func in OPAQUE or (
-        func in OPAQUE_16BIT and any(isinstance(a, Tensor) and a.dtype in _16BIT for a in args)
-    )
+    if func in OPAQUE:
+        return True
+    if func not in MATMULS:
+        return False
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return any(t.dtype in _16BIT or not _blas_ready(t) for t in tensors)
 
 
 def kernel_peak(func: Any, args: tuple, kwargs: dict) -> int | None:

@@ -221,3 +221,17 @@ def test_nothing_checkpointed_leaves_use_cache(caplog):
         with apply_checkpointing(module, "none"):
             assert module.model.config.use_cache is True
     assert not [r for r in caplog.records if CACHE_LINE in r.getMessage()]
+
+
+def test_removing_all_checkpointing_gives_the_cache_back():
+    """``apply_checkpointing(model, "none")`` (what ActivationCheckpointing's docstring says to call after
+    fit) turns the cache back on: generation after training, and ``save_pretrained``'s config, see it."""
+    module = _module("gpt2")
+    apply_checkpointing(module, "full")  # the handle is dropped, as a callback user has none
+    assert module.model.config.use_cache is False
+    apply_checkpointing(module, "none")
+    assert checkpoint_policies(module) == {} and module.model.config.use_cache is True
+    module.model.config.use_cache = False  # the user's own choice is kept
+    apply_checkpointing(module, "full")
+    apply_checkpointing(module, "none")
+    assert module.model.config.use_cache is False
