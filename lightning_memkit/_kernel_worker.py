@@ -75,9 +75,10 @@ def internal_peak(name: str, args: Any, kwargs: Any) -> int | None:
 
 
 def _read(stream: BinaryIO) -> Any:
+    """The next message; `EOFError` when the other side has closed (or died)."""
     header = stream.read(8)
     if len(header) < 8:
-        return None
+        raise EOFError("the other process closed the pipe")
     (size,) = struct.unpack("<Q", header)
     return pickle.loads(stream.read(size))
 
@@ -91,7 +92,11 @@ def write(stream: BinaryIO, obj: Any) -> None:
 def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed by torch must not corrupt the answers
-    while (request := _read(stdin)) is not None:
+    while True:
+        try:
+            request = _read(stdin)
+        except EOFError:  # the parent is done
+            return
         name, args, kwargs, (threads, mkldnn, matmul_precision, deterministic) = request
         torch.set_num_threads(threads)
         torch.backends.mkldnn.enabled = mkldnn

@@ -163,10 +163,10 @@ class _Worker:
         ready, _, _ = select.select([self.process.stdout], [], [], _TIMEOUT_S)
         if not ready:
             raise TimeoutError(f"the helper process did not answer in {_TIMEOUT_S:.0f} s")
-        answer = _read(self.process.stdout)
-        if answer is None and self.process.poll() is not None:
-            raise RuntimeError(f"the helper process exited with code {self.process.returncode}")
-        return answer
+        try:
+            return _read(self.process.stdout)
+        except EOFError:
+            raise RuntimeError(f"the helper process exited with code {self.process.wait()}") from None
 
     def stop(self) -> None:
         process, self.process = self.process, None
