@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
+# Under pytest-xdist (`pytest -n 2`, as CI runs), one thread per worker: two workers of two threads each
+# on 2 cores only take turns. Subprocesses the tests start (scripts, DDP ranks) inherit it.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(1)  # torch may have been imported before this file (by a plugin)
 
 
 class EncoderLM(pl.LightningModule):
