@@ -452,3 +452,29 @@ def test_saved_tensor_hooks_around_the_fit_stay_in_force(trainer_kwargs):
             trainer.fit(EncoderLM(d_model=32, n_layer=1, vocab=64))
         calls[watched] = len(packs)
     assert calls[True] == calls[False] > 0
+
+
+class _SkipsTheRestOfEpochZero(EncoderLM):
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx == 1:
+            return -1  # Lightning skips the rest of the epoch, after the callbacks' on_train_batch_start
+        return None
+
+
+def test_a_skipped_step_leaves_no_measurement_open(trainer_kwargs):
+    """Issue 12, item 6: the measurement opened for a step the module skips used to stay on through the
+    validation and into the next epoch."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = []
+
+    class Probe(pl.Callback):
+        def on_train_epoch_end(self, *args):
+            modes.append(len(_get_current_dispatch_mode_stack()))
+
+    monitor = MemoryMonitor(plot=False, summary=False)
+    kwargs = {**trainer_kwargs, "max_steps": -1, "max_epochs": 2}
+    trainer = pl.Trainer(callbacks=[monitor, Probe()], logger=CSVLogger(kwargs["default_root_dir"]), **kwargs)
+    trainer.fit(_SkipsTheRestOfEpochZero(d_model=32, n_layer=1, vocab=64, n_batches=3))
+    assert modes == [0, 0] and not _get_current_dispatch_mode_stack()
+    assert len(monitor.history) == trainer.global_step == 4  # epoch 0's first step, then all of epoch 1

@@ -139,6 +139,7 @@ class MemoryMonitor(Callback):
         if self._disabled:
             return
         try:
+            self._discard_measurement()  # one a skipped step left open (see on_train_epoch_end)
             signature = self._step_signature(trainer, pl_module, batch)
             self._signature = signature
             due = self.remeasure_every_n_steps and self._since_measured + 1 >= self.remeasure_every_n_steps
@@ -164,6 +165,11 @@ class MemoryMonitor(Callback):
                 self._flush(trainer)
         except Exception as err:
             self._disable(err)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A LightningModule whose on_train_batch_start returns -1 skips the rest of the epoch after the
+        # callbacks' on_train_batch_start: a measurement opened there has no step to measure.
+        self._discard_measurement()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -231,6 +237,12 @@ class MemoryMonitor(Callback):
             activations=twin.activations,
             temporary=max(peak - others, 0),
         )
+
+    def _discard_measurement(self) -> None:
+        """Close a measurement whose step never ran, and forget it."""
+        measurement, self._measurement = self._measurement, None
+        if measurement is not None:
+            measurement.__exit__(None, None, None)
 
     def _close_measurement(self) -> None:
         if self._measurement is None:
