@@ -622,6 +622,12 @@ def plan_fit(
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     limit = int(budget.usable * (1 - margin))
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
+    if not precisions:
+        raise ValueError(
+            "precision= is empty: give a Lightning precision string, e.g. '32-true' or 'bf16-mixed'"
+        )
+    if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
+        raise ValueError(f"n_gpus must be a whole number of GPUs, at least 1; got {n_gpus!r}")
     levels = tuple(c for c in RECOMPUTE if c in checkpointing)
     if not levels or len(levels) != len(set(checkpointing)):
         raise ValueError(f"checkpointing must be a subset of {tuple(RECOMPUTE)}, got {tuple(checkpointing)}")

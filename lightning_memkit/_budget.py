@@ -42,6 +42,12 @@ def parse_bytes(value: int | str) -> int:
                 f"{', '.join(u for u in _UNITS if u)} (e.g. '24GB', '6GiB')."
             )
         number, unit = float(match.group(1)), match.group(2)
+        if not unit and not number.is_integer():
+            raise ValueError(
+                f"Cannot read {value!r} as a memory size: without a unit it is bytes, a whole number. "
+                f"Add the unit ('{value}GB', '{value}GiB'); a fraction of the device ({number}) is a "
+                "float, not a string, where a budget takes one (AutoFit, OptimizerSwap, parse_budget)."
+            )
     else:
         raise TypeError(f"A memory size must be bytes or a string like '24GiB', got {type(value).__name__}")
     nbytes = int(number * _UNITS[unit])

@@ -314,7 +314,15 @@ class MemoryMeasurement:
             optimizers = ()
         elif isinstance(optimizers, torch.optim.Optimizer):
             optimizers = (optimizers,)
+        elif isinstance(optimizers, str):
+            raise TypeError(
+                f"measure() takes the optimizer the step uses, not its name ({optimizers!r}): pass the "
+                "torch.optim.Optimizer instance, or None (estimate_memory takes optimizer names)."
+            )
         self.optimizers = tuple(optimizers)
+        wrong = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
+        if wrong:
+            raise TypeError(f"measure() takes torch.optim.Optimizer instances, got {', '.join(wrong)}")
         self.device = torch.device(device) if device is not None else _model_device(model)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -98,6 +98,12 @@ class ActivationCheckpointing(Callback):
         cost: str = "time",
     ) -> None:
         self.budget = None if budget is None else parse_bytes(budget)
+        if policy is None:
+            raise TypeError(
+                f"policy=None: choose one of {', '.join(map(repr, LEVELS))}, or a set of layer classes "
+                "such as {MyBlock}; to turn checkpointing off, leave ActivationCheckpointing out of the "
+                "callbacks."
+            )
         if isinstance(policy, str):
             if policy not in LEVELS:
                 raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")

@@ -97,6 +97,11 @@ class MemoryMonitor(Callback):
     ) -> None:
         if log_every_n_steps < 1:
             raise ValueError(f"`log_every_n_steps` must be >= 1, got {log_every_n_steps}")
+        if isinstance(remeasure_every_n_steps, bool) or not isinstance(remeasure_every_n_steps, int):
+            raise TypeError(
+                f"`remeasure_every_n_steps` must be an int (0: never re-measure alike steps), got "
+                f"{remeasure_every_n_steps!r}"
+            )
         if remeasure_every_n_steps < 0:
             raise ValueError(f"`remeasure_every_n_steps` must be >= 0, got {remeasure_every_n_steps}")
         self.budget = None if budget is None else parse_bytes(budget)
