@@ -122,11 +122,17 @@ def _conv_error(channels: int, side: int) -> float:
     """measure's relative error against the allocator on one conv step of this size."""
     torch.manual_seed(0)
     model = nn.Conv2d(channels, channels, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, channels, side, side)
+    measured, truth = _measured_and_true(model, lambda: model(x).sum(), lr=0.1)
+    return measured / truth - 1
+
+
+def _measured_and_true(model: nn.Module, loss, lr: float) -> tuple[int, int]:
+    """``measure``'s peak and the allocator's for one plain SGD step on ``loss()`` (after a warm-up)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
 
     def step():
-        model(x).sum().backward()
+        loss().backward()
         opt.step()
         opt.zero_grad()
 
@@ -134,7 +140,7 @@ def _conv_error(channels: int, side: int) -> float:
     truth = allocator_peak(step)
     with measure(model, opt) as m:
         step()
-    return m.peak / truth - 1
+    return m.peak, truth
 
 
 def _in_child(queue, channels):
@@ -174,18 +180,8 @@ def test_a_matmul_copying_a_zero_stride_gradient():
     x = torch.randn(512, 256)
     loss_fn = lambda out, _: out.sum()  # noqa: E731
     estimate = estimate_memory(model, (x, None), optimizer="sgd", loss_fn=loss_fn, device="cpu")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step():
-        loss_fn(model(x), None).backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()
-    truth = allocator_peak(step)
-    with measure(model, opt) as m:
-        step()
-    assert m.peak == pytest.approx(truth, rel=1e-3)
+    measured, truth = _measured_and_true(model, lambda: loss_fn(model(x), None), lr=1e-3)
+    assert measured == pytest.approx(truth, rel=1e-3)
     assert estimate.peak == pytest.approx(truth, rel=0.01)
 
 
