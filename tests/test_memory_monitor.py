@@ -478,3 +478,17 @@ def test_a_skipped_step_leaves_no_measurement_open(trainer_kwargs):
     trainer.fit(_SkipsTheRestOfEpochZero(d_model=32, n_layer=1, vocab=64, n_batches=3))
     assert modes == [0, 0] and not _get_current_dispatch_mode_stack()
     assert len(monitor.history) == trainer.global_step == 4  # epoch 0's first step, then all of epoch 1
+
+
+def test_the_same_monitor_on_a_second_fit_measures_the_new_model(trainer_kwargs):
+    """Issue 12, item 7: a monitor reused for a bigger model logged the first model's twins (about 6x low)."""
+    monitor = MemoryMonitor(plot=False, summary=False)
+    logger = CSVLogger(trainer_kwargs["default_root_dir"])
+    small = pl.Trainer(callbacks=[monitor], logger=logger, **trainer_kwargs)
+    small.fit(EncoderLM(d_model=32, n_layer=1, vocab=64))
+    peaks = AllocatorPeaks()
+    big = pl.Trainer(callbacks=peaks.around(monitor), logger=logger, **trainer_kwargs)
+    big.fit(EncoderLM(d_model=128, n_layer=2, vocab=64))
+    assert len(monitor.history) == len(peaks.peaks) == trainer_kwargs["max_steps"]
+    for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
+        assert measured.peak == pytest.approx(truth, rel=1e-3)

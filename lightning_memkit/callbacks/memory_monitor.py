@@ -109,6 +109,10 @@ class MemoryMonitor(Callback):
         self.remeasure_every_n_steps = remeasure_every_n_steps
         self.plot = plot
         self.summary = summary
+        self._reset()
+
+    def _reset(self) -> None:
+        """What one fit learns: a second fit (another model, another batch) starts from nothing."""
         #: (step, breakdown) of every optimizer step so far, in bytes.
         self.history: list[tuple[int, MemoryBreakdown]] = []
         #: How many steps were measured from scratch (the rest reused a twin's breakdown).
@@ -136,6 +140,7 @@ class MemoryMonitor(Callback):
                 "Trainer's loggers. Pass one, e.g. `Trainer(logger=CSVLogger('logs'))`, or use "
                 "`lightning_memkit.measure` around your own step."
             )
+        self._reset()  # a resumed fit gets its history back in load_state_dict, which comes after
         self._device = trainer.strategy.root_device
 
     def on_train_batch_start(
