@@ -390,8 +390,6 @@ def _caching_configs(model: nn.Module) -> list[Any]:
     return list(found.values())
 
 
-#: ``id(config) -> weakref``: the configs whose cache was turned off and said so (one line per model).
-_ANNOUNCED: dict[int, Any] = {}
 #: ``id(config) -> (weakref, use_cache before)``: configs `apply_checkpointing` turned the cache off on.
 _CACHE_TURNED_OFF: dict[int, tuple[Any, Any]] = {}
 
@@ -406,17 +404,7 @@ def _give_back_cache(model: nn.Module) -> None:
             del _CACHE_TURNED_OFF[id(config)]
 
 
-def _forget_announced(key: int, _: Any) -> None:
-    _ANNOUNCED.pop(key, None)
-
-
 def _announce_cache_off(configs: Sequence[Any]) -> None:
-    fresh = [c for c in configs if (r := _ANNOUNCED.get(id(c))) is None or r() is not c]
-    if not fresh:
-        return
-    for c in fresh:
-        key = id(c)
-        _ANNOUNCED[key] = ref(c, functools.partial(_forget_announced, key))
     names = Counter(type(c).__name__ for c in configs)
     which = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in names.items())
     log.warning(  # a warning, as Hugging Face's own gradient_checkpointing_enable() says it
@@ -473,7 +461,8 @@ def apply_checkpointing(
 
     When at least one block gets checkpointed, Hugging Face's key/value cache is turned off for training
     (``use_cache = False`` on every config in ``model`` that has it on, as ``gradient_checkpointing_enable()``
-    does; said once in the log): the handle turns it back on.
+    does; one warning line says so): ``handle.remove()`` or ``apply_checkpointing(model, "none")`` turns it
+    back on.
     """
     return _apply(model, plan, blocks, announce=True)
 

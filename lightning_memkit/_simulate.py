@@ -61,11 +61,7 @@ from lightning_memkit import _shadow
 from lightning_memkit._analytic import OPTIMIZERS, _choose
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing import CheckpointPlan, apply_checkpointing
-from lightning_memkit._measure import (
-    _CUDA_BLOCK,
-    _Storage,
-    _Tracker,
-)
+from lightning_memkit._measure import _rounding, _Storage, _Tracker
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
 
@@ -127,30 +123,27 @@ class _SimTracker(_Tracker):
     """`_Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline."""
 
     counts_fakes = True
-    shadows: _shadow.Shadows | None = None  # the real values the batch gives (see _shadow)
 
-    def __init__(self, rounding: int, timeline: bool, counts_rng_states: bool = True) -> None:
+    def __init__(self, target: torch.device, timeline: bool, shadows: _shadow.Shadows) -> None:
         super().__init__(_SIM_DEVICE)
-        self.rounding = rounding
-        # Checkpointing's RNG states are real CPU tensors: device memory only when the target is the CPU.
-        self.counts_rng_states = counts_rng_states
+        self.rounding = _rounding(target)
+        # Checkpointing's RNG states are real CPU tensors, and CPU kernels' own buffers (`_kernels`) are
+        # the CPU's: device memory only when the target is the CPU.
+        self.counts_rng_states = self.counts_cpu_kernels = target.type == "cpu"
+        self.shadows = shadows  # the real values the batch gives (see _shadow)
         self.phase = "forward"
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        shadows = self.shadows
-        if shadows is not None:
-            value = shadows.value(func, args, kwargs)  # .item() and the like, from the batch's real values
-            if value is not _shadow.NO_VALUE:
-                return value
-        value = _placeholder_scalar(func, args)
+        value = self.shadows.value(func, args, kwargs)  # .item() and the like, from the batch's real values
+        if value is _shadow.NO_VALUE:
+            value = _placeholder_scalar(func, args)
         if value is not None:
             return value
-        dispatch = super().__torch_dispatch__
-        if shadows is None:
-            out = dispatch(func, types, args, kwargs)
-        else:  # the same dispatch, with the real values of the outputs followed
-            out = shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
+        dispatch = (
+            super().__torch_dispatch__
+        )  # the same dispatch, with the real values of the outputs followed
+        out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
         if self.timeline is not None and func.namespace not in _UNTIMED:
             self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
         return out
@@ -204,16 +197,13 @@ def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype 
             table[name] = t
 
 
-def _fake_batch(
-    batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None, shadows: _shadow.Shadows | None = None
-) -> Any:
+def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None, shadows: _shadow.Shadows) -> Any:
     """The batch with fake twins for its tensors; ``shadows`` learns the real values of the twins."""
     from lightning_utilities.core.apply_func import apply_to_collection
 
     def fake(t: Tensor) -> Tensor:
         twin = _fake_like(t, mode, dtype)
-        if shadows is not None:
-            shadows.adopt(t, twin)
+        shadows.adopt(t, twin)
         return twin
 
     return apply_to_collection(batch, Tensor, fake)
@@ -422,15 +412,12 @@ class _Step:
 def _track(
     step: _Step,
     model: nn.Module,
-    rounding: int,
     device: torch.device,
     timeline: bool,
-    shadows: _shadow.Shadows | None = None,
+    shadows: _shadow.Shadows,
 ) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
-    tracker = _SimTracker(rounding, timeline, counts_rng_states=device.type == "cpu")
-    tracker.counts_cpu_kernels = device.type == "cpu"  # CPU kernels' own buffers (`_kernels`)
-    tracker.shadows = shadows
+    tracker = _SimTracker(device, timeline, shadows)
     if device.type == "cuda":
         # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
         for optimizer in step.optimizers:
@@ -593,12 +580,11 @@ def estimate_memory(
 
         forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
         step = _Step(forward, optimizers, lightning, accumulating)
-        rounding = _CUDA_BLOCK if target.type == "cuda" else 1
         stack.enter_context(mode)
         if not first_step or accumulating:
             with _Placeholders():
                 step.warm_up(model, state=not first_step)
-        tracker = _track(step, model, rounding, target, return_timeline, shadows)
+        tracker = _track(step, model, target, return_timeline, shadows)
         breakdown = tracker.breakdown()
     if return_timeline:
         assert tracker.timeline is not None

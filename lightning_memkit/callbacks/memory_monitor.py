@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
 from lightning_memkit._budget import parse_bytes
-from lightning_memkit._measure import MemoryMeasurement, measure
+from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
 from lightning_memkit._report import plot_history, render_summary
 
 _MAX_SIGNATURES = 64
@@ -149,7 +149,7 @@ class MemoryMonitor(Callback):
         if self._disabled:
             return
         try:
-            self._discard_measurement()  # one a skipped step left open (see on_train_epoch_end)
+            self._close_measurement()  # one a skipped step left open (see on_train_epoch_end)
             signature = self._step_signature(trainer, pl_module, batch)
             self._signature = signature
             due = self.remeasure_every_n_steps and self._since_measured + 1 >= self.remeasure_every_n_steps
@@ -179,7 +179,7 @@ class MemoryMonitor(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A LightningModule whose on_train_batch_start returns -1 skips the rest of the epoch after the
         # callbacks' on_train_batch_start: a measurement opened there has no step to measure.
-        self._discard_measurement()
+        self._close_measurement()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -247,12 +247,6 @@ class MemoryMonitor(Callback):
             activations=twin.activations,
             temporary=max(peak - others, 0),
         )
-
-    def _discard_measurement(self) -> None:
-        """Close a measurement whose step never ran, and forget it."""
-        measurement, self._measurement = self._measurement, None
-        if measurement is not None:
-            measurement.__exit__(None, None, None)
 
     def _close_measurement(self) -> None:
         if self._measurement is None:
@@ -474,15 +468,5 @@ def _attributes(obj: Any) -> list[tuple[str, Any]] | None:
 def optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
     """(entries, tensors, bytes) of ``optimizer.state``: its count alone misses state that grows inside
     an entry, as LBFGS's history (``old_dirs``, ``old_stps``, ``ro``: lists of tensors) does."""
-    tensors = nbytes = 0
-    stack: list[Any] = list(optimizer.state.values())
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            tensors += 1
-            nbytes += item.untyped_storage().nbytes()
-        elif isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return len(optimizer.state), tensors, nbytes
+    tensors = list(optimizer_tensors([optimizer]))
+    return len(optimizer.state), len(tensors), storage_bytes(tensors)
