@@ -93,8 +93,6 @@ def _spec(x: Any) -> Any:
         return type(x)(_spec(i) for i in x)
     if isinstance(x, dict):
         return {k: _spec(v) for k, v in x.items()}
-    if isinstance(x, torch.device):
-        return x
     return x
 
 
