@@ -73,3 +73,29 @@ def test_zoo_models_keep_their_defaults():
     for name in ("qwen2", "gpt_neox", "gpt2", "t5"):
         assert ZooModule(name).model.config.use_cache is True
     assert torch.is_tensor(zoo_batch("bert")["attention_mask"])
+
+
+class _Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+@pytest.mark.parametrize("name", ["bert", "qwen2", "resnet"])
+def test_the_monitor_leaves_the_run_bit_identical(name, tmp_path):
+    """Observe-only: with MemoryMonitor (every step measured, the kernel helper asked, saved-tensor hooks
+    composed) the losses, parameters, buffers (BatchNorm statistics) and RNG stream are those of the run
+    without it, bit for bit. bert has dropout; qwen2 Hugging Face's cache; resnet BatchNorm and
+    convolutions."""
+    runs = []
+    for callbacks in ([], [MemoryMonitor(plot=False, summary=False, remeasure_every_n_steps=1)]):
+        pl.seed_everything(0)
+        module, losses = ZooModule(name), _Losses()
+        _fit(module, [*callbacks, losses], tmp_path, max_steps=3)
+        runs.append((losses.losses, module.state_dict(), torch.get_rng_state()))
+    (losses, state, rng), (losses_m, state_m, rng_m) = runs
+    assert len(losses) == 3 and all(torch.equal(a, b) for a, b in zip(losses, losses_m, strict=True))
+    assert state.keys() == state_m.keys() and all(torch.equal(state[k], state_m[k]) for k in state)
+    assert torch.equal(rng, rng_m)
