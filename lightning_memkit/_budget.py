@@ -4,10 +4,11 @@ current device, ``"A100-40GB"`` or ``"auto"``."""
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["GPUS", "Budget", "parse_budget", "parse_bytes"]
+__all__ = ["GPUS", "Budget", "parse_budget", "parse_bytes", "reads_device"]
 
 _UNITS = {
     "": 1,
@@ -127,6 +128,24 @@ def _current_device_bytes() -> tuple[int, str]:
     return torch.cuda.get_device_properties(index).total_memory, f"cuda:{index}"
 
 
+def reads_device(value: object) -> bool:
+    """Whether ``value`` is a budget read from the current CUDA device (a fraction, ``"auto"``): callbacks
+    resolve such budgets in ``setup``, once the run is on its device, and read the others at once.
+
+    Raises:
+        ValueError: for a float outside (0, 1], which is no fraction (nor a size).
+    """
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:  # nan too
+            size = f"'{value}GB' or '{value}GiB'" if math.isfinite(value) and value > 0 else "'24GB'"
+            raise ValueError(
+                f"A float budget is a fraction of the current CUDA device, in (0, 1]; got {value}. For a "
+                f"size, give bytes or a string with a unit ({size})."
+            )
+        return True
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
 def parse_budget(value: int | float | str | Budget, *, device_size: bool = False) -> Budget:
     """Read a memory budget given in any of the ways users say it.
 
@@ -141,9 +160,7 @@ def parse_budget(value: int | float | str | Budget, *, device_size: bool = False
     """
     if isinstance(value, Budget):
         return value
-    if isinstance(value, float) and not isinstance(value, bool):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"A fractional budget must be in (0, 1], got {value}")
+    if reads_device(value) and isinstance(value, float):  # a fraction, checked
         total, name = _current_device_bytes()
         return Budget.for_device(int(total * value), f"{name} x {value}")
     if isinstance(value, str):

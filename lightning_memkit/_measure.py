@@ -20,6 +20,20 @@ timeline (the tests hold it to 0.1 %), and on CUDA the peak itself is read from 
 (``torch.cuda.max_memory_allocated``), so allocator-only buffers such as cuBLAS workspaces land in
 ``temporary``. The per-op bookkeeping is Python, so a measured step costs more than a plain one:
 `MemoryMonitor` measures only the steps it has not seen the like of (see there).
+
+Watching must not change the step. Three things the tracker's mode and hooks would otherwise change:
+
+* torch.compile: dynamo refuses to compile a frame first called under a dispatch mode, and never tries it
+  again. The tracker declares ``ignore_compile_internals``: compiled code compiles and runs as it would
+  unwatched (bit-identical). Its inputs, outputs and saved tensors are seen; the intermediates inside a
+  compiled graph bypass the dispatcher. On CUDA the peak is still the allocator's; on CPU a compiled
+  region's figure is approximate (a buffer first seen as an ``out=`` argument counts from the step's start:
+  +6 % on a compiled MLP whose peak is in the backward).
+* torch.func: its transforms refuse to run under saved-tensor hooks. The tracker's hooks step aside for the
+  transform and the measurement is marked ``unfollowed`` (what the transform saved is not seen);
+  `MemoryMonitor` leaves such steps unmeasured.
+* autograd's in-place check: a tensor saved through hooks is not version-checked by autograd, so the
+  tracker's unpack hook checks it and raises autograd's own error.
 """
 
 from __future__ import annotations
@@ -124,6 +138,14 @@ class _Tracker(TorchDispatchMode):
     #: whether the CPU RNG states checkpointing keeps are on this tracker's device
     counts_rng_states = True
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let torch.compile compile and run its graphs while we watch. Dynamo refuses to compile a frame
+        first called under any other dispatch mode, and never compiles it afterwards: the monitor would
+        turn compilation off for the whole run. The compiled code's own intermediates bypass the
+        dispatcher; its inputs, outputs and saved tensors are still seen (see `measure`)."""
+        return True
+
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
@@ -134,6 +156,9 @@ class _Tracker(TorchDispatchMode):
         self.peak = 0
         self.peak_clock = 0
         self.peak_live: list[_Storage] = []
+        #: why the step could not be followed (a torch.func transform turned saved-tensor hooks off)
+        self.unfollowed: str | None = None
+        self._hooks: tuple[Any, Any] | None = None
         #: whether what CPU kernels allocate outside the dispatcher (`_kernels`) is this device's memory
         self.counts_cpu_kernels = device.type == "cpu"
 
@@ -261,18 +286,30 @@ class _Tracker(TorchDispatchMode):
 
     def _saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Our pack hook, over the saved-tensor hooks in force (only the innermost pair runs): theirs still
-        pack and unpack, and what they return is what counts as kept."""
+        pack and unpack, and what they return is what counts as kept. Our own unpack checks the version
+        counter as autograd does for a tensor saved without hooks (hooks turn its check off): an in-place
+        change of a saved tensor must raise, not train on wrong gradients."""
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if outer is None:
-            return torch.autograd.graph.saved_tensors_hooks(self.pack, _identity)
-        outer_pack, outer_unpack = outer
 
-        def pack(t: Tensor) -> Any:
-            packed = outer_pack(t)
-            self.kept(packed)
-            return packed
+            def pack(t: Tensor) -> tuple[Tensor, int]:
+                return self.pack(t), t._version
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
+            self._hooks = (pack, _unpack_checked)
+        else:
+            outer_pack, outer_unpack = outer
+
+            def pack(t: Tensor) -> Any:
+                packed = outer_pack(t)
+                self.kept(packed)
+                return packed
+
+            self._hooks = (pack, outer_unpack)
+        return torch.autograd.graph.saved_tensors_hooks(*self._hooks)
+
+    def owns_top_hooks(self) -> bool:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return self._hooks is not None and top is not None and top[0] is self._hooks[0]
 
     def on_rng_state(self, state: Tensor) -> None:
         """A CPU RNG state activation checkpointing keeps for its recompute: kept for backward."""
@@ -327,6 +364,9 @@ class MemoryMeasurement:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._breakdown: MemoryBreakdown | None = None
+        #: why the step could not be followed in full, or ``None``: a torch.func transform ran in it,
+        #: and what it saved is missing from `breakdown`
+        self.unfollowed: str | None = None
         self._tracker: _Tracker | None = None
         self._watching: contextlib.AbstractContextManager | None = None
 
@@ -364,9 +404,18 @@ class MemoryMeasurement:
             torch.cuda.synchronize(self.device)
             allocator_peak = torch.cuda.max_memory_allocated(self.device)
         self._breakdown = tracker.breakdown(allocator_peak)
+        self.unfollowed = tracker.unfollowed
 
 
-def _identity(t: Tensor) -> Tensor:
+def _unpack_checked(packed: tuple[Tensor, int]) -> Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} "
+            "instead. (Raised by lightning_memkit's measurement, whose saved-tensor hooks replace autograd's "
+            "own check: without it autograd raises the same error.)"
+        )
     return t
 
 
@@ -433,8 +482,31 @@ def _hooks_enter(hooks: torch.autograd.graph.saved_tensors_hooks) -> None:
     torch._C._autograd._push_saved_tensors_default_hooks(pack, hooks.unpack_hook)
 
 
+@contextlib.contextmanager
+def _disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+    """``disable_saved_tensors_hooks`` while a tracker watches: torch.func's transforms (``grad``,
+    ``vjp``, ``jacrev``) refuse to run under any saved-tensor hook. The tracker's own hooks step aside for
+    the transform, and the step is marked as not followed: its figures would miss what the transform
+    saved, so `MemoryMonitor` leaves it unmeasured instead of breaking it."""
+    tracker = _innermost()
+    stepped_aside = tracker is not None and tracker.owns_top_hooks()
+    if stepped_aside:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        tracker.unfollowed = "a torch.func transform (grad, vjp, jacrev, hessian) ran in the step"
+    try:
+        with _patched["disable_saved_tensors_hooks"](error_message):
+            yield
+    finally:
+        if stepped_aside:
+            torch._C._autograd._push_saved_tensors_default_hooks(*tracker._hooks)
+
+
 def _patch() -> None:
     from torch.utils import checkpoint
+
+    graph = torch.autograd.graph
+    _patched["disable_saved_tensors_hooks"] = graph.disable_saved_tensors_hooks
+    graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks
 
     _patched["get_rng_state"], torch.get_rng_state = torch.get_rng_state, _get_rng_state
     hooks = torch.autograd.graph.saved_tensors_hooks
@@ -447,6 +519,7 @@ def _patch() -> None:
 def _unpatch() -> None:
     from torch.utils import checkpoint
 
+    torch.autograd.graph.disable_saved_tensors_hooks = _patched.pop("disable_saved_tensors_hooks")
     torch.get_rng_state = _patched.pop("get_rng_state")
     torch.autograd.graph.saved_tensors_hooks.__enter__ = _patched.pop("saved_tensors_hooks.__enter__")
     if "_VersionWrapper.__init__" in _patched:

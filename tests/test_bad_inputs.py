@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
-from lightning_memkit import ActivationCheckpointing, MemoryMonitor, measure, parse_bytes, plan_fit
+from lightning_memkit import ActivationCheckpointing, MemoryMonitor, measure, parse_budget, parse_bytes, plan_fit
 
 
 def test_measure_takes_an_optimizer_not_its_name():
@@ -45,3 +47,26 @@ def test_plan_fit_arguments(kwargs, message):
     batch = (torch.zeros(4, 2), torch.zeros(4, 2))
     with pytest.raises(ValueError, match=message):
         plan_fit(nn.Linear(2, 2), batch, "1GB", loss_fn=nn.functional.mse_loss, **kwargs)
+
+
+def test_every_budget_reads_gpu_names_sizes_and_fractions_alike():
+    """Issue 12, item 11: MemoryMonitor refused 'H200' although the README lists GPU names for budgets."""
+    assert MemoryMonitor(budget="H200").budget == parse_budget("H200").usable
+    assert MemoryMonitor(budget="a100 40gb").budget == parse_budget("A100-40GB").usable
+    assert MemoryMonitor(budget="24GB").budget == 24 * 10**9
+    with pytest.raises(ValueError, match=r"Unknown GPU or size 'H2000'. Did you mean H200"):
+        MemoryMonitor(budget="H2000")
+
+
+@pytest.mark.parametrize("fraction", [1.5, float("nan"), 0.0])
+def test_a_float_budget_is_a_fraction_of_the_device(fraction):
+    """Issue 12, item 15: AutoFit(budget=1.5) said it 'reads the CUDA device, but the run is on cpu'."""
+    with pytest.raises(ValueError, match=r"A float budget is a fraction of the current CUDA device, in \(0, 1\]"):
+        MemoryMonitor(budget=fraction)
+
+
+def test_a_fraction_of_the_device_is_read_in_setup(tmp_path):
+    monitor = MemoryMonitor(budget=0.9)  # no device is read before the run is on one
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=[monitor], enable_progress_bar=False)
+    with pytest.raises(ValueError, match=r"'auto' or a fraction needs a CUDA device, and none is visible"):
+        trainer.fit(BoringModel())

@@ -2,6 +2,7 @@
 logger; AutoFit plans on rank 0 and every rank installs that plan."""
 
 import csv
+import re
 import json
 import statistics
 from pathlib import Path
@@ -233,3 +234,49 @@ def test_a_decision_that_fails_on_rank_zero_fails_on_every_rank():
         on_rank_zero(rank1, lambda: pytest.fail("only rank 0 decides"), "Planning")
     assert copy.value is not own.value
     assert on_rank_zero(rank0, lambda: {"plan": 1}, "Planning") == {"plan": 1} == sent[-1][1]
+
+
+class _FailingOnRankOne(MemoryMonitor):
+    """A monitor whose measurement breaks on rank 1 at the second step; it notes what each rank saw."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out, self.shown = out, []
+
+    def setup(self, trainer, pl_module, stage):
+        import warnings
+
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: self.shown.append(str(message))
+        super().setup(trainer, pl_module, stage)
+
+    def _finish_step(self, trainer):
+        if trainer.global_rank == 1 and trainer.global_step == 2:  # the end of the second step
+            raise RuntimeError("injected")
+        return super()._finish_step(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        record = {"disabled": self._disabled, "steps": len(self.history), "shown": self.shown}
+        record["global_step"] = trainer.global_step
+        (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_an_internal_error_on_one_rank_stops_the_monitor_on_every_rank_without_a_hang(tmp_path):
+    """Issue 12, item 5: rank 1's error left rank 0 waiting in the all_gather (hung), and rank 1's warning
+    went through rank_zero_warn, so nobody saw it. Now each rank says what happened to it, both stop
+    monitoring at the same optimizer step, and the run finishes."""
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4,
+        logger=CSVLogger(tmp_path, name="ddp"), callbacks=[_FailingOnRankOne(tmp_path)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(EncoderLM())
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [r["global_step"] for r in ranks] == [4, 4]
+    assert [r["disabled"] for r in ranks] == [True, True]
+    assert [r["steps"] for r in ranks] == [1, 1]  # step 0 logged; the monitor stopped at step 1 everywhere
+    assert any(re.search(r"\[rank: 1\] MemoryMonitor hit an internal error.*injected", m) for m in ranks[1]["shown"])
+    assert any(re.search(r"\[rank: 0\] MemoryMonitor stops monitoring on every rank: rank\(s\) \[1\]", m)
+               for m in ranks[0]["shown"])  # fmt: skip

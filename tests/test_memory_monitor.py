@@ -216,7 +216,7 @@ def test_resume_keeps_the_history(tmp_path, trainer_kwargs):
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="log_every_n_steps"):
         MemoryMonitor(log_every_n_steps=0)
-    with pytest.raises(ValueError, match="Cannot read"):
+    with pytest.raises(ValueError, match="Unknown GPU or size 'lots'"):
         MemoryMonitor(budget="lots")
 
 

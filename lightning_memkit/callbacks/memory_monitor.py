@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import enum
 import types
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,11 +31,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
-from lightning_memkit._budget import parse_bytes
+from lightning_memkit._budget import parse_budget, reads_device
 from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
 from lightning_memkit._report import plot_history, render_summary
 
@@ -71,8 +73,11 @@ class MemoryMonitor(Callback):
     images: TensorBoard, W&B, MLflow).
 
     Args:
-        budget: the memory you want the step to fit, in bytes or as a string (``"24GB"``, ``"6GiB"``).
-            Enables ``memory/peak_fraction`` and a warning when a step goes over it.
+        budget: the memory you want the step to fit: bytes or a size (``"24GB"``, ``"6GiB"``), a GPU name
+            (``"A100-40GB"``, ``"H200"``: the card less the CUDA context and a fragmentation reserve), a
+            fraction of the CUDA device (``0.9``) or ``"auto"`` (see `parse_budget`; the last two are read
+            in ``setup``, on the run's device). Enables ``memory/peak_fraction`` and a warning when a step
+            goes over it.
         log_every_n_steps: log every N optimizer steps (the history for the plot keeps them all).
         remeasure_every_n_steps: measure a step from scratch at least this often even when it matches
             an already measured one. 0 never re-measures steps alike.
@@ -104,7 +109,9 @@ class MemoryMonitor(Callback):
             )
         if remeasure_every_n_steps < 0:
             raise ValueError(f"`remeasure_every_n_steps` must be >= 0, got {remeasure_every_n_steps}")
-        self.budget = None if budget is None else parse_bytes(budget)
+        self._budget_spec = budget
+        #: the budget in bytes (``None`` without one, or until ``setup`` for a device-relative one)
+        self.budget = None if budget is None or reads_device(budget) else parse_budget(budget).usable
         self.log_every_n_steps = log_every_n_steps
         self.remeasure_every_n_steps = remeasure_every_n_steps
         self.plot = plot
@@ -117,7 +124,7 @@ class MemoryMonitor(Callback):
         self.history: list[tuple[int, MemoryBreakdown]] = []
         #: How many steps were measured from scratch (the rest reused a twin's breakdown).
         self.measured_steps = 0
-        self._twins: OrderedDict[tuple, MemoryBreakdown] = OrderedDict()
+        self._twins: OrderedDict[tuple, MemoryBreakdown | None] = OrderedDict()  # None: unmeasurable
         self._since_measured = 0
         self._signature: tuple | None = None
         self._measurement: MemoryMeasurement | None = None
@@ -128,6 +135,10 @@ class MemoryMonitor(Callback):
         self._flushes = 0
         self._warned: set[str] = set()
         self._disabled = False
+        #: an internal error of this rank, not yet shared with the others (see `_agree`)
+        self._failure: Exception | None = None
+        #: whether on_train_batch_start ran for the batch now in flight (Lightning skips it for a None batch)
+        self._in_step = False
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
@@ -142,12 +153,15 @@ class MemoryMonitor(Callback):
             )
         self._reset()  # a resumed fit gets its history back in load_state_dict, which comes after
         self._device = trainer.strategy.root_device
+        if self._budget_spec is not None and reads_device(self._budget_spec):
+            self.budget = parse_budget(self._budget_spec).usable
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._disabled:
+        if self._disabled or self._failure is not None:
             return
+        self._in_step = True
         try:
             self._close_measurement()  # one a skipped step left open (see on_train_epoch_end)
             signature = self._step_signature(trainer, pl_module, batch)
@@ -159,22 +173,31 @@ class MemoryMonitor(Callback):
             elif self._device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self._device)
         except Exception as err:
-            self._disable(err)
+            self._fail(trainer, err)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._disabled:
             return
+        if self._in_step and self._failure is None:
+            try:
+                breakdown = self._finish_step(trainer)
+                if breakdown is not None and (self._pending is None or breakdown.peak >= self._pending.peak):
+                    self._pending = breakdown
+                    self._pending_extras = self._cuda_stats()
+            except Exception as err:
+                self._fail(trainer, err)
+        self._in_step = False
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return
+        peaks = self._agree(trainer)
+        if peaks is None or self._pending is None:
+            return
         try:
-            breakdown = self._finish_step()
-            if self._pending is None or breakdown.peak >= self._pending.peak:
-                self._pending = breakdown
-                self._pending_extras = self._cuda_stats()
-            if not trainer.fit_loop.epoch_loop._should_accumulate():
-                self._flush(trainer)
+            self._flush(trainer, peaks)
         except Exception as err:
-            self._disable(err)
+            self._fail(trainer, err)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A LightningModule whose on_train_batch_start returns -1 skips the rest of the epoch after the
@@ -187,11 +210,12 @@ class MemoryMonitor(Callback):
         self._close_measurement()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close_measurement()
-        if self._disabled or not self.history:
-            return
+        self._close_measurement_quietly()
         try:
-            self._report(trainer)
+            directory = Path(trainer.log_dir or trainer.default_root_dir)  # a broadcast: every rank calls it
+            if self._disabled or self._failure is not None or not self.history or not trainer.is_global_zero:
+                return
+            self._report(trainer, directory)
         except Exception as err:
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report: {err!r}")
 
@@ -220,22 +244,29 @@ class MemoryMonitor(Callback):
         states = tuple(optimizer_signature(opt) for opt in trainer.optimizers)
         return shapes, grads, states, trainer.fit_loop.epoch_loop._should_accumulate()
 
-    def _finish_step(self) -> MemoryBreakdown:
+    def _finish_step(self, trainer: pl.Trainer) -> MemoryBreakdown | None:
+        """The step's breakdown; ``None`` for a step that cannot be measured (nor its twins)."""
         signature = self._signature
         if self._measurement is not None:
-            self._close_measurement()
-            breakdown = self._last_measured
+            unfollowed = self._close_measurement()
+            breakdown = None if unfollowed else self._last_measured
+            if unfollowed:
+                self._warn_once(
+                    "unfollowed",
+                    f"MemoryMonitor: step {trainer.global_step} is not measured: {unfollowed}, which the "
+                    "measurement cannot follow. Steps like it are left unmeasured; training is unaffected.",
+                )
             if signature is not None:  # a batch it cannot see into is no twin of any other
                 self._twins[signature] = breakdown
                 self._twins.move_to_end(signature)
                 while len(self._twins) > _MAX_SIGNATURES:
                     self._twins.popitem(last=False)
-            self.measured_steps += 1
+            self.measured_steps += breakdown is not None
             self._since_measured = 0
             return breakdown
         self._since_measured += 1
         twin = self._twins[signature]
-        if self._device.type != "cuda":
+        if twin is None or self._device.type != "cuda":
             return twin
         # The allocator knows this very step's peak; what differs from the twin is not a known tensor.
         peak = torch.cuda.max_memory_allocated(self._device)
@@ -248,12 +279,14 @@ class MemoryMonitor(Callback):
             temporary=max(peak - others, 0),
         )
 
-    def _close_measurement(self) -> None:
+    def _close_measurement(self) -> str | None:
+        """Close the measurement in flight, if any; returns why its step could not be followed, if so."""
         if self._measurement is None:
-            return
+            return None
         measurement, self._measurement = self._measurement, None
         measurement.__exit__(None, None, None)
         self._last_measured = measurement.breakdown
+        return measurement.unfollowed
 
     def _cuda_stats(self) -> dict[str, float]:
         if self._device.type != "cuda":
@@ -267,8 +300,8 @@ class MemoryMonitor(Callback):
 
     # --- reporting ----------------------------------------------------------------------------
 
-    def _flush(self, trainer: pl.Trainer) -> None:
-        """Close one optimizer step: keep it in the history and log it (all ranks take part)."""
+    def _flush(self, trainer: pl.Trainer, peaks: list[int]) -> None:
+        """Close one optimizer step: keep it in the history and log it, with every rank's peak."""
         breakdown, extras = self._pending, self._pending_extras
         self._pending, self._pending_extras = None, {}
         assert breakdown is not None
@@ -279,11 +312,10 @@ class MemoryMonitor(Callback):
         fraction = self._fraction(breakdown.peak)
         if fraction is not None:
             metrics["memory/peak_fraction"] = fraction
-        if trainer.world_size > 1:
-            # A collective: every rank reaches this line at the same optimizer step.
-            peaks = trainer.strategy.all_gather(torch.tensor([breakdown.peak], device=self._device))
-            for rank, peak in enumerate(peaks.reshape(-1).tolist()):
-                metrics[f"memory/rank_{rank}/peak"] = peak / MiB
+        if len(peaks) > 1:
+            for rank, peak in enumerate(peaks):
+                if peak >= 0:
+                    metrics[f"memory/rank_{rank}/peak"] = peak / MiB
         if self.budget is not None and breakdown.peak > self.budget:
             self._warn_once(
                 "budget",
@@ -304,10 +336,7 @@ class MemoryMonitor(Callback):
             return peak / torch.cuda.get_device_properties(self._device).total_memory
         return None
 
-    def _report(self, trainer: pl.Trainer) -> None:
-        directory = Path(trainer.log_dir or trainer.default_root_dir)  # a broadcast: every rank calls it
-        if not trainer.is_global_zero:
-            return
+    def _report(self, trainer: pl.Trainer, directory: Path) -> None:
         step, worst = max(self.history, key=lambda item: item[1].peak)
         if self.summary:
             print(render_summary(worst, step=step, budget=self.budget))
@@ -337,13 +366,45 @@ class MemoryMonitor(Callback):
                 "logger's further failures are not reported again.",
             )
 
-    def _disable(self, err: Exception) -> None:
+    def _fail(self, trainer: pl.Trainer, err: Exception) -> None:
+        """An internal error on this rank: say so here (every rank speaks for itself) and stop measuring.
+        Alone, the monitor is off at once; with several ranks, at the next optimizer step's `_agree`, on
+        all of them together: a rank that left early would leave the others waiting in a collective."""
         self._close_measurement_quietly()
-        self._disabled = True
+        self._failure = err
+        if trainer.world_size == 1:
+            self._disabled = True
         self._warn_once(
             "disabled",
             f"MemoryMonitor hit an internal error and stops monitoring; training goes on. Error: {err!r}",
+            rank=trainer.global_rank if trainer.world_size > 1 else None,
         )
+
+    def _agree(self, trainer: pl.Trainer) -> list[int] | None:
+        """Every rank's peak for the optimizer step just done, once all ranks are known to be well;
+        ``None`` (and the monitor off everywhere) when any rank failed. A collective with several ranks:
+        every rank that is not disabled calls it at every optimizer step, failed or not."""
+        mine = -1 if self._pending is None else self._pending.peak
+        if trainer.world_size == 1:
+            return None if self._failure is not None else [mine]
+        try:
+            state = torch.tensor([self._failure is None, mine], dtype=torch.int64, device=self._device)
+            gathered = trainer.strategy.all_gather(state).reshape(-1, 2).tolist()
+        except Exception as err:
+            gathered, self._failure = [], self._failure or err
+        failed = [rank for rank, (ok, _) in enumerate(gathered) if not ok]
+        if self._failure is None and not failed:
+            return [peak for _, peak in gathered]
+        self._disabled = True
+        self._pending = None
+        if self._failure is None:
+            self._warn_once(
+                "disabled",
+                f"MemoryMonitor stops monitoring on every rank: rank(s) {failed} hit an internal error (see "
+                "their warnings). Training goes on.",
+                rank=trainer.global_rank,
+            )
+        return None
 
     def _close_measurement_quietly(self) -> None:
         try:
@@ -351,10 +412,15 @@ class MemoryMonitor(Callback):
         except Exception:
             self._measurement = None
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
+    def _warn_once(self, key: str, message: str, rank: int | None = None) -> None:
+        """Warn once per key: from rank 0, or from ``rank`` itself (its own failure), rank-prefixed."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if rank is None:
             rank_zero_warn(message)
+        else:
+            warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
 
 
 def _log_image(logger: Any, figure: Any, path: Path, step: int) -> None:
