@@ -68,6 +68,7 @@ simulated ``step()``, so the budget must leave room for the activations.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 import weakref
@@ -612,7 +613,7 @@ def _validate_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
 
 def choose(
     optimizers: Sequence[Optimizer],
-    budget: int,
+    budget: int | Budget,
     estimate: Estimator,
     *,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
@@ -626,20 +627,35 @@ def choose(
     The originals are estimated first and kept when they fit. Otherwise each candidate in order
     replaces every swappable original (known to the catalogue, or any with ``allow_unknown``) and the
     first whose estimate fits is returned. None fitting raises ``ValueError`` with the numbers.
+    ``budget`` may be a `Budget`, so that the messages say it as it was given (``"60MB (57.22 MiB)"``).
+
+    An optimizer whose ``step()`` needs a closure (``torch.optim.LBFGS``) is never swapped: its step
+    cannot be simulated without one, and a first-order optimizer in its place is another algorithm, not a
+    lighter one. With ``allow_unknown=True`` it raises ``ValueError`` before anything is estimated.
     """
     warn = warn or _warn
+    limit = budget.usable if isinstance(budget, Budget) else budget
     optimizers = tuple(optimizers)
     originals = tuple(identify(o) for o in optimizers)
     swappable = tuple(name is not None or allow_unknown for name in originals)
+    closures = [type(o).__name__ for o in optimizers if _needs_closure(o)]  # never in the catalogue
+    if closures and allow_unknown:
+        raise ValueError(_closure_message(closures))
     unknown = [type(o).__name__ for o, name in zip(optimizers, originals, strict=True) if name is None]
     if unknown and not allow_unknown:
+        swappable_later = [n for n in unknown if n not in closures]
         warn(
             f"{', '.join(unknown)} is not in the optimizer catalogue ({', '.join(CATALOGUE)}), so it is "
-            "left as it is; pass allow_unknown=True to swap it anyway (its lr and weight_decay are then "
-            "read as AdamW's)."
+            "left as it is"
+            + (
+                f"; pass allow_unknown=True to swap {', '.join(swappable_later)} anyway (its lr and "
+                "weight_decay are then read as AdamW's)."
+                if swappable_later
+                else " (its step() needs a closure: it cannot be swapped)."
+            )
         )
     unchanged = functools.partial(
-        OptimizerChoice, originals=originals, optimizers=optimizers, replaced=optimizers, budget=budget,
+        OptimizerChoice, originals=originals, optimizers=optimizers, replaced=optimizers, budget=limit,
         method=method, lr_factors=(1.0,) * len(optimizers),
     )  # fmt: skip
     if not any(swappable):
@@ -647,7 +663,7 @@ def choose(
 
     baseline = estimate(optimizers)
     tried = [("original", baseline.peak)]
-    if baseline.peak <= budget:
+    if baseline.peak <= limit:
         kept = originals[0] if len(set(originals)) == 1 else None
         return unchanged(name=kept, breakdown=baseline, tried=tuple(tried))
 
@@ -664,15 +680,36 @@ def choose(
         tried.append((name, b.peak))
         if b.peak < best[1].peak:
             best = (name, b)
-        if b.peak <= budget:
+        if b.peak <= limit:
             factors = tuple(
                 lr_factor(src, name) if s else 1.0 for src, s in zip(originals, swappable, strict=True)
             )
             return OptimizerChoice(
-                name=name, originals=originals, optimizers=new, replaced=optimizers, budget=budget,
+                name=name, originals=originals, optimizers=new, replaced=optimizers, budget=limit,
                 breakdown=b, tried=tuple(tried), method=method, lr_factors=factors,
             )  # fmt: skip
-    raise ValueError(_infeasible(budget, best, tried, method))
+    given = budget if isinstance(budget, Budget) else Budget(limit, limit, f"{limit} bytes")
+    raise ValueError(_infeasible(given, best, tried, method, available))
+
+
+def _needs_closure(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step()`` cannot be called without a closure (``LBFGS.step(closure)``)."""
+    try:
+        parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: assume torch.optim's ``step(closure=None)``
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _closure_message(names: Sequence[str]) -> str:
+    return (
+        f"{', '.join(names)} cannot be swapped for a lighter optimizer: its step() needs a closure that "
+        "re-evaluates the loss several times per step (a line search), so the step cannot be estimated "
+        "without running it, and a first-order optimizer (AdamW, Lion, SGD) in its place is another "
+        "algorithm, not a lighter one (LBFGS's lr=1 is a step length, not a learning rate). Set "
+        "allow_unknown=False to train with it unchanged, or configure the first-order optimizer you want in "
+        "configure_optimizers and let the swap lighten that one."
+    )
 
 
 def _warn(message: str) -> None:
@@ -688,26 +725,53 @@ def _available(candidates: Sequence[str], info: Callable[[str], Any]) -> list[st
     return names
 
 
-def _infeasible(budget: int, best: tuple[str, MemoryBreakdown], tried: list, method: str) -> str:
+def _budget_text(budget: Budget) -> str:
+    """The budget as the user gave it, and in the binary units every other figure uses: ``"60MB"`` is
+    ``"60MB (57.22 MiB)"``, ``"H200"`` is ``"H200 (132.91 GiB usable of 140.40 GiB)"``."""
+    usable = format_bytes(budget.usable)
+    if budget.total != budget.usable:  # a device: the CUDA context and a reserve were taken off
+        return f"{budget.source} ({usable} usable of {format_bytes(budget.total)})"
+    if budget.source.strip().lower().endswith(("kb", "mb", "gb", "tb")):  # decimal units, 10**3 each
+        return f"{budget.source.strip()} ({usable})"
+    return usable
+
+
+def _infeasible(
+    budget: Budget,
+    best: tuple[str, MemoryBreakdown],
+    tried: list[tuple[str, int]],
+    method: str,
+    candidates: Sequence[str],
+) -> str:
     name, b = best
     floor = b.parameters + b.gradients
+    what = "parameters + gradients + optimizer state" if method == "static" else "step peak"
     tried_text = ", ".join(f"{n} {format_bytes(p)}" for n, p in tried)
     rest = f", activations {format_bytes(b.activations)}, temporary {format_bytes(b.temporary)}"
     head = (
-        f"No optimizer fits the memory budget of {format_bytes(budget)}: the leanest, {name}, needs "
+        f"No optimizer fits the memory budget of {_budget_text(budget)}: the leanest, {name}, needs "
         f"{format_bytes(b.peak)} (static floor: parameters {format_bytes(b.parameters)} + gradients "
         f"{format_bytes(b.gradients)} = {format_bytes(floor)}; optimizer state "
-        f"{format_bytes(b.optimizer_state)}{'' if method == 'static' else rest}). Tried: {tried_text}. "
+        f"{format_bytes(b.optimizer_state)}{'' if method == 'static' else rest}). Tried (estimated "
+        f"{what}, each over the budget): {tried_text}. "
     )
-    if floor >= budget:
+    if floor >= budget.usable:
         return head + (
-            "The parameters and gradients alone exceed the budget, so no optimizer can fit: shard them over "
-            "more GPUs (ZeRO-3 / FSDP), or train in lower precision (bf16-true)."
+            "The parameters and gradients alone exceed the budget, so no optimizer can fit: raise the "
+            f"budget above {format_bytes(floor)}, shard them over more GPUs (ZeRO-3 / FSDP), or train in "
+            "lower precision (bf16-true)."
+        )
+    also = "" if "sgd" in candidates else "; or add 'sgd' (no optimizer state) to the candidates"
+    if method == "static":  # no activations in the estimate: only the optimizer state can shrink
+        return head + (
+            f"To fit, raise the budget to at least {format_bytes(b.peak)}{also}; or shard the optimizer "
+            "state over more GPUs (ZeRO / FSDP), or train in lower precision (bf16-true)."
         )
     return head + (
-        "A lighter optimizer cannot save more; to fit, shrink the rest of the step: activation "
-        "checkpointing, a smaller micro-batch (with gradient accumulation to keep the batch size), lower "
-        "precision, or more GPUs with ZeRO / FSDP sharding of parameters, gradients and optimizer state."
+        f"To fit, raise the budget to at least {format_bytes(b.peak)}{also}; or shrink the rest of the "
+        "step: activation checkpointing (the ActivationCheckpointing callback), a smaller micro-batch (with "
+        "gradient accumulation to keep the batch size), lower precision, or more GPUs with ZeRO / FSDP "
+        "sharding of parameters, gradients and optimizer state."
     )
 
 
@@ -766,7 +830,7 @@ def fit_optimizer(
         choice.rebind(scheduler)
         print(choice.summary())
     """
-    budget = parse_budget(budget).usable
+    budget = parse_budget(budget)
     optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
     if step_peak is not None:
         estimate, method = _given(step_peak), "given"

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import MemoryMonitor
+from lightning_memkit import MemoryMonitor, OptimizerSwap
 
 HUGE = "100TB"  # a budget every plan fits: nothing may change
 
@@ -163,6 +163,7 @@ def assert_identical(run: Net, reference: Net) -> None:
 
 CALLBACKS = {
     "monitor": lambda: MemoryMonitor(plot=False, summary=False),
+    "optimizer_swap": lambda: OptimizerSwap(budget=HUGE),
 }
 
 

@@ -3,13 +3,21 @@
 The catalogue, the translation rules and the decision live in `lightning_memkit._optim`; this callback
 picks the moment and installs the result in the Trainer.
 
-When. A fresh run decides in ``on_train_batch_start`` of its first batch: the strategy has built the
-optimizers and schedulers, no optimizer has state yet, and the batch is the very one the step will see
-(after the transfer hooks), so the estimate simulates exactly that step. A resumed run must build the
-*stored* choice before Lightning loads the optimizer state from the checkpoint (8-bit state does not load
-into AdamW). Lightning restores callback state before ``strategy.setup`` and optimizer state after
-``on_fit_start`` (``Trainer._run``: ``_restore_modules_and_callbacks`` -> ``strategy.setup`` ->
-``on_fit_start`` -> ``restore_training_state``), so the stored choice is built in ``on_fit_start``.
+When. Each fit starts from nothing in ``setup`` (a reused callback decides afresh for the new model); a
+resumed fit gets its stored choice back in ``load_state_dict``, which Lightning calls after ``setup``.
+A fresh fit decides in ``on_fit_start``: the strategy has built the optimizers and schedulers, and no
+forward has run yet (not even the sanity check), so a budget nothing fits fails before any training
+work. The simulated estimate needs the step's batch: the first batch of the training dataloader, taken
+with the transfer hooks applied, the global RNG and the loader's generators put back afterwards, so the
+epoch still starts with that very batch. The choice is installed at the first training batch, after
+Lightning has loaded any optimizer state (a checkpoint saved without this callback). Where no batch can
+be taken at fit start (an empty loader), the first training batch decides, as it installs.
+
+A resumed run must build the *stored* choice before Lightning loads the optimizer state from the
+checkpoint (8-bit state does not load into AdamW). Lightning restores callback state before
+``strategy.setup`` and optimizer state after ``on_fit_start`` (``Trainer._run``: ``setup`` ->
+``_restore_modules_and_callbacks`` -> ``strategy.setup`` -> ``on_fit_start`` ->
+``restore_training_state``), so the stored choice is built in ``on_fit_start``.
 
 How. ``trainer.strategy.optimizers`` is replaced (its setter also rebuilds the ``LightningOptimizer``
 wrappers that ``self.optimizers()`` returns) and every LR scheduler of a replaced optimizer is rebound to
@@ -18,17 +26,19 @@ the new one, its learning rates scaled by the translation rule, so a warmup-cosi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MemoryBreakdown, MiB
-from lightning_memkit._budget import Budget, parse_budget
+from lightning_memkit._budget import Budget, parse_budget, reads_device
 from lightning_memkit._optim import (
     CATALOGUE,
     DEFAULT_CANDIDATES,
@@ -43,21 +53,23 @@ from lightning_memkit._optim import (
     static_estimator,
     swap_optimizer,
 )
-from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, precision
+from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, on_rank_zero, precision
 
 
 class OptimizerSwap(Callback):
     r"""Replace the configured optimizer with the best lighter one whose training step fits ``budget``.
 
-    Before the first training step, the step is estimated with the optimizer ``configure_optimizers``
-    returned (`estimate_memory`: the LightningModule's own step on fake tensors, with the first batch and
-    the Trainer's precision). If it fits, nothing changes. Otherwise the ``candidates`` are tried in
-    order and the first that fits replaces it: same param groups (per-group ``lr`` and
-    ``weight_decay`` translated, see `lightning_memkit._optim` for the rules), LR schedulers rebound
-    with their shape kept. The decision is printed with its numbers and stored in checkpoints; a run
-    resumed from one builds the same optimizer and loads its state.
+    At the start of the fit, before the sanity check and any forward, the step is estimated with the
+    optimizer ``configure_optimizers`` returned (`estimate_memory`: the LightningModule's own step on fake
+    tensors, with the first training batch and the Trainer's precision). If it fits, nothing changes.
+    Otherwise the ``candidates`` are tried in order and the first that fits replaces it, at the first
+    training batch: same param groups (per-group ``lr`` and ``weight_decay`` translated, see
+    `lightning_memkit._optim` for the rules), LR schedulers rebound with their shape kept. The decision
+    is printed with its numbers and stored in checkpoints; a run resumed from one builds the same
+    optimizer and loads its state. Every ``trainer.fit`` decides afresh for the model it is given, also
+    with a callback reused from an earlier fit.
 
-    Logged once, at the decision (memory keys in **MiB**, 2**20 bytes):
+    Logged once, at the first training batch (memory keys in **MiB**, 2**20 bytes):
 
     - ``optimizer_swap/peak``: the estimated step peak with the optimizer trained with.
     - ``optimizer_swap/optimizer_state``: its optimizer state in that estimate.
@@ -68,6 +80,14 @@ class OptimizerSwap(Callback):
 
     Behaviour in the less common set-ups:
 
+    - **Nothing fits**: ``ValueError`` in ``on_fit_start``, before the sanity check and any forward or
+      optimizer step, with each candidate's estimate against the budget (a decimal-unit budget is shown in
+      MiB too: ``"60MB (57.22 MiB)"``) and what else could help: a larger budget, the
+      ``ActivationCheckpointing`` callback, a smaller micro-batch, lower precision, sharding.
+    - **The first batch** is taken from the training dataloader at fit start (its ``train_dataloader()``
+      is called once more, and iterated for one batch), and ``on_before_batch_transfer``,
+      ``transfer_batch_to_device`` and ``on_after_batch_transfer`` run on it once more. The global RNG and
+      the loader's and sampler's generators are put back, so the training data order is unchanged.
     - **Manual optimization / several optimizers**: the step cannot be simulated, so the decision is on
       parameters + gradients + optimizer state (leave room for activations in ``budget``). Every known
       optimizer is swapped to the same candidate, deciding on their sum. ``self.optimizers()`` returns
@@ -76,14 +96,22 @@ class OptimizerSwap(Callback):
     - **Optimizers outside the catalogue** (see ``CATALOGUE``; e.g. RMSprop, a subclass of AdamW, any
       optimizer with ``maximize=True``): left alone with a warning unless ``allow_unknown=True``, which
       reads their ``lr`` and ``weight_decay`` as AdamW's.
+    - **Optimizers whose step() needs a closure** (``torch.optim.LBFGS``): never swapped. Replacing a
+      line-search quasi-Newton method with a first-order one changes the algorithm, not its memory, and its
+      step cannot be simulated without running it; ``allow_unknown=True`` with one raises ``ValueError``
+      at fit start, ``allow_unknown=False`` leaves it alone with a warning.
     - **bitsandbytes missing or failing to load**: the candidates that need it (8-bit ones and Lion) are
       skipped with one info line.
     - **Strategies that wrap or shard the optimizer and restore its state themselves** (DeepSpeed, FSDP,
       ModelParallel): the callback warns at setup and does nothing.
-    - **Resuming** from a checkpoint saved with this callback builds the stored choice, whatever the
-      budget is now (the checkpoint holds that optimizer's state). A checkpoint saved without it is
-      decided afresh; a swap then starts the new optimizer's state from zero.
-    - **Nothing fits**: ``ValueError`` at the first batch, with the numbers and what else could help.
+    - **Resuming** from a checkpoint saved with this callback: pass an ``OptimizerSwap`` to the resumed
+      Trainer too. It builds the stored choice whatever its own ``budget``, ``candidates`` and
+      ``allow_unknown`` are now (the checkpoint holds that optimizer's state; the state is found under
+      the key ``"OptimizerSwap"``). A Trainer without it cannot read the choice: Lightning warns ("Please
+      add the following callbacks: ['OptimizerSwap']") and loads the swapped optimizer's state into the
+      configured one, whose first step then fails (``KeyError: 'exp_avg'`` for AdamW after Lion). A
+      checkpoint saved without this callback is decided afresh; a swap then starts the new optimizer's
+      state from zero.
     - The estimate runs ``training_step`` once more, on fake tensors (``self.log`` is a no-op there):
       other Python side effects in it, such as appending ``loss.item()`` to a list, happen once more.
     - Optimizer hooks registered on the original optimizer are not carried over; LR schedulers that
@@ -91,9 +119,9 @@ class OptimizerSwap(Callback):
 
     Args:
         budget: what one training step may use at its peak, per device: bytes, a size (``"24GiB"``), a
-            GPU name (``"A100-40GB"``), a fraction of the current CUDA device (``0.9``) or ``"auto"``
-            (`lightning_memkit._budget.parse_budget`; devices lose the CUDA context and a fragmentation
-            reserve).
+            GPU name (``"A100-40GB"``, ``"H200"``), a fraction of the current CUDA device (``0.9``) or
+            ``"auto"`` (`lightning_memkit._budget.parse_budget`; devices lose the CUDA context and a
+            fragmentation reserve).
         candidates: catalogue names to try, best first (default: adamw, adamw8bit, lion, lion8bit,
             adafactor, sgd_momentum, sgd).
         allow_unknown: also swap optimizers the catalogue does not know.
@@ -113,13 +141,22 @@ class OptimizerSwap(Callback):
         allow_unknown: bool = False,
     ) -> None:
         self._budget_spec = budget
-        #: Bytes the step's peak may reach; read from the device in ``setup`` for ``"auto"`` or a fraction.
-        self.budget: int | None = None if _reads_device(budget) else parse_budget(budget).usable
+        # "auto" and fractions are read from the device in ``setup``; anything else is checked now.
+        self._budget: Budget | None = None if reads_device(budget) else parse_budget(budget)
+        #: Bytes the step's peak may reach (``None`` until ``setup`` for ``"auto"`` or a fraction).
+        self.budget: int | None = None if self._budget is None else self._budget.usable
         self.candidates = _validate_candidates(candidates)
         self.allow_unknown = allow_unknown
-        #: The decision, once made (``None`` before the first batch, and in a resumed run).
+        self._reset()
+
+    def _reset(self) -> None:
+        """What one fit decides: a second fit (another model, another batch) starts from nothing."""
+        #: The decision, once installed (``None`` before the first training batch, and in a resumed run).
         self.choice: OptimizerChoice | None = None
-        self._state: dict[str, Any] = {}  # what state_dict() saves; set by the decision or a checkpoint
+        self._state: dict[str, Any] = {}  # what state_dict() saves; set at the install or by a checkpoint
+        # Made in on_fit_start, installed at the first batch: (name to swap to, or None to keep; rank 0's
+        # full choice, or None on the other ranks).
+        self._decision: tuple[str | None, OptimizerChoice | None] | None = None
         self._disabled = False
 
     # --- Lightning hooks ----------------------------------------------------------------------
@@ -127,8 +164,9 @@ class OptimizerSwap(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.budget is None:
-            self.budget = parse_budget(self._budget_spec).usable
+        self._reset()  # a resumed fit gets its stored choice back in load_state_dict, called after setup
+        self._budget = parse_budget(self._budget_spec)  # "auto" and fractions: this fit's device
+        self.budget = self._budget.usable
         strategy = trainer.strategy
         if strategy.restore_checkpoint_after_setup or not strategy.lightning_restore_optimizer:
             rank_zero_warn(
@@ -139,54 +177,21 @@ class OptimizerSwap(Callback):
             self._disabled = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._disabled or not self._state:
+        if self._disabled:
             return
-        # Resuming: build the stored choice now, before Lightning loads the optimizer state into it.
-        name = self._state.get("optimizer")
-        if self._state.get("swapped", False) and name in CATALOGUE:
-            allow = self._state.get("allow_unknown", self.allow_unknown)
-            old = list(trainer.strategy.optimizers)
-            new = [self._swap(o, name, allow) for o in old]
-            self._install(trainer, old, new, name)
-            rank_zero_info(f"OptimizerSwap: resumed with {name}, as stored in the checkpoint.")
+        if self._state:  # resuming: build the stored choice now, before Lightning loads its state
+            self._resume(trainer)
+        else:  # before the sanity check: a budget nothing fits fails before any forward
+            self._decide(trainer, pl_module, lambda: _first_batch(trainer))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._disabled or self._state:
             return
-        assert self.budget is not None  # resolved in setup
-        old = list(trainer.strategy.optimizers)
-        estimate, method = self._estimator(trainer, pl_module, batch)
-        choice = choose(
-            old, self.budget, estimate, candidates=self.candidates, allow_unknown=self.allow_unknown,
-            method=method, info=rank_zero_info, warn=rank_zero_warn,
-        )  # fmt: skip
-        # Every rank must train with the same optimizer: rank 0's decision holds.
-        local = choice.name if choice.changed else None
-        name = trainer.strategy.broadcast(local, src=0)
-        if name != local:
-            new = old if name is None else [self._swap(o, name, self.allow_unknown) for o in old]
-            choice = OptimizerChoice(name, choice.originals, tuple(new), tuple(old), self.budget, None)
-        if choice.changed:
-            if any(o.state for o in old):
-                rank_zero_warn(
-                    "OptimizerSwap replaces an optimizer that already holds state (from a checkpoint saved "
-                    "without OptimizerSwap?); the new optimizer starts from zero state."
-                )
-            self._install(trainer, old, list(choice.optimizers), choice.name)
-        self.choice = choice
-        self._state = {
-            "optimizer": choice.name,
-            "swapped": choice.changed,
-            "originals": list(choice.originals),
-            "allow_unknown": self.allow_unknown,
-            "budget": self.budget,
-            "peak": choice.peak,
-            "optimizer_state": choice.state_bytes,
-        }
-        rank_zero_info(f"OptimizerSwap: {choice.summary()}")
-        self._log(trainer, choice)
+        if self._decision is None:  # no batch could be taken at fit start: this one decides
+            self._decide(trainer, pl_module, lambda: batch)
+        self._apply(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._state)
@@ -204,13 +209,85 @@ class OptimizerSwap(Callback):
             "optimizer_state": state_dict.get("optimizer_state"),
         }
 
+    # --- the decision and its install ---------------------------------------------------------
+
+    def _resume(self, trainer: pl.Trainer) -> None:
+        name = self._state.get("optimizer")
+        if self._state.get("swapped", False) and name in CATALOGUE:
+            allow = self._state.get("allow_unknown", self.allow_unknown)
+            old = list(trainer.strategy.optimizers)
+            new = [self._swap(o, name, allow) for o in old]
+            self._install(trainer, old, new, name)
+            rank_zero_info(f"OptimizerSwap: resumed with {name}, as stored in the checkpoint.")
+
+    def _decide(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, first_batch: Callable[[], Any]
+    ) -> None:
+        """Rank 0 estimates and chooses; every rank learns the name to swap to (``None``: keep). Leaves
+        ``_decision`` unset when the step needs a batch and ``first_batch()`` has none."""
+        assert self._budget is not None  # resolved in setup
+        budget = self._budget
+        optimizers = list(trainer.strategy.optimizers)
+        made: list[OptimizerChoice] = []
+
+        def decide() -> tuple[bool, str | None]:
+            simulated = _simulates(trainer, pl_module)
+            batch = first_batch() if simulated else None
+            if simulated and batch is None:
+                return False, None
+            estimate, method = self._estimator(trainer, pl_module, batch)
+            choice = choose(
+                optimizers, budget, estimate, candidates=self.candidates, allow_unknown=self.allow_unknown,
+                method=method, info=rank_zero_info, warn=rank_zero_warn,
+            )  # fmt: skip
+            made.append(choice)
+            return True, choice.name if choice.changed else None
+
+        decided, name = on_rank_zero(trainer, decide, "OptimizerSwap's decision")
+        if not decided:
+            return
+        choice = made[0] if made else None
+        if choice is not None:
+            rank_zero_info(f"OptimizerSwap: {choice.summary()}")
+        self._decision = (name, choice)
+
+    def _apply(self, trainer: pl.Trainer) -> None:
+        """Install the decision on the optimizers as they are now (with any state Lightning loaded)."""
+        assert self._decision is not None and self.budget is not None
+        name, decided = self._decision
+        old = list(trainer.strategy.optimizers)
+        new = old if name is None else [self._swap(o, name, self.allow_unknown) for o in old]
+        if decided is not None:  # rank 0: the estimate's numbers, with the optimizers installed
+            choice = replace(decided, optimizers=tuple(new), replaced=tuple(old))
+        else:
+            originals = tuple(identify(o) for o in old)
+            choice = OptimizerChoice(name, originals, tuple(new), tuple(old), self.budget, None)
+        if choice.changed:
+            if any(o.state for o in old):
+                rank_zero_warn(
+                    "OptimizerSwap replaces an optimizer that already holds state (from a checkpoint saved "
+                    "without OptimizerSwap?); the new optimizer starts from zero state."
+                )
+            self._install(trainer, old, new, name)
+        self.choice = choice
+        self._state = {
+            "optimizer": choice.name,
+            "swapped": choice.changed,
+            "originals": list(choice.originals),
+            "allow_unknown": self.allow_unknown,
+            "budget": self.budget,
+            "peak": choice.peak,
+            "optimizer_state": choice.state_bytes,
+        }
+        self._log(trainer, choice)
+
     # --- helpers ------------------------------------------------------------------------------
 
     @staticmethod
     def _estimator(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> tuple[Estimator, str]:
         device = trainer.strategy.root_device.type
         device = device if device in ("cuda", "cpu") else "cpu"
-        if pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1:
+        if _simulates(trainer, pl_module):
             estimator = simulated_estimator(
                 pl_module,
                 batch,
@@ -264,6 +341,45 @@ class OptimizerSwap(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
-def _reads_device(budget: Any) -> bool:
-    """``"auto"`` and fractions are read from the CUDA device, once the run is on it."""
-    return isinstance(budget, float) or (isinstance(budget, str) and budget.strip().lower() == "auto")
+
+def _simulates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether the step can be simulated: automatic optimization with one optimizer."""
+    return pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1
+
+
+def _first_batch(trainer: pl.Trainer) -> Any | None:
+    """The first batch of the training dataloader, as ``training_step`` will receive it (after the
+    transfer hooks), or ``None`` when there is none. The loader is iterated under `_rng_kept`, so the
+    epoch that follows starts with this very batch and draws the same random numbers."""
+    source = trainer.fit_loop._data_source
+    loader = source.dataloader() if source.is_defined() else None
+    if loader is None:
+        return None
+    combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
+    with _rng_kept(combined.flattened, trainer.strategy.root_device):
+        try:
+            batch, _, _ = next(iter(combined))
+        except StopIteration:
+            return None
+        batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+@contextlib.contextmanager
+def _rng_kept(loaders: Sequence[Any], device: torch.device) -> Iterator[None]:
+    """Put back the global RNG (CPU, and ``device`` if CUDA) and every loader's and sampler's own
+    generator: a shuffling sampler draws its permutation from them when iterated."""
+    generators: dict[int, torch.Generator] = {}
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for holder in (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            g = getattr(holder, "generator", None)
+            if isinstance(g, torch.Generator):
+                generators[id(g)] = g
+    states = [(g, g.get_state()) for g in generators.values()]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            for g, state in states:
+                g.set_state(state)
