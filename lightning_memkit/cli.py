@@ -27,22 +27,28 @@ header names the optimizer the simulated step uses: ``--optimizer``, what ``conf
 or ``adamw``.
 
 Adding a subcommand: write ``_add_<name>(subparsers)`` that adds its parser with ``set_defaults(run=...)``,
-where ``run(args) -> int``, and list it in ``SUBCOMMANDS``. Raise `UsageError` for bad input: `main`
-prints it as one line and returns 2.
+where ``run(args) -> int``, and list it in ``SUBCOMMANDS``. Raise `UsageError` for bad input, or run
+what may fail on it under `_usage_error`: `main` prints it as one line and returns 2. Bad input includes
+the user's own code (the factory, ``example_batch``, the model's step): its exception becomes that line,
+with what was being done and how to fix it; a preset failing is our bug, and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import functools
 import importlib
 import inspect
 import json
+import logging
 import os
+import reprlib
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +75,25 @@ class UsageError(Exception):
     """Bad input from the command line; `main` prints it as one line and exits with status 2."""
 
 
+@contextlib.contextmanager
+def _usage_error(*catch: type[Exception], context: str = "", fix: str = "") -> Iterator[None]:
+    """Raise what ``catch`` (default: any exception) catches as a one-line `UsageError`.
+
+    Without ``context`` the message's first line is the whole error (the library's own ``ValueError``s
+    already say what to change); with it, ``context: Type: first line; fix`` (the user's code failed, and
+    the type is half the story). The one place where bad input becomes exit status 2.
+    """
+    kinds = catch or (Exception,)
+    try:
+        yield
+    except UsageError:
+        raise
+    except kinds as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        message = f"{context}: {type(e).__name__}{': ' if first else ''}{first}" if context else first
+        raise UsageError(f"{message.rstrip('.')}; {fix}" if fix else message) from e
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block), so the reason is the whole message."""
 
@@ -89,6 +114,25 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+def _gpu(text: str) -> Any:
+    """``--gpu``: a `Budget` from a GPU name or a card size; ``0.5`` (a size without its unit) is refused."""
+    from lightning_memkit._budget import parse_budget
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and not value.is_integer():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a GPU name nor a card size; give a name (A100-40GB) or a size with its "
+            "unit (24GB, 24GiB)"
+        )
+    try:
+        return parse_budget(text, device_size=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _one_of(kind: str, valid: Sequence[str]) -> Callable[[str], str]:
@@ -192,27 +236,98 @@ def _load_model(spec: str) -> nn.Module:
 
     if ":" not in spec:
         if spec not in PRESETS:
+            module_name, _, attr = spec.rpartition(".")
+            dotted = f" (a factory is named with a colon: {module_name}:{attr})" if module_name else ""
             raise UsageError(
                 f"unknown preset {spec!r} for --model; valid: {', '.join(PRESETS)}, or package.module:factory"
+                + dotted
             )
         with torch.device("meta"):
             return GPTLightningModule(spec)
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own package is found
-    try:
-        factory = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"cannot load --model {spec}: {type(e).__name__}: {e}") from None
-    if not callable(factory):
-        raise UsageError(f"--model {spec} is a {type(factory).__name__}, not a callable returning a model")
-    with torch.device("meta"):
+    factory = _factory(spec)
+    name = f"{spec.partition(':')[2]}()"
+    called = "it is called with no arguments under torch.device('meta'); call it in Python for the traceback"
+    with _usage_error(context=f"--model {spec}: calling {name} failed", fix=called), torch.device("meta"):
         model = factory()
     if not isinstance(model, nn.Module):
-        raise UsageError(f"--model {spec} returned a {type(model).__name__}, not an nn.Module")
+        got = f"{reprlib.repr(model)} ({type(model).__name__})"
+        got = "None (does it return the model?)" if model is None else got
+        raise UsageError(f"--model {spec}: {name} returned {got}, not an nn.Module or LightningModule")
+    _check_trainable(model, spec)
     if _is_hf(model):
         return _HFLanguageModel(model)
     return model
+
+
+def _factory(spec: str) -> Callable[[], Any]:
+    """The callable ``package.module:factory`` names, checked to be callable with no arguments."""
+    module_name, _, attr = spec.partition(":")
+    for part, where, what in ((module_name, "before", "package.module"), (attr, "after", "factory")):
+        if not part.strip():
+            raise UsageError(
+                f"--model {spec!r} has no {what} {where} the ':'; give package.module:factory, e.g. "
+                "mypkg.models:build"
+            )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own package is found
+    with _usage_error(
+        context=f"cannot load --model {spec}: importing {module_name!r} failed",
+        fix=f"the current directory is on the path; try python -c 'import {module_name}'",
+    ):
+        module = importlib.import_module(module_name)
+    first = attr.split(".")[0]
+    close = [] if hasattr(module, first) else difflib.get_close_matches(first, dir(module), n=3)
+    with _usage_error(
+        AttributeError,
+        context=f"cannot load --model {spec}",
+        fix=f"did you mean {' or '.join(close)}?" if close else "",
+    ):
+        factory = functools.reduce(getattr, attr.split("."), module)
+    if not callable(factory):
+        raise UsageError(f"--model {spec} is a {type(factory).__name__}, not a callable returning a model")
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        parameters = []
+    required = [
+        p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
+        raise UsageError(
+            f"--model {spec}: {attr}() needs arguments ({', '.join(required)}) but is called with none; "
+            f"write a factory without arguments, e.g. def build(): return {attr}({required[0]}=...), "
+            "and give --model module:build"
+        )
+    return factory
+
+
+def _check_trainable(model: nn.Module, spec: str) -> None:
+    """A model memkit can step has parameters, of a known shape, some of which train, and an optimization
+    it runs without a Trainer (Lightning's automatic one)."""
+    params = list(model.parameters())
+    name = type(model).__name__
+    if not params:
+        built_later = " (layers built in configure_model are not seen: build them in __init__)"
+        raise UsageError(
+            f"--model {spec} ({name}) has no parameters, so there is nothing to train; return the model "
+            "that holds them" + (built_later if hasattr(model, "configure_model") else "")
+        )
+    lazy = [m for m in model.modules() if isinstance(m, nn.modules.lazy.LazyModuleMixin)]
+    if lazy:
+        raise UsageError(
+            f"--model {spec} ({name}) has lazy modules ({type(lazy[0]).__name__}), whose parameters have no "
+            "shape until a first forward; give their sizes (nn.Linear(in_features, ...) for nn.LazyLinear)"
+        )
+    if not any(p.requires_grad for p in params):
+        raise UsageError(
+            f"--model {spec} ({name}) has no trainable parameters: all {len(params)} have "
+            "requires_grad=False; unfreeze those the run trains"
+        )
+    if not getattr(model, "automatic_optimization", True):
+        raise UsageError(
+            f"--model {spec} ({name}) uses manual optimization, whose steps only a running Trainer drives; "
+            "give a factory of the nn.Module it trains (stepped as a language model, or by example_batch)"
+        )
 
 
 def _is_hf(model: nn.Module) -> bool:
@@ -324,11 +439,58 @@ def _optimizer_used(model: nn.Module, args: argparse.Namespace) -> tuple[str, st
     return f"{' + '.join(names)} (configure_optimizers)", names[0] if len(names) == 1 else None
 
 
-def _example_batch(model: nn.Module, batch_size: int, seq_len: int) -> Any:
+#: Most tokens in one batch: B x T x the vocabulary x 8 bytes must stay an int64 byte count.
+_MAX_TOKENS = 2**40
+
+
+def _example_batch(model: nn.Module, spec: str, batch_size: int, seq_len: int) -> Any:
+    if batch_size * seq_len > _MAX_TOKENS:
+        raise UsageError(
+            f"a batch of {batch_size} x {seq_len} is {batch_size * seq_len:,} tokens, more than the "
+            f"{_MAX_TOKENS:,} the simulation counts; check --seq-len and the batch size"
+        )
     if callable(getattr(model, "example_batch", None)):
-        return model.example_batch(batch_size, seq_len)
+        with _usage_error(
+            context=f"--model {spec}: its example_batch({batch_size}, {seq_len}) failed",
+            fix="it is called as example_batch(batch_size, seq_len) and returns the batch its step takes",
+        ):
+            return model.example_batch(batch_size, seq_len)
     x = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")  # (B, T) token ids
     return x, x.clone()
+
+
+@contextlib.contextmanager
+def _step_errors(model: nn.Module, spec: str, batch_size: int, seq_len: int) -> Iterator[None]:
+    """Where the user's model's simulated step runs: its failure is a one-line error that says which
+    batch it was given and how to give another. A preset failing is our bug: it keeps its traceback."""
+    from lightning.pytorch import LightningModule
+
+    if ":" not in spec:
+        yield
+        return
+    if callable(getattr(model, "example_batch", None)):
+        batch = f"the batch was its example_batch({batch_size}, {seq_len})"
+    else:
+        how = (
+            "its training_step"
+            if isinstance(model, LightningModule)
+            else "model(input_ids=x, labels=x)"
+            if isinstance(model, _HFLanguageModel)
+            else "cross_entropy(model(x), y)"
+        )
+        batch = (
+            f"the batch was (x, y), int64 token ids of shape ({batch_size}, {seq_len}), stepped as {how}; "
+            "a model that takes other inputs (images, features) defines example_batch(batch_size, seq_len) "
+            "returning its batch"
+        )
+    # torch logs a failing meta kernel's traceback before raising: the one line says what went wrong.
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, log.disabled = log.disabled, True
+    try:
+        with _usage_error(context=f"--model {spec}: the simulated training step failed", fix=batch):
+            yield
+    finally:
+        log.disabled = disabled
 
 
 def _lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -352,7 +514,7 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> MemoryBreakdown:
     lightning = isinstance(model, LightningModule)
     return estimate_memory(
         model,
-        _example_batch(model, args.batch_size, args.seq_len),
+        _example_batch(model, args.model, args.batch_size, args.seq_len),
         optimizer=args.optimizer if lightning else args.optimizer or "adamw",
         loss_fn=None if lightning else _lm_loss,
         precision=args.precision,
@@ -385,7 +547,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
             attention="sdpa",
         )
     start = time.perf_counter()
-    simulated = _simulate(model, args)
+    with _step_errors(model, args.model, args.batch_size, args.seq_len):
+        simulated = _simulate(model, args)
     seconds = time.perf_counter() - start
     notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
     if args.gpus > 1 or args.strategy != "ddp":
@@ -483,8 +646,9 @@ def _add_plan(subparsers: Any) -> None:
     )
     p.add_argument("--model", required=True, metavar="PRESET|MODULE:FACTORY", help="as for memkit estimate")
     p.add_argument(
-        "--gpu", required=True, metavar="GPU|SIZE", help="a GPU name (A100-40GB) or a card size (24GB)"
-    )
+        "--gpu", type=_gpu, required=True, metavar="GPU|SIZE",
+        help="a GPU name (A100-40GB) or a card size (24GB)",
+    )  # fmt: skip
     p.add_argument("--global-batch", type=_positive_int, required=True, metavar="G", help="samples per step")
     p.add_argument("--seq-len", type=_positive_int, required=True, metavar="T", help="tokens per sequence")
     p.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="ranks (default: 1)")
@@ -492,40 +656,46 @@ def _add_plan(subparsers: Any) -> None:
         "--strategy", type=_one_of("strategy", list(STRATEGIES)), default="ddp", metavar="S",
         help=f"{', '.join(STRATEGIES)} (default: ddp)",
     )  # fmt: skip
-    p.add_argument("--margin", type=float, default=0.1, help="share of the budget kept free (default: 0.1)")
+    p.add_argument("--margin", type=_margin, default=0.1, help="share of the budget kept free (default: 0.1)")
     p.add_argument(
-        "--precision", default="32-true", metavar="P[,P...]",
+        "--precision", type=_names("precision", list(PRECISION_DTYPES)), default="32-true",
+        metavar="P[,P...]",
         help="allowed precisions, in order of preference (default: 32-true)",
     )  # fmt: skip
     p.add_argument(
-        "--optimizer", default=None, metavar="O[,O...]",
+        "--optimizer", type=_names("optimizer", list(OPTIMIZERS)), default=None, metavar="O[,O...]",
         help="candidate optimizers in quality order (default: the model's own, then the lighter ones)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(run=_run_plan)
 
 
-def _names(kind: str, text: str | None, valid: Sequence[str]) -> tuple[str, ...] | None:
-    if text is None:
-        return None
+def _names(kind: str, valid: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of ``valid`` names, each checked as `_one_of` checks one."""
+    one = _one_of(kind, valid)
+
+    def parse(text: str) -> tuple[str, ...]:
+        return tuple(one(name.strip()) for name in text.split(","))
+
+    parse.__name__ = kind
+    return parse
+
+
+def _margin(text: str) -> float:
     try:
-        return tuple(_choose(kind, name.strip(), valid) for name in text.split(","))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share of the budget in [0, 1), got {text!r}")
+    return value
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from lightning.pytorch import LightningModule
 
     from lightning_memkit._autofit import plan_fit
-    from lightning_memkit._budget import parse_budget
 
-    try:
-        budget = parse_budget(args.gpu, device_size=True)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if not 0.0 <= args.margin < 1.0:
-        raise UsageError(f"--margin must be in [0, 1), got {args.margin}")
     model = _load_model(args.model)
     _check_seq_len(model, _analytic_shape(model)[0], args.seq_len)
     if args.global_batch % args.gpus:
@@ -534,14 +704,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         )
     lightning = isinstance(model, LightningModule)
     start = time.perf_counter()
-    try:
+    # The library's ValueErrors (nothing fits, a batch it cannot cut) say what to change; what else the
+    # step raises is the user's model failing.
+    with _step_errors(model, args.model, args.global_batch, args.seq_len), _usage_error(ValueError):
         plan = plan_fit(
             model,
-            _example_batch(model, args.global_batch, args.seq_len),
-            budget,
+            _example_batch(model, args.model, args.global_batch, args.seq_len),
+            args.gpu,
             margin=args.margin,
-            optimizers=_names("optimizer", args.optimizer, list(OPTIMIZERS)),
-            precision=_names("precision", args.precision, list(PRECISION_DTYPES)) or "32-true",
+            optimizers=args.optimizer,
+            precision=args.precision,
             strategy=args.strategy,
             n_gpus=args.gpus,
             device="cuda",
@@ -549,13 +721,11 @@ def _run_plan(args: argparse.Namespace) -> int:
             cost="flops",
             progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
         )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps({"model": args.model, **plan.as_dict(), "seconds": seconds}, indent=2))
     else:
-        print(f"{args.model} on {budget.source}, global batch {args.global_batch} x {args.seq_len}:")
+        print(f"{args.model} on {args.gpu.source}, global batch {args.global_batch} x {args.seq_len}:")
         print(plan)
         if plan.n_gpus > 1:
             print(f"Trainer(strategy={plan.strategy!r}, devices={plan.n_gpus}, ...)")
