@@ -70,6 +70,7 @@ def trainer_kwargs(tmp_path):
         accelerator="cpu",
         devices=1,
         max_steps=4,
+        log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

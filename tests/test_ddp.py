@@ -38,7 +38,7 @@ def test_ddp_logs_each_rank_matching_the_allocator(tmp_path):
     callbacks = [*peaks.around(monitor), _Record(tmp_path, peaks, monitor)]
     trainer = pl.Trainer(
         default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3,
-        logger=CSVLogger(tmp_path, name="ddp"), callbacks=callbacks,
+        log_every_n_steps=1, logger=CSVLogger(tmp_path, name="ddp"), callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(EncoderLM())

@@ -26,6 +26,7 @@ def test_mlflow_local_file_store(tmp_path, trainer_kwargs, monkeypatch):
     assert len(history) == 4 and all(m.value > 0 for m in history)
     artifacts = [a.path for a in logger.experiment.list_artifacts(logger.run_id)]
     assert "memory.png" in artifacts
+    assert list(Path(tmp_path, "mlruns").glob(f"*/{logger.run_id}/memory.png"))
 
 
 def test_wandb_offline(tmp_path, trainer_kwargs, monkeypatch):
@@ -40,5 +41,8 @@ def test_wandb_offline(tmp_path, trainer_kwargs, monkeypatch):
     summary = dict(logger.experiment.summary)
     assert set(summary) >= KEYS
     assert summary["memory/peak"] > 0
+    # Issue 13, item 2: the plot went to save_dir, which every run shares; it belongs to this run.
+    assert (Path(logger.experiment.dir) / "memory.png").exists()
+    assert not list(Path(tmp_path).glob("*.png"))
     logger.experiment.finish()
     assert list(Path(tmp_path).rglob("*.wandb"))  # the offline run file that `wandb sync` uploads later

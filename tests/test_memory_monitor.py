@@ -225,6 +225,13 @@ def test_log_every_n_steps(trainer_kwargs):
     assert [int(r["step"]) for r in _csv_rows(trainer)] == [0, 2, 4]
 
 
+def test_the_logging_period_follows_the_trainer_by_default(trainer_kwargs):
+    """Issue 13, item 8: memory keys were logged every step while Lightning's own follow the Trainer's
+    ``log_every_n_steps``."""
+    trainer, _ = _fit(EncoderLM(), MemoryMonitor(), {**trainer_kwargs, "log_every_n_steps": 3}, max_steps=5)
+    assert [int(r["step"]) for r in _csv_rows(trainer)] == [0, 3]
+
+
 def test_over_budget_warns_with_numbers(trainer_kwargs):
     with pytest.warns(UserWarning, match=r"over the budget of 1\.00 MiB by .*Largest consumer: activations"):
         _fit(EncoderLM(), MemoryMonitor(budget="1MiB"), trainer_kwargs, max_steps=2)

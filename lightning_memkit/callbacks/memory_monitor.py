@@ -78,7 +78,8 @@ class MemoryMonitor(Callback):
             fraction of the CUDA device (``0.9``) or ``"auto"`` (see `parse_budget`; the last two are read
             in ``setup``, on the run's device). Enables ``memory/peak_fraction`` and a warning when a step
             goes over it.
-        log_every_n_steps: log every N optimizer steps (the history for the plot keeps them all).
+        log_every_n_steps: log every N optimizer steps (the history for the plot keeps them all); default:
+            the Trainer's ``log_every_n_steps``, as Lightning's own monitors do.
         remeasure_every_n_steps: measure a step from scratch at least this often even when it matches
             an already measured one. 0 never re-measures steps alike.
         plot: save (and log) the stacked-area plot at the end of fit.
@@ -95,12 +96,12 @@ class MemoryMonitor(Callback):
     def __init__(
         self,
         budget: int | str | None = None,
-        log_every_n_steps: int = 1,
+        log_every_n_steps: int | None = None,
         remeasure_every_n_steps: int = 100,
         plot: bool = True,
         summary: bool = True,
     ) -> None:
-        if log_every_n_steps < 1:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"`log_every_n_steps` must be >= 1, got {log_every_n_steps}")
         if isinstance(remeasure_every_n_steps, bool) or not isinstance(remeasure_every_n_steps, int):
             raise TypeError(
@@ -211,11 +212,10 @@ class MemoryMonitor(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_measurement_quietly()
+        if self._disabled or self._failure is not None or not self.history or not trainer.is_global_zero:
+            return
         try:
-            directory = Path(trainer.log_dir or trainer.default_root_dir)  # a broadcast: every rank calls it
-            if self._disabled or self._failure is not None or not self.history or not trainer.is_global_zero:
-                return
-            self._report(trainer, directory)
+            self._report(trainer, _run_dir(trainer))
         except Exception as err:
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report: {err!r}")
 
@@ -325,7 +325,8 @@ class MemoryMonitor(Callback):
                 "checkpoint activations (ActivationCheckpointing) or swap the optimizer (OptimizerSwap).",
             )
         self._flushes += 1
-        if trainer.is_global_zero and (self._flushes - 1) % self.log_every_n_steps == 0:
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if trainer.is_global_zero and (self._flushes - 1) % every == 0:
             for logger in trainer.loggers:
                 self._safely(logger, "log_metrics", lambda lg=logger: lg.log_metrics(metrics, step=step))
 
@@ -421,6 +422,22 @@ class MemoryMonitor(Callback):
             rank_zero_warn(message)
         else:
             warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
+
+
+def _run_dir(trainer: pl.Trainer) -> Path:
+    """The folder of this run's logs, where ``memory.png`` goes: never a folder runs share, where the
+    next run would overwrite it (W&B's ``save_dir`` and MLflow's ``mlruns`` hold every run)."""
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            return Path(logger.experiment.dir)  # <save_dir>/wandb/<run>/files, synced with the run
+        if isinstance(logger, MLFlowLogger) and logger.save_dir is not None:
+            return Path(logger.save_dir, logger.experiment_id, logger.run_id)
+        log_dir = getattr(logger, "log_dir", None)  # TensorBoard, CSV: <save_dir>/<name>/version_<n>
+        if log_dir:
+            return Path(log_dir)
+    return Path(trainer.default_root_dir)
 
 
 def _log_image(logger: Any, figure: Any, path: Path, step: int) -> None:
