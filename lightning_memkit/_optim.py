@@ -114,13 +114,24 @@ _SCHEDULER_LR_LISTS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs")
 # --------------------------------------------------------------------------------------------------
 
 
+#: bitsandbytes' CPU backend warns on import that it cannot fetch a 4-bit matmul kernel from the Hub
+#: (``Failed to load CPU gemm_4bit_forward from kernels-community``): noise that reads like an error, about
+#: a kernel its 8-bit optimizers never use.
+_BNB_IMPORT_NOISE = "bitsandbytes.backends.cpu.ops"
+
+
 def _bitsandbytes() -> Any | None:
     """The ``bitsandbytes`` module, or ``None`` when it is missing or fails to load on this platform."""
+    noisy = logging.getLogger(_BNB_IMPORT_NOISE)
+    level = noisy.level
+    noisy.setLevel(logging.ERROR)
     try:
         import bitsandbytes
     except (ImportError, RuntimeError, OSError) as err:
         _log.debug("bitsandbytes could not be loaded: %s", err)
         return None
+    finally:
+        noisy.setLevel(level)
     return bitsandbytes
 
 
