@@ -151,21 +151,29 @@ def _batch_size(batch: Any) -> int:
             f"The example batch must hold tensors of one size along dim 0 (the global batch); got sizes "
             f"{sorted(sizes) or 'none'}"
         )
-    return sizes.pop()
+    size = sizes.pop()
+    if size == 0:
+        raise ValueError(
+            "The example batch is empty: its tensors have 0 samples along dim 0, and a plan needs at least "
+            "one sample per GPU. Pass a batch of the global batch size, e.g. the train dataloader's first."
+        )
+    return size
 
 
 def _is_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
-def flops_cost(estimate: Callable[..., Any], device: str) -> StepCost:
-    """`StepCost` from a simulated step at ``m = 1``: FLOPs / `DEVICE_FLOPS`, ops x `LAUNCH_SECONDS`."""
+def flops_cost(estimate: Callable[..., Any], device: str, m: int = 1) -> StepCost:
+    """`StepCost` from a simulated step of ``m`` samples: FLOPs / `DEVICE_FLOPS` per sample, ops x
+    `LAUNCH_SECONDS` per micro-step."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        _, timeline = estimate(1, "none", return_timeline=True)
+        _, timeline = estimate(m, "none", return_timeline=True)
     ops = sum(event.phase in ("forward", "backward") for event in timeline)
-    return StepCost(ops * LAUNCH_SECONDS[device], counter.get_total_flops() / DEVICE_FLOPS[device], "flops")
+    per_sample = counter.get_total_flops() / m / DEVICE_FLOPS[device]
+    return StepCost(ops * LAUNCH_SECONDS[device], per_sample, "flops")
 
 
 def measured_cost(
@@ -173,12 +181,15 @@ def measured_cost(
 ) -> StepCost:
     """`StepCost` from timing real forward + backward passes at two micro-batch sizes (median of 3 each).
 
-    The model's gradients are left as they were; no optimizer step is taken.
+    No optimizer step is taken, and the passes run `isolated`: the model's gradients, buffers (BatchNorm
+    statistics), train/eval flags, torchmetrics states and public list/dict attributes, and the RNG
+    streams dropout draws from, are put back as they were. Sizes that are equal (a batch of one sample)
+    give a cost that is all per sample.
     """
+    from lightning_memkit._isolate import isolated
     from lightning_memkit._simulate import _is_lightning, _lightning_stand_ins, _loss_of
 
     lightning = _is_lightning(model)
-    saved = [p.grad for p in model.parameters()]
 
     def once(m: int) -> float:
         part = _slice(batch, m)
@@ -197,14 +208,12 @@ def measured_cost(
 
     small, large = sizes
     stand_ins = _lightning_stand_ins(model) if lightning else contextlib.nullcontext()
-    try:
-        with stand_ins, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            once(small)  # warm-up: first-call allocations and kernel selection
-            times = {m: statistics.median(once(m) for _ in range(3)) for m in (small, large)}
-    finally:
-        for p, g in zip(model.parameters(), saved, strict=True):
-            p.grad = g
+    with isolated(model, "AutoFit's timing"), stand_ins, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        once(small)  # warm-up: first-call allocations and kernel selection
+        times = {m: statistics.median(once(m) for _ in range(3)) for m in {small, large}}
+    if large == small:  # nothing to tell the fixed part from the per-sample one
+        return StepCost(0.0, times[small] / small, "measured")
     per_sample = max((times[large] - times[small]) / (large - small), 1e-9)
     return StepCost(max(times[small] - per_sample * small, 0.0), per_sample, "measured")
 
@@ -510,6 +519,8 @@ class _Search:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
         self.strategy, self.n_gpus = strategy, n_gpus
         self.cache: dict[tuple, MemoryBreakdown] = {}
+        #: the smallest micro-batch the step accepts (`_runnable`)
+        self.smallest = 1
         self.seconds = 0.0
         self.progress = progress
         self.started = time.perf_counter()
@@ -564,6 +575,20 @@ class _Search:
         return model_static(self.model, precision, optimizer or "sgd")
 
 
+def _runnable(search: _Search, sizes: list[int], level: str, optimizer: str | None, precision: str) -> list[int]:
+    """``sizes`` from the smallest micro-batch the model's step accepts: BatchNorm refuses one sample per
+    channel in training ("Expected more than 1 value per channel"), so such a model's plans start at 2."""
+    for i, m in enumerate(sizes):
+        try:
+            search.peak(m, level, optimizer, precision)
+        except ValueError as err:
+            refused = err
+            continue
+        search.smallest = m
+        return sizes[i:]
+    raise ValueError(f"The training step fails on every micro-batch of {sizes}: {refused}") from refused
+
+
 def _largest_fitting(fits: Callable[[int], bool], sizes: Sequence[int]) -> int | None:
     """The largest size for which ``fits`` holds, assuming it is monotone (true, then false)."""
     lo, hi, best = 0, len(sizes) - 1, None
@@ -613,10 +638,23 @@ def plan_fit(
         progress: called with a line before each simulation once planning has taken
             ``PROGRESS_AFTER_S`` seconds (a large model's simulations take seconds each).
 
+    Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
+    and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
+    leaves the run as it would have been without planning.
+
     Raises:
         ValueError: no configuration fits; the message gives the static floor, the leanest plan's peak and
-            what would fit (more GPUs with FSDP, a larger GPU).
+            what would fit (more GPUs with FSDP, a larger GPU). Also for an empty ``batch``.
+        NotImplementedError: a LightningModule with manual optimization.
     """
+    from lightning_memkit._simulate import _is_lightning
+
+    if _is_lightning(model) and not model.automatic_optimization:
+        raise NotImplementedError(
+            f"{type(model).__name__} uses manual optimization, whose steps are its own code and cannot be "
+            "simulated: plan the underlying nn.Module instead, with loss_fn= (and optimizers= to name the "
+            "candidates)."
+        )
     budget = parse_budget(budget)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
@@ -640,13 +678,14 @@ def plan_fit(
     sizes = _divisors(total // n_gpus)
     search = _Search(model, per_rank, loss_fn, device, strategy if n_gpus > 1 else "ddp", n_gpus, progress)
     candidates = _candidates(model, optimizers)
+    sizes = _runnable(search, sizes, levels[-1], candidates[0], precisions[0])
 
     chosen: tuple[str | None, str] | None = None
     for opt in candidates:
         for prec in precisions:
             if search.static(opt, prec) > limit:
                 continue
-            if search.peak(1, levels[-1], opt, prec).peak <= limit:
+            if search.peak(sizes[0], levels[-1], opt, prec).peak <= limit:
                 chosen = (opt, prec)
                 break
         if chosen:
@@ -672,7 +711,7 @@ def plan_fit(
         t = step_cost.time(m, G // m, level)
         if best is None or t < best[0]:
             best = (t, m, level)
-    assert best is not None  # m = 1 at the strongest level fits
+    assert best is not None  # the smallest runnable micro-batch at the strongest level fits
     _, m, level = best
     alternatives = tuple(
         Alternative(
@@ -734,9 +773,12 @@ def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> 
     real_cpu = not _is_meta(model) and all(p.device.type == "cpu" for p in model.parameters())
     if cost == "measured" or (cost == "auto" and real_cpu and device == "cpu"):
         size = _batch_size(batch)
-        return measured_cost(model, batch, loss_fn=loss_fn, sizes=(1, min(4, size)) if size > 1 else (1, 1))
+        small = search.smallest
+        return measured_cost(model, batch, loss_fn=loss_fn, sizes=(small, max(small, min(4 * small, size))))
     return flops_cost(
-        lambda m, ck, **kw: search.estimate(m, ck, optimizer=optimizer, precision=precision, **kw), device
+        lambda m, ck, **kw: search.estimate(m, ck, optimizer=optimizer, precision=precision, **kw),
+        device,
+        search.smallest,
     )
 
 
@@ -745,10 +787,10 @@ def _infeasible(search, candidates, precisions, levels, limit, budget, margin, t
     leanest_opt = candidates[-1]
     leanest_prec = precisions[-1]
     strongest = levels[-1]
-    floor = search.peak(1, strongest, leanest_opt, leanest_prec)
-    best = search.peak(1, strongest, candidates[0], precisions[0])
-    # Unsharded one-sample steps: what more GPUs (FSDP) or a larger card would have to hold.
-    whole = search.estimate(1, strongest, optimizer=candidates[0], precision=precisions[0])
+    floor = search.peak(search.smallest, strongest, leanest_opt, leanest_prec)
+    best = search.peak(search.smallest, strongest, candidates[0], precisions[0])
+    # Unsharded smallest steps: what more GPUs (FSDP) or a larger card would have to hold.
+    whole = search.estimate(search.smallest, strongest, optimizer=candidates[0], precision=precisions[0])
     fsdp = next(
         (n for n in _SUGGESTED_GPUS if n <= total and shard(whole, "fsdp", n).peak <= limit),
         None,

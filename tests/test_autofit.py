@@ -127,8 +127,8 @@ def test_autofit_in_trainer(tmp_path):
     trainer.fit(module, data)
     plan = callback.plan
     assert (plan.micro_batch_size, plan.checkpointing) != (G, "none")  # the default run does not fit
-    assert data.batch_size == plan.micro_batch_size
-    assert trainer.accumulate_grad_batches == plan.accumulate_grad_batches == G // plan.micro_batch_size
+    assert plan.accumulate_grad_batches == G // plan.micro_batch_size
+    assert data.batch_size == G and trainer.accumulate_grad_batches == 1  # the user's, back after the fit
     assert trainer.global_step == 2
     logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     for key in ("autofit/micro_batch_size", "autofit/accumulate_grad_batches", "autofit/estimated_peak_mib"):
@@ -197,7 +197,7 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     assert module.pretend.raised == 2  # selective -> full at micro-batch 4 (OOM again) -> micro-batch 2
     plan = callback.plan
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (2, 4, "full")
-    assert trainer.accumulate_grad_batches == 2  # the dataloader still yields 4; the guard cuts them
+    assert trainer.accumulate_grad_batches == 1  # the user's, back after the fit
     assert trainer.global_step == 5
     assert len(module.grads) == 5 and len(reference.grads) >= 2
     for name, grad in reference.grads[0].items():
@@ -274,7 +274,7 @@ def test_resume_installs_the_saved_plan(tmp_path):
     trainer, callback = _fit_on_device(tmp_path, _Device(), budget=10**9, ckpt_path=ckpt, max_steps=3)
     assert callback.plan == saved
     assert type(trainer.optimizers[0]).__name__ == "AdamW8bit"
-    assert trainer.accumulate_grad_batches == saved.accumulate_grad_batches
+    assert trainer.accumulate_grad_batches == 1  # the user's, back after the fit
     assert trainer.global_step == 3
 
 
@@ -383,7 +383,7 @@ def test_autofit_runs_a_model_without_repeated_blocks(tmp_path, monkeypatch):
     trainer.fit(module)
     assert trainer.global_step == 2
     assert (callback.plan.micro_batch_size, callback.plan.checkpointing) == (8, "none")
-    assert module.batch_size == 8 and trainer.accumulate_grad_batches == 1
+    assert module.batch_size == 4 and trainer.accumulate_grad_batches == 2  # the user's, back after the fit
     assert any("not planned: _MLP has no repeated blocks" in line for line in lines)
 
 

@@ -285,7 +285,7 @@ def test_train_script_autofit(tmp_path, monkeypatch, train):
     plan = autofit.plan
     assert (plan.micro_batch_size, plan.checkpointing) != (8, "none")
     assert plan.micro_batch_size * plan.accumulate_grad_batches == 8
-    assert trainer.datamodule.batch_size == plan.micro_batch_size
+    assert trainer.datamodule.batch_size == 8  # the global batch, back after the fit
     assert monitor.history and all(b.peak <= 20_000_000 for _, b in monitor.history)
 
 

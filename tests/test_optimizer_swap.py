@@ -358,7 +358,7 @@ def test_callback_swaps_keeps_groups_and_logs(trainer_kwargs, tmp_path, lightnin
     record = _Record()
     swap = OptimizerSwap(budget=budget)
     trainer_kwargs["logger"] = CSVLogger(tmp_path)
-    trainer = pl.Trainer(callbacks=[swap, record], max_steps=3, log_every_n_steps=1, **trainer_kwargs)
+    trainer = pl.Trainer(callbacks=[swap, record], **{**trainer_kwargs, "max_steps": 3})
     trainer.fit(model)
     optimizer = trainer.optimizers[0]
     assert type(optimizer) is bnb.optim.AdamW8bit and record.types == ["AdamW8bit"] * 3

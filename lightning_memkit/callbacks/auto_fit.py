@@ -19,6 +19,16 @@ Trainer's. The plan is one rank's step under the Trainer's strategy (`_analytic.
 buckets are counted; FSDP and DeepSpeed ZeRO divide what they shard. Precision is the Trainer's: a callback
 cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
 
+No trace. Planning runs the user's ``training_step`` before the first step: on fake tensors for every
+simulated candidate, and for real to time it (``cost="measured"``, the default for a model on the CPU).
+All of it, and the first batch drawn from the train dataloader (its sampler draws from torch's RNG), runs
+`isolated`: the module's buffers (BatchNorm's statistics), gradients, train/eval flags, torchmetrics states
+and public list/dict/set/deque attributes, and the torch, Python and NumPy RNG streams are put back, and
+torch.compile neither compiles nor skips a frame for it. So a plan that changes nothing (a budget the run
+fits in as it is) leaves losses, parameters, buffers and the RNG bit-identical to the run without AutoFit.
+Not put back: what the step does beyond the module (globals, files, loggers) and attributes it rebinds
+(``self.calls += 1``) or keeps under a ``_`` name; ``self.log`` does nothing while planning.
+
 After. For the first ``verify_steps`` steps on CUDA the measured peak (``torch.cuda.max_memory_allocated``)
 is compared with the plan and a warning names both when it is over. In those steps an out-of-memory error
 in the forward or the backward (`StepGuard <lightning_memkit.callbacks._step_guard>`) frees what the failed
@@ -27,6 +37,12 @@ runs the same batch again, cut into slices of the new micro-batch, without count
 the batch is not lost and the global batch is unchanged. This needs one device (``SingleDeviceStrategy``),
 a precision plugin that calls the module's ``backward`` hook and automatic optimization; an OOM in the
 optimizer step is not recovered from (a warning says what to change).
+
+The batch size. During the fit the batch size attribute (on the module, its hparams, the datamodule and
+its hparams: wherever it is) holds the plan's micro-batch, and the Trainer's ``accumulate_grad_batches`` the
+plan's. At the end of the fit (``teardown``, or an exception) both get the user's values back, and
+checkpoints store the user's batch size in their hyperparameters (the plan is in AutoFit's state), so a
+second fit, with the same AutoFit or a module loaded from the checkpoint, plans from the same global batch.
 
 Resume. The plan is saved with the callback's state; a resumed run installs the saved plan (its optimizer
 among it) before the optimizers are built, so the checkpoint's optimizer state loads into the same optimizer.
@@ -40,6 +56,7 @@ Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,11 +67,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.parsing import (
+    _lightning_get_all_attr_holders,
+    lightning_getattr,
+    lightning_hasattr,
+    lightning_setattr,
+)
 
 from lightning_memkit._autofit import FitPlan, plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
-from lightning_memkit._budget import Budget, parse_budget
+from lightning_memkit._budget import Budget, parse_budget, reads_device
+from lightning_memkit._isolate import isolated
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import on_rank_zero, precision, sharding
 
@@ -66,7 +89,8 @@ class AutoFit(Callback):
 
     Args:
         budget: per device: bytes, ``"24GB"``, a GPU name (``"A100-40GB"``), a fraction of the current
-            CUDA device or ``"auto"`` (the current CUDA device). On CPU give a size.
+            CUDA device (a float in (0, 1]) or ``"auto"`` (the current CUDA device). On CPU give a size.
+            Sizes and names are read here; a fraction or ``"auto"`` at ``setup``, on the run's device.
         margin: share of the budget kept free for what the estimate cannot see.
         batch_size_attr: the attribute holding the micro-batch size (``BatchSizeFinder``'s default).
         optimizers: candidate catalogue names in quality order (default: the module's own, then lighter).
@@ -90,6 +114,7 @@ class AutoFit(Callback):
     ) -> None:
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
+        _check_budget(budget)
         self.budget, self.margin, self.batch_size_attr = budget, margin, batch_size_attr
         self.optimizers, self.checkpointing, self.cost = optimizers, tuple(checkpointing), cost
         self.verify_steps = verify_steps
@@ -98,6 +123,10 @@ class AutoFit(Callback):
         self._guard: StepGuard | None = None
         self._target: tuple[pl.Trainer, pl.LightningModule] | None = None
         self._first_step = 0  # the global step this process started training at
+        # What the fit changed, to put back at its end: [(holder, value)] of the batch size attribute
+        # (module, hparams, datamodule, its hparams), and the Trainer's accumulate_grad_batches.
+        self._batch_sizes: list[tuple[Any, Any]] = []
+        self._accumulate: tuple[pl.Trainer, int] | None = None
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -110,7 +139,24 @@ class AutoFit(Callback):
                 "its hparams nor the datamodule has; set batch_size_attr= to the attribute your dataloader "
                 "reads."
             )
-        plan = on_rank_zero(trainer, lambda: self._plan(trainer, pl_module).as_dict(), "AutoFit's planning")
+        if not pl_module.automatic_optimization:
+            raise NotImplementedError(
+                f"AutoFit plans Lightning's automatic optimization (training_step, zero_grad, backward, "
+                f"step), but {type(pl_module).__name__} sets automatic_optimization = False: its steps are "
+                "its own code, which AutoFit can neither simulate nor cut into micro-batches. Remove "
+                "AutoFit, or plan the underlying nn.Module with plan_fit(module, batch, budget, loss_fn=...) "
+                "and set the batch size and checkpointing it reports yourself."
+            )
+        # Each fit plans afresh from the user's settings (a resume then installs its saved plan instead).
+        holders = _lightning_get_all_attr_holders(pl_module, self.batch_size_attr)
+        self._batch_sizes = [(holder, _get(holder, self.batch_size_attr)) for holder in holders]
+        self._accumulate = (trainer, trainer.accumulate_grad_batches)
+
+        def decide() -> dict[str, Any]:
+            with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
+                return self._plan(trainer, pl_module).as_dict()
+
+        plan = on_rank_zero(trainer, decide, "AutoFit's planning")
         self.plan = FitPlan.from_dict(plan)
         self._target = (trainer, pl_module)
         self._install(self.plan)
@@ -126,7 +172,14 @@ class AutoFit(Callback):
                 "was passed to fit() ready-made and will not read it: pass a LightningDataModule, or build "
                 "the dataloader in the module's train_dataloader() from that attribute."
             )
-        example = next(iter(source.dataloader()))
+        example = next((b for b in source.dataloader() if b is not None), None)  # Lightning skips None
+        if example is None or _is_empty(example):
+            what = "yields no batch" if example is None else "yields a first batch of 0 samples (dim 0)"
+            raise ValueError(
+                f"AutoFit plans from the train dataloader's first batch, but the dataloader {what}, with "
+                f"{self.batch_size_attr} = {lightning_getattr(pl_module, self.batch_size_attr)}: planning "
+                "needs at least one sample; check the dataset's length and the batch size."
+            )
         # (micro, ...) -> (micro * accumulate * ranks, ...): the global batch of one optimizer step.
         example = apply_to_collection(example, torch.Tensor, lambda t: torch.cat([t] * copies))
         device = trainer.strategy.root_device.type
@@ -146,7 +199,7 @@ class AutoFit(Callback):
         )
 
     def _budget(self, device: str) -> Budget:
-        if device != "cuda" and (self.budget == "auto" or isinstance(self.budget, float)):
+        if device != "cuda" and reads_device(self.budget):
             raise ValueError(
                 f"AutoFit(budget={self.budget!r}) reads the CUDA device, but the run is on {device}; "
                 "give the budget as a size, e.g. AutoFit(budget='8GiB')."
@@ -218,13 +271,32 @@ class AutoFit(Callback):
             )
         self._release()
         self._unapply()
+        self._restore()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """The module leaves the fit as it came: its own hooks, no checkpointing, its own
-        ``configure_optimizers`` (the plan stays in `plan` and in the checkpoint)."""
+        ``configure_optimizers``, its batch size attribute (and the datamodule's, and their hparams') and
+        the Trainer's ``accumulate_grad_batches`` at the user's values (the plan stays in `plan` and in the
+        checkpoint)."""
         if stage == "fit":
             self._release()
             self._unapply()
+            self._restore()
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """The checkpoint's hyperparameters hold the batch size the user set, not the plan's micro-batch
+        (which the checkpoint keeps in AutoFit's state): a module loaded from it plans from it again."""
+        users = {id(holder): value for holder, value in self._batch_sizes}
+        for obj, key in ((pl_module, pl.LightningModule), (trainer.datamodule, pl.LightningDataModule)):
+            stored = checkpoint.get(key.CHECKPOINT_HYPER_PARAMS_KEY)
+            hparams = getattr(obj, "hparams", None) if obj is not None else None
+            if stored is None or id(hparams) not in users or self.batch_size_attr not in stored:
+                continue
+            stored = copy.copy(stored)  # an omegaconf container there is the module's own hparams
+            stored[self.batch_size_attr] = users[id(hparams)]
+            checkpoint[key.CHECKPOINT_HYPER_PARAMS_KEY] = stored
 
     def _release(self) -> None:
         if self._guard is not None:
@@ -235,6 +307,18 @@ class AutoFit(Callback):
         if self._applied is not None:
             self._applied.remove()
             self._applied = None
+
+    def _restore(self) -> None:
+        """The batch size attribute and the Trainer's accumulation back at the user's values."""
+        for holder, value in self._batch_sizes:
+            if isinstance(holder, dict):
+                holder[self.batch_size_attr] = value
+            else:
+                setattr(holder, self.batch_size_attr, value)
+        if self._accumulate is not None:
+            trainer, accumulate = self._accumulate
+            trainer.accumulate_grad_batches = accumulate
+        self._batch_sizes, self._accumulate = [], None
 
     def _replan(self) -> FitPlan:
         """Switch to the plan one notch leaner (`FitPlan.leaner`) after an OOM; raises if none is left.
@@ -286,3 +370,22 @@ def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
         and type(trainer.precision_plugin).backward is Precision.backward
         and module.automatic_optimization
     )
+
+
+def _check_budget(budget: Any) -> None:
+    """Refuse a budget that can never be read, at construction rather than at ``setup``: a float outside
+    (0, 1] (`reads_device` says why), an unknown size or GPU name. ``"auto"`` and fractions need the run's
+    device and are read at ``setup``."""
+    if not reads_device(budget):
+        parse_budget(budget)
+
+
+def _get(holder: Any, name: str) -> Any:
+    return holder[name] if isinstance(holder, dict) else getattr(holder, name)
+
+
+def _is_empty(batch: Any) -> bool:
+    """Whether a tensor of ``batch`` has no samples (0 along dim 0)."""
+    sizes: list[int] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: sizes.append(t.shape[0]) if t.dim() > 0 else None)
+    return 0 in sizes
