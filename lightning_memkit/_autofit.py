@@ -493,7 +493,7 @@ def own_optimizer(model: nn.Module) -> str | None:
 
 
 def _candidates(model: nn.Module, optimizers: Sequence[str | None] | None) -> tuple[str | None, ...]:
-    from lightning_memkit._optim import DEFAULT_CANDIDATES, _bitsandbytes
+    from lightning_memkit._optim import DEFAULT_CANDIDATES, load_bitsandbytes
 
     if optimizers is not None:
         return tuple(optimizers)
@@ -505,7 +505,7 @@ def _candidates(model: nn.Module, optimizers: Sequence[str | None] | None) -> tu
     order = list(DEFAULT_CANDIDATES)
     start = order.index(own) if own in order else 0
     names = [own] + [n for n in order[start + 1 :] if n != own]
-    if _bitsandbytes() is None:
+    if load_bitsandbytes() is None:
         from lightning_memkit._optim import CATALOGUE
 
         names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]

@@ -120,7 +120,7 @@ _SCHEDULER_LR_LISTS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs")
 _BNB_IMPORT_NOISE = "bitsandbytes.backends.cpu.ops"
 
 
-def _bitsandbytes() -> Any | None:
+def load_bitsandbytes() -> Any | None:
     """The ``bitsandbytes`` module, or ``None`` when it is missing or fails to load on this platform."""
     noisy = logging.getLogger(_BNB_IMPORT_NOISE)
     level = noisy.level
@@ -137,7 +137,7 @@ def _bitsandbytes() -> Any | None:
 
 def _bnb_class(name: str) -> Callable[..., Optimizer]:
     def build(param_groups: list[dict[str, Any]], **defaults: Any) -> Optimizer:
-        bnb = _bitsandbytes()
+        bnb = load_bitsandbytes()
         if bnb is None:
             raise RuntimeError(
                 f"bitsandbytes.optim.{name} needs bitsandbytes, which is not installed or failed to load "
@@ -730,7 +730,7 @@ def _warn(message: str) -> None:
 def _available(candidates: Sequence[str], info: Callable[[str], Any]) -> list[str]:
     names = list(_validate_candidates(candidates))
     needs = [n for n in names if CATALOGUE[n].needs_bitsandbytes]
-    if needs and _bitsandbytes() is None:
+    if needs and load_bitsandbytes() is None:
         info(f"bitsandbytes is not available here: skipping the candidates {', '.join(needs)}.")
         names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]
     return names

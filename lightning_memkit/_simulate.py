@@ -222,7 +222,11 @@ def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Opti
         return functools.partial(torch.optim.SGD, lr=1e-3)
     if name == "sgd_momentum":
         return functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9)
-    import bitsandbytes as bnb  # imported only when asked for: it prints on import without a GPU
+    from lightning_memkit._optim import load_bitsandbytes  # imported only when asked for
+
+    bnb = load_bitsandbytes()
+    if bnb is None:
+        raise ValueError(f"optimizer {name!r} needs bitsandbytes, which is not installed or fails to load here")
 
     return {
         "adamw8bit": bnb.optim.AdamW8bit,

@@ -260,7 +260,7 @@ def test_bitsandbytes_without_fake_kernels_falls_back_to_sgd_plus_state(monkeypa
 
 
 def test_bitsandbytes_missing_skips_the_8bit_candidates(monkeypatch, caplog):
-    monkeypatch.setattr(_optim, "_bitsandbytes", lambda: None)
+    monkeypatch.setattr(_optim, "load_bitsandbytes", lambda: None)
     model = TinyLM()
     optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
     budget = _between(model, "adafactor", "adamw")
