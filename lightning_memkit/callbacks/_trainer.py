@@ -1,5 +1,6 @@
-"""The Trainer as the budget callbacks read it: its precision, strategy, accumulation, and one decision
-taken on rank 0 for every rank."""
+"""The Trainer as the callbacks read it: its precision, strategy, accumulation, loop state, and one
+decision taken on rank 0 for every rank. Every read of a Lightning internal is here, so that a Lightning
+upgrade that moves one breaks this file only (the versions tested are bounded in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from torch import nn
 
 from lightning_memkit._analytic import model_static, scheme
 
-__all__ = ["accumulates", "ddp_bucket_bytes", "on_rank_zero", "precision", "sharding"]
+__all__ = [
+    "accumulates",
+    "accumulating_now",
+    "ddp_bucket_bytes",
+    "on_rank_zero",
+    "optimizer_steps_done",
+    "precision",
+    "sharding",
+]
 
 T = TypeVar("T")
 
@@ -78,3 +87,13 @@ def accumulates(trainer: pl.Trainer) -> bool:
     schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
     scheduled = [n for c in schedulers for n in c.scheduling.values()]
     return trainer.accumulate_grad_batches > 1 or any(n > 1 for n in scheduled)
+
+
+def accumulating_now(trainer: pl.Trainer) -> bool:
+    """Whether the batch in flight accumulates (no optimizer step follows it)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def optimizer_steps_done(trainer: pl.Trainer) -> int:
+    """Optimizer steps taken so far, counted as Lightning's loggers count them (``step`` in metrics)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped

@@ -39,6 +39,7 @@ from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format
 from lightning_memkit._budget import parse_budget, reads_device
 from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
 from lightning_memkit._report import plot_history, render_summary
+from lightning_memkit.callbacks._trainer import accumulating_now, optimizer_steps_done
 
 _MAX_SIGNATURES = 64
 #: Objects a batch signature walks at most; a larger batch is measured every step rather than guessed at.
@@ -190,7 +191,7 @@ class MemoryMonitor(Callback):
             except Exception as err:
                 self._fail(trainer, err)
         self._in_step = False
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if accumulating_now(trainer):
             return
         peaks = self._agree(trainer)
         if peaks is None or self._pending is None:
@@ -242,7 +243,7 @@ class MemoryMonitor(Callback):
             return None
         grads = tuple(p.grad is not None for p in pl_module.parameters())
         states = tuple(optimizer_signature(opt) for opt in trainer.optimizers)
-        return shapes, grads, states, trainer.fit_loop.epoch_loop._should_accumulate()
+        return shapes, grads, states, accumulating_now(trainer)
 
     def _finish_step(self, trainer: pl.Trainer) -> MemoryBreakdown | None:
         """The step's breakdown; ``None`` for a step that cannot be measured (nor its twins)."""
@@ -305,7 +306,7 @@ class MemoryMonitor(Callback):
         breakdown, extras = self._pending, self._pending_extras
         self._pending, self._pending_extras = None, {}
         assert breakdown is not None
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = optimizer_steps_done(trainer)
         self.history.append((step, breakdown))
         metrics = {f"memory/{key}": value / MiB for key, value in breakdown.as_dict().items()}
         metrics.update(extras)
