@@ -287,6 +287,7 @@ def test_train_script_autofit(tmp_path, monkeypatch, train):
     assert plan.micro_batch_size * plan.accumulate_grad_batches == 8
     assert trainer.datamodule.batch_size == 8  # the global batch, back after the fit
     assert monitor.history and all(b.peak <= 20_000_000 for _, b in monitor.history)
+    assert monitor.budget == 20_000_000  # the plot draws the budget the run was fitted to (issue 13, item 7)
 
 
 def test_train_script_single_levers(tmp_path, monkeypatch, train):

@@ -114,7 +114,9 @@ def callbacks(args: argparse.Namespace) -> list[L.Callback]:
         chosen.append(ActivationCheckpointing(budget=args.checkpointing_budget))
     if args.optimizer_budget:
         chosen.append(OptimizerSwap(budget=args.optimizer_budget))
-    return [*chosen, MemoryMonitor(budget=args.budget)]
+    # the plot draws the budget the run was fitted to, when no other is given
+    fitted = args.autofit or args.checkpointing_budget or args.optimizer_budget
+    return [*chosen, MemoryMonitor(budget=args.budget or fitted)]
 
 
 def main(argv: list[str] | None = None) -> L.Trainer:
