@@ -11,6 +11,7 @@ time, and a monitor built on it would break users' own profiling.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ def profile_peak(prof: profile, device: str | torch.device = "cpu") -> int:
 def allocator_peak(step: Callable[[], object], device: str | torch.device = "cpu") -> int:
     """Run ``step()`` once and return the allocator's peak for it, in bytes."""
     device = torch.device(device)
+    gc.collect()  # see AllocatorPeaks._open
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -81,6 +83,10 @@ class AllocatorPeaks:
         return [self.start, *callbacks, self.stop]
 
     def _open(self) -> None:
+        # Garbage of earlier work (a reference cycle holding tensors) collected inside the window would
+        # count as live from its start: the profile knows a freed block allocated before it began only by
+        # its free. When the collector runs depends on every thread's allocations (pytest-xdist's own).
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
