@@ -37,20 +37,28 @@ The pieces, in order:
      on the device with random data of their shapes; with ``cost="flops"`` they are counted.
 4. The peak model, with blocks ``1..n`` in execution order and ``G_i`` the bytes of block ``i``'s
    gradients: the backward of block ``j`` holds the earlier blocks' kept tensors, its own footprint and
-   the gradients of the blocks after it, so
+   the gradients of the blocks after it; the loss and what follows the last block (a language model's
+   logits and their gradient) run while every block's kept tensors are held, so
 
-       A(plan) = max_j  sum_{i<j} R_i(p_i) + X_j(p_j) + sum_{i>j} G_i
-       peak(plan) ~= peak_none - A(none) + A(plan)
+       A(plan) = max( max_j  sum_{i<j} R_i(p_i) + X_j(p_j) + sum_{i>j} G_i,   sum_i R_i(p_i) + T )
+       peak(plan) ~= C + A(plan)
 
-   with ``peak_none`` a simulated whole step. Checkpointing the last block saves nothing at the peak
-   (its activations come back at once), and the model knows it. The floor, the peak with the strongest
-   allowed policy on every block, is simulated too; a budget below it is an error.
+   Checkpointing the last block saves nothing during the blocks' backward (its activations come back at
+   once), but it does at the loss. ``C`` (the rest of the step: parameters, optimizer state...) and ``T``
+   (what the loss adds) are read from two simulated whole steps, without checkpointing and at the floor,
+   the peak with the strongest allowed policy on every block (a budget below the floor is an error): each
+   constant is the least that explains both peaks, so the model is exact at the two ends when the peak of
+   one lies in the blocks' backward and the other's at the loss.
 5. The plan: a knapsack over blocks solved exactly by dynamic programming over the kept bytes so far
-   (Pareto-pruned, integer costs), minimising recompute cost under ``peak(plan) <= budget``; ties go to
-   fewer kept bytes, then to the lighter policy on the earliest block. Then the plan's step is simulated;
-   if it is over budget (the model misses what happens outside the blocks' backward, e.g. Lightning's
-   gradients still live during the forward), the target is lowered by the miss and the DP re-solved, a
-   few rounds at most, with the floor's plan as the fallback. The peaks a plan reports are simulated.
+   (Pareto-pruned, integer costs), minimising recompute cost under ``peak(plan) <= cap``; ties go to
+   fewer kept bytes, then to the lighter policy on the earliest block. The model errs both ways (it misses
+   what happens outside the blocks' backward, e.g. Lightning's gradients still live during the forward,
+   and the peak at the loss, where checkpointing the last block does save), so the simulated step decides:
+   the DP's plans for a rising cap are cheaper and peak higher, and the plan returned is the one at the
+   highest cap whose simulated peak fits, found by starting at ``cap = budget``, galloping towards the
+   side not yet simulated (cheaper plans while they fit, costlier ones while they miss) and bisecting the
+   bracket. With an accurate model that is two or three simulated steps; the floor's plan is the
+   fallback. The peaks a plan reports are simulated.
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ from torch.utils.checkpoint import (
 from torch.utils.flop_counter import flop_registry
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
-from lightning_memkit._budget import parse_bytes
+from lightning_memkit._budget import Budget, parse_budget
 
 __all__ = [
     "POLICIES",
@@ -494,10 +502,15 @@ def _assignment(model: nn.Module, plan: Any, blocks: LayerClasses | None) -> lis
         policy = _policy(plan)
         found = find_blocks(model, blocks)
         if not found and policy.checkpoints:
-            raise ValueError(_no_blocks_message(model, "apply_checkpointing(model, plan, blocks={MyBlock})"))
+            raise ValueError(
+                _no_blocks_message(model, "apply_checkpointing(model, plan, blocks={MyBlock})", blocks)
+            )
         return [(module, policy) for _, module in found]
     classes = _classes(plan)
-    return [(module, POLICIES["full"]) for _, module in find_blocks(model, classes)]
+    found = find_blocks(model, classes)
+    if not found:
+        raise ValueError(_no_blocks_message(model, "apply_checkpointing(model, {MyBlock})", classes))
+    return [(module, POLICIES["full"]) for _, module in found]
 
 
 def _classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
@@ -526,6 +539,13 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
         classes = _classes(layer_classes)
         found = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
         return _outermost(found)
+    groups = _repeated(model)
+    return _outermost(groups[0]) if groups else []
+
+
+def _repeated(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The composite children of ``model``'s ``ModuleList``/``Sequential`` containers, grouped by class,
+    for the classes with two or more; the heaviest group (parameters, then instances) first."""
     groups: dict[type, list[tuple[str, nn.Module]]] = {}
     seen: set[int] = set()
     for prefix, container in model.named_modules():
@@ -538,14 +558,11 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
             groups.setdefault(type(child), []).append(
                 (f"{prefix}.{child_name}" if prefix else child_name, child)
             )
-    groups = {cls: found for cls, found in groups.items() if len(found) >= 2}
-    if not groups:
-        return []
 
     def weight(found: list[tuple[str, nn.Module]]) -> tuple[int, int]:
         return sum(p.numel() for _, m in found for p in m.parameters()), len(found)
 
-    return _outermost(max(groups.values(), key=weight))
+    return sorted((found for found in groups.values() if len(found) >= 2), key=weight, reverse=True)
 
 
 def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -556,12 +573,29 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     return kept
 
 
-def _no_blocks_message(model: nn.Module, option: str) -> str:
+def _no_blocks_message(model: nn.Module, option: str, layer_classes: LayerClasses | None = None) -> str:
+    """Why there is nothing to checkpoint, and the option to pass (``option`` names ``MyBlock``)."""
+    if layer_classes is None:
+        return (
+            f"Found no repeated blocks to checkpoint in {type(model).__name__}: no nn.ModuleList or "
+            "nn.Sequential holds two or more composite layers of the same class. Name the layer classes to "
+            f"checkpoint: {option}."
+        )
+    asked = " or ".join(c.__name__ for c in _classes(layer_classes))
+    groups = _repeated(model)
+    if not groups:
+        return (
+            f"No module of type {asked} is in {type(model).__name__}, so there is nothing to checkpoint; "
+            "it has no repeated layers either (no nn.ModuleList or nn.Sequential holds two or more "
+            f"composite layers of one class). Name a layer class the model has: {option}."
+        )
+    found = ", ".join(
+        f"{type(group[0][1]).__name__} (x{len(group)}, {group[0][0]}, ...)" for group in groups[:4]
+    )
     return (
-        f"Found no repeated blocks to checkpoint in {type(model).__name__}: no nn.ModuleList or "
-        "nn.Sequential holds two or more composite layers of the same class. Name the layer classes to "
-        "checkpoint: "
-        f"{option}."
+        f"No module of type {asked} is in {type(model).__name__}, so there is nothing to checkpoint. "
+        f"Its repeated layers: {found}. Name one of those: "
+        f"{option.replace('MyBlock', type(groups[0][0][1]).__name__)}."
     )
 
 
@@ -973,15 +1007,25 @@ def _options(runs: dict[str, _Run], cost: str, timer: _OpTimer | None) -> tuple[
 # --------------------------------------------------------------------------------------------------
 
 
-def _activation_peak(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
-    """``A(plan) = max_j sum_{i<j} R_i + X_j + sum_{i>j} G_i`` (see the module docstring)."""
+def _activation_peak(blocks: Sequence[_Block], choice: Sequence[str], tail: int = 0) -> int:
+    """``A(plan) = max(max_j sum_{i<j} R_i + X_j + sum_{i>j} G_i, sum_i R_i + tail)`` (module docstring)."""
+    return max(_backward_peak(blocks, choice), _kept(blocks, choice) + tail)
+
+
+def _backward_peak(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
+    """The first term of ``A(plan)``: the highest point of the blocks' backward."""
     grads_after = _suffix_grads(blocks)
     kept, worst = 0, 0
     for j, (block, name) in enumerate(zip(blocks, choice, strict=True)):
         option = block.options[name]
         worst = max(worst, kept + option.footprint + grads_after[j])
         kept += option.retained
-    return max(worst, kept)
+    return worst
+
+
+def _kept(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
+    """``sum_i R_i``: what every block keeps for its backward, all held when the loss runs."""
+    return sum(block.options[name].retained for block, name in zip(blocks, choice, strict=True))
 
 
 def _suffix_grads(blocks: Sequence[_Block]) -> list[int]:
@@ -992,8 +1036,11 @@ def _suffix_grads(blocks: Sequence[_Block]) -> list[int]:
     return after[::-1]
 
 
-def _solve(blocks: Sequence[_Block], cap: int, levels: Sequence[str]) -> tuple[str, ...] | None:
-    """The cheapest choice of policies with ``A(plan) <= cap``, exactly; ``None`` if there is none.
+def _solve(
+    blocks: Sequence[_Block], cap: float, levels: Sequence[str], tail: int = 0
+) -> tuple[str, ...] | None:
+    """The cheapest choice of policies with ``A(plan) <= cap`` (``tail`` as `_activation_peak` takes it),
+    exactly; ``None`` if there is none.
 
     Dynamic programming over the blocks in execution order; the state is the bytes kept by the blocks so
     far (all the future depends on), and a state is dropped when another keeps no more bytes at no more
@@ -1021,7 +1068,9 @@ def _solve(blocks: Sequence[_Block], cap: int, levels: Sequence[str]) -> tuple[s
                 best_cost = new[kept][0]
         if not states:
             return None
-    feasible = [(cost, kept, ranks, names) for kept, (cost, ranks, names) in states.items() if kept <= cap]
+    feasible = [
+        (cost, kept, ranks, names) for kept, (cost, ranks, names) in states.items() if kept + tail <= cap
+    ]
     return min(feasible)[3] if feasible else None
 
 
@@ -1083,7 +1132,7 @@ class _Profiler:
 def plan_checkpointing(
     model: nn.Module,
     batch: Any,
-    budget: int | str | None = None,
+    budget: int | float | str | Budget | None = None,
     *,
     policy: str = "auto",
     blocks: LayerClasses | None = None,
@@ -1095,10 +1144,14 @@ def plan_checkpointing(
 
     Args:
         model: a ``LightningModule`` or an ``nn.Module``, as `estimate_memory` takes it (a plain module needs
-            ``optimizer=`` and ``loss_fn=``). It is left unchanged: nothing stays applied.
+            ``optimizer=`` and ``loss_fn=``). It is left unchanged: nothing stays applied, and the model
+            only runs in `estimate_memory`'s simulated steps, on fake tensors.
         batch: one training batch (only shapes and dtypes are read).
-        budget: the whole step's peak to fit, in bytes or as a string (``"6GiB"``). ``None``: no search;
-            every block gets ``"selective"`` (``policy="auto"``) or the named policy, with its figures.
+        budget: the whole step's peak to fit, as `parse_budget` reads it: bytes, a size (``"6GiB"``,
+            ``"24GB"``), a GPU name (``"A100-40GB"``, ``"H200"``: the card's memory less the CUDA context
+            and a 5 % reserve), or a fraction of the current CUDA device (``0.9``) or ``"auto"`` (these
+            two need one). ``None``: no search; every block gets ``"selective"`` (``policy="auto"``) or the
+            named policy, with its figures.
         policy: the policies each block may get: ``"auto"`` (all four), ``"selective"`` /
             ``"selective_half"`` / ``"full"`` (that one or none).
         blocks: layer classes whose instances are the candidates (default: `find_blocks`).
@@ -1117,18 +1170,20 @@ def plan_checkpointing(
         ValueError: no candidate blocks; or a budget below the peak of full checkpointing (the message
             gives that floor and what else would lower it).
     """
+    limit = None if budget is None else parse_budget(budget)  # a bad budget fails before any simulation
     planner = CheckpointPlanner(
         model, batch, policy=policy, blocks=blocks, cost=cost, device=device, **estimate_kwargs
     )
-    return planner.plan(budget)
+    return planner.plan(limit)
 
 
 class CheckpointPlanner:
     """Plans for one model and batch, sharing the profile and the simulated steps between budgets.
 
     ``CheckpointPlanner(model, batch, ...).plan(budget)`` is `plan_checkpointing`; keep the planner to ask
-    for several budgets (a memory/time curve) at one simulated step per new plan. Arguments as there, plus
-    ``max_rounds``: how many plans one budget may simulate before it falls back to the floor's plan.
+    for several budgets (a memory/time curve) at a few simulated steps per new plan. Arguments as there,
+    plus ``max_rounds``: how many new plans one budget may simulate; the search then keeps the cheapest plan
+    that fitted (the floor's plan if none did).
     """
 
     def __init__(
@@ -1140,7 +1195,7 @@ class CheckpointPlanner:
         blocks: LayerClasses | None = None,
         cost: str = "time",
         device: str | torch.device | None = None,
-        max_rounds: int = 4,
+        max_rounds: int = 8,
         **estimate_kwargs: Any,
     ) -> None:
         if policy not in LEVELS:
@@ -1153,7 +1208,7 @@ class CheckpointPlanner:
             cost = "flops"
         found = find_blocks(model, blocks)
         if not found:
-            raise ValueError(_no_blocks_message(model, "plan_checkpointing(..., blocks={MyBlock})"))
+            raise ValueError(_no_blocks_message(model, "plan_checkpointing(..., blocks={MyBlock})", blocks))
         self.model, self.batch, self.policy, self.cost = model, batch, policy, cost
         self.max_rounds = max_rounds
         self.levels = LEVELS[policy]
@@ -1216,9 +1271,9 @@ class CheckpointPlanner:
     def uniform(self, policy: str) -> tuple[str, ...]:
         return (policy,) * len(self.blocks)
 
-    def plan(self, budget: int | str | None = None) -> CheckpointPlan:
+    def plan(self, budget: int | float | str | Budget | None = None) -> CheckpointPlan:
         """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`)."""
-        limit = None if budget is None else parse_bytes(budget)
+        limit = None if budget is None else parse_budget(budget).usable
         peak_none = self.simulate(self.uniform("none")).peak
         if limit is None:
             choice = self.uniform(_WITHOUT_BUDGET[self.policy])
@@ -1250,23 +1305,87 @@ class CheckpointPlanner:
             breakdown=breakdown,
         )
 
-    def _fit(self, limit: int, peak_none: int) -> tuple[str, ...]:
-        """Solve for ``limit``, simulate, and lower the target by the miss until the simulated peak fits."""
-        # peak ~= offset + A(plan), for the plans that checkpoint something (so run without the cache)
-        offset = self._peak_none_without_cache(peak_none) - _activation_peak(
-            self.blocks, self.uniform("none")
+    def _calibrate(self, peak_none: int, peak_floor: int) -> tuple[int, int]:
+        """``C`` and ``T`` of the peak model (module docstring, 4.), as ``(C, T - C)``: the offset and the
+        ``tail`` that `_activation_peak` and `_solve` take.
+
+        ``peak_none`` is the step without checkpointing as the plans that checkpoint see the rest of the
+        step (Hugging Face's cache off), ``peak_floor`` the floor's. Each of the two terms of the model is
+        at most the simulated peak, at both ends; each constant is the largest that keeps it so.
+        """
+        none, floor = self.uniform("none"), self.uniform(self.levels[-1])
+        backward = min(
+            peak_none - _backward_peak(self.blocks, none), peak_floor - _backward_peak(self.blocks, floor)
         )
-        target = limit
-        for _ in range(self.max_rounds):
-            choice = _solve(self.blocks, target - offset, self.levels)
-            if choice is None:
-                break
-            peak = self.simulate(choice).peak
-            log.debug("plan %s: simulated peak %d for budget %d (target %d)", choice, peak, limit, target)
-            if peak <= limit:
-                return choice
-            target -= peak - limit
-        return self.uniform(self.levels[-1])  # simulated already: it fits
+        at_loss = min(peak_none - _kept(self.blocks, none), peak_floor - _kept(self.blocks, floor))
+        return backward, at_loss - backward
+
+    def _fit(self, limit: int, peak_none: int) -> tuple[str, ...]:
+        """The DP's plan at the highest cap whose simulated peak fits ``limit``.
+
+        ``plan_at(cap)``, the cheapest plan whose modeled peak is at most ``cap``, gets cheaper as the cap
+        rises, and its simulated peak higher. The search starts at ``cap = limit`` (where an accurate model
+        puts the answer), gallops away from it, doubling the step, until a cap whose plan fits lies below
+        one whose plan misses, and bisects between them. A plan is simulated only when it differs from the
+        plans at both ends of the bracket, and at most `max_rounds` new plans are; the caps searched run
+        from the floor's modeled peak up, so the floor's plan (simulated: it fits) is the fallback.
+        """
+        floor = self.uniform(self.levels[-1])
+        offset, tail = self._calibrate(self._peak_none_without_cache(peak_none), self.simulate(floor).peak)
+        solved: dict[float, tuple[str, ...]] = {}
+
+        def plan_at(cap: float) -> tuple[str, ...]:
+            if cap not in solved:
+                choice = _solve(self.blocks, cap - offset, self.levels, tail)
+                assert choice is not None, "no cap below the floor's modeled peak is searched"
+                solved[cap] = choice
+            return solved[cap]
+
+        new = 0
+
+        def fits(choice: tuple[str, ...]) -> bool:
+            nonlocal new
+            new += choice not in self._simulated
+            return self.simulate(choice).peak <= limit
+
+        bottom = offset + _activation_peak(
+            self.blocks, floor, tail
+        )  # the floor's plan qualifies from here up
+        cheapest = plan_at(math.inf)
+        top = offset + _activation_peak(self.blocks, cheapest, tail)
+        if fits(cheapest):
+            return cheapest
+        cap, step = max(bottom, min(limit, top - 1)), 1
+        lo: int | None = None  # a cap whose plan fits
+        hi = top  # a cap whose plan misses
+        if fits(plan_at(cap)):
+            lo = cap
+            while hi - lo > 1 and new < self.max_rounds:  # cheaper plans, while they fit
+                cap, step = min(lo + step, hi - 1), 2 * step
+                if plan_at(cap) == plan_at(lo) or fits(plan_at(cap)):
+                    lo = cap
+                else:
+                    hi = cap
+                    break
+        else:
+            hi = cap
+            while hi > bottom and new < self.max_rounds:  # costlier plans, until one fits
+                cap, step = max(hi - step, bottom), 2 * step
+                if plan_at(cap) != plan_at(hi) and fits(plan_at(cap)):
+                    lo = cap
+                    break
+                hi = cap
+            if lo is None:
+                return floor
+        while hi - lo > 1 and new < self.max_rounds:
+            mid = (lo + hi) // 2
+            choice = plan_at(mid)
+            if choice == plan_at(lo) or (choice != plan_at(hi) and fits(choice)):
+                lo = mid
+            else:
+                hi = mid
+        log.debug("plan %s fits %d (%d plans simulated)", plan_at(lo), limit, len(self._simulated))
+        return plan_at(lo)
 
 
 def _floor_message(limit: int, floor: MemoryBreakdown, policy: str, n: int, peak_none: int) -> str:

@@ -63,6 +63,16 @@ def encoder_step(d_model=64, n_layer=2, batch=8, seq_len=64, vocab=256, foreach=
     return model, opt, step
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run as fast on one thread, and a shared CPU cannot stall them: with two, every op's
+    OpenMP barrier waits whenever the other thread is descheduled (60x slower on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def trainer_kwargs(tmp_path):
     return dict(

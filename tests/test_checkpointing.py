@@ -47,14 +47,7 @@ from lightning_memkit.demos.gpt import GPT, Block, GPTConfig, GPTLightningModule
 SMALL = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run as fast on one thread, and a shared CPU cannot stall them: with two, every op's
-    OpenMP barrier waits whenever the other thread is descheduled (60x slower on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class LM(nn.Module):

@@ -29,13 +29,7 @@ NAMES = list(MODELS)
 CACHE_LINE = "use_cache=False"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run as fast on one thread, and a shared CPU cannot stall them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _module(name: str) -> ZooModule:

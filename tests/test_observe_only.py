@@ -11,10 +11,11 @@ import pytest
 import torch
 import torchmetrics
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import AutoFit, MemoryMonitor, OptimizerSwap
+from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
 
 HUGE = "100TB"  # a budget every plan fits: nothing may change
 
@@ -165,6 +166,7 @@ CALLBACKS = {
     "monitor": lambda: MemoryMonitor(plot=False, summary=False),
     "optimizer_swap": lambda: OptimizerSwap(budget=HUGE),
     "autofit": lambda: AutoFit(budget=HUGE, cost="flops"),
+    "checkpointing": lambda: ActivationCheckpointing(budget=HUGE),
 }
 
 
@@ -172,6 +174,8 @@ CALLBACKS = {
 REFUSED = {
     ("autofit", "manual"): (NotImplementedError, "AutoFit plans Lightning's automatic optimization"),
     ("autofit", "two_optimizers"): (NotImplementedError, "AutoFit plans Lightning's automatic optimization"),
+    ("checkpointing", "manual"): (MisconfigurationException, r"cannot plan for Net, which uses manual optim"),
+    ("checkpointing", "two_optimizers"): (MisconfigurationException, r"cannot plan for Net, which uses manual"),
 }
 
 

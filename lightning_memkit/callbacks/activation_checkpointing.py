@@ -10,7 +10,8 @@ simulate the step, and takes it from the training dataloader the Trainer was giv
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._budget import parse_bytes
+from lightning_memkit._budget import Budget, parse_budget, reads_device
 from lightning_memkit._checkpointing import (
     LEVELS,
     CheckpointHandle,
@@ -31,6 +32,7 @@ from lightning_memkit._checkpointing import (
     find_blocks,
     plan_checkpointing,
 )
+from lightning_memkit._isolate import isolated
 from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, on_rank_zero, precision
 
 _OPTION = "ActivationCheckpointing(policy={MyBlock})"
@@ -54,8 +56,16 @@ class ActivationCheckpointing(Callback):
     does not fit yet can be planned) at the Trainer's precision and device type. Global rank 0 plans and
     broadcasts the plan, so every rank checkpoints alike.
 
+    Planning runs the module's ``training_step`` (on fake tensors) and draws a batch from the dataloader;
+    it leaves no trace on the run: buffers (BatchNorm's statistics), the RNG streams, gradients, metrics
+    and list attributes are put back (`_isolate.isolated`), so a plan that checkpoints nothing trains
+    exactly as without the callback. An optimizer whose ``step`` needs a closure (LBFGS) is simulated as
+    `estimate_memory` does it.
+
     The model stays checkpointed after fit (under ``torch.no_grad()``, as in validation, the wrapped blocks
-    run their plain forward); ``apply_checkpointing(model, "none")`` removes it.
+    run their plain forward); ``apply_checkpointing(model, "none")`` removes it. Every fit plans afresh: the
+    same instance used for another ``fit`` first undoes what it applied at the previous one, on whichever
+    model that was.
 
     The plan is printed (``rank_zero_info``) and kept in :attr:`plan`; it is saved in the checkpoint, and a
     run resumed with the same ``budget`` and ``policy`` re-applies the saved plan instead of a new one
@@ -70,7 +80,10 @@ class ActivationCheckpointing(Callback):
 
     Args:
         budget: the whole step's peak memory to fit (parameters, gradients, optimizer state, activations
-            and temporaries), in bytes or as a string (``"6GiB"``, ``"24GB"``). ``None``: no planning.
+            and temporaries), as `parse_budget` reads it: bytes, a size (``"6GiB"``, ``"24GB"``), a GPU
+            name (``"A100-40GB"``, ``"H200"``: the card's memory less the CUDA context and a 5 % reserve),
+            or, read from the CUDA device the run trains on at ``setup``, a fraction of it (``0.9``) or
+            ``"auto"``. ``None``: no planning.
         policy: ``"auto"`` (the planner may use every policy), ``"selective"``, ``"selective_half"``,
             ``"full"`` (that policy or none per block), or a set of layer classes to checkpoint, the form
             ``FSDPStrategy(activation_checkpointing_policy=...)`` takes (full checkpointing of those layers;
@@ -83,21 +96,27 @@ class ActivationCheckpointing(Callback):
         trainer = Trainer(callbacks=[ActivationCheckpointing(budget="6GiB")])
 
     Raises:
-        ValueError: at setup, if the budget is below what full checkpointing reaches (the message gives
-            that floor in bytes and what else would help), or if the model has no repeated blocks (pass
-            ``policy={MyBlock}``).
-        MisconfigurationException: at setup, with a budget under FSDPStrategy, or when FSDPStrategy is
-            already configured with ``activation_checkpointing_policy``.
+        ValueError: at once for a budget that is no size, GPU name, fraction or ``"auto"``; at setup, if the
+            budget is below what full checkpointing reaches (the message gives that floor in bytes and what
+            else would help), if the model has no repeated blocks (pass ``policy={MyBlock}``) or none of
+            the classes in ``policy``.
+        MisconfigurationException: at setup, with a budget under FSDPStrategy or manual optimization, a
+            fraction or ``"auto"`` on a run without CUDA, or when FSDPStrategy is already configured with
+            ``activation_checkpointing_policy``.
     """
 
     def __init__(
         self,
-        budget: int | str | None = None,
+        budget: int | float | str | Budget | None = None,
         policy: str | Iterable[type[nn.Module]] = "auto",
         *,
         cost: str = "time",
     ) -> None:
-        self.budget = None if budget is None else parse_bytes(budget)
+        self._budget_given = budget
+        #: The budget in bytes; one read from the device (a fraction, ``"auto"``) is known from ``setup`` on.
+        self.budget: int | None = None
+        if budget is not None and not reads_device(budget):  # a fraction is checked here, read in setup
+            self.budget = parse_budget(budget).usable
         if policy is None:
             raise TypeError(
                 f"policy=None: choose one of {', '.join(map(repr, LEVELS))}, or a set of layer classes "
@@ -118,19 +137,27 @@ class ActivationCheckpointing(Callback):
         #: The plan in use (block name -> policy, with the figures behind it when planned for a budget).
         self.plan: CheckpointPlan | None = None
         self._handle: CheckpointHandle | None = None
-        self._applied_to: nn.Module | None = None
         self._module: pl.LightningModule | None = None
+        self._loaded = False  # a plan from load_state_dict outside fit, for the next setup
 
     @property
     def state_key(self) -> str:
         classes = None if self.layer_classes is None else sorted(c.__qualname__ for c in self.layer_classes)
-        return self._generate_state_key(budget=self.budget, policy=self.policy, layer_classes=classes)
+        # A budget read from the device keys as given: its bytes differ from card to card.
+        budget = self._budget_given if reads_device(self._budget_given) else self.budget
+        return self._generate_state_key(budget=budget, policy=self.policy, layer_classes=classes)
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # Another fit of this instance: what the previous one applied goes, on whichever model it was.
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if reads_device(self._budget_given):
+            self.budget = _device_budget(self._budget_given, trainer)
         self._module = pl_module
         if _is_fsdp(trainer.strategy) and self._hand_to_fsdp(trainer.strategy, pl_module):
             return
@@ -149,7 +176,7 @@ class ActivationCheckpointing(Callback):
             return
         plan = CheckpointPlan.from_dict(stored)
         if self._module is None:  # loaded outside fit: applied at the next setup
-            self.plan = plan
+            self.plan, self._loaded = plan, True
             return
         missing = [b.name for b in plan.blocks if _submodule(self._module, b.name) is None]
         if missing:
@@ -165,13 +192,23 @@ class ActivationCheckpointing(Callback):
     # --- helpers ------------------------------------------------------------------------------
 
     def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> CheckpointPlan:
-        if self.plan is not None and all(_submodule(pl_module, b.name) is not None for b in self.plan.blocks):
-            return self.plan  # loaded before fit, or a second fit: the same plan
+        loaded, self._loaded = self._loaded, False
+        if loaded and self.plan is not None and all(_submodule(pl_module, b.name) for b in self.plan.blocks):
+            return self.plan  # loaded before this fit
         if self.budget is None:
             found = find_blocks(pl_module, self.layer_classes)
             if not found:
-                raise ValueError(_no_blocks_message(pl_module, _OPTION))
+                raise ValueError(_no_blocks_message(pl_module, _OPTION, self.layer_classes))
             return CheckpointPlan.uniform([name for name, _ in found], _uniform_policy(self.policy))
+        if not pl_module.automatic_optimization:
+            raise MisconfigurationException(
+                f"ActivationCheckpointing(budget=...) cannot plan for {type(pl_module).__name__}, which uses "
+                "manual optimization (automatic_optimization = False): the planner simulates the step "
+                "Lightning runs itself (training_step, backward, optimizer step), and a manual training_step "
+                "drives its own backward and optimizers. Choose the policy without a budget instead: "
+                "ActivationCheckpointing(policy='selective') (about a third of the activations for a few "
+                "percent of compute) or policy='full' (the least memory, ~+33 % compute)."
+            )
         budget = self.budget
 
         def decide() -> dict[str, Any]:
@@ -182,24 +219,25 @@ class ActivationCheckpointing(Callback):
                     f"Activation checkpointing: DDP's all-reduce buckets take {format_bytes(buckets)} "
                     f"of the {format_bytes(budget)} budget; the step is planned to fit the rest."
                 )
-            return plan_checkpointing(
-                pl_module,
-                _example_batch(trainer),
-                max(budget - buckets, 0),
-                policy=self.policy,
-                blocks=self.layer_classes,
-                cost=self.cost,
-                device=trainer.strategy.root_device.type,
-                precision=precision(trainer),
-                accumulating=accumulates(trainer),
-            ).as_dict()
+            with _untraced(pl_module):
+                return plan_checkpointing(
+                    pl_module,
+                    _example_batch(trainer),
+                    max(budget - buckets, 1),
+                    policy=self.policy,
+                    blocks=self.layer_classes,
+                    cost=self.cost,
+                    device=trainer.strategy.root_device.type,
+                    precision=precision(trainer),
+                    accumulating=accumulates(trainer),
+                ).as_dict()
 
         return CheckpointPlan.from_dict(on_rank_zero(trainer, decide, "Planning activation checkpointing"))
 
     def _use(self, pl_module: nn.Module, plan: CheckpointPlan) -> None:
-        if self._handle is not None and self._applied_to is pl_module:
+        if self._handle is not None:
             self._handle.remove()
-        self._handle, self._applied_to = apply_checkpointing(pl_module, plan), pl_module
+        self._handle = apply_checkpointing(pl_module, plan)
         self.plan = plan
         rank_zero_info(str(plan))
 
@@ -213,7 +251,7 @@ class ActivationCheckpointing(Callback):
                 "FSDPStrategy(activation_checkpointing_policy=...) and the ActivationCheckpointing callback "
                 "both configure activation checkpointing; keep one of them."
             )
-        if self.budget is not None:
+        if self._budget_given is not None:
             raise MisconfigurationException(
                 "ActivationCheckpointing(budget=...) cannot plan under FSDPStrategy yet: the simulated step "
                 "does not shard parameters, gradients and optimizer state, so its peak is not the run's. "
@@ -229,14 +267,44 @@ class ActivationCheckpointing(Callback):
             if not found:
                 raise ValueError(_no_blocks_message(pl_module, _OPTION))
             classes = tuple({type(m) for _, m in found})
-        strategy._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(None, set(classes))
         names = [name for name, _ in find_blocks(pl_module, classes)]
+        if not names:
+            raise ValueError(_no_blocks_message(pl_module, _OPTION, classes))
+        strategy._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(None, set(classes))
         self.plan = CheckpointPlan.uniform(names, "full")
         rank_zero_info(
             "Activation checkpointing handed to FSDPStrategy as activation_checkpointing_policy="
             f"{{{', '.join(c.__name__ for c in classes)}}} ({len(names)} blocks, full)."
         )
         return True
+
+
+def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:
+    """A fraction or ``"auto"`` in bytes, from the device the run trains on (set by ``setup``)."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        raise MisconfigurationException(
+            f"ActivationCheckpointing(budget={budget!r}) is read from the CUDA device the run trains on, but "
+            f"this run trains on {device.type}. Give a size ('24GB', '6GiB') or a GPU name ('A100-40GB') "
+            "instead."
+        )
+    return parse_budget(budget).usable
+
+
+@contextlib.contextmanager
+def _untraced(pl_module: nn.Module) -> Iterator[None]:
+    """Planning's work (the module's training_step, a batch drawn from the dataloader) leaves no trace:
+    the gradients are set aside by reference (a copy would double their memory on a later fit), then
+    `isolated` puts back buffers, RNG streams, metrics and list attributes."""
+    saved = [(p, p.grad) for p in pl_module.parameters()]
+    for p, _ in saved:
+        p.grad = None
+    try:
+        with isolated(pl_module, "Planning activation checkpointing"):
+            yield
+    finally:
+        for p, grad in saved:
+            p.grad = grad
 
 
 def _uniform_policy(policy: str) -> str:
@@ -267,4 +335,10 @@ def _example_batch(trainer: pl.Trainer) -> Any:
             "with `lightning_memkit.plan_checkpointing(model, batch, budget)` and apply the plan in "
             "`configure_model`."
         )
-    return next(iter(loader))
+    batch = next((b for b in loader if b is not None), None)  # Lightning skips a None batch too
+    if batch is None:
+        raise MisconfigurationException(
+            "ActivationCheckpointing(budget=...) simulates one training step and needs a batch, but the "
+            "training dataloader yields none."
+        )
+    return batch
