@@ -2,12 +2,22 @@
 
     memkit estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision bf16-mixed --optimizer adamw
 
-prints one training step's peak memory by category in two columns side by side: ``analytic``
+prints one training step's peak memory by category in three columns side by side: ``analytic``
 (architecture arithmetic, `estimate_analytic`; GPT presets, models carrying a ``GPTConfig``, and Hugging
 Face GPT-2, GPT-NeoX and LLaMA-family models whose ``.config`` maps onto it parameter for parameter,
 `TransformerShape.from_hf_config`; otherwise a note says why not) and
-``simulated`` (the step run on fake tensors, `estimate_memory`). ``--json`` prints the same as one
-JSON object; ``--gpus N --strategy S`` shows one rank's share under that strategy.
+``simulated`` (the step run on fake tensors, `estimate_memory`), and their ``difference`` (simulated
+minus analytic); two lines under the table say which to plan with (the simulated one: the model's own
+code ran) and why they differ, from the figures: the categories that differ most and what the analytic
+model leaves out there (the logits and the loss's buffers, gradients not yet made at the simulated peak).
+``--json`` prints the same as one JSON object; ``--gpus N --strategy S`` shows one rank's share under that
+strategy.
+
+    memkit plan --model gpt2 --gpu A100-40GB --global-batch 64 --seq-len 1024 --precision bf16-mixed
+
+prints the plan that fits, every configuration simulated, and the plan as Python to paste: the Trainer
+with ``AutoFit``, which makes the plan as the fit starts, and the same set by hand (micro-batch,
+``accumulate_grad_batches``, precision, strategy and devices, ``ActivationCheckpointing``, the optimizer).
 
 The model (``--model``) is a preset of the bundled GPT demo (``tiny``, ``gpt2``, ... ``llama-7b``) or
 ``package.module:factory``, a callable taking no arguments that returns an ``nn.Module`` or a
@@ -49,7 +59,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +76,10 @@ from lightning_memkit._analytic import (
     shard,
 )
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
-from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, estimate_memory
+from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, TimelineEvent, estimate_memory
+
+if TYPE_CHECKING:
+    from lightning_memkit._autofit import FitPlan
 
 __all__ = ["SUBCOMMANDS", "UsageError", "main"]
 
@@ -154,9 +167,10 @@ def _one_of(kind: str, valid: Sequence[str]) -> Callable[[str], str]:
 def _add_estimate(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "estimate",
-        help="one training step's peak memory by category: analytic and simulated, side by side",
+        help="one training step's peak memory by category: analytic, simulated and their difference",
         description=(
-            "Print one training step's peak memory by category, analytic and simulated side by side. "
+            "Print one training step's peak memory by category, analytic and simulated side by side, with "
+            "their difference and why they differ (plan with the simulated one). "
             "The batch is (x, y): int64 token ids of shape (batch-size, seq-len), unless the module "
             "defines example_batch(batch_size, seq_len)."
         ),
@@ -508,11 +522,12 @@ def _lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
-def _simulate(model: nn.Module, args: argparse.Namespace) -> MemoryBreakdown:
+def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdown, TimelineEvent | None]:
+    """The simulated step's breakdown and the op at which its peak falls (the first of the highest)."""
     from lightning.pytorch import LightningModule
 
     lightning = isinstance(model, LightningModule)
-    return estimate_memory(
+    breakdown, timeline = estimate_memory(
         model,
         _example_batch(model, args.model, args.batch_size, args.seq_len),
         optimizer=args.optimizer if lightning else args.optimizer or "adamw",
@@ -521,7 +536,9 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> MemoryBreakdown:
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,
         accumulating=args.accumulate > 1,
+        return_timeline=True,
     )
+    return breakdown, max(timeline, key=lambda event: event.live, default=None)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
@@ -548,7 +565,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         )
     start = time.perf_counter()
     with _step_errors(model, args.model, args.batch_size, args.seq_len):
-        simulated = _simulate(model, args)
+        simulated, at_peak = _simulate(model, args)
     seconds = time.perf_counter() - start
     notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
     if args.gpus > 1 or args.strategy != "ddp":
@@ -562,11 +579,70 @@ def _run_estimate(args: argparse.Namespace) -> int:
             f"per rank: {args.strategy} over {args.gpus} GPU(s) divides "
             f"{', '.join(sharded) or 'nothing'} by {args.gpus}{buckets if not sharded else ''}"
         )
+    explanation = _explain(args, shape, analytic, simulated, at_peak) if analytic is not None else []
     if args.json:
-        print(json.dumps(_report(args, analytic, simulated, seconds, notes), indent=2))
+        print(json.dumps(_report(args, analytic, simulated, seconds, [*explanation, *notes]), indent=2))
     else:
-        print(_table(args, analytic, simulated, notes))
+        print(_table(args, analytic, simulated, [*explanation, *notes]))
     return 0
+
+
+def _difference(analytic: MemoryBreakdown, simulated: MemoryBreakdown) -> dict[str, int]:
+    """Simulated minus analytic, in bytes, per category and for the peak."""
+    a, s = analytic.as_dict(), simulated.as_dict()
+    return {name: s[name] - a[name] for name in (*CATEGORIES, "peak")}
+
+
+def _signed(n: int) -> str:
+    return f"+{format_bytes(n)}" if n > 0 else format_bytes(n)
+
+
+def _explain(
+    args: argparse.Namespace,
+    shape: TransformerShape,
+    analytic: MemoryBreakdown,
+    simulated: MemoryBreakdown,
+    at_peak: TimelineEvent | None,
+) -> list[str]:
+    """Two lines under the table: which column to plan with, and why they differ, from the figures.
+
+    The second names the categories that differ by at least 1 % of the larger peak (at most three, the
+    largest first), each with what the analytic model leaves out or assumes there: the logits and the
+    loss's buffers (B x T x vocab elements, several fp32 copies at a language model's peak), every
+    gradient counted as live (the simulated peak may fall before the backward has made them: Lightning
+    zeroes them after the forward), all of autocast's weight copies counted at once.
+    """
+    op = at_peak.op.removesuffix(".default") if at_peak is not None else ""
+    where = f"; its peak falls in the {at_peak.phase}, at {op}" if at_peak is not None else ""
+    trust = (
+        f"Plan with the simulated column: it runs the model's own code{where}. The analytic one is "
+        "architecture arithmetic, for what-ifs or without the model's code."
+    )
+    diff = _difference(analytic, simulated)
+    floor = 0.01 * max(analytic.peak, simulated.peak)
+    differing = sorted((c for c in CATEGORIES if abs(diff[c]) >= floor), key=lambda c: -abs(diff[c]))[:3]
+    ratio = f" ({simulated.peak / analytic.peak:.2f}x)" if analytic.peak else ""
+    total = f"simulated - analytic: {_signed(diff['peak'])}{ratio}"
+    if not differing:
+        return [trust, f"{total}; no category differs by 1 %."]
+    higher = {c for c in differing if diff[c] > 0}
+    lower = {c for c in differing if diff[c] < 0}
+    why = []
+    if higher & {"activations", "temporary"}:
+        logits = args.batch_size * args.seq_len * shape.vocab_size  # (B, T, V) elements
+        why.append(
+            f"leaves out the logits and the loss's buffers ({args.batch_size} x {args.seq_len} x "
+            f"{shape.vocab_size:,} = {format_bytes(4 * logits)} per fp32 copy)"
+        )
+    if "gradients" in lower:
+        made = "none exists" if simulated.gradients == 0 else f"{format_bytes(simulated.gradients)} exist"
+        why.append(f"counts every gradient as live ({made} at the simulated peak)")
+    if "temporary" in lower and analytic.temporary:
+        copies = format_bytes(analytic.temporary)
+        why.append(f"counts all of autocast's weight copies as live at once ({copies})")
+    parts = ", ".join(f"{c} {_signed(diff[c])}" for c in differing)
+    because = f" Analytic {', '.join(why[:-1])}{' and ' if len(why) > 1 else ''}{why[-1]}." if why else ""
+    return [trust, f"{total}: {parts}.{because}"]
 
 
 def _report(
@@ -576,7 +652,9 @@ def _report(
     seconds: float | None,
     notes: list[str],
 ) -> dict[str, Any]:
-    """The ``--json`` object. Byte counts are integers; ``analytic``/``simulated`` are null when absent."""
+    """The ``--json`` object. Byte counts are integers; ``difference`` is simulated minus analytic per
+    category (negative where analytic is higher); ``analytic``/``difference`` are null when there is no
+    analytic column. ``notes`` starts with `_explain`'s two lines when there is."""
     return {
         "model": args.model,
         "batch_size": args.batch_size,
@@ -590,6 +668,9 @@ def _report(
         "strategy": args.strategy,
         "analytic": analytic.as_dict() if analytic is not None else None,
         "simulated": simulated.as_dict() if simulated is not None else None,
+        "difference": (
+            _difference(analytic, simulated) if analytic is not None and simulated is not None else None
+        ),
         "simulated_seconds": seconds,
         "notes": notes,
     }
@@ -601,28 +682,35 @@ def _table(
     simulated: MemoryBreakdown | None,
     notes: list[str],
 ) -> str:
-    """Categories as rows, the two estimates as columns (rich when installed, plain text otherwise)."""
+    """Categories as rows; the two estimates and their difference (simulated - analytic) as columns (rich
+    when installed, plain text otherwise)."""
     title = (
         f"Peak memory of one training step: {args.model}, batch {args.batch_size} x {args.seq_len}, "
         f"{args.precision}, {args.optimizer_used}, {args.device}"
     )
+    diff = _difference(analytic, simulated) if analytic is not None and simulated is not None else None
     rows = [
-        (name, *(format_bytes(getattr(b, name)) if b is not None else "—" for b in (analytic, simulated)))
+        (
+            name,
+            *(format_bytes(getattr(b, name)) if b is not None else "—" for b in (analytic, simulated)),
+            _signed(diff[name]) if diff is not None else "—",
+        )
         for name in (*CATEGORIES, "peak")
     ]
+    columns = ("analytic", "simulated", "difference")
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        lines = [title, f"{'category':<16}{'analytic':>14}{'simulated':>14}"]
-        lines += [f"{name:<16}{a:>14}{s:>14}" for name, a, s in rows]
+        lines = [title, f"{'category':<16}" + "".join(f"{c:>14}" for c in columns)]
+        lines += [f"{name:<16}" + "".join(f"{v:>14}" for v in values) for name, *values in rows]
         return "\n".join([*lines, *notes])
     table = Table()
     table.add_column("category")
-    table.add_column("analytic", justify="right")
-    table.add_column("simulated", justify="right")
-    for name, a, s in rows:
-        table.add_row(name, a, s, style="bold" if name == "peak" else None)
+    for column in columns:
+        table.add_column(column, justify="right")
+    for name, *values in rows:
+        table.add_row(name, *values, style="bold" if name == "peak" else None)
     console = Console(width=110, record=True, force_terminal=False)
     with console.capture() as capture:
         console.print(table)
@@ -722,15 +810,80 @@ def _run_plan(args: argparse.Namespace) -> int:
             progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
         )
     seconds = time.perf_counter() - start
+    code = _plan_code(args, model, plan)
     if args.json:
-        print(json.dumps({"model": args.model, **plan.as_dict(), "seconds": seconds}, indent=2))
+        print(json.dumps({"model": args.model, **plan.as_dict(), "code": code, "seconds": seconds}, indent=2))
     else:
         print(f"{args.model} on {args.gpu.source}, global batch {args.global_batch} x {args.seq_len}:")
         print(plan)
-        if plan.n_gpus > 1:
-            print(f"Trainer(strategy={plan.strategy!r}, devices={plan.n_gpus}, ...)")
+        print(f"The plan as code (Python):\n{code}")
         print(f"planned in {seconds:.1f} s ({len(plan.alternatives)} simulated steps)")
     return 0
+
+
+def _plan_code(args: argparse.Namespace, model: nn.Module, plan: FitPlan) -> str:
+    """The plan as Python a user pastes: the Trainer with ``AutoFit``, which makes this plan as the fit
+    starts, then the same set by hand: the micro-batch (the DataLoader's batch size), the Trainer's
+    arguments, checkpointing as a callback, and an optimizer swap as a comment (it goes in
+    ``configure_optimizers``)."""
+    from lightning.pytorch import LightningModule
+
+    from lightning_memkit._autofit import own_optimizer
+    from lightning_memkit._budget import GPUS
+
+    budget, named = plan.budget, plan.budget.source in GPUS
+    # AutoFit reads a size as the step's limit, not as a card's: a card size is given as what it leaves.
+    autofit = {"budget": json.dumps(budget.source) if named else f"{budget.usable:_}"}
+    if plan.margin != 0.1:
+        autofit["margin"] = repr(plan.margin)
+    if args.optimizer is not None:
+        autofit["optimizers"] = json.dumps(list(args.optimizer))
+    trainer = {"precision": json.dumps(plan.precision)}
+    if plan.n_gpus > 1:
+        trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.n_gpus)}
+    by_hand = {"accumulate_grad_batches": str(plan.accumulate_grad_batches), **trainer}
+    if plan.checkpointing != "none":
+        by_hand["callbacks"] = f"[ActivationCheckpointing(policy={json.dumps(plan.checkpointing)})]"
+    imports = ["ActivationCheckpointing", "AutoFit"] if "callbacks" in by_hand else ["AutoFit"]
+    card = f"#    The budget is what a {budget.source} card leaves after the CUDA context and reserve."
+    per_gpu = args.global_batch // args.gpus
+    lines = [
+        "from lightning.pytorch import Trainer",
+        f"from lightning_memkit import {', '.join(imports)}",
+        "",
+        "# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the",
+        f"#    global batch per GPU, here {per_gpu}; it sets micro-batch and accumulation itself.",
+        *([] if named else [card]),
+        _call("trainer = Trainer", {**trainer, "callbacks": f"[AutoFit({_arguments(autofit)})]"}),
+        "",
+        "# 2. Or by hand: batch_size is the micro-batch, the DataLoader's batch size.",
+        f"batch_size = {plan.micro_batch_size}",
+        _call("trainer = Trainer", by_hand),
+    ]
+    own = own_optimizer(model) if isinstance(model, LightningModule) else None
+    if plan.optimizer is not None and plan.optimizer != own:
+        name = json.dumps(plan.optimizer)
+        if isinstance(model, LightningModule):
+            instead = own or "the configured one"
+            lines += [
+                f"#    Optimizer {plan.optimizer} in place of {instead}: in configure_optimizers,",
+                f"#    return lightning_memkit.swap_optimizer(optimizer, {name})",
+            ]
+        else:
+            lines.append(f"#    Optimizer: {plan.optimizer}, lightning_memkit.CATALOGUE[{name}].")
+    return "\n".join(lines)
+
+
+def _arguments(kwargs: Mapping[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+def _call(head: str, kwargs: Mapping[str, str]) -> str:
+    """``head(k=v, ...)`` on one line, or one argument a line when that is over 100 characters."""
+    one_line = f"{head}({_arguments(kwargs)})"
+    if len(one_line) <= 100:
+        return one_line
+    return "\n".join([f"{head}(", *(f"    {k}={v}," for k, v in kwargs.items()), ")"])
 
 
 # --------------------------------------------------------------------------------------------------

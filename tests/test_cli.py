@@ -229,3 +229,163 @@ def test_plan_a_hugging_face_model_factory(capsys):
     report = _run_json(capsys, argv)
     assert (report["micro_batch_size"], report["accumulate_grad_batches"]) == (4, 1)
     assert report["optimizer"] == "adamw" and report["estimated_peak"] <= report["limit"]
+
+
+# --- issue 13: the estimate explains its two columns; the plan prints its set-up as code ------------
+
+
+def _signed(n):
+    from lightning_memkit._breakdown import format_bytes
+
+    return f"+{format_bytes(n)}" if n > 0 else format_bytes(n)
+
+
+BF16 = ["estimate", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--precision", "bf16-mixed"]
+
+
+def test_difference_is_simulated_minus_analytic_and_explained(capsys):
+    report = _run_json(capsys, [*BF16, "--device", "cpu", "--json"])
+    analytic, simulated, difference = report["analytic"], report["simulated"], report["difference"]
+    assert difference == {name: simulated[name] - analytic[name] for name in analytic}
+    trust, why = report["notes"][:2]
+    assert trust.startswith("Plan with the simulated column: it runs the model's own code")
+    assert "its peak falls in the forward, at aten.nll_loss_forward" in trust
+    # The categories that differ, largest first, with their numbers; the logits' size from B x T x vocab.
+    assert why.startswith(f"simulated - analytic: {_signed(difference['peak'])} (")
+    assert (
+        f"activations {_signed(difference['activations'])}, temporary {_signed(difference['temporary'])}."
+        in why
+    )
+    assert difference["activations"] > 0 > difference["temporary"]
+    assert "logits and the loss's buffers (4 x 64 x 256 = 256.00 KiB per fp32 copy)" in why
+    assert "autocast's weight copies as live at once (1.56 MiB)" in why
+
+
+@pytest.mark.parametrize("rich", [True, False])
+def test_table_has_the_difference_column_and_the_explanation(capsys, monkeypatch, rich):
+    if not rich:  # the plain-text table, as without rich installed
+        monkeypatch.setitem(sys.modules, "rich.console", None)
+    report = _run_json(capsys, [*BF16, "--device", "cpu", "--json"])
+    assert main([*BF16, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "category" in line)
+    assert header.index("analytic") < header.index("simulated") < header.index("difference")
+    for name, diff in report["difference"].items():
+        row = next(line for line in out.splitlines() if re.search(rf"\b{name}\b", line))
+        assert row.rstrip(" │").endswith(_signed(diff)), row
+    assert "Plan with the simulated column" in out and report["notes"][1] in out
+
+
+def test_explanation_of_a_peak_before_the_gradients_exist():
+    """GPT-2 at 8 x 1024 in bf16-mixed peaks in the loss's backward, before any gradient is made."""
+    import argparse
+
+    from lightning_memkit._breakdown import MemoryBreakdown
+    from lightning_memkit._simulate import TimelineEvent
+    from lightning_memkit.cli import _explain
+
+    MiB = 2**20
+    analytic = MemoryBreakdown(475 * MiB, 475 * MiB, 949 * MiB, 2448 * MiB, 236 * MiB)
+    simulated = MemoryBreakdown(475 * MiB, 0, 949 * MiB, 4444 * MiB, 3144 * MiB)
+    at = TimelineEvent("backward", "aten._log_softmax_backward_data.default", simulated.peak)
+    shape = TransformerShape.from_config(GPTConfig.from_name("gpt2"))
+    args = argparse.Namespace(batch_size=8, seq_len=1024)
+    trust, why = _explain(args, shape, analytic, simulated, at)
+    assert "peak falls in the backward, at aten._log_softmax_backward_data." in trust
+    assert why.startswith(f"simulated - analytic: {_signed(simulated.peak - analytic.peak)} (1.97x): ")
+    assert "temporary +2.84 GiB, activations +1.95 GiB, gradients -475.00 MiB." in why
+    assert "(8 x 1024 x 50,257 = 1.53 GiB per fp32 copy)" in why
+    assert "counts every gradient as live (none exists at the simulated peak)" in why
+
+
+def test_no_difference_without_an_analytic_column(capsys):
+    argv = ["estimate", "--model", "test_cli:tiny_lm", "--batch-size", "2", "--seq-len", "4", "--json"]
+    report = _run_json(capsys, argv)
+    assert report["analytic"] is None and report["difference"] is None
+    assert not any(note.startswith("Plan with") for note in report["notes"])
+
+
+def _plan_code(out):
+    return out.split("The plan as code (Python):\n", 1)[1].rsplit("\nplanned in ", 1)[0]
+
+
+def _trainer_calls(code):
+    """The keyword arguments of each ``Trainer(...)`` call in ``code``, as Python values or source."""
+    import ast
+
+    calls = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Trainer":
+            calls.append({k.arg: _value(k.value) for k in node.keywords})
+    return calls
+
+
+def _value(node):
+    import ast
+
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return ast.unparse(node)
+
+
+def test_plan_prints_its_set_up_as_code_that_runs(capsys, monkeypatch, tmp_path):
+    argv = ["plan", "--model", "tiny", "--gpu", "T4", "--global-batch", "8", "--seq-len", "32"]
+    report = _run_json(capsys, [*argv, "--json"])
+    assert main(argv) == 0
+    code = _plan_code(capsys.readouterr().out)
+    assert code == report["code"]
+    autofit, by_hand = _trainer_calls(code)
+    assert autofit == {"precision": report["precision"], "callbacks": "[AutoFit(budget='T4')]"}
+    assert by_hand == {
+        "accumulate_grad_batches": report["accumulate_grad_batches"],
+        "precision": report["precision"],
+    }
+    assert f"\nbatch_size = {report['micro_batch_size']}\n" in code
+    assert "here 8;" in code  # AutoFit's batch_size: the global batch per GPU
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(code, "<memkit plan>", "exec"), namespace)  # real Trainers, on the CPU
+    assert namespace["trainer"].accumulate_grad_batches == report["accumulate_grad_batches"]
+    assert namespace["batch_size"] == report["micro_batch_size"]
+
+
+def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
+    import argparse
+    import ast
+
+    from lightning_memkit import ActivationCheckpointing, AutoFit, FitPlan, parse_budget
+    from lightning_memkit.cli import _plan_code as plan_code
+
+    budget = parse_budget("24GB", device_size=True)
+    plan = FitPlan(
+        micro_batch_size=2, accumulate_grad_batches=16, checkpointing="full", optimizer="adamw8bit",
+        precision="bf16-mixed", estimated_peak=1, budget=budget, margin=0.2, strategy="fsdp", n_gpus=8,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = GPTLightningModule("tiny")  # configures AdamW
+    args = argparse.Namespace(global_batch=256, gpus=8, optimizer=None)
+    code = plan_code(args, model, plan)
+    autofit, by_hand = _trainer_calls(code)
+    sharded = {"precision": "bf16-mixed", "strategy": "fsdp", "devices": 8}
+    assert autofit == {**sharded, "callbacks": f"[AutoFit(budget={budget.usable}, margin=0.2)]"}
+    assert by_hand == {
+        "accumulate_grad_batches": 16,
+        **sharded,
+        "callbacks": "[ActivationCheckpointing(policy='full')]",
+    }
+    assert "here 32;" in code and "\nbatch_size = 2\n" in code
+    assert '#    return lightning_memkit.swap_optimizer(optimizer, "adamw8bit")' in code
+    assert "adamw8bit in place of adamw" in code
+    # Run it with a Trainer that records its arguments (8 GPUs are not here); the callbacks are real.
+    tree = ast.parse(code)
+    tree.body = [
+        n for n in tree.body if not (isinstance(n, ast.ImportFrom) and n.module == "lightning.pytorch")
+    ]
+    namespace = {"Trainer": dict}
+    exec(compile(tree, "<memkit plan>", "exec"), namespace)
+    assert isinstance(namespace["trainer"]["callbacks"][0], ActivationCheckpointing)
+    first = ast.Module(body=tree.body[:2], type_ignores=[])
+    exec(compile(first, "<memkit plan>", "exec"), namespace)
+    assert isinstance(namespace["trainer"]["callbacks"][0], AutoFit)
+    assert namespace["trainer"]["callbacks"][0].budget == budget.usable
