@@ -810,15 +810,16 @@ def _infeasible(search, candidates, precisions, levels, limit, budget, margin, t
             f"{fsdp} GPUs of this size with strategy='fsdp' (or deepspeed_stage_3) keep {candidates[0]}"
         )
     if gpu is not None:
-        fixes.append(f"one {gpu} ({GPUS[gpu] / 1024:.0f} GiB) fits it at micro-batch 1")
+        fixes.append(f"one {gpu} ({GPUS[gpu] / 1024:.0f} GiB) fits it at micro-batch {search.smallest}")
     hint = "; ".join(fixes) or "no single GPU or up to 64 FSDP ranks fits it"
+    lower = "" if {"bf16-true", "16-true"} & set(precisions) else "; or allow a lower precision (bf16-true)"
     return (
         f"No plan fits {format_bytes(limit)} ({budget.source}, usable {format_bytes(budget.usable)} less the "
         f"{margin:.0%} margin){ranks}. Static floor (parameters + gradients + optimizer state) with "
         f"{leanest_opt or 'the configured optimizer'}, {leanest_prec}: {format_bytes(floor.static)}; the "
-        f"leanest plan (micro-batch 1, {strongest} checkpointing, {leanest_opt}) peaks at "
-        f"{format_bytes(floor.peak)}; with {candidates[0] or 'the configured optimizer'} at micro-batch 1: "
-        f"{format_bytes(best.peak)}. What would fit: {hint}; or allow a lower precision (bf16-true)."
+        f"leanest plan (micro-batch {search.smallest}, {strongest} checkpointing, {leanest_opt}) peaks at "
+        f"{format_bytes(floor.peak)}; with {candidates[0] or 'the configured optimizer'} at micro-batch "
+        f"{search.smallest}: {format_bytes(best.peak)}. What would fit: {hint}{lower}."
     )
 
 

@@ -238,7 +238,8 @@ def _add_estimate(subparsers: Any) -> None:
         type=_one_of("device", DEVICES),
         default="cuda",
         metavar="{cuda,cpu}",
-        help="the device to plan for: cuda (512-byte allocator blocks, foreach optimizers) or cpu",
+        help="the device to plan for: cuda (512-byte allocator blocks, foreach optimizers) or cpu "
+        "(default: cuda; no GPU is needed)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=_run_estimate)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def test_loading_bitsandbytes_prints_nothing():
@@ -15,3 +16,19 @@ def test_loading_bitsandbytes_prints_nothing():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "gemm_4bit" not in done.stderr + done.stdout
+
+
+def test_no_plan_fits_does_not_suggest_the_precision_already_allowed():
+    """Issue 13, item 6: "What would fit" suggested bf16-true even when bf16-true was allowed."""
+    from torch import nn
+
+    from lightning_memkit import plan_fit
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    batch = (torch.zeros(4, 64), torch.zeros(4, 64))
+    kwargs = dict(loss_fn=nn.functional.mse_loss, optimizers=["sgd"], cost="flops")
+    with pytest.raises(ValueError, match=r"or allow a lower precision \(bf16-true\)"):
+        plan_fit(model, batch, 1000, **kwargs)
+    with pytest.raises(ValueError, match=r"No plan fits") as refused:
+        plan_fit(model, batch, 1000, precision=["32-true", "bf16-true"], **kwargs)
+    assert "allow a lower precision" not in str(refused.value)
