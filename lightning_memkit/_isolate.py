@@ -10,7 +10,8 @@ decision for each frame (a frame first called under a dispatch mode is never com
 `isolated` snapshots what it can restore exactly and puts it back:
 
 * the RNG streams: torch's CPU and CUDA generators, Python's ``random`` and NumPy's global state;
-* buffers (values, and the tensor objects themselves when code rebinds them) and ``.grad`` tensors;
+* buffers (values, and the tensor objects themselves when code rebinds them); ``.grad`` tensors are set
+  aside by reference (``None`` inside) and put back;
 * ``train()``/``eval()`` flags of every submodule;
 * torchmetrics ``Metric`` states (``update`` counts and values);
 * the contents of public ``list``/``dict``/``set``/``deque`` attributes of every submodule (the usual
@@ -46,7 +47,14 @@ _CONTAINERS = (list, dict, set, collections.deque)
 @contextlib.contextmanager
 def isolated(module: nn.Module, what: str = "Planning") -> Iterator[None]:
     """Run the block, then put ``module``'s state, the RNG streams and torch.compile's state back."""
-    restore = [_rng(), _buffers(module), _grads(module), _modes(module), _metrics(module), _containers(module)]
+    restore = [
+        _rng(),
+        _buffers(module),
+        _grads(module),
+        _modes(module),
+        _metrics(module),
+        _containers(module),
+    ]
     versions = [(name, p, p._version) for name, p in module.named_parameters()]
     try:
         with _eager():
@@ -107,14 +115,15 @@ def _buffers(module: nn.Module) -> Any:
 
 
 def _grads(module: nn.Module) -> Any:
-    saved = [(p, p.grad, p.grad.detach().clone() if _is_real(p.grad) else None) for p in module.parameters()]
+    """Gradients are set aside by reference while inside (``None`` there), never copied: a copy would
+    double their memory on a re-plan mid-run, and planning's own backward accumulates into fresh ones."""
+    saved = [(p, p.grad) for p in module.parameters()]
+    for p, _ in saved:
+        p.grad = None
 
     def undo() -> None:
-        with torch.no_grad():
-            for p, grad, value in saved:
-                p.grad = grad
-                if value is not None:
-                    grad.copy_(value)
+        for p, grad in saved:
+            p.grad = grad
 
     return undo
 
@@ -160,9 +169,7 @@ def _containers(module: nn.Module) -> Any:
     def undo() -> None:
         for value, contents in saved:
             value.clear()
-            if isinstance(value, dict):
-                value.update(contents)
-            elif isinstance(value, set):
+            if isinstance(value, (dict, set)):
                 value.update(contents)
             else:
                 value.extend(contents)

@@ -226,7 +226,9 @@ def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Opti
 
     bnb = load_bitsandbytes()
     if bnb is None:
-        raise ValueError(f"optimizer {name!r} needs bitsandbytes, which is not installed or fails to load here")
+        raise ValueError(
+            f"optimizer {name!r} needs bitsandbytes, which is not installed or fails to load here"
+        )
 
     return {
         "adamw8bit": bnb.optim.AdamW8bit,
@@ -650,11 +652,10 @@ def estimate_memory(
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_gradients_aside(model))  # before `isolated`, which would copy them
         stack.enter_context(isolated(model, "estimate_memory"))
         real_params = list(model.parameters())  # references only, to pair them with their twins
         stack.enter_context(_fake_parameters(model, mode, param_dtype))
-        stack.enter_context(_training_mode(model))
+        model.train()  # as a training step runs; `isolated` gives every module its flag back
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=".*[Pp]aged optimizers are not supported on CPU.*")
         if lightning:
@@ -727,28 +728,3 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-@contextlib.contextmanager
-def _gradients_aside(model: nn.Module) -> Iterator[None]:
-    """The real parameters' gradients set aside (by reference, not copied) while inside: the simulation
-    steps fake twins and never reads them, and a copy would double their memory mid-run."""
-    saved = [(p, p.grad) for p in model.parameters()]
-    for p, _ in saved:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, grad in saved:
-            p.grad = grad
-
-
-@contextlib.contextmanager
-def _training_mode(model: nn.Module) -> Iterator[None]:
-    modes = [(m, m.training) for m in model.modules()]
-    model.train()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training

@@ -10,8 +10,7 @@ simulate the step, and takes it from the training dataloader the Trainer was giv
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -219,7 +218,7 @@ class ActivationCheckpointing(Callback):
                     f"Activation checkpointing: DDP's all-reduce buckets take {format_bytes(buckets)} "
                     f"of the {format_bytes(budget)} budget; the step is planned to fit the rest."
                 )
-            with _untraced(pl_module):
+            with isolated(pl_module, "Planning activation checkpointing"):
                 return plan_checkpointing(
                     pl_module,
                     _example_batch(trainer),
@@ -289,22 +288,6 @@ def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:
             "instead."
         )
     return parse_budget(budget).usable
-
-
-@contextlib.contextmanager
-def _untraced(pl_module: nn.Module) -> Iterator[None]:
-    """Planning's work (the module's training_step, a batch drawn from the dataloader) leaves no trace:
-    the gradients are set aside by reference (a copy would double their memory on a later fit), then
-    `isolated` puts back buffers, RNG streams, metrics and list attributes."""
-    saved = [(p, p.grad) for p in pl_module.parameters()]
-    for p, _ in saved:
-        p.grad = None
-    try:
-        with isolated(pl_module, "Planning activation checkpointing"):
-            yield
-    finally:
-        for p, grad in saved:
-            p.grad = grad
 
 
 def _uniform_policy(policy: str) -> str:
