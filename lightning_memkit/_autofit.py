@@ -575,7 +575,9 @@ class _Search:
         return model_static(self.model, precision, optimizer or "sgd")
 
 
-def _runnable(search: _Search, sizes: list[int], level: str, optimizer: str | None, precision: str) -> list[int]:
+def _runnable(
+    search: _Search, sizes: list[int], level: str, optimizer: str | None, precision: str
+) -> list[int]:
     """``sizes`` from the smallest micro-batch the model's step accepts: BatchNorm refuses one sample per
     channel in training ("Expected more than 1 value per channel"), so such a model's plans start at 2."""
     for i, m in enumerate(sizes):

@@ -8,7 +8,14 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
-from lightning_memkit import ActivationCheckpointing, MemoryMonitor, measure, parse_budget, parse_bytes, plan_fit
+from lightning_memkit import (
+    ActivationCheckpointing,
+    MemoryMonitor,
+    measure,
+    parse_budget,
+    parse_bytes,
+    plan_fit,
+)
 
 
 def test_measure_takes_an_optimizer_not_its_name():
@@ -61,12 +68,16 @@ def test_every_budget_reads_gpu_names_sizes_and_fractions_alike():
 @pytest.mark.parametrize("fraction", [1.5, float("nan"), 0.0])
 def test_a_float_budget_is_a_fraction_of_the_device(fraction):
     """Issue 12, item 15: AutoFit(budget=1.5) said it 'reads the CUDA device, but the run is on cpu'."""
-    with pytest.raises(ValueError, match=r"A float budget is a fraction of the current CUDA device, in \(0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"A float budget is a fraction of the current CUDA device, in \(0, 1\]"
+    ):
         MemoryMonitor(budget=fraction)
 
 
 def test_a_fraction_of_the_device_is_read_in_setup(tmp_path):
     monitor = MemoryMonitor(budget=0.9)  # no device is read before the run is on one
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, callbacks=[monitor], enable_progress_bar=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=1, callbacks=[monitor], enable_progress_bar=False
+    )
     with pytest.raises(ValueError, match=r"'auto' or a fraction needs a CUDA device, and none is visible"):
         trainer.fit(BoringModel())

@@ -25,7 +25,6 @@ from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckp
 from lightning_memkit.demos.gpt import GPT, GPTConfig
 from lightning_memkit.testing import AllocatorPeaks
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

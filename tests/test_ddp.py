@@ -2,8 +2,8 @@
 logger; AutoFit plans on rank 0 and every rank installs that plan."""
 
 import csv
-import re
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -277,6 +277,8 @@ def test_an_internal_error_on_one_rank_stops_the_monitor_on_every_rank_without_a
     assert [r["global_step"] for r in ranks] == [3, 3]
     assert [r["disabled"] for r in ranks] == [True, True]
     assert [r["steps"] for r in ranks] == [1, 1]  # step 0 logged; the monitor stopped at step 1 everywhere
-    assert any(re.search(r"\[rank: 1\] MemoryMonitor hit an internal error.*injected", m) for m in ranks[1]["shown"])
+    assert any(
+        re.search(r"\[rank: 1\] MemoryMonitor hit an internal error.*injected", m) for m in ranks[1]["shown"]
+    )
     assert any(re.search(r"\[rank: 0\] MemoryMonitor stops monitoring on every rank: rank\(s\) \[1\]", m)
                for m in ranks[0]["shown"])  # fmt: skip

@@ -44,7 +44,10 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a["buffers"][key], b["buffers"][key]), key
     for x, y in zip(a["grads"], b["grads"], strict=True):
         assert (x is None and y is None) or torch.equal(x, y)
-    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a["metric"], b["metric"]))
+    assert all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(a["metric"], b["metric"], strict=True)
+    )
     assert a["outputs"] == b["outputs"] and a["training"] == b["training"]
     assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
     assert (a["rng"][2] == b["rng"][2]).all()
@@ -91,6 +94,6 @@ def test_compiled_code_called_while_planning_still_compiles_afterwards():
 
 def test_a_parameter_changed_in_place_is_reported():
     net = nn.Linear(2, 2)
-    with pytest.warns(UserWarning, match=r"changed 1 parameter\(s\) in place \(weight\)"):
-        with isolated(net, "AutoFit"), torch.no_grad():
-            net.weight.add_(1)
+    warned = pytest.warns(UserWarning, match=r"changed 1 parameter\(s\) in place \(weight\)")
+    with warned, isolated(net, "AutoFit"), torch.no_grad():
+        net.weight.add_(1)

@@ -83,7 +83,10 @@ class Net(pl.LightningModule):
         if self.usage == "lbfgs":
             return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
         if self.usage == "two_optimizers":
-            return [torch.optim.AdamW(self.blocks.parameters()), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+            return [
+                torch.optim.AdamW(self.blocks.parameters()),
+                torch.optim.SGD(self.head.parameters(), lr=0.1),
+            ]
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self):
@@ -175,13 +178,18 @@ REFUSED = {
     ("autofit", "manual"): (NotImplementedError, "AutoFit plans Lightning's automatic optimization"),
     ("autofit", "two_optimizers"): (NotImplementedError, "AutoFit plans Lightning's automatic optimization"),
     ("checkpointing", "manual"): (MisconfigurationException, r"cannot plan for Net, which uses manual optim"),
-    ("checkpointing", "two_optimizers"): (MisconfigurationException, r"cannot plan for Net, which uses manual"),
+    ("checkpointing", "two_optimizers"): (
+        MisconfigurationException,
+        r"cannot plan for Net, which uses manual",
+    ),
 }
 
 
 @pytest.mark.parametrize("usage", USAGES)
 @pytest.mark.parametrize("callback", list(CALLBACKS))
-def test_a_callback_that_changes_nothing_leaves_the_run_bit_identical(callback, usage, tmp_path, tmp_path_factory):
+def test_a_callback_that_changes_nothing_leaves_the_run_bit_identical(
+    callback, usage, tmp_path, tmp_path_factory
+):
     if (callback, usage) in REFUSED:
         error, message = REFUSED[callback, usage]
         with pytest.raises(error, match=message):
@@ -208,7 +216,9 @@ def test_compiled_blocks_compile_under_the_monitor(tmp_path, tmp_path_factory):
 def test_torch_func_steps_are_left_unmeasured_with_one_warning(tmp_path):
     """Issue 12, item 2: torch.func transforms refuse saved-tensor hooks; the run crashed."""
     monitor = MemoryMonitor(plot=False, summary=False)
-    with pytest.warns(UserWarning, match=r"step \d+ is not measured: a torch.func transform .* left unmeasured"):
+    with pytest.warns(
+        UserWarning, match=r"step \d+ is not measured: a torch.func transform .* left unmeasured"
+    ):
         _fit("func", monitor, tmp_path)
     assert monitor.history == [] and monitor.measured_steps == 0
 

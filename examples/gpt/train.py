@@ -56,9 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (default: auto)")
     parser.add_argument("--devices", default="auto", help="number or list of devices (default: auto)")
     parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
-    parser.add_argument("--val-every-n-steps", type=int, default=25, help="validate every N steps (default: 25)")
     parser.add_argument(
-        "--log-every-n-steps", type=int, default=5, help="Trainer logging interval, memory keys too (default: 5)"
+        "--val-every-n-steps", type=int, default=25, help="validate every N steps (default: 25)"
+    )
+    parser.add_argument(
+        "--log-every-n-steps",
+        type=int,
+        default=5,
+        help="Trainer logging interval, memory keys too (default: 5)",
     )
     parser.add_argument("--default-root-dir", default="lightning_logs", help="logs and memory plot go here")
     parser.add_argument("--seed", type=int, default=0)

@@ -341,7 +341,6 @@ class OptimizerSwap(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
-
 def _simulates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether the step can be simulated: automatic optimization with one optimizer."""
     return pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1
