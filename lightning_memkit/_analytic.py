@@ -52,7 +52,7 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-def _choose(kind: str, value: Any, valid: Iterable[str]) -> str:
+def valid_name(kind: str, value: Any, valid: Iterable[str]) -> str:
     valid = list(valid)
     if value in valid:
         return value
@@ -106,9 +106,9 @@ class TransformerShape:
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         _positive("d_ff", self.d_ff)
-        _choose("mlp", self.mlp, ("gelu", "swiglu"))
-        _choose("norm", self.norm, ("layernorm", "rmsnorm"))
-        _choose("position", self.position, ("learned", "none"))
+        valid_name("mlp", self.mlp, ("gelu", "swiglu"))
+        valid_name("norm", self.norm, ("layernorm", "rmsnorm"))
+        valid_name("position", self.position, ("learned", "none"))
         if self.position == "learned":
             if self.block_size is None:
                 raise ValueError("position='learned' needs block_size (rows of the position table)")
@@ -117,7 +117,7 @@ class TransformerShape:
     @classmethod
     def from_name(cls, name: str) -> TransformerShape:
         """A published architecture: ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``llama-7b``."""
-        return _PRESETS[_choose("architecture", name, _PRESETS)]
+        return _PRESETS[valid_name("architecture", name, _PRESETS)]
 
     @classmethod
     def from_config(cls, config: Any) -> TransformerShape:
@@ -128,7 +128,7 @@ class TransformerShape:
         ``tie_weights``; absent ones default to nanoGPT's GPT-2 layout.
         """
         pos = getattr(config, "pos_embedding", "learned")
-        position = _choose("pos_embedding", pos, ("learned", "rope", "none"))
+        position = valid_name("pos_embedding", pos, ("learned", "rope", "none"))
         return cls(
             vocab_size=config.vocab_size,
             d_model=config.n_embd,
@@ -309,7 +309,7 @@ class PrecisionScheme:
     @classmethod
     def from_name(cls, name: str) -> PrecisionScheme:
         """A Lightning precision string, or ``"seed000"`` / ``"seed003"`` (the theory notes' conventions)."""
-        return PRECISIONS[_choose("precision", name, PRECISIONS)]
+        return PRECISIONS[valid_name("precision", name, PRECISIONS)]
 
 
 PRECISIONS: dict[str, PrecisionScheme] = {
@@ -427,7 +427,7 @@ OPTIMIZERS: dict[str, Callable[[Sequence[Shape], int], int]] = {
 
 def optimizer_state_bytes(name: str, shapes: Sequence[Shape], *, state_bytes: int = 4) -> int:
     """Bytes of ``optimizer.state`` after the first step for parameters of these shapes."""
-    return OPTIMIZERS[_choose("optimizer", name, OPTIMIZERS)](shapes, state_bytes)
+    return OPTIMIZERS[valid_name("optimizer", name, OPTIMIZERS)](shapes, state_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def shard(
     or without). ``gradient_bytes`` is that size where ``breakdown.gradients`` is not all of it (a
     simulated peak taken before every gradient exists); ZeRO's and FSDP's own buffers are not modelled.
     """
-    sharded = STRATEGIES[_choose("strategy", strategy, STRATEGIES)]
+    sharded = STRATEGIES[valid_name("strategy", strategy, STRATEGIES)]
     _positive("n_gpus", n_gpus)
     one_rank = replace(breakdown, **{c: _ceil_div(getattr(breakdown, c), n_gpus) for c in sharded})
     if strategy == "ddp" and n_gpus > 1:
@@ -531,8 +531,8 @@ def activation_bytes(
     _positive("batch", batch)
     _positive("seq_len", seq_len)
     _positive("bytes_per_element", bytes_per_element)
-    _choose("checkpointing", checkpointing, CHECKPOINTING)
-    _choose("attention", attention, ATTENTION)
+    valid_name("checkpointing", checkpointing, CHECKPOINTING)
+    valid_name("attention", attention, ATTENTION)
     L, d, h = shape.n_layer, shape.d_model, shape.n_head
     if checkpointing == "full":
         return L * batch * seq_len * d * bytes_per_element

@@ -64,9 +64,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memkit._analytic import STRATEGIES, _choose, model_static, shard
+from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget
+from lightning_memkit._measure import model_device
 
 __all__ = ["RECOMPUTE", "Alternative", "FitPlan", "StepCost", "plan_fit"]
 
@@ -158,10 +159,6 @@ def _batch_size(batch: Any) -> int:
             "one sample per GPU. Pass a batch of the global batch size, e.g. the train dataloader's first."
         )
     return size
-
-
-def _is_meta(model: nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def flops_cost(estimate: Callable[..., Any], device: str, m: int = 1) -> StepCost:
@@ -672,7 +669,7 @@ def plan_fit(
     if not levels or len(levels) != len(set(checkpointing)):
         raise ValueError(f"checkpointing must be a subset of {tuple(RECOMPUTE)}, got {tuple(checkpointing)}")
     levels, note = _checkpointable(model, levels)
-    strategy = _choose("strategy", strategy, STRATEGIES)
+    strategy = valid_name("strategy", strategy, STRATEGIES)
     total = _batch_size(batch)
     if total % n_gpus:
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
@@ -771,8 +768,8 @@ def _row_order(key: tuple, candidates: Sequence, precisions: Sequence) -> tuple:
 def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> StepCost:
     if isinstance(cost, StepCost):
         return cost
-    cost = _choose("cost", cost, ("auto", "measured", "flops"))
-    real_cpu = not _is_meta(model) and all(p.device.type == "cpu" for p in model.parameters())
+    cost = valid_name("cost", cost, ("auto", "measured", "flops"))
+    real_cpu = model_device(model).type == "cpu"
     if cost == "measured" or (cost == "auto" and real_cpu and device == "cpu"):
         size = _batch_size(batch)
         small = search.smallest

@@ -73,7 +73,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 from weakref import ref
 
 import torch
@@ -90,11 +90,15 @@ from torch.utils.flop_counter import flop_registry
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
+from lightning_memkit._kernels import hashable
+from lightning_memkit._measure import allocation_rounding, model_device
 
 __all__ = [
+    "CHECKPOINT_MODES",
     "POLICIES",
     "BlockPlan",
     "CheckpointHandle",
+    "CheckpointMode",
     "CheckpointPlan",
     "CheckpointPlanner",
     "apply_checkpointing",
@@ -185,17 +189,23 @@ class SelectiveCheckpoint:
         return create_selective_checkpoint_contexts(policy_fn)
 
 
-#: The policies by name, from the least to the most memory saved.
+#: A checkpointing mode by name: what one block (or, given as one string, every block) gets.
+CheckpointMode = Literal["none", "selective", "selective_half", "full"]
+#: The modes, from the least to the most memory saved.
+CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
+
+#: The policies by mode.
 POLICIES: dict[str, Any] = {
     "none": NoCheckpoint(),
     "selective": SelectiveCheckpoint(save_every=1),
     "selective_half": SelectiveCheckpoint(save_every=2),
     "full": FullCheckpoint(),
 }
+assert tuple(POLICIES) == CHECKPOINT_MODES
 _RANK = {name: i for i, name in enumerate(POLICIES)}
 #: What ``policy=`` lets the planner choose from, per block.
 LEVELS: dict[str, tuple[str, ...]] = {
-    "auto": ("none", "selective", "selective_half", "full"),
+    "auto": CHECKPOINT_MODES,
     "selective": ("none", "selective"),
     "selective_half": ("none", "selective_half"),
     "full": ("none", "full"),
@@ -753,14 +763,6 @@ def _spec(x: Any) -> Any:
     return type(x).__name__  # a generator, a cache object: its type is what we can compare
 
 
-def _hashable(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return tuple(_hashable(i) for i in x)
-    if isinstance(x, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in x.items()))
-    return x
-
-
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     formula = flop_registry.get(getattr(func, "overloadpacket", None))
     if formula is None:
@@ -796,7 +798,7 @@ class _Ledger(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        key = (func, _hashable(tree_map(_spec, args)), _hashable(tree_map(_spec, kwargs)))
+        key = (func, hashable(tree_map(_spec, args)), hashable(tree_map(_spec, kwargs)))
         self.ops.append(_Op(key, _flops(func, args, kwargs, out), _numel(out), func.is_view))
         for t in tree_leaves(out):
             if isinstance(t, Tensor):
@@ -1109,7 +1111,7 @@ class _Profiler:
             return
         self.order.append(name)
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
-        inputs = _hashable(tree_map(_spec, (args, kwargs)))
+        inputs = hashable(tree_map(_spec, (args, kwargs)))
         signature = (type(module), params, inputs, module.training)
         self.signature[name] = signature
         self.grads[name] = sum(
@@ -1202,7 +1204,7 @@ class CheckpointPlanner:
             raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")
         if cost not in ("time", "flops"):
             raise ValueError(f"Unknown cost {cost!r}; choose 'time' or 'flops'")
-        target = torch.device(device) if device is not None else _default_device(model)
+        target = torch.device(torch.device(device).type if device is not None else model_device(model).type)
         if cost == "time" and target.type == "cuda" and not torch.cuda.is_available():
             log.info("No CUDA device to time the recomputed ops on: cost='flops' instead.")
             cost = "flops"
@@ -1218,7 +1220,7 @@ class CheckpointPlanner:
         # Profile every distinct block inside one simulated step (the step's own result is not used), with
         # Hugging Face's key/value cache off: every plan that checkpoints a block runs so (apply_checkpointing
         # turns it off), and the block options are only read for such plans.
-        profiler = _Profiler(found, self.levels, rounding=512 if target.type == "cuda" else 1)
+        profiler = _Profiler(found, self.levels, rounding=allocation_rounding(target))
         with self._bare(), _without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
             self._estimate()
         if not profiler.order:
@@ -1401,11 +1403,3 @@ def _floor_message(limit: int, floor: MemoryBreakdown, policy: str, n: int, peak
         "micro-batch (with gradient accumulation to keep the effective batch), a lighter optimizer "
         f"(8-bit AdamW, Adafactor, SGD), or lower precision (bf16-true);{hint} or raise the budget."
     )
-
-
-def _default_device(model: nn.Module) -> torch.device:
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if t.device.type in ("cuda", "cpu"):
-            return torch.device(t.device.type)
-        return torch.device("cuda")
-    return torch.device("cpu")

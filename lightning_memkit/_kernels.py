@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memkit._checkpointing import _hashable
 from lightning_memkit._kernel_worker import _read, write
 
 log = logging.getLogger(__name__)
@@ -86,6 +85,15 @@ def _settings() -> tuple:
     )
 
 
+def hashable(x: Any) -> Any:
+    """``x`` with its lists and dicts turned into tuples, to key a cache with."""
+    if isinstance(x, (list, tuple)):
+        return tuple(hashable(i) for i in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, hashable(v)) for k, v in x.items()))
+    return x
+
+
 def _spec(x: Any) -> Any:
     if isinstance(x, Tensor):
         return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype)
@@ -113,7 +121,7 @@ class _Worker:
             self._forked()
         spec_args, spec_kwargs = _spec(args), _spec(kwargs)
         settings = _settings()
-        key = (str(func), _hashable(spec_args), _hashable(spec_kwargs), settings)
+        key = (str(func), hashable(spec_args), hashable(spec_kwargs), settings)
         with self.lock:
             if key in self.cache:
                 return self.cache[key]

@@ -58,11 +58,13 @@ __all__ = ["MemoryMeasurement", "measure", "storage_bytes"]
 _CUDA_BLOCK = 512
 
 
-def _rounding(device: torch.device) -> int:
+def allocation_rounding(device: torch.device) -> int:
+    """Bytes the allocator rounds each block up to on ``device``: 512 on CUDA, 1 elsewhere."""
     return _CUDA_BLOCK if device.type == "cuda" else 1
 
 
-def _rounded(nbytes: int, rounding: int) -> int:
+def rounded(nbytes: int, rounding: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``rounding``."""
     return -(-nbytes // rounding) * rounding
 
 
@@ -114,7 +116,7 @@ def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None)
         if ptr in seen:
             continue
         seen.add(ptr)
-        total += _rounded(storage.nbytes(), _rounding(t.device))
+        total += rounded(storage.nbytes(), allocation_rounding(t.device))
     return total
 
 
@@ -149,7 +151,7 @@ class _Tracker(TorchDispatchMode):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        self.rounding = _rounding(device)
+        self.rounding = allocation_rounding(device)
         self.clock = 0
         self.live: dict[int, tuple[weakref.ref, _Storage]] = {}
         self.current = 0
@@ -174,7 +176,7 @@ class _Tracker(TorchDispatchMode):
         entry = self.live.get(id(storage))
         if entry is not None:
             return entry[1]
-        nbytes = _rounded(storage.nbytes(), self.rounding)
+        nbytes = rounded(storage.nbytes(), self.rounding)
         rec = _Storage(nbytes)
         key = id(storage)
         self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), rec)
@@ -222,7 +224,7 @@ class _Tracker(TorchDispatchMode):
         highest = kernel_peak(func, args, kwargs)
         if highest is None:
             return
-        unseen = before + _rounded(highest, self.rounding) - self.current
+        unseen = before + rounded(highest, self.rounding) - self.current
         if unseen > 0 and self.current + unseen > self.peak:
             self.peak = self.current + unseen
             self.peak_clock = self.clock
@@ -360,7 +362,7 @@ class MemoryMeasurement:
         wrong = [type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)]
         if wrong:
             raise TypeError(f"measure() takes torch.optim.Optimizer instances, got {', '.join(wrong)}")
-        self.device = torch.device(device) if device is not None else _model_device(model)
+        self.device = torch.device(device) if device is not None else model_device(model)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._breakdown: MemoryBreakdown | None = None
@@ -546,11 +548,18 @@ def _watched_elsewhere(tracker: _Tracker) -> Iterator[None]:
                 _unpatch()
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model`` runs: the device of its first parameter or buffer not on the meta device.
+
+    A model entirely on the meta device is planned for the GPU (``cuda``), as `estimate_memory` assumes;
+    one without tensors for the CPU.
+    """
+    on_meta = False
     for t in model_tensors(model):
         if t.device.type != "meta":
             return t.device
-    return torch.device("cpu")
+        on_meta = True
+    return torch.device("cuda" if on_meta else "cpu")
 
 
 def measure(

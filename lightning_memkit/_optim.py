@@ -80,10 +80,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memkit._analytic import OPTIMIZERS, _choose
+from lightning_memkit._analytic import OPTIMIZERS, valid_name
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
-from lightning_memkit._measure import _rounded
+from lightning_memkit._measure import allocation_rounding, model_device, rounded
 
 __all__ = [
     "CATALOGUE",
@@ -308,7 +308,7 @@ def swap_optimizer(optimizer: Optimizer, name: str, *, allow_unknown: bool = Fal
     ``allow_unknown=True``, which reads its ``lr`` and ``weight_decay`` as AdamW's. The new optimizer has
     no state yet; ``optimizer`` is left as it was.
     """
-    target = CATALOGUE[_choose("optimizer", name, CATALOGUE)]
+    target = CATALOGUE[valid_name("optimizer", name, CATALOGUE)]
     source_name = identify(optimizer)
     if source_name is None and not allow_unknown:
         raise ValueError(
@@ -428,16 +428,10 @@ def _analytic_state_bytes(name: str, params: Sequence[Tensor]) -> int:
     return sum(OPTIMIZERS[name](shapes, size) for size, shapes in by_size.items())
 
 
-def _model_device(model: nn.Module) -> str:
-    for p in model.parameters():
-        return "cuda" if p.device.type in ("cuda", "meta") else "cpu"
-    return "cpu"
-
-
 def static_estimator(model: nn.Module, *, device: str | torch.device | None = None) -> Estimator:
     """Parameters + gradients + the optimizers' state (`state_bytes`): the step without activations."""
-    device = torch.device(device or _model_device(model))
-    rounding = 512 if device.type == "cuda" else 1
+    device = torch.device(device or model_device(model).type)
+    rounding = allocation_rounding(device)
 
     def storages(tensors: Iterable[Tensor]) -> int:
         # One entry per storage (tied weights once); meta tensors have none, so they count by identity.
@@ -447,7 +441,7 @@ def static_estimator(model: nn.Module, *, device: str | torch.device | None = No
                 sizes[id(t)] = t.numel() * t.element_size()
             else:
                 sizes[id(t.untyped_storage())] = t.untyped_storage().nbytes()
-        return sum(_rounded(n, rounding) for n in sizes.values())
+        return sum(rounded(n, rounding) for n in sizes.values())
 
     params = storages([*model.parameters(), *model.buffers()])
     grads = storages(p for p in model.parameters() if p.requires_grad)
@@ -472,7 +466,7 @@ def simulated_estimator(
     micro-batch of a gradient accumulation cycle."""
     from lightning_memkit._simulate import estimate_memory
 
-    device = torch.device(device or _model_device(model))
+    device = torch.device(device or model_device(model).type)
     run = functools.partial(
         estimate_memory,
         model,
@@ -616,7 +610,7 @@ def _fmt(value: Any) -> str:
 def _validate_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
     if isinstance(candidates, str):
         candidates = (candidates,)
-    out = tuple(_choose("optimizer candidate", name, CATALOGUE) for name in candidates)
+    out = tuple(valid_name("optimizer candidate", name, CATALOGUE) for name in candidates)
     if not out:
         raise ValueError(f"candidates must name at least one of {', '.join(CATALOGUE)}")
     return out

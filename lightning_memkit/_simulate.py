@@ -59,11 +59,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit import _shadow
-from lightning_memkit._analytic import OPTIMIZERS, _choose
+from lightning_memkit._analytic import OPTIMIZERS, valid_name
 from lightning_memkit._breakdown import MemoryBreakdown
-from lightning_memkit._checkpointing import CheckpointPlan, apply_checkpointing
+from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._isolate import isolated
-from lightning_memkit._measure import _rounding, _Storage, _Tracker
+from lightning_memkit._measure import _Storage, _Tracker, allocation_rounding
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
 
@@ -78,7 +78,6 @@ PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     "bf16-true": (torch.bfloat16, None),
 }
 DEVICES = ("cuda", "cpu")
-CHECKPOINTING = ("none", "selective", "selective_half", "full")
 
 _SIM_DEVICE = torch.device("cpu")  # where the fake tensors live; see the module docstring for why
 # Left out of the timeline: metadata queries (fake tensors answer ``.device`` through dispatch) and the
@@ -128,7 +127,7 @@ class _SimTracker(_Tracker):
 
     def __init__(self, target: torch.device, timeline: bool, shadows: _shadow.Shadows) -> None:
         super().__init__(_SIM_DEVICE)
-        self.rounding = _rounding(target)
+        self.rounding = allocation_rounding(target)
         # Checkpointing's RNG states are real CPU tensors, and CPU kernels' own buffers (`_kernels`) are
         # the CPU's: device memory only when the target is the CPU.
         self.counts_rng_states = self.counts_cpu_kernels = target.type == "cpu"
@@ -213,7 +212,7 @@ def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None, sha
 
 def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Optimizer]:
     """The optimizer class an `_analytic.OPTIMIZERS` name stands for, with its defaults (SGD: lr=1e-3)."""
-    name = _choose("optimizer", name, OPTIMIZERS)
+    name = valid_name("optimizer", name, OPTIMIZERS)
     if name == "adamw":
         return torch.optim.AdamW
     if name == "adafactor":
@@ -626,12 +625,12 @@ def estimate_memory(
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
     """
-    precision = _choose("precision", precision, PRECISION_DTYPES)
+    precision = valid_name("precision", precision, PRECISION_DTYPES)
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     target = torch.device(device)
-    _choose("device", target.type, DEVICES)
+    valid_name("device", target.type, DEVICES)
     if isinstance(checkpointing, str):
-        checkpointing = _choose("checkpointing", checkpointing, CHECKPOINTING)
+        checkpointing = valid_name("checkpointing", checkpointing, CHECKPOINT_MODES)
     if autocast_dtype == torch.float16 and target.type == "cpu":
         autocast_dtype = torch.bfloat16  # as Lightning does: fp16 AMP is not supported on CPU
     lightning = _is_lightning(model)

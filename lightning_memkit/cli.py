@@ -69,11 +69,11 @@ from lightning_memkit._analytic import (
     OPTIMIZERS,
     STRATEGIES,
     TransformerShape,
-    _choose,
     count_parameters,
     estimate_analytic,
     model_static,
     shard,
+    valid_name,
 )
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, TimelineEvent, estimate_memory
@@ -151,7 +151,7 @@ def _gpu(text: str) -> Any:
 def _one_of(kind: str, valid: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         try:
-            return _choose(kind, text, valid)
+            return valid_name(kind, text, valid)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
