@@ -67,6 +67,15 @@ from torch import Tensor, nn
 from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget
+from lightning_memkit._isolate import isolated
+from lightning_memkit._lightning import (
+    batch_size,
+    batch_slice,
+    is_lightning,
+    lightning_stand_ins,
+    loss_of,
+    optimizers_from,
+)
 from lightning_memkit._measure import model_device
 
 __all__ = ["RECOMPUTE", "Alternative", "FitPlan", "StepCost", "plan_fit"]
@@ -118,49 +127,6 @@ class StepCost:
         return accumulate * per_micro
 
 
-def _slice(batch: Any, stop: int, start: int = 0) -> Any:
-    """Samples ``start:stop`` of every tensor in ``batch`` (dim 0); other leaves are kept whole."""
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
-    return apply_to_collection(batch, Tensor, lambda t: t[start:stop] if t.dim() > 0 else t)
-
-
-def pieces(batch: Any, size: int) -> list[Any]:
-    """``batch`` cut along dim 0 into consecutive slices of ``size`` samples (the last may be shorter).
-
-    Only tensors are cut; a batch that also holds strings or numbers (per-sample lists, say) is refused
-    rather than cut out of step with its tensors.
-    """
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
-    others: list[Any] = []
-    apply_to_collection(batch, (str, bytes, int, float), others.append)
-    if others:
-        kind = type(others[0]).__name__
-        raise ValueError(f"it holds values other than tensors ({kind}), which cannot be cut")
-    total = _batch_size(batch)
-    return [_slice(batch, min(start + size, total), start) for start in range(0, total, size)]
-
-
-def _batch_size(batch: Any) -> int:
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
-    sizes: set[int] = set()
-    apply_to_collection(batch, Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() > 0 else None)
-    if len(sizes) != 1:
-        raise ValueError(
-            f"The example batch must hold tensors of one size along dim 0 (the global batch); got sizes "
-            f"{sorted(sizes) or 'none'}"
-        )
-    size = sizes.pop()
-    if size == 0:
-        raise ValueError(
-            "The example batch is empty: its tensors have 0 samples along dim 0, and a plan needs at least "
-            "one sample per GPU. Pass a batch of the global batch size, e.g. the train dataloader's first."
-        )
-    return size
-
-
 def flops_cost(estimate: Callable[..., Any], device: str, m: int = 1) -> StepCost:
     """`StepCost` from a simulated step of ``m`` samples: FLOPs / `DEVICE_FLOPS` per sample, ops x
     `LAUNCH_SECONDS` per micro-step."""
@@ -183,16 +149,14 @@ def measured_cost(
     streams dropout draws from, are put back as they were. Sizes that are equal (a batch of one sample)
     give a cost that is all per sample.
     """
-    from lightning_memkit._isolate import isolated
-    from lightning_memkit._simulate import _is_lightning, _lightning_stand_ins, _loss_of
 
-    lightning = _is_lightning(model)
+    lightning = is_lightning(model)
 
     def once(m: int) -> float:
-        part = _slice(batch, m)
+        part = batch_slice(batch, m)
         start = time.perf_counter()
         if lightning:
-            loss = _loss_of(model.training_step(part, 0))
+            loss = loss_of(model.training_step(part, 0))
         else:
             inputs, target = part
             loss = loss_fn(model(inputs), target)  # type: ignore[misc]
@@ -204,7 +168,7 @@ def measured_cost(
         return time.perf_counter() - start
 
     small, large = sizes
-    stand_ins = _lightning_stand_ins(model) if lightning else contextlib.nullcontext()
+    stand_ins = lightning_stand_ins(model, model_device(model)) if lightning else contextlib.nullcontext()
     with isolated(model, "AutoFit's timing"), stand_ins, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         once(small)  # warm-up: first-call allocations and kernel selection
@@ -476,14 +440,13 @@ def _divisors(n: int) -> list[int]:
 def own_optimizer(model: nn.Module) -> str | None:
     """The catalogue name of the optimizer ``configure_optimizers`` builds; ``None`` if unknown or absent."""
     from lightning_memkit._optim import identify
-    from lightning_memkit._simulate import _is_lightning, _lightning_stand_ins, _optimizers_from
 
-    if not _is_lightning(model):
+    if not is_lightning(model):
         return None
     try:
-        with _lightning_stand_ins(model), warnings.catch_warnings():
+        with lightning_stand_ins(model, model_device(model)), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            optimizers = _optimizers_from(model.configure_optimizers())
+            optimizers = optimizers_from(model.configure_optimizers())
     except Exception:
         return None
     return identify(optimizers[0]) if len(optimizers) == 1 else None
@@ -496,9 +459,7 @@ def _candidates(model: nn.Module, optimizers: Sequence[str | None] | None) -> tu
         return tuple(optimizers)
     own = own_optimizer(model)
     if own is None:
-        from lightning_memkit._simulate import _is_lightning
-
-        return (None,) if _is_lightning(model) else DEFAULT_CANDIDATES
+        return (None,) if is_lightning(model) else DEFAULT_CANDIDATES
     order = list(DEFAULT_CANDIDATES)
     start = order.index(own) if own in order else 0
     names = [own] + [n for n in order[start + 1 :] if n != own]
@@ -533,8 +494,8 @@ class _Search:
                 warnings.simplefilter("ignore")
                 return estimate_memory(
                     self.model,
-                    _slice(self.batch, m),
-                    accumulating=m < _batch_size(self.batch),  # the cycle's last micro-batch is its peak
+                    batch_slice(self.batch, m),
+                    accumulating=m < batch_size(self.batch),  # the cycle's last micro-batch is its peak
                     optimizer=optimizer,
                     loss_fn=self.loss_fn,
                     precision=precision,
@@ -646,9 +607,7 @@ def plan_fit(
             what would fit (more GPUs with FSDP, a larger GPU). Also for an empty ``batch``.
         NotImplementedError: a LightningModule with manual optimization.
     """
-    from lightning_memkit._simulate import _is_lightning
-
-    if _is_lightning(model) and not model.automatic_optimization:
+    if is_lightning(model) and not model.automatic_optimization:
         raise NotImplementedError(
             f"{type(model).__name__} uses manual optimization, whose steps are its own code and cannot be "
             "simulated: plan the underlying nn.Module instead, with loss_fn= (and optimizers= to name the "
@@ -670,10 +629,10 @@ def plan_fit(
         raise ValueError(f"checkpointing must be a subset of {tuple(RECOMPUTE)}, got {tuple(checkpointing)}")
     levels, note = _checkpointable(model, levels)
     strategy = valid_name("strategy", strategy, STRATEGIES)
-    total = _batch_size(batch)
+    total = batch_size(batch)
     if total % n_gpus:
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
-    per_rank = _slice(batch, total // n_gpus)
+    per_rank = batch_slice(batch, total // n_gpus)
     sizes = _divisors(total // n_gpus)
     search = _Search(model, per_rank, loss_fn, device, strategy if n_gpus > 1 else "ddp", n_gpus, progress)
     candidates = _candidates(model, optimizers)
@@ -771,7 +730,7 @@ def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> 
     cost = valid_name("cost", cost, ("auto", "measured", "flops"))
     real_cpu = model_device(model).type == "cpu"
     if cost == "measured" or (cost == "auto" and real_cpu and device == "cpu"):
-        size = _batch_size(batch)
+        size = batch_size(batch)
         small = search.smallest
         return measured_cost(model, batch, loss_fn=loss_fn, sizes=(small, max(small, min(4 * small, size))))
     return flops_cost(
@@ -840,5 +799,5 @@ def grid(
     return {
         (m, c): search.peak(m, c, optimizer, precision).peak
         for c in checkpointing
-        for m in _divisors(_batch_size(batch))
+        for m in _divisors(batch_size(batch))
     }

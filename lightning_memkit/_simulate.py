@@ -45,12 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, overload
 
 import torch
@@ -63,6 +60,13 @@ from lightning_memkit._analytic import OPTIMIZERS, valid_name
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._isolate import isolated
+from lightning_memkit._lightning import (
+    TrainingStep,
+    is_lightning,
+    lightning_stand_ins,
+    loss_of,
+    optimizers_from,
+)
 from lightning_memkit._measure import _Storage, _Tracker, allocation_rounding
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
@@ -264,21 +268,6 @@ def _rebuild(
         return type(optimizer)(groups)
 
 
-def _optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
-    """The optimizers in whatever ``configure_optimizers`` returned (all of Lightning's forms)."""
-    if config is None:
-        return []
-    if isinstance(config, torch.optim.Optimizer):
-        return [config]
-    if isinstance(config, dict):
-        return _optimizers_from(config.get("optimizer"))
-    if isinstance(config, (list, tuple)):
-        if len(config) == 2 and isinstance(config[0], (list, tuple)):  # ([optimizers], [schedulers])
-            return _optimizers_from(list(config[0]))
-        return [opt for item in config for opt in _optimizers_from(item)]
-    raise TypeError(f"configure_optimizers() returned {type(config).__name__}, which holds no optimizer")
-
-
 def _use_device_defaults(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:
     """Pick the kernels torch.optim would pick for real tensors on ``device`` (fakes confuse its check).
 
@@ -295,201 +284,8 @@ def _use_device_defaults(optimizers: Sequence[torch.optim.Optimizer], device: to
                 group["foreach"] = device.type == "cuda"
 
 
-# --------------------------------------------------------------------------------------------------
-# Lightning
-# --------------------------------------------------------------------------------------------------
-
-
-def _is_lightning(model: nn.Module) -> bool:
-    from lightning.pytorch import LightningModule
-
-    return isinstance(model, LightningModule)
-
-
-@contextlib.contextmanager
-def _lightning_stand_ins(module: nn.Module) -> Iterator[None]:
-    """Make a LightningModule's hooks runnable outside ``Trainer.fit``, and undo it afterwards.
-
-    - ``self.log``/``self.log_dict`` become no-ops (they would log fake tensors);
-    - a module attached to no Trainer gets a stand-in ``Trainer(max_steps=1000, max_epochs=-1)``, so that
-      ``configure_optimizers`` may read ``self.trainer.estimated_stepping_batches`` (it is 1000);
-    - ``self.device`` is the CPU the fake tensors live on.
-    """
-    import lightning.pytorch as pl
-
-    saved = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
-    module.__dict__["log"] = module.__dict__["log_dict"] = _no_op
-    saved_device = module._device
-    module._device = _SIM_DEVICE
-    attach = module._trainer is None and getattr(module, "_fabric", None) is None
-    if attach:
-        pl_logger = logging.getLogger("lightning.pytorch")
-        level = pl_logger.level
-        pl_logger.setLevel(logging.WARNING)  # "GPU available: ..." and tips
-        try:
-            module.trainer = pl.Trainer(
-                max_steps=1000, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            )  # fmt: skip
-        finally:
-            pl_logger.setLevel(level)
-    try:
-        yield
-    finally:
-        if attach:
-            module.trainer = None
-        module._device = saved_device
-        for k in ("log", "log_dict"):
-            module.__dict__.pop(k, None)
-        module.__dict__.update(saved)
-
-
-def _no_op(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _loss_of(output: Any) -> Tensor:
-    """The loss in what ``training_step`` returned: a tensor, or a dict with ``"loss"``."""
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, Tensor):
-        raise TypeError(
-            f"training_step() returned {type(output).__name__}; the estimate needs the loss to run the "
-            "backward pass: return a tensor or a dict with a 'loss' tensor."
-        )
-    return loss
-
-
-# --------------------------------------------------------------------------------------------------
-# The step
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Step:
-    """What runs in one simulated step; ``lightning`` selects Lightning's order of the phases."""
-
-    forward: Callable[[], Tensor]
-    optimizers: list[torch.optim.Optimizer]
-    lightning: bool
-    accumulating: bool = False
-
-    @property
-    def with_closure(self) -> bool:
-        """Whether an optimizer's ``step`` runs the forward and backward itself (`_needs_closure`)."""
-        return any(_needs_closure(optimizer) for optimizer in self.optimizers)
-
-    def zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-
-    def step(self, closure: Callable[[], Tensor] | None = None) -> None:
-        for optimizer in self.optimizers:
-            if closure is None:
-                optimizer.step()
-            else:
-                optimizer.step(closure)
-
-    def run(self, tracker: _SimTracker | None = None) -> None:
-        def phase(name: str) -> None:
-            if tracker is not None:
-                tracker.phase = name
-
-        if self.with_closure:
-            self._run_in_step(phase)
-            return
-        self._forward_backward(phase)
-        phase("optimizer")
-        self.step()
-        if not self.lightning:
-            phase("zero_grad")
-            self.zero_grad()
-
-    def _forward_backward(self, phase: Callable[[str], None]) -> Tensor:
-        """The loss and its backward. Lightning's automatic optimization runs training_step, zero_grad,
-        backward: the previous step's gradients are still live during the forward."""
-        phase("forward")
-        loss = self.forward()
-        if self.lightning and not self.accumulating:
-            phase("zero_grad")
-            self.zero_grad()
-        phase("backward")
-        loss.backward()
-        return loss.detach()
-
-    def _run_in_step(self, phase: Callable[[str], None]) -> None:
-        """The step of an optimizer that evaluates the loss itself (LBFGS): ``optimizer.step(closure)``,
-        the closure being what Lightning's is (training_step, zero_grad, backward) or a plain loop's
-        (zero_grad, forward, backward). The optimizer calls it as often as its own logic decides."""
-
-        def closure() -> Tensor:
-            if not self.lightning and not self.accumulating:
-                phase("zero_grad")
-                self.zero_grad()
-            loss = self._forward_backward(phase)
-            phase("optimizer")
-            return loss
-
-        phase("optimizer")
-        self.step(closure)
-        if not self.lightning:
-            phase("zero_grad")
-            self.zero_grad()
-
-    def warm_up(self, model: nn.Module, *, state: bool = True) -> None:
-        """Create the optimizer state a real first step would (``state``), without running forward or
-        backward, and leave the gradients the measured step starts with."""
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        if state:
-            # An optimizer that wants a closure gets one returning a loss; the gradients are the zeros above.
-            self.step(_zero_loss if self.with_closure else None)
-            for optimizer in self.optimizers:
-                _full_lbfgs_history(optimizer)
-        # In Lightning the gradients live on until the next zero_grad; an accumulating micro-batch finds
-        # the earlier micro-batches' gradients.
-        if not self.lightning and not self.accumulating:
-            self.zero_grad()
-
-
-def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` requires a closure (``torch.optim.LBFGS``: it re-evaluates the loss)."""
-    try:
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-    except (TypeError, ValueError):  # no signature to read (a C extension): assume the usual step()
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
-
-
-def _zero_loss() -> Tensor:
-    return torch.zeros(())
-
-
-def _full_lbfgs_history(optimizer: torch.optim.Optimizer) -> None:
-    """Give an LBFGS its steady-state curvature history: ``history_size`` pairs of flattened-parameter
-    vectors (``old_dirs``, ``old_stps``) and their scalars (``ro``, ``al``).
-
-    LBFGS adds a pair at each inner iteration whose curvature ``y.s`` is positive, a value fake tensors do
-    not have; a real run fills the history within ``history_size / max_iter`` steps and keeps it full,
-    dropping the oldest pair for each new one. The simulated step computes the new pair ``y, s`` and keeps
-    it alive through the closure but, reading ``y.s > 0`` as False, does not store it: so ``history_size -
-    1`` pairs are stored here, and the step holds ``history_size`` pairs at its peak, as a real one does.
-    """
-    if not isinstance(optimizer, torch.optim.LBFGS):
-        return
-    state = optimizer.state[optimizer._params[0]]
-    flat = state.get("prev_flat_grad")  # (n_params,), made by the warm-up step's first iteration
-    if flat is None:
-        return
-    size = optimizer.param_groups[0]["history_size"]
-    state["old_dirs"] = [torch.zeros_like(flat) for _ in range(size - 1)]
-    state["old_stps"] = [torch.zeros_like(flat) for _ in range(size - 1)]
-    state["ro"] = [flat.new_ones(()) for _ in range(size - 1)]  # 1 / (y.s), 0-dim
-    state["al"] = [flat.new_zeros(()) for _ in range(size)]  # the two-loop recursion's coefficients
-
-
 def _track(
-    step: _Step,
+    step: TrainingStep,
     model: nn.Module,
     device: torch.device,
     timeline: bool,
@@ -633,7 +429,7 @@ def estimate_memory(
         checkpointing = valid_name("checkpointing", checkpointing, CHECKPOINT_MODES)
     if autocast_dtype == torch.float16 and target.type == "cpu":
         autocast_dtype = torch.bfloat16  # as Lightning does: fp16 AMP is not supported on CPU
-    lightning = _is_lightning(model)
+    lightning = is_lightning(model)
     if lightning and not model.automatic_optimization:
         raise NotImplementedError(
             f"{type(model).__name__} uses manual optimization, which needs a running Trainer; estimate a "
@@ -658,7 +454,7 @@ def estimate_memory(
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=".*[Pp]aged optimizers are not supported on CPU.*")
         if lightning:
-            stack.enter_context(_lightning_stand_ins(model))
+            stack.enter_context(lightning_stand_ins(model, _SIM_DEVICE))
         if checkpointing is not None and checkpointing != "none":
             stack.enter_context(apply_checkpointing(model, checkpointing))  # undone on exit
         shadows = _shadow.Shadows()
@@ -668,7 +464,7 @@ def estimate_memory(
         # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
         # from real values when constructed. The parameters they hold are already fake.
         if optimizer is None:
-            optimizers = _optimizers_from(model.configure_optimizers())
+            optimizers = optimizers_from(model.configure_optimizers())
         elif isinstance(optimizer, str):
             optimizers = [_named_optimizer(optimizer)(p for p in model.parameters() if p.requires_grad)]
         elif isinstance(optimizer, torch.optim.Optimizer):
@@ -678,7 +474,7 @@ def estimate_memory(
         _use_device_defaults(optimizers, target)
 
         forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
-        step = _Step(forward, optimizers, lightning, accumulating)
+        step = TrainingStep(forward, optimizers, lightning, accumulating)
         stack.enter_context(mode)
         if not first_step or accumulating:
             with _Placeholders():
@@ -711,7 +507,7 @@ def _forward_fn(
     def forward() -> Tensor:
         with context():
             if lightning:
-                return _loss_of(model.training_step(batch, 0))
+                return loss_of(model.training_step(batch, 0))
             assert loss_fn is not None
             inputs, target = batch
             return loss_fn(model(inputs), target)

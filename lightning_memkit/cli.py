@@ -439,13 +439,13 @@ def _optimizer_used(model: nn.Module, args: argparse.Namespace) -> tuple[str, st
         return args.optimizer, args.optimizer
     if not isinstance(model, LightningModule):
         return "adamw", "adamw"
+    from lightning_memkit._lightning import lightning_stand_ins, optimizers_from
     from lightning_memkit._optim import identify
-    from lightning_memkit._simulate import _lightning_stand_ins, _optimizers_from
 
     try:
-        with _lightning_stand_ins(model), warnings.catch_warnings():
+        with lightning_stand_ins(model, torch.device("cpu")), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            optimizers = _optimizers_from(model.configure_optimizers())
+            optimizers = optimizers_from(model.configure_optimizers())
     except Exception:
         return "configure_optimizers", None
     if not optimizers:

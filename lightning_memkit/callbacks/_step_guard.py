@@ -48,7 +48,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_memkit._autofit import FitPlan, _batch_size, pieces
+from lightning_memkit._autofit import FitPlan
+from lightning_memkit._lightning import batch_size, pieces
 
 __all__ = ["StepGuard"]
 
@@ -204,7 +205,7 @@ class StepGuard:
         if self.size is None:
             return [piece]
         try:
-            rows = _batch_size(piece.batch)
+            rows = batch_size(piece.batch)
             parts = pieces(piece.batch, self.size) if rows > self.size else [piece.batch]
         except ValueError as error:
             raise RuntimeError(
@@ -214,7 +215,7 @@ class StepGuard:
             ) from error
         if len(parts) == 1:
             return [piece]
-        return [replace(piece, batch=part, weight=piece.weight * _batch_size(part) / rows) for part in parts]
+        return [replace(piece, batch=part, weight=piece.weight * batch_size(part) / rows) for part in parts]
 
 
 def _loss_of(output: Any) -> Tensor | None:
