@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_memkit import measure
+from lightning_memkit import apply_checkpointing, measure
 from lightning_memkit._breakdown import MiB
-from lightning_memkit._checkpointing import CheckpointPlanner, apply_checkpointing
+from lightning_memkit._checkpoint_planner import CheckpointPlanner
 from lightning_memkit.demos.gpt import GPT, GPTConfig
 
 
@@ -179,7 +179,7 @@ def main() -> None:
         f"{half.budget / MiB:.1f} MiB: {within}"
     )
     t_half, t_full = median["plan f=0.5"] / base - 1, median["all full"] / base - 1
-    estimated_full = sum(b.options["full"].cost for b in planner.blocks) / planner.baseline
+    estimated_full = planner.overhead(planner.uniform("full"))
     print(
         f"  halfway plan overhead {100 * t_half:+.1f}% vs full {100 * t_full:+.1f}% "
         f"(<= half of full's: {t_half <= t_full / 2}); planner's estimates, of the blocks' time: "

@@ -1,4 +1,5 @@
-"""Activation checkpointing: wrapping, exact gradients, recompute FLOPs, the DP, plans, the callback."""
+"""Activation checkpointing: wrapping, exact gradients, recompute FLOPs, the cheapest plan, plans that fit,
+the callback."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import EncoderLM
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import FSDPStrategy
@@ -23,23 +22,17 @@ from torch import nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_memkit import measure
-from lightning_memkit._checkpointing import (
-    _RANK,
-    LEVELS,
-    POLICIES,
+from lightning_memkit import (
+    CHECKPOINT_MODES,
     CheckpointPlan,
-    CheckpointPlanner,
-    _activation_peak,
-    _Block,
-    _Option,
-    _solve,
     apply_checkpointing,
-    checkpoint_policies,
+    estimate_memory,
     find_blocks,
+    measure,
     plan_checkpointing,
 )
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit._checkpoint_planner import CheckpointPlanner
+from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.demos._data import GPTDataModule
 from lightning_memkit.demos.gpt import GPT, Block, GPTConfig, GPTLightningModule
@@ -180,7 +173,7 @@ def _step_flops(gpt: GPT, x: torch.Tensor) -> int:
 
 
 def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
-    model, (x, _), planner = planned
+    model, (x, y), _ = planned
     gpt = model.gpt
     with FlopCounterMode(display=False) as counter:
         gpt.blocks[0](torch.randn(*x.shape, SMALL["n_embd"]))
@@ -192,7 +185,8 @@ def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
             assert _step_flops(gpt, x) - base == k * block_forward
     # With early stop (the default) recomputing ends once backward has what it needs: the block's last
     # matmul (the MLP's output projection) is not run again. The planner counts exactly that.
-    full = [b.options["full"].flops for b in planner.blocks]
+    plan = plan_checkpointing(model, (x, y), policy="full", cost="flops", optimizer="sgd", loss_fn=lm_loss)
+    full = [b.recompute_flops for b in plan.blocks]
     with apply_checkpointing(gpt, "full"):
         assert _step_flops(gpt, x) - base == sum(full)
     tokens, d = x.numel(), SMALL["n_embd"]
@@ -203,50 +197,25 @@ def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
 
 
 # --------------------------------------------------------------------------------------------------
-# The DP: exact, against brute force
+# The cheapest plan, against every plan
 # --------------------------------------------------------------------------------------------------
 
 
-@st.composite
-def _instances(draw):
-    n = draw(st.integers(1, 6))
-    levels = draw(st.sampled_from(sorted(LEVELS.values())))
-    small = st.integers(0, 12)  # small values: many ties, so the tie-breaking is tested too
-    blocks = [
-        _Block(
-            f"b{i}",
-            {
-                p: _Option(retained=draw(small), footprint=draw(st.integers(0, 30)), cost=draw(small))
-                for p in POLICIES
-            },
-            grads=draw(st.integers(0, 5)),
-        )
-        for i in range(n)
-    ]
-    return blocks, levels, draw(st.integers(0, 150))
-
-
-def _brute_force(blocks, cap, levels):
-    best = None
-    for choice in itertools.product(levels, repeat=len(blocks)):
-        if _activation_peak(blocks, choice) > cap:
-            continue
-        options = [b.options[c] for b, c in zip(blocks, choice, strict=True)]
-        key = (
-            sum(o.cost for o in options),
-            sum(o.retained for o in options),
-            tuple(_RANK[c] for c in choice),
-        )
-        if best is None or key < best[0]:
-            best = (key, choice)
-    return None if best is None else best[1]
-
-
-@settings(max_examples=200, deadline=None)
-@given(_instances())
-def test_dp_equals_brute_force(instance):
-    blocks, levels, cap = instance
-    assert _solve(blocks, cap, levels) == _brute_force(blocks, cap, levels)
+def test_plan_is_the_cheapest_of_all_sixteen_that_fit():
+    """A 2-block GPT under ``policy="auto"``: every budget between (and at) the simulated peaks of its 16
+    plans gets a plan that fits and costs the least recompute among the plans that fit."""
+    torch.manual_seed(0)
+    model = LM(n_layer=2)
+    batch = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))  # the shapes of `planned`
+    planner = CheckpointPlanner(model, batch, cost="flops", optimizer="sgd", loss_fn=lm_loss, device="cpu")
+    peaks = {c: planner.simulate(c).peak for c in itertools.product(CHECKPOINT_MODES, repeat=2)}
+    levels = sorted(set(peaks.values()))
+    assert len(levels) > 4  # the policies reach different peaks: the search has choices to make
+    for budget in sorted({*levels, *((a + b) // 2 for a, b in itertools.pairwise(levels))}):
+        plan = planner.plan(budget)
+        cheapest = min(planner.overhead(c) for c, peak in peaks.items() if peak <= budget)
+        assert plan.peak <= budget and plan.overhead == cheapest, (budget, str(plan))
+        assert plan.peak == peaks[tuple(plan.policies.values())]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,7 +229,7 @@ def planned():
     torch.manual_seed(0)
     model = LM()
     x, y = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))
-    planner = CheckpointPlanner(model, (x, y), optimizer="sgd", loss_fn=lm_loss, device="cpu")
+    planner = CheckpointPlanner(model, (x, y), cost="flops", optimizer="sgd", loss_fn=lm_loss, device="cpu")
     return model, (x, y), planner
 
 
@@ -294,8 +263,7 @@ def test_plans_fit_their_budget_and_tighter_budgets_never_peak_higher(planned):
         assert peak <= budget, (fraction, str(plan))
         measured.append(peak)
         if fraction == 0.5:
-            full_cost = sum(b.options["full"].cost for b in planner.blocks) / planner.baseline
-            assert plan.overhead <= full_cost / 2, str(plan)
+            assert plan.overhead <= planner.overhead(planner.uniform("full")) / 2, str(plan)
     assert measured == sorted(measured, reverse=True), measured
 
 
@@ -360,6 +328,8 @@ def test_callback_plans_for_a_budget_in_setup(tmp_path, caplog, monkeypatch):
         _trainer(tmp_path, [callback]).fit(model, data)
     plan = callback.plan
     assert plan is not None and plan.peak <= plan.budget
+    # The default cost: the recomputed ops benchmarked one by one (here on the CPU).
+    assert plan.cost == "time" and all(b.recompute_time is not None for b in plan.blocks)
     chosen = {name: p for name, p in plan.policies.items() if p != "none"}
     assert chosen and model.policies_at_optimizer == chosen == checkpoint_policies(model)
     assert "Activation checkpointing plan" in caplog.text

@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from zoo import MODELS, ZooModule, zoo_batch
 
-from lightning_memkit._checkpointing import (
-    CheckpointPlanner,
-    _caching_configs,
-    _without_cache,
-    apply_checkpointing,
-    checkpoint_policies,
-    plan_checkpointing,
-)
+from lightning_memkit import apply_checkpointing, estimate_memory, plan_checkpointing
+from lightning_memkit._checkpoint_planner import CheckpointPlanner
+from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.testing import allocator_peak
 
@@ -63,6 +59,30 @@ def _train(module: ZooModule, measure: int | None = None) -> dict:
     return {"losses": losses, "grads": grads, "state": state, "peak": peak}
 
 
+def _cache_flags(module: torch.nn.Module) -> dict[str, bool]:
+    return {
+        name: m.config.use_cache
+        for name, m in module.named_modules()
+        if hasattr(getattr(m, "config", None), "use_cache")
+    }
+
+
+@contextlib.contextmanager
+def _cache_off(module: torch.nn.Module) -> Iterator[None]:
+    """Hugging Face's key/value cache off while inside, as checkpointing runs the model."""
+    configs = {
+        id(m.config): m.config for m in module.modules() if hasattr(getattr(m, "config", None), "use_cache")
+    }
+    before = {key: config.use_cache for key, config in configs.items()}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config.use_cache = before[key]
+
+
 _REFERENCE: dict[tuple[str, bool], dict] = {}
 
 
@@ -71,7 +91,7 @@ def _reference(name: str, cache: bool = True) -> dict:
     runs the model (the same ops, so the same numbers to the bit)."""
     if (name, cache) not in _REFERENCE:
         module = _module(name)
-        with contextlib.nullcontext() if cache else _without_cache(module):
+        with contextlib.nullcontext() if cache else _cache_off(module):
             _REFERENCE[name, cache] = _train(module)
     return _REFERENCE[name, cache]
 
@@ -107,7 +127,7 @@ def test_zoo_policy_trains_as_without(name, policy):
     handle = apply_checkpointing(module, policy)
     assert set(checkpoint_policies(module).values()) == (set() if policy == "none" else {policy})
     if policy != "none":
-        assert not _caching_configs(module)  # Hugging Face's cache is off while checkpointing
+        assert not any(_cache_flags(module).values())  # Hugging Face's cache is off while checkpointing
     run = _train(module)
     handle.remove()
     _assert_same_run(run, name, checkpointed=policy != "none")
@@ -119,7 +139,7 @@ def test_zoo_budget_plan_fits_and_trains_as_without(name):
     (profiling every block, simulating its plans) runs on every zoo model, the plan checkpoints something,
     training gives the uncheckpointed run's numbers, and the allocator's real peak is within the budget."""
     module = _module(name)
-    caching = bool(_caching_configs(module))
+    caching = _cache_flags(module)
     planner = CheckpointPlanner(module, zoo_batch(name), policy="full", cost="flops", device="cpu")
     peak_none = planner.simulate(planner.uniform("none")).peak
     peak_full = planner.simulate(planner.uniform("full")).peak
@@ -128,7 +148,7 @@ def test_zoo_budget_plan_fits_and_trains_as_without(name):
     plan = planner.plan(budget)
     assert plan.peak <= budget
     assert any(b.policy != "none" for b in plan.blocks)
-    assert bool(_caching_configs(module)) == caching  # planning changed nothing
+    assert _cache_flags(module) == caching  # planning changed nothing
     handle = apply_checkpointing(module, plan)
     run = _train(module, measure=1)
     handle.remove()
@@ -147,7 +167,7 @@ def test_zoo_t5_full_in_trainer(trainer_kwargs):
     """T5 with ``ActivationCheckpointing(policy="full")`` in a Trainer: the decoder's cross-attention cache,
     filled on the first forward, made the recompute save other tensors. Now it trains as without."""
     module = ZooModule("t5", n_batches=STEPS)
-    with _without_cache(module):
+    with _cache_off(module):
         expected = _fit(module, trainer_kwargs, [])
     callback = ActivationCheckpointing(policy="full")
     got = _fit(ZooModule("t5", n_batches=STEPS), trainer_kwargs, [callback])
@@ -158,26 +178,15 @@ def test_zoo_t5_full_in_trainer(trainer_kwargs):
 def test_zoo_resnet_budget_in_trainer(trainer_kwargs):
     """``ActivationCheckpointing(budget=...)`` on the ResNet: the planner picks the blocks, and BatchNorm's
     running statistics and batch counts come out exactly as without checkpointing."""
-    planner = CheckpointPlanner(
-        _module("resnet"), zoo_batch("resnet"), policy="full", cost="flops", device="cpu"
-    )
-    budget = (
-        planner.simulate(planner.uniform("none")).peak + planner.simulate(planner.uniform("full")).peak
-    ) // 2
+    module, batch = _module("resnet"), zoo_batch("resnet")
+    peaks = [estimate_memory(module, batch, checkpointing=p, device="cpu").peak for p in ("none", "full")]
+    budget = sum(peaks) // 2
     expected = _fit(ZooModule("resnet", n_batches=STEPS), trainer_kwargs, [])
     callback = ActivationCheckpointing(budget, policy="full", cost="flops")
     got = _fit(ZooModule("resnet", n_batches=STEPS), trainer_kwargs, [callback])
     assert any(b.policy != "none" for b in callback.plan.blocks)
     assert got["model.blocks.0.bn1.num_batches_tracked"].item() == STEPS
     _assert_same_state(got, expected)
-
-
-def _cache_flags(module: torch.nn.Module) -> dict[str, bool]:
-    return {
-        name: m.config.use_cache
-        for name, m in module.named_modules()
-        if hasattr(getattr(m, "config", None), "use_cache")
-    }
 
 
 def test_use_cache_turned_off_said_once_and_restored(caplog):

@@ -14,13 +14,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit._budget import parse_budget
-from lightning_memkit._checkpointing import (
-    CheckpointPlanner,
-    apply_checkpointing,
-    checkpoint_policies,
-    plan_checkpointing,
-)
+from lightning_memkit import apply_checkpointing, estimate_memory, parse_budget, plan_checkpointing
+from lightning_memkit._checkpoint_planner import CheckpointPlanner
+from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.demos.gpt import GPT, GPTConfig
 from lightning_memkit.testing import AllocatorPeaks
@@ -91,13 +87,10 @@ def _trainer(tmp_path, callbacks) -> pl.Trainer:
     )  # fmt: skip
 
 
-def _peaks(module: Net, policy: str = "full") -> tuple[CheckpointPlanner, int, int]:
-    planner = CheckpointPlanner(module, next(iter(module.train_dataloader())), policy=policy, cost="flops")
-    return (
-        planner,
-        planner.simulate(planner.uniform("none")).peak,
-        planner.simulate(planner.uniform(policy)).peak,
-    )
+def _peaks(module: Net) -> tuple[int, int]:
+    """The simulated step peaks of ``module`` without checkpointing and with full checkpointing."""
+    batch = next(iter(module.train_dataloader()))
+    return tuple(estimate_memory(module, batch, checkpointing=p, device="cpu").peak for p in ("none", "full"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,18 +119,14 @@ def test_plan_is_the_cheapest_that_fits_by_brute_force():
     torch.manual_seed(0)
     batch = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))
     planner = CheckpointPlanner(LM(), batch, policy="full", cost="flops", optimizer="sgd", loss_fn=_lm_loss)
-
-    def cost(choice) -> int:
-        return sum(b.options[p].cost for b, p in zip(planner.blocks, choice, strict=True))
-
     peaks = {
         choice: planner.simulate(choice).peak for choice in itertools.product(("none", "full"), repeat=3)
     }
     levels = sorted(set(peaks.values()))
     for budget in sorted({*levels, *((a + b) // 2 for a, b in itertools.pairwise(levels))}):
         plan = planner.plan(budget)
-        cheapest = min(cost(c) for c, peak in peaks.items() if peak <= budget)
-        assert plan.peak <= budget and cost(plan.policies.values()) == cheapest, (budget, str(plan))
+        cheapest = min(planner.overhead(c) for c, peak in peaks.items() if peak <= budget)
+        assert plan.peak <= budget and plan.overhead == cheapest, (budget, str(plan))
     mixed = planner.plan(peaks[("full", "full", "none")])
     assert sorted(mixed.policies.values()) == ["full", "full", "none"], str(mixed)
     assert mixed.overhead < planner.plan(peaks[("full",) * 3] + 1).overhead
@@ -222,7 +211,7 @@ def test_gpu_names_are_budgets_and_device_fractions_wait_for_setup(tmp_path):
 def test_lbfgs_is_planned_and_the_run_fits(tmp_path):
     torch.manual_seed(0)
     module = Net(optimizer="lbfgs", rows=128)
-    _, none, full = _peaks(module)
+    none, full = _peaks(module)
     budget = (none + full) // 2
     callback = ActivationCheckpointing(budget=budget, policy="full", cost="flops")
     peaks = AllocatorPeaks()

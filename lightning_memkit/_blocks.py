@@ -1,0 +1,100 @@
+"""Which modules of a model are the blocks to checkpoint.
+
+Checkpointing pays off per block: a unit whose inputs are small next to what its forward saves. Models
+say which units those are by repeating them, so the default candidates are the repeated composite layers
+of ``nn.ModuleList``/``nn.Sequential`` containers (a GPT's ``Block``, a Hugging Face ``*DecoderLayer``, a
+ResNet's ``Bottleneck``); a user who knows better names the layer classes, as FSDPStrategy's
+``activation_checkpointing_policy`` takes them. Applying and planning both start here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["LayerClasses", "find_blocks"]
+
+#: Layer classes as users name them: one class, or a set of them (``{Block}``).
+LayerClasses = type[nn.Module] | Iterable[type[nn.Module]]
+
+
+def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> list[tuple[str, nn.Module]]:
+    """The blocks worth checkpointing, as ``(qualified name, module)`` in registration order.
+
+    With ``layer_classes``, every instance of them (the outermost, where they nest). Otherwise the
+    repeated layers: children of ``nn.ModuleList``/``nn.Sequential`` containers grouped by class, the class
+    with two or more instances and the most parameters winning (a GPT's ``Block``, torch's
+    ``TransformerEncoderLayer``, Hugging Face's ``*DecoderLayer``, a ResNet's ``Bottleneck``). Children
+    without submodules (a lone ``Linear``) are not candidates: checkpointing one saves nothing, since its
+    input is kept either way.
+    """
+    if layer_classes is not None:
+        classes = _classes(layer_classes)
+        found = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
+        return _outermost(found)
+    groups = _repeated(model)
+    return _outermost(groups[0]) if groups else []
+
+
+def _classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
+    classes = (layer_classes,) if isinstance(layer_classes, type) else tuple(layer_classes)
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"Expected nn.Module subclasses such as {{Block}}, got {layer_classes!r}")
+    return classes
+
+
+def _repeated(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The composite children of ``model``'s ``ModuleList``/``Sequential`` containers, grouped by class,
+    for the classes with two or more; the heaviest group (parameters, then instances) first."""
+    groups: dict[type, list[tuple[str, nn.Module]]] = {}
+    seen: set[int] = set()
+    for prefix, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        for child_name, child in container.named_children():
+            if id(child) in seen or next(child.children(), None) is None:
+                continue
+            seen.add(id(child))
+            groups.setdefault(type(child), []).append(
+                (f"{prefix}.{child_name}" if prefix else child_name, child)
+            )
+
+    def weight(found: list[tuple[str, nn.Module]]) -> tuple[int, int]:
+        return sum(p.numel() for _, m in found for p in m.parameters()), len(found)
+
+    return sorted((found for found in groups.values() if len(found) >= 2), key=weight, reverse=True)
+
+
+def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    kept: list[tuple[str, nn.Module]] = []
+    for name, module in found:
+        if not any(name.startswith(outer + ".") for outer, _ in kept):
+            kept.append((name, module))
+    return kept
+
+
+def _no_blocks_message(model: nn.Module, option: str, layer_classes: LayerClasses | None = None) -> str:
+    """Why there is nothing to checkpoint, and the option to pass (``option`` names ``MyBlock``)."""
+    if layer_classes is None:
+        return (
+            f"Found no repeated blocks to checkpoint in {type(model).__name__}: no nn.ModuleList or "
+            "nn.Sequential holds two or more composite layers of the same class. Name the layer classes to "
+            f"checkpoint: {option}."
+        )
+    asked = " or ".join(c.__name__ for c in _classes(layer_classes))
+    groups = _repeated(model)
+    if not groups:
+        return (
+            f"No module of type {asked} is in {type(model).__name__}, so there is nothing to checkpoint; "
+            "it has no repeated layers either (no nn.ModuleList or nn.Sequential holds two or more "
+            f"composite layers of one class). Name a layer class the model has: {option}."
+        )
+    found = ", ".join(
+        f"{type(group[0][1]).__name__} (x{len(group)}, {group[0][0]}, ...)" for group in groups[:4]
+    )
+    return (
+        f"No module of type {asked} is in {type(model).__name__}, so there is nothing to checkpoint. "
+        f"Its repeated layers: {found}. Name one of those: "
+        f"{option.replace('MyBlock', type(groups[0][0][1]).__name__)}."
+    )

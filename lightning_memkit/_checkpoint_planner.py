@@ -1,0 +1,449 @@
+"""Activation checkpointing that fits a memory budget at the least recompute cost.
+
+Users pick checkpointed layers by trial and error, or checkpoint every block and pay about a third more
+compute. Here every candidate block gets one of the policies `apply_checkpointing` knows, and the cheapest
+assignment whose whole-step peak fits the budget is chosen exactly, from measured figures: each block's
+kept bytes ``R``, backward footprint ``X`` and recompute cost per policy, read inside one simulated step.
+
+The peak model, with blocks ``1..n`` in execution order and ``G_i`` the bytes of block ``i``'s gradients:
+the backward of block ``j`` holds the earlier blocks' kept tensors, its own footprint and the gradients of
+the blocks after it; the loss and what follows the last block (a language model's logits and their
+gradient) run while every block's kept tensors are held, so
+
+    A(plan) = max( max_j  sum_{i<j} R_i(p_i) + X_j(p_j) + sum_{i>j} G_i,   sum_i R_i(p_i) + T )
+    peak(plan) ~= C + A(plan)
+
+Checkpointing the last block saves nothing during the blocks' backward (its activations come back at
+once), but it does at the loss. ``C`` (the rest of the step: parameters, optimizer state...) and ``T``
+(what the loss adds) are read from two simulated whole steps, without checkpointing and at the floor, the
+peak with the strongest allowed policy on every block (a budget below the floor is an error): each constant
+is the least that explains both peaks, so the model is exact at the two ends when the peak of one lies in
+the blocks' backward and the other's at the loss.
+
+The plan: a knapsack over blocks solved exactly by dynamic programming over the kept bytes so far
+(Pareto-pruned, integer costs), minimising recompute cost under ``peak(plan) <= cap``; ties go to fewer
+kept bytes, then to the lighter policy on the earliest block. The model errs both ways (it misses what
+happens outside the blocks' backward, e.g. Lightning's gradients still live during the forward, and the
+peak at the loss, where checkpointing the last block does save), so the simulated step decides: the DP's
+plans for a rising cap are cheaper and peak higher, and the plan returned is the one at the highest cap
+whose simulated peak fits, found by starting at ``cap = budget``, galloping towards the side not yet
+simulated (cheaper plans while they fit, costlier ones while they miss) and bisecting the bracket. With an
+accurate model that is two or three simulated steps; the floor's plan is the fallback. The peaks a plan
+reports are simulated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memkit._blocks import LayerClasses, _no_blocks_message, find_blocks
+from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
+from lightning_memkit._budget import Budget, parse_budget
+from lightning_memkit._checkpoint_costs import _Block, _OpTimer, _options, _Profiler
+from lightning_memkit._checkpointing import (
+    CHECKPOINT_MODES,
+    LEVELS,
+    POLICIES,
+    BlockPlan,
+    CheckpointHandle,
+    CheckpointPlan,
+    _apply,
+    _caching_configs,
+    _without_cache,
+    checkpoint_policies,
+)
+from lightning_memkit._measure import allocation_rounding, model_device
+from lightning_memkit._simulate import estimate_memory
+
+__all__ = ["CheckpointPlanner", "plan_checkpointing"]
+
+log = logging.getLogger(__name__)
+
+#: Policy order for ties: the lighter policy (earlier in `POLICIES`) wins.
+_RANK = {name: i for i, name in enumerate(POLICIES)}
+#: What every block gets when there is no budget to fit.
+_WITHOUT_BUDGET = {
+    "auto": "selective",
+    "selective": "selective",
+    "selective_half": "selective_half",
+    "full": "full",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The peak model and the DP
+# --------------------------------------------------------------------------------------------------
+
+
+def _activation_peak(blocks: Sequence[_Block], choice: Sequence[str], tail: int = 0) -> int:
+    """``A(plan) = max(max_j sum_{i<j} R_i + X_j + sum_{i>j} G_i, sum_i R_i + tail)`` (module docstring)."""
+    return max(_backward_peak(blocks, choice), _kept(blocks, choice) + tail)
+
+
+def _backward_peak(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
+    """The first term of ``A(plan)``: the highest point of the blocks' backward."""
+    grads_after = _suffix_grads(blocks)
+    kept, worst = 0, 0
+    for j, (block, name) in enumerate(zip(blocks, choice, strict=True)):
+        option = block.options[name]
+        worst = max(worst, kept + option.footprint + grads_after[j])
+        kept += option.retained
+    return worst
+
+
+def _kept(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
+    """``sum_i R_i``: what every block keeps for its backward, all held when the loss runs."""
+    return sum(block.options[name].retained for block, name in zip(blocks, choice, strict=True))
+
+
+def _suffix_grads(blocks: Sequence[_Block]) -> list[int]:
+    after, total = [], 0
+    for block in reversed(blocks):
+        after.append(total)
+        total += block.grads
+    return after[::-1]
+
+
+def _solve(
+    blocks: Sequence[_Block], cap: float, levels: Sequence[str], tail: int = 0
+) -> tuple[str, ...] | None:
+    """The cheapest choice of policies with ``A(plan) <= cap`` (``tail`` as `_activation_peak` takes it),
+    exactly; ``None`` if there is none.
+
+    Dynamic programming over the blocks in execution order; the state is the bytes kept by the blocks so
+    far (all the future depends on), and a state is dropped when another keeps no more bytes at no more
+    cost. Ties: fewer kept bytes, then the lighter policy on the earliest block.
+    """
+    grads_after = _suffix_grads(blocks)
+    # kept bytes -> (cost, policy ranks, policy names)
+    states: dict[int, tuple[int, tuple[int, ...], tuple[str, ...]]] = {0: (0, (), ())}
+    for j, block in enumerate(blocks):
+        new: dict[int, tuple[int, tuple[int, ...], tuple[str, ...]]] = {}
+        for kept, (cost, ranks, names) in states.items():
+            for name in levels:
+                option = block.options[name]
+                if kept + option.footprint + grads_after[j] > cap:
+                    continue
+                state = (cost + option.cost, (*ranks, _RANK[name]), (*names, name))
+                key = kept + option.retained
+                if key not in new or state[:2] < new[key][:2]:
+                    new[key] = state
+        states = {}
+        best_cost = math.inf
+        for kept in sorted(new):  # Pareto front: more kept bytes must buy a lower cost
+            if new[kept][0] < best_cost:
+                states[kept] = new[kept]
+                best_cost = new[kept][0]
+        if not states:
+            return None
+    feasible = [
+        (cost, kept, ranks, names) for kept, (cost, ranks, names) in states.items() if kept + tail <= cap
+    ]
+    return min(feasible)[3] if feasible else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------------------------------
+
+
+def plan_checkpointing(
+    model: nn.Module,
+    batch: Any,
+    budget: int | float | str | Budget | None = None,
+    *,
+    policy: str = "auto",
+    blocks: LayerClasses | None = None,
+    cost: str = "time",
+    device: str | torch.device | None = None,
+    **estimate_kwargs: Any,
+) -> CheckpointPlan:
+    """The cheapest checkpointing plan whose simulated whole-step peak fits ``budget``.
+
+    Args:
+        model: a ``LightningModule`` or an ``nn.Module``, as `estimate_memory` takes it (a plain module needs
+            ``optimizer=`` and ``loss_fn=``). It is left unchanged: nothing stays applied, and the model
+            only runs in `estimate_memory`'s simulated steps, on fake tensors.
+        batch: one training batch (only shapes and dtypes are read).
+        budget: the whole step's peak to fit, as `parse_budget` reads it: bytes, a size (``"6GiB"``,
+            ``"24GB"``), a GPU name (``"A100-40GB"``, ``"H200"``: the card's memory less the CUDA context
+            and a 5 % reserve), or a fraction of the current CUDA device (``0.9``) or ``"auto"`` (these
+            two need one). ``None``: no search; every block gets ``"selective"`` (``policy="auto"``) or the
+            named policy, with its figures.
+        policy: the policies each block may get: ``"auto"`` (all four), ``"selective"`` /
+            ``"selective_half"`` / ``"full"`` (that one or none).
+        blocks: layer classes whose instances are the candidates (default: `find_blocks`).
+        cost: what the DP minimises for the recomputed ops: ``"time"`` (benchmarked op by op on the
+            device; ``"flops"`` when that device is not present) or ``"flops"`` (FLOP formulas for matmuls
+            and attention, elements written for other ops).
+        device: the device type the run will use, ``"cuda"`` or ``"cpu"`` (default: the model's; ``"cuda"``
+            for a model on the meta device).
+        estimate_kwargs: passed to `estimate_memory`: ``optimizer``, ``loss_fn``, ``precision``,
+            ``accumulating``.
+
+    Returns:
+        A `CheckpointPlan`; ``print(plan)`` shows it as a table. Apply it with `apply_checkpointing`.
+
+    Raises:
+        ValueError: no candidate blocks; or a budget below the peak of full checkpointing (the message
+            gives that floor and what else would lower it).
+    """
+    limit = None if budget is None else parse_budget(budget)  # a bad budget fails before any simulation
+    planner = CheckpointPlanner(
+        model, batch, policy=policy, blocks=blocks, cost=cost, device=device, **estimate_kwargs
+    )
+    return planner.plan(limit)
+
+
+class CheckpointPlanner:
+    """Plans for one model and batch, sharing the profile and the simulated steps between budgets.
+
+    ``CheckpointPlanner(model, batch, ...).plan(budget)`` is `plan_checkpointing`; keep the planner to ask
+    for several budgets (a memory/time curve) at a few simulated steps per new plan. Arguments as there,
+    plus ``max_rounds``: how many new plans one budget may simulate; the search then keeps the cheapest plan
+    that fitted (the floor's plan if none did).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        *,
+        policy: str | Sequence[str] = "auto",
+        blocks: LayerClasses | None = None,
+        cost: str = "time",
+        device: str | torch.device | None = None,
+        max_rounds: int = 8,
+        **estimate_kwargs: Any,
+    ) -> None:
+        levels = _levels(policy)
+        if cost not in ("time", "flops"):
+            raise ValueError(f"Unknown cost {cost!r}; choose 'time' or 'flops'")
+        target = torch.device(torch.device(device).type if device is not None else model_device(model).type)
+        if cost == "time" and target.type == "cuda" and not torch.cuda.is_available():
+            log.info("No CUDA device to time the recomputed ops on: cost='flops' instead.")
+            cost = "flops"
+        found = find_blocks(model, blocks)
+        if not found:
+            raise ValueError(_no_blocks_message(model, "plan_checkpointing(..., blocks={MyBlock})", blocks))
+        self.model, self.batch, self.cost = model, batch, cost
+        self.policy = policy if isinstance(policy, str) else levels
+        self.max_rounds = max_rounds
+        self.levels = levels
+        self.estimate_kwargs = {**estimate_kwargs, "device": target.type}
+        self._simulated: dict[tuple[str, ...], MemoryBreakdown] = {}
+
+        # Profile every distinct block inside one simulated step (the step's own result is not used), with
+        # Hugging Face's key/value cache off: every plan that checkpoints a block runs so (apply_checkpointing
+        # turns it off), and the block options are only read for such plans.
+        profiler = _Profiler(found, self.levels, rounding=allocation_rounding(target))
+        with self._bare(), _without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
+            self._estimate()
+        if not profiler.order:
+            raise ValueError(f"None of the {len(found)} candidate blocks ran in the training step.")
+        timer = _OpTimer(target) if cost == "time" else None
+        options = {sig: _options(runs, cost, timer) for sig, runs in profiler.runs.items()}
+        if timer is not None and timer.failed:
+            log.info("Not timed (counted as free): %s", ", ".join(sorted(map(str, timer.failed))))
+        self.blocks = [
+            _Block(name, options[profiler.signature[name]][0], profiler.grads[name])
+            for name in profiler.order
+        ]
+        self.names = [b.name for b in self.blocks]
+        #: The blocks' forward+backward cost without checkpointing, in the DP's units.
+        self.baseline = sum(options[profiler.signature[name]][1] for name in profiler.order)
+
+    def _estimate(self) -> MemoryBreakdown:
+        return estimate_memory(self.model, self.batch, **self.estimate_kwargs)
+
+    def _bare(self) -> CheckpointHandle:
+        """Remove any checkpointing `apply_checkpointing` left on the model, while planning."""
+        return _apply(self.model, {name: "none" for name in checkpoint_policies(self.model)}, announce=False)
+
+    def simulate(self, choice: Sequence[str]) -> MemoryBreakdown:
+        """The simulated step's breakdown with ``choice`` (one policy per block, in `names` order).
+
+        As the plan will run: a choice that checkpoints a block runs with Hugging Face's key/value cache off
+        (`apply_checkpointing` turns it off), one that checkpoints nothing with the model's own setting.
+        """
+        choice = tuple(choice)
+        if choice not in self._simulated:
+            plan = dict(zip(self.names, choice, strict=True))
+            with self._bare(), _apply(self.model, plan, announce=False):
+                self._simulated[choice] = self._estimate()
+        return self._simulated[choice]
+
+    def _peak_none_without_cache(self, peak_none: int) -> int:
+        """The peak without checkpointing as the plans that checkpoint see the rest of the step: with
+        Hugging Face's key/value cache off (``peak_none`` itself where the model has none on)."""
+        if not _caching_configs(self.model):
+            return peak_none
+        key = ("none, without cache",)
+        if key not in self._simulated:
+            with self._bare(), _without_cache(self.model):
+                self._simulated[key] = self._estimate()
+        return self._simulated[key].peak
+
+    def uniform(self, policy: str) -> tuple[str, ...]:
+        return (policy,) * len(self.blocks)
+
+    def overhead(self, choice: Sequence[str]) -> float:
+        """The recompute cost of ``choice`` as a fraction of the blocks' forward+backward cost without
+        checkpointing (a plan's ``overhead``)."""
+        spent = sum(b.options[c].cost for b, c in zip(self.blocks, choice, strict=True))
+        return spent / self.baseline if self.baseline else 0.0
+
+    def plan(self, budget: int | float | str | Budget | None = None) -> CheckpointPlan:
+        """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`)."""
+        limit = None if budget is None else parse_budget(budget).usable
+        peak_none = self.simulate(self.uniform("none")).peak
+        if limit is None:
+            choice = self.uniform(_WITHOUT_BUDGET.get(self.policy, self.levels[-1]))
+        else:
+            floor = self.simulate(self.uniform(self.levels[-1]))
+            if limit < floor.peak:
+                raise ValueError(_floor_message(limit, floor, self.levels[-1], len(self.blocks), peak_none))
+            choice = self._fit(limit, peak_none)
+        return self.plan_for(choice, limit)
+
+    def plan_for(self, choice: Sequence[str], budget: int | None = None) -> CheckpointPlan:
+        """``choice`` (one policy per block, in `names` order) as a `CheckpointPlan`, with its simulated
+        peak and the blocks' measured figures; ``budget``: the limit it was chosen for, in bytes."""
+        choice = tuple(choice)
+        breakdown = self.simulate(choice)
+        full = self._simulated.get(self.uniform("full"))
+        return CheckpointPlan(
+            blocks=tuple(
+                BlockPlan(
+                    name=b.name,
+                    policy=c,
+                    saved_bytes=b.options["none"].retained - b.options[c].retained,
+                    recompute_flops=b.options[c].flops,
+                    recompute_time=b.options[c].seconds,
+                )
+                for b, c in zip(self.blocks, choice, strict=True)
+            ),
+            budget=budget,
+            peak=breakdown.peak,
+            peak_none=self.simulate(self.uniform("none")).peak,
+            peak_full=full.peak if full is not None else None,
+            overhead=self.overhead(choice),
+            cost=self.cost,
+            breakdown=breakdown,
+        )
+
+    def _calibrate(self, peak_none: int, peak_floor: int) -> tuple[int, int]:
+        """``C`` and ``T`` of the peak model (module docstring), as ``(C, T - C)``: the offset and the
+        ``tail`` that `_activation_peak` and `_solve` take.
+
+        ``peak_none`` is the step without checkpointing as the plans that checkpoint see the rest of the
+        step (Hugging Face's cache off), ``peak_floor`` the floor's. Each of the two terms of the model is
+        at most the simulated peak, at both ends; each constant is the largest that keeps it so.
+        """
+        none, floor = self.uniform("none"), self.uniform(self.levels[-1])
+        backward = min(
+            peak_none - _backward_peak(self.blocks, none), peak_floor - _backward_peak(self.blocks, floor)
+        )
+        at_loss = min(peak_none - _kept(self.blocks, none), peak_floor - _kept(self.blocks, floor))
+        return backward, at_loss - backward
+
+    def _fit(self, limit: int, peak_none: int) -> tuple[str, ...]:
+        """The DP's plan at the highest cap whose simulated peak fits ``limit``.
+
+        ``plan_at(cap)``, the cheapest plan whose modeled peak is at most ``cap``, gets cheaper as the cap
+        rises, and its simulated peak higher. The search starts at ``cap = limit`` (where an accurate model
+        puts the answer), gallops away from it, doubling the step, until a cap whose plan fits lies below
+        one whose plan misses, and bisects between them. A plan is simulated only when it differs from the
+        plans at both ends of the bracket, and at most `max_rounds` new plans are; the caps searched run
+        from the floor's modeled peak up, so the floor's plan (simulated: it fits) is the fallback.
+        """
+        floor = self.uniform(self.levels[-1])
+        offset, tail = self._calibrate(self._peak_none_without_cache(peak_none), self.simulate(floor).peak)
+        solved: dict[float, tuple[str, ...]] = {}
+
+        def plan_at(cap: float) -> tuple[str, ...]:
+            if cap not in solved:
+                choice = _solve(self.blocks, cap - offset, self.levels, tail)
+                assert choice is not None, "no cap below the floor's modeled peak is searched"
+                solved[cap] = choice
+            return solved[cap]
+
+        new = 0
+
+        def fits(choice: tuple[str, ...]) -> bool:
+            nonlocal new
+            new += choice not in self._simulated
+            return self.simulate(choice).peak <= limit
+
+        # The floor's plan qualifies from here up.
+        bottom = offset + _activation_peak(self.blocks, floor, tail)
+        cheapest = plan_at(math.inf)
+        top = offset + _activation_peak(self.blocks, cheapest, tail)
+        if fits(cheapest):
+            return cheapest
+        cap, step = max(bottom, min(limit, top - 1)), 1
+        lo: int | None = None  # a cap whose plan fits
+        hi = top  # a cap whose plan misses
+        if fits(plan_at(cap)):
+            lo = cap
+            while hi - lo > 1 and new < self.max_rounds:  # cheaper plans, while they fit
+                cap, step = min(lo + step, hi - 1), 2 * step
+                if plan_at(cap) == plan_at(lo) or fits(plan_at(cap)):
+                    lo = cap
+                else:
+                    hi = cap
+                    break
+        else:
+            hi = cap
+            while hi > bottom and new < self.max_rounds:  # costlier plans, until one fits
+                cap, step = max(hi - step, bottom), 2 * step
+                if plan_at(cap) != plan_at(hi) and fits(plan_at(cap)):
+                    lo = cap
+                    break
+                hi = cap
+            if lo is None:
+                return floor
+        while hi - lo > 1 and new < self.max_rounds:
+            mid = (lo + hi) // 2
+            choice = plan_at(mid)
+            if choice == plan_at(lo) or (choice != plan_at(hi) and fits(choice)):
+                lo = mid
+            else:
+                hi = mid
+        log.debug("plan %s fits %d (%d plans simulated)", plan_at(lo), limit, len(self._simulated))
+        return plan_at(lo)
+
+
+def _floor_message(limit: int, floor: MemoryBreakdown, policy: str, n: int, peak_none: int) -> str:
+    hint = "" if policy == "full" else " or allow full checkpointing (policy='auto'),"
+    return (
+        f"The budget of {format_bytes(limit)} ({limit:,} bytes) is below what activation checkpointing can "
+        f"reach: {policy} checkpointing of all {n} blocks peaks at {format_bytes(floor.peak)} "
+        f"({floor.peak:,} bytes; {format_bytes(peak_none)} without checkpointing). At that peak: parameters "
+        f"{format_bytes(floor.parameters)}, gradients {format_bytes(floor.gradients)}, optimizer state "
+        f"{format_bytes(floor.optimizer_state)}, activations {format_bytes(floor.activations)}, temporary "
+        f"{format_bytes(floor.temporary)}. To go lower, shrink what checkpointing cannot: a smaller "
+        "micro-batch (with gradient accumulation to keep the effective batch), a lighter optimizer "
+        f"(8-bit AdamW, Adafactor, SGD), or lower precision (bf16-true);{hint} or raise the budget."
+    )
+
+
+def _levels(policy: str | Sequence[str]) -> tuple[str, ...]:
+    """The modes a block may get: `LEVELS` of a policy name, or the given modes (with ``"none"``)."""
+    if isinstance(policy, str):
+        if policy not in LEVELS:
+            raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")
+        return LEVELS[policy]
+    unknown = set(policy) - set(CHECKPOINT_MODES)
+    if unknown or "none" not in policy:
+        raise ValueError(
+            f"policy must name checkpointing modes including 'none' (any of {CHECKPOINT_MODES}); got "
+            f"{tuple(policy)}"
+        )
+    return tuple(mode for mode in CHECKPOINT_MODES if mode in policy)
