@@ -21,11 +21,8 @@ import warnings
 import lightning.pytorch as pl
 import torch
 
-from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._measure import optimizer_tensors, storage_bytes
-from lightning_memkit._optim import CATALOGUE, DEFAULT_CANDIDATES
-from lightning_memkit._simulate import estimate_memory
-from lightning_memkit.callbacks.optimizer_swap import OptimizerSwap
+from lightning_memkit import CATALOGUE, OptimizerSwap, estimate_memory, format_bytes, storage_bytes
+from lightning_memkit._optimizers import DEFAULT_CANDIDATES
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 
 TOLERANCE = 0.02  # 8-bit AdamW's final validation loss may be at most 2 % above AdamW's
@@ -107,7 +104,7 @@ def train(name: str, args: argparse.Namespace, data: GPTDataModule) -> dict:
         "type": type(optimizer).__name__,
         "lr": lr.peak,
         "wd": groups[0]["weight_decay"],
-        "state": storage_bytes(optimizer_tensors([optimizer])),
+        "state": storage_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)),
         "params": sum(p.numel() for p in model.parameters()),
         "peak": swap.choice.peak if swap is not None else None,
         "val_loss": float(trainer.callback_metrics["val_loss"]),

@@ -4,20 +4,16 @@ is configured with (item 15), optimizers whose step needs a closure are refused 
 
 from __future__ import annotations
 
+import functools
 import re
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._budget import parse_budget
-from lightning_memkit._optim import fit_optimizer
-from lightning_memkit._simulate import estimate_memory
-from lightning_memkit.callbacks import optimizer_swap
-from lightning_memkit.callbacks.optimizer_swap import OptimizerSwap
+from lightning_memkit import OptimizerSwap, estimate_memory, fit_optimizer, format_bytes, parse_budget
 
 N, BATCH = 32, 8  # samples, batch size: 4 batches per epoch
 
@@ -72,12 +68,15 @@ def _trainer(tmp_path, *callbacks, **kwargs) -> pl.Trainer:
     return pl.Trainer(callbacks=list(callbacks), **{**settings, **kwargs})
 
 
-def _peak(model: Net, optimizer: str) -> int:
-    return estimate_memory(model, [torch.zeros(BATCH, model.width)], optimizer=optimizer, device="cpu").peak
+@functools.cache
+def _peak(width: int, optimizer: str) -> int:
+    """``Net(width)``'s estimated step peak with ``optimizer`` (one estimate per test process)."""
+    return estimate_memory(Net(width), [torch.zeros(BATCH, width)], optimizer=optimizer, device="cpu").peak
 
 
-def _between(model: Net, fits: str, over: str) -> int:
-    low, high = _peak(model, fits), _peak(model, over)
+def _between(width: int, fits: str, over: str) -> int:
+    """A budget for ``Net(width)`` that ``fits`` fits and ``over`` does not."""
+    low, high = _peak(width, fits), _peak(width, over)
     assert low < high
     return (low + high) // 2
 
@@ -89,8 +88,8 @@ def _between(model: Net, fits: str, over: str) -> int:
 
 def test_a_reused_callback_decides_afresh_for_each_fit(tmp_path):
     """Small (AdamW fits), big (it does not: SGD), small again (AdamW again), with one callback."""
-    budget = _between(Net(width=64), "sgd", "adamw")
-    assert _peak(Net(width=8), "adamw") < budget
+    budget = _between(64, "sgd", "adamw")
+    assert _peak(8, "adamw") < budget
     swap = OptimizerSwap(budget, candidates=("sgd",))
     for width, kind in [(8, torch.optim.AdamW), (64, torch.optim.SGD), (8, torch.optim.AdamW)]:
         trainer = _trainer(tmp_path, swap)
@@ -108,8 +107,8 @@ def test_a_reused_callback_decides_afresh_for_each_fit(tmp_path):
 def test_a_budget_nothing_fits_fails_before_any_forward_with_the_figures(tmp_path):
     model = ValidatedNet(width=64)
     floor = 2 * 4 * sum(p.numel() for p in model.parameters())  # parameters + gradients, fp32
-    kb = (floor + _peak(model, "sgd")) // 2 // 1000  # over the static floor, under the step: activations
-    assert floor < kb * 1000 < _peak(model, "sgd")
+    kb = (floor + _peak(64, "sgd")) // 2 // 1000  # over the static floor, under the step: activations
+    assert floor < kb * 1000 < _peak(64, "sgd")
     trainer = _trainer(tmp_path, OptimizerSwap(f"{kb}KB", candidates=("adafactor", "sgd")))
     with pytest.raises(ValueError, match=re.escape(f"budget of {kb}KB ({format_bytes(kb * 1000)})")) as err:
         trainer.fit(model)
@@ -140,20 +139,48 @@ def test_the_early_decision_leaves_data_order_and_rng_alone(tmp_path):
         return torch.stack(model.batches), torch.rand(1)
 
     alone = run()
-    budget = _between(Net(width=64), "sgd", "adamw")
+    budget = _between(64, "sgd", "adamw")
     for swap in (OptimizerSwap("1GiB"), OptimizerSwap(budget, candidates=("sgd",))):
         batches, after = run(swap)
         torch.testing.assert_close(batches, alone[0], rtol=0, atol=0)
         assert after == alone[1]
 
 
-def test_no_batch_at_fit_start_decides_at_the_first_batch(tmp_path, monkeypatch):
-    model = Net(width=64)
-    budget = _between(model, "sgd", "adamw")
-    monkeypatch.setattr(optimizer_swap, "_first_batch", lambda trainer: None)
-    trainer = _trainer(tmp_path, OptimizerSwap(budget, candidates=("sgd",)))
+class LateData(Net):
+    """Its first ``train_dataloader()``, the one OptimizerSwap takes a batch from at fit start, is empty."""
+
+    loaders = 0
+
+    def train_dataloader(self):
+        self.loaders += 1
+        return (
+            super().train_dataloader() if self.loaders > 1 else DataLoader(TensorDataset(torch.zeros(0, 1)))
+        )
+
+
+def test_no_batch_at_fit_start_decides_at_the_first_batch(tmp_path):
+    model = LateData(width=64)
+    trainer = _trainer(tmp_path, OptimizerSwap(_between(64, "sgd", "adamw"), candidates=("sgd",)))
     trainer.fit(model)
+    assert model.loaders == 2  # the empty one at fit start, the fit loop's
     assert type(trainer.optimizers[0]) is torch.optim.SGD
+
+
+def test_a_none_first_batch_is_skipped_as_the_fit_loop_skips_it(tmp_path):
+    """A loader whose first batch is ``None``: the decision at fit start takes the next one."""
+
+    class NoneFirst(Net):
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+            first = iter([True])
+            loader.collate_fn = lambda items: None if next(first, False) else default_collate(items)
+            return loader
+
+    model = NoneFirst(width=64)
+    swap = OptimizerSwap(_between(64, "sgd", "adamw"), candidates=("sgd",))
+    with pytest.warns(UserWarning, match="train_dataloader yielded None"):
+        _trainer(tmp_path, swap).fit(model)
+    assert swap.choice.name == "sgd" and swap.choice.method == "simulated"
 
 
 @pytest.mark.parametrize("name", ["H200", "A100-40GB"])
@@ -170,17 +197,23 @@ def test_a_gpu_name_is_a_budget(tmp_path, name):
 # --------------------------------------------------------------------------------------------------
 
 
-def _swapped_checkpoint(tmp_path, candidate: str) -> tuple[str, dict]:
-    model = Net(width=64)
-    trainer = _trainer(tmp_path, OptimizerSwap(_between(model, candidate, "adamw"), candidates=(candidate,)))
-    trainer.fit(model)
+@pytest.fixture(scope="module")
+def swapped_checkpoint(tmp_path_factory) -> tuple[str, dict]:
+    """A checkpoint of ``Net(64)`` after two steps with AdamW swapped to SGD with momentum, and the
+    optimizer's state in it."""
+    tmp_path = tmp_path_factory.mktemp("swapped")
+    swap = OptimizerSwap(_between(64, "sgd_momentum", "adamw"), candidates=("sgd_momentum",))
+    trainer = _trainer(tmp_path, swap)
+    trainer.fit(Net(width=64))
     path = str(tmp_path / "swapped.ckpt")
     trainer.save_checkpoint(path)
     return path, trainer.optimizers[0].state_dict()
 
 
-def test_resume_with_a_differently_configured_callback_restores_the_stored_choice(tmp_path):
-    path, saved = _swapped_checkpoint(tmp_path, "sgd_momentum")
+def test_resume_with_a_differently_configured_callback_restores_the_stored_choice(
+    tmp_path, swapped_checkpoint
+):
+    path, saved = swapped_checkpoint
     loaded = {}
 
     class Inspect(pl.Callback):
@@ -205,13 +238,12 @@ def test_resume_with_a_differently_configured_callback_restores_the_stored_choic
     assert trainer.global_step == 3 and swap.state_dict()["optimizer"] == "sgd_momentum"
 
 
-def test_resume_without_the_callback_is_named_by_lightning(tmp_path):
-    pytest.importorskip("bitsandbytes")
-    path, _ = _swapped_checkpoint(tmp_path, "lion")
+def test_resume_without_the_callback_is_named_by_lightning(tmp_path, swapped_checkpoint):
+    path, _ = swapped_checkpoint  # SGD's momentum buffers, which AdamW's step() cannot read
     trainer = _trainer(tmp_path, max_steps=3)
     with (
         pytest.warns(UserWarning, match=r"Please add the following callbacks: \['OptimizerSwap'\]"),
-        pytest.raises(KeyError, match="exp_avg"),
+        pytest.raises(KeyError, match="step"),  # AdamW's step() reads its counter first
     ):
         trainer.fit(Net(width=64), ckpt_path=path)
 

@@ -1,7 +1,8 @@
 """OptimizerSwap: train with a lighter optimizer when the configured one does not fit the memory budget.
 
-The catalogue, the translation rules and the decision live in `lightning_memkit._optim`; this callback
-picks the moment and installs the result in the Trainer.
+The catalogue and its translation rules (`lightning_memkit.CATALOGUE`, `lightning_memkit.swap_optimizer`)
+and the decision (`lightning_memkit.fit_optimizer`, here over the Trainer's own estimate) are plain
+functions that need no Trainer; this callback picks the moment and installs the result in the Trainer.
 
 When. Each fit starts from nothing in ``setup`` (a reused callback decides afresh for the new model); a
 resumed fit gets its stored choice back in ``load_state_dict``, which Lightning calls after ``setup``.
@@ -9,9 +10,10 @@ A fresh fit decides in ``on_fit_start``: the strategy has built the optimizers a
 forward has run yet (not even the sanity check), so a budget nothing fits fails before any training
 work. The simulated estimate needs the step's batch: the first batch of the training dataloader, taken
 with the transfer hooks applied, the global RNG and the loader's generators put back afterwards, so the
-epoch still starts with that very batch. The choice is installed at the first training batch, after
-Lightning has loaded any optimizer state (a checkpoint saved without this callback). Where no batch can
-be taken at fit start (an empty loader), the first training batch decides, as it installs.
+epoch still starts with that very batch (`_trainer.first_batch`). The choice is installed at the first
+training batch, after Lightning has loaded any optimizer state (a checkpoint saved without this
+callback). Where no batch can be taken at fit start (an empty loader), the first training batch
+decides, as it installs.
 
 A resumed run must build the *stored* choice before Lightning loads the optimizer state from the
 checkpoint (8-bit state does not load into AdamW). Lightning restores callback state before
@@ -26,46 +28,53 @@ the new one, its learning rates scaled by the translation rule, so a warmup-cosi
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import CombinedLoader, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MemoryBreakdown, MiB
 from lightning_memkit._budget import Budget, parse_budget, reads_device
 from lightning_memkit._optim import (
-    CATALOGUE,
-    DEFAULT_CANDIDATES,
     Estimator,
     OptimizerChoice,
-    _validate_candidates,
-    choose,
+    choose_optimizer,
+    simulated_estimator,
+    static_estimator,
+)
+from lightning_memkit._optimizers import (
+    CATALOGUE,
+    DEFAULT_CANDIDATES,
     identify,
     lr_factor,
     rebind_scheduler,
-    simulated_estimator,
-    static_estimator,
     swap_optimizer,
+    valid_candidates,
 )
-from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, on_rank_zero, precision
+from lightning_memkit.callbacks._trainer import (
+    accumulates,
+    ddp_bucket_bytes,
+    first_batch,
+    on_rank_zero,
+    precision,
+)
 
 
 class OptimizerSwap(Callback):
     r"""Replace the configured optimizer with the best lighter one whose training step fits ``budget``.
 
     At the start of the fit, before the sanity check and any forward, the step is estimated with the
-    optimizer ``configure_optimizers`` returned (`estimate_memory`: the LightningModule's own step on fake
-    tensors, with the first training batch and the Trainer's precision). If it fits, nothing changes.
-    Otherwise the ``candidates`` are tried in order and the first that fits replaces it, at the first
-    training batch: same param groups (per-group ``lr`` and ``weight_decay`` translated, see
-    `lightning_memkit._optim` for the rules), LR schedulers rebound with their shape kept. The decision
-    is printed with its numbers and stored in checkpoints; a run resumed from one builds the same
+    optimizer ``configure_optimizers`` returned (`lightning_memkit.estimate_memory`: the
+    LightningModule's own step on fake tensors, with the first training batch and the Trainer's
+    precision). If it fits, nothing changes. Otherwise the ``candidates`` are tried in order and the
+    first that fits replaces it, at the first training batch: same param groups (per-group ``lr`` and
+    ``weight_decay`` translated, see `lightning_memkit.swap_optimizer` for the rules), LR schedulers
+    rebound with their shape kept. The decision (`lightning_memkit.fit_optimizer`'s, over the Trainer's
+    step) is printed with its numbers and stored in checkpoints; a run resumed from one builds the same
     optimizer and loads its state. Every ``trainer.fit`` decides afresh for the model it is given, also
     with a callback reused from an earlier fit.
 
@@ -93,9 +102,9 @@ class OptimizerSwap(Callback):
       optimizer is swapped to the same candidate, deciding on their sum. ``self.optimizers()`` returns
       the new ones (Lightning rebuilds its wrappers from ``trainer.strategy.optimizers``); do not keep
       references to optimizers taken before the first training batch.
-    - **Optimizers outside the catalogue** (see ``CATALOGUE``; e.g. RMSprop, a subclass of AdamW, any
-      optimizer with ``maximize=True``): left alone with a warning unless ``allow_unknown=True``, which
-      reads their ``lr`` and ``weight_decay`` as AdamW's.
+    - **Optimizers outside the catalogue** (see `lightning_memkit.CATALOGUE`; e.g. RMSprop, a subclass of
+      AdamW, any optimizer with ``maximize=True``): left alone with a warning unless
+      ``allow_unknown=True``, which reads their ``lr`` and ``weight_decay`` as AdamW's.
     - **Optimizers whose step() needs a closure** (``torch.optim.LBFGS``): never swapped. Replacing a
       line-search quasi-Newton method with a first-order one changes the algorithm, not its memory, and its
       step cannot be simulated without running it; ``allow_unknown=True`` with one raises ``ValueError``
@@ -120,7 +129,7 @@ class OptimizerSwap(Callback):
     Args:
         budget: what one training step may use at its peak, per device: bytes, a size (``"24GiB"``), a
             GPU name (``"A100-40GB"``, ``"H200"``), a fraction of the current CUDA device (``0.9``) or
-            ``"auto"`` (`lightning_memkit._budget.parse_budget`; devices lose the CUDA context and a
+            ``"auto"`` (`lightning_memkit.parse_budget`; devices lose the CUDA context and a
             fragmentation reserve).
         candidates: catalogue names to try, best first (default: adamw, adamw8bit, lion, lion8bit,
             adafactor, sgd_momentum, sgd).
@@ -145,7 +154,7 @@ class OptimizerSwap(Callback):
         self._budget: Budget | None = None if reads_device(budget) else parse_budget(budget)
         #: Bytes the step's peak may reach (``None`` until ``setup`` for ``"auto"`` or a fraction).
         self.budget: int | None = None if self._budget is None else self._budget.usable
-        self.candidates = _validate_candidates(candidates)
+        self.candidates = valid_candidates(candidates)
         self.allow_unknown = allow_unknown
         self._reset()
 
@@ -182,7 +191,7 @@ class OptimizerSwap(Callback):
         if self._state:  # resuming: build the stored choice now, before Lightning loads its state
             self._resume(trainer)
         else:  # before the sanity check: a budget nothing fits fails before any forward
-            self._decide(trainer, pl_module, lambda: _first_batch(trainer))
+            self._decide(trainer, pl_module, lambda: first_batch(trainer))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -236,7 +245,7 @@ class OptimizerSwap(Callback):
             if simulated and batch is None:
                 return False, None
             estimate, method = self._estimator(trainer, pl_module, batch)
-            choice = choose(
+            choice = choose_optimizer(
                 optimizers, budget, estimate, candidates=self.candidates, allow_unknown=self.allow_unknown,
                 method=method, info=rank_zero_info, warn=rank_zero_warn,
             )  # fmt: skip
@@ -344,41 +353,3 @@ class OptimizerSwap(Callback):
 def _simulates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether the step can be simulated: automatic optimization with one optimizer."""
     return pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1
-
-
-def _first_batch(trainer: pl.Trainer) -> Any | None:
-    """The first batch of the training dataloader, as ``training_step`` will receive it (after the
-    transfer hooks), or ``None`` when there is none. The loader is iterated under `_rng_kept`, so the
-    epoch that follows starts with this very batch and draws the same random numbers."""
-    source = trainer.fit_loop._data_source
-    loader = source.dataloader() if source.is_defined() else None
-    if loader is None:
-        return None
-    combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
-    with _rng_kept(combined.flattened, trainer.strategy.root_device):
-        try:
-            batch, _, _ = next(iter(combined))
-        except StopIteration:
-            return None
-        batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
-
-
-@contextlib.contextmanager
-def _rng_kept(loaders: Sequence[Any], device: torch.device) -> Iterator[None]:
-    """Put back the global RNG (CPU, and ``device`` if CUDA) and every loader's and sampler's own
-    generator: a shuffling sampler draws its permutation from them when iterated."""
-    generators: dict[int, torch.Generator] = {}
-    for loader in loaders:
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        for holder in (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-            g = getattr(holder, "generator", None)
-            if isinstance(g, torch.Generator):
-                generators[id(g)] = g
-    states = [(g, g.get_state()) for g in generators.values()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            yield
-        finally:
-            for g, state in states:
-                g.set_state(state)

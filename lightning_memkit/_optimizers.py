@@ -1,0 +1,398 @@
+"""The optimizers a swap can choose from, and how to swap one for another.
+
+AdamW keeps two fp32 moments, 8 bytes per parameter: often the largest single consumer of a step. When
+the step does not fit, a lighter optimizer usually trains nearly as well. This module is the catalogue of
+those optimizers, in quality order (`CATALOGUE`), and the rules that carry AdamW's hyperparameters over
+to each (`swap_optimizer`, `rebind_scheduler`). Which one to use is decided in `_optim` (`fit_optimizer`,
+and the `OptimizerSwap` callback over it); this module estimates nothing.
+
+The catalogue (bytes of ``optimizer.state`` per parameter; `_analytic.OPTIMIZERS` has the exact formulas):
+
+=================  ========================================  =====================================
+name               optimizer                                 state
+=================  ========================================  =====================================
+adamw              torch.optim.AdamW                         8 B (fp32 exp_avg, exp_avg_sq)
+adamw8bit          bitsandbytes.optim.AdamW8bit              ≈2 B (+ fp32 under 4096 elements)
+paged_adamw8bit    bitsandbytes.optim.PagedAdamW8bit         ≈2 B, in CUDA managed memory
+lion               bitsandbytes.optim.Lion (32-bit)          4 B (one fp32 momentum)
+lion8bit           bitsandbytes.optim.Lion8bit               ≈1 B (+ fp32 under 4096 elements)
+adafactor          torch.optim.Adafactor                     O(rows + columns) per matrix
+sgd_momentum       torch.optim.SGD(momentum=0.9)             4 B
+sgd                torch.optim.SGD                           0 B
+=================  ========================================  =====================================
+
+Translation rules, from AdamW's per-group ``lr`` and ``weight_decay`` (every rule multiplies, so a
+group without decay keeps none and a learning-rate schedule keeps its shape, scaled):
+
+- **AdamW8bit, PagedAdamW8bit**: the same ``lr``, ``weight_decay``, ``betas``, ``eps``. Dettmers et al.
+  2022 (8-bit Optimizers via Block-wise Quantization) use AdamW's hyperparameters unchanged.
+- **Lion**: ``lr / 10``, ``weight_decay * 10``, ``betas=(0.9, 0.99)``. Chen et al. 2023 (Symbolic
+  Discovery of Optimization Algorithms, §5) advise a learning rate 3–10× smaller than AdamW's, because
+  the sign update has a larger norm, and a weight decay 3–10× larger so that the decay per step,
+  ``lr * weight_decay``, stays the same; (0.9, 0.99) are the paper's default betas. On the tiny GPT
+  (300 steps, AdamW lr 3e-3, batch 16) lr / 3 reached a validation loss of 2.12 and lr / 10 1.98
+  (AdamW: 1.29), so the rule takes the paper's upper end. Lion's advantage grows with the batch size
+  (the paper's runs use large batches); at small batches expect it to trail AdamW.
+- **Adafactor** (torch's: relative step ``min(lr, 1/sqrt(t)) * max(1e-3, RMS(param))``, no first
+  moment, decoupled decay ``param *= 1 - lr * weight_decay``): ``lr * 10``, ``weight_decay / 10`` (the
+  decay per step stays AdamW's), ``beta2_decay=-0.8`` (Shazeer & Stern 2018's schedule, torch's
+  default). The step is relative to the parameter's scale, so AdamW's ``lr`` is far too small for it:
+  on the tiny GPT (150 steps, AdamW lr 3e-3) x1 reached a validation loss of 3.61, x10 2.06, x30 2.06.
+  10 is the smallest factor on that plateau, and maps AdamW's common 1e-3 to the paper's (and torch's
+  default) 1e-2.
+- **SGD with momentum**: ``lr * 30``, ``momentum=0.9``; torch's SGD decay is an L2 term in the
+  gradient, which momentum amplifies by ``1 / (1 - 0.9)``, so ``weight_decay / 300`` keeps AdamW's
+  decay per step. SGD is not normalized by the gradient's scale and needs a far larger learning rate
+  than Adam: on the tiny GPT x10 reached 3.05, x30 3.04 and x100 diverged; 30 is the largest stable.
+- **SGD**: ``lr * 300`` (momentum SGD's effective step is ``lr / (1 - 0.9)``, so the step size stays
+  that of the momentum rule) and ``weight_decay / 300``, the same decay per step.
+
+An original that is not AdamW is first carried back to AdamW's terms by the inverse of its own rule.
+Only ``lr``, ``weight_decay`` (and ``betas``/``eps`` between the Adam family) are carried; options such
+as ``amsgrad``, ``foreach``, ``fused`` are not. torch's ``Adam`` counts as AdamW: its L2 ``weight_decay``
+becomes a decoupled one of the same value. Other group keys (names, a scheduler's ``initial_lr``) are
+kept, learning rates among them scaled.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_memkit._analytic import valid_name
+
+__all__ = [
+    "ADAFACTOR_LR_SCALE",
+    "CATALOGUE",
+    "DEFAULT_CANDIDATES",
+    "SGD_LR_SCALE",
+    "CatalogueEntry",
+    "available_candidates",
+    "identify",
+    "load_bitsandbytes",
+    "lr_factor",
+    "rebind_scheduler",
+    "swap_optimizer",
+    "valid_candidates",
+]
+
+_log = logging.getLogger(__name__)
+
+#: AdamW's lr times this is torch Adafactor's (its weight decay divided by it); see the module docstring.
+ADAFACTOR_LR_SCALE = 10.0
+#: AdamW's lr times this is SGD's with momentum 0.9 (and 10x more for plain SGD); see the module docstring.
+SGD_LR_SCALE = 30.0
+#: Keys of a param group that hold learning rates written by schedulers; scaled with ``lr``.
+_LR_KEYS = ("initial_lr", "max_lr", "min_lr")
+#: Per-group lists on a scheduler that hold learning rates (LambdaLR, CyclicLR, ReduceLROnPlateau, ...).
+_SCHEDULER_LR_LISTS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs")
+
+
+# --------------------------------------------------------------------------------------------------
+# bitsandbytes, loaded lazily
+# --------------------------------------------------------------------------------------------------
+
+
+#: bitsandbytes' CPU backend warns on import that it cannot fetch a 4-bit matmul kernel from the Hub
+#: (``Failed to load CPU gemm_4bit_forward from kernels-community``): noise that reads like an error, about
+#: a kernel its 8-bit optimizers never use.
+_BNB_IMPORT_NOISE = "bitsandbytes.backends.cpu.ops"
+
+
+def load_bitsandbytes() -> Any | None:
+    """The ``bitsandbytes`` module, or ``None`` when it is missing or fails to load on this platform."""
+    noisy = logging.getLogger(_BNB_IMPORT_NOISE)
+    level = noisy.level
+    noisy.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except (ImportError, RuntimeError, OSError) as err:
+        _log.debug("bitsandbytes could not be loaded: %s", err)
+        return None
+    finally:
+        noisy.setLevel(level)
+    return bitsandbytes
+
+
+def _bnb_class(name: str) -> Callable[..., Optimizer]:
+    def build(param_groups: list[dict[str, Any]], **defaults: Any) -> Optimizer:
+        bnb = load_bitsandbytes()
+        if bnb is None:
+            raise RuntimeError(
+                f"bitsandbytes.optim.{name} needs bitsandbytes, which is not installed or failed to load "
+                "here; `pip install bitsandbytes`, or drop the 8-bit and Lion candidates."
+            )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Pp]aged optimizers are not supported on CPU.*")
+            return getattr(bnb.optim, name)(param_groups, **defaults)
+
+    build.__qualname__ = f"bitsandbytes.optim.{name}"
+    return build
+
+
+# --------------------------------------------------------------------------------------------------
+# The catalogue
+# --------------------------------------------------------------------------------------------------
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One optimizer of the catalogue and the rule that carries AdamW's hyperparameters over to it.
+
+    Attributes:
+        name: the catalogue name (also what ``estimate_memory(optimizer=...)`` takes).
+        build: ``build(param_groups, **defaults) -> Optimizer``, torch.optim's constructor signature.
+        lr_scale: this optimizer's ``lr`` is AdamW's times ``lr_scale``.
+        decay_scale: this optimizer's ``weight_decay`` is AdamW's times ``decay_scale``.
+        carries: AdamW hyperparameters taken over unchanged (``betas``, ``eps`` within the Adam family).
+        fixed: hyperparameters set whatever AdamW had, as ``(key, value)`` pairs.
+        state: bytes of ``optimizer.state`` per parameter, in words.
+        needs_bitsandbytes: skipped, with one info line, where bitsandbytes does not load.
+    """
+
+    name: str
+    build: Callable[..., Optimizer]
+    lr_scale: float = 1.0
+    decay_scale: float = 1.0
+    carries: tuple[str, ...] = ()
+    fixed: tuple[tuple[str, Any], ...] = ()
+    state: str = ""
+    needs_bitsandbytes: bool = False
+
+    def translate(self, adamw_group: dict[str, Any]) -> dict[str, Any]:
+        """This optimizer's hyperparameters for a param group that AdamW would run with ``adamw_group``."""
+        out: dict[str, Any] = {}
+        if "lr" in adamw_group:
+            out["lr"] = _scalar(adamw_group["lr"]) * self.lr_scale
+        if "weight_decay" in adamw_group:
+            out["weight_decay"] = _scalar(adamw_group["weight_decay"]) * self.decay_scale
+        out.update({k: adamw_group[k] for k in self.carries if k in adamw_group})
+        out.update(self.fixed)
+        return out
+
+    def to_adamw(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of `translate`: AdamW's hyperparameters equivalent to this optimizer's ``group``."""
+        out = {
+            "lr": _scalar(group["lr"]) / self.lr_scale,
+            "weight_decay": _scalar(group.get("weight_decay", 0.0)) / self.decay_scale,
+        }
+        out.update({k: group[k] for k in self.carries if k in group})
+        return out
+
+
+_ADAM = ("betas", "eps")
+_SGD_DECAY = 1 / (10 * SGD_LR_SCALE)  # keeps lr * weight_decay / (1 - momentum) at AdamW's lr * weight_decay
+
+#: Every optimizer the swap knows, in quality order (best first).
+CATALOGUE: dict[str, CatalogueEntry] = {
+    e.name: e
+    for e in (
+        CatalogueEntry(
+            "adamw", torch.optim.AdamW, carries=_ADAM, state="8 B/param: fp32 exp_avg and exp_avg_sq",
+        ),
+        CatalogueEntry(
+            "adamw8bit", _bnb_class("AdamW8bit"), carries=_ADAM, needs_bitsandbytes=True,
+            state="≈2 B/param: two uint8 states + an fp32 scale per 256; fp32 (8 B) under 4096 elements",
+        ),
+        CatalogueEntry(
+            "paged_adamw8bit", _bnb_class("PagedAdamW8bit"), carries=_ADAM, needs_bitsandbytes=True,
+            state="as adamw8bit, in CUDA managed memory that pages out to the host under pressure",
+        ),
+        CatalogueEntry(
+            "lion", _bnb_class("Lion"), lr_scale=1 / 10, decay_scale=10.0, fixed=(("betas", (0.9, 0.99)),),
+            needs_bitsandbytes=True, state="4 B/param: one fp32 momentum",
+        ),
+        CatalogueEntry(
+            "lion8bit", _bnb_class("Lion8bit"), lr_scale=1 / 10, decay_scale=10.0,
+            fixed=(("betas", (0.9, 0.99)),), needs_bitsandbytes=True,
+            state="≈1 B/param: one uint8 momentum + an fp32 scale per 256; fp32 (4 B) under 4096 elements",
+        ),
+        CatalogueEntry(
+            "adafactor", torch.optim.Adafactor, lr_scale=ADAFACTOR_LR_SCALE,
+            decay_scale=1 / ADAFACTOR_LR_SCALE, fixed=(("beta2_decay", -0.8),),
+            state="(m + n) x 4 B per m x n matrix (factored second moment); 4 B/param for vectors",
+        ),
+        CatalogueEntry(
+            "sgd_momentum", torch.optim.SGD, lr_scale=SGD_LR_SCALE, decay_scale=_SGD_DECAY,
+            fixed=(("momentum", 0.9),), state="4 B/param: one momentum buffer",
+        ),
+        CatalogueEntry(
+            "sgd", torch.optim.SGD, lr_scale=10 * SGD_LR_SCALE, decay_scale=_SGD_DECAY,
+            fixed=(("momentum", 0.0),), state="0 B",
+        ),
+    )
+}  # fmt: skip
+
+#: What `OptimizerSwap` and `fit_optimizer` try by default, in order. ``paged_adamw8bit`` is left out:
+#: it holds as many bytes as ``adamw8bit``, so it never fits where that does not; name it to use it.
+DEFAULT_CANDIDATES = ("adamw", "adamw8bit", "lion", "lion8bit", "adafactor", "sgd_momentum", "sgd")
+
+#: An optimizer the catalogue does not know, used with ``allow_unknown=True``: its ``lr`` and
+#: ``weight_decay`` are read as AdamW's.
+_UNKNOWN = CatalogueEntry("unknown", build=lambda *a, **k: None)  # type: ignore[arg-type, return-value]
+
+_BNB_NAMES = {
+    "AdamW8bit": "adamw8bit",
+    "PagedAdamW8bit": "paged_adamw8bit",
+    "Lion": "lion",
+    "Lion8bit": "lion8bit",
+}
+
+
+def identify(optimizer: Optimizer) -> str | None:
+    """The catalogue name of ``optimizer``'s kind, or ``None`` when the catalogue does not know it.
+
+    Exact types only (a subclass may change the update): torch's AdamW and Adam are ``"adamw"``, SGD is
+    ``"sgd_momentum"`` or ``"sgd"`` by its momentum, Adafactor ``"adafactor"``, and bitsandbytes'
+    AdamW8bit, PagedAdamW8bit, Lion, Lion8bit their own names. ``maximize=True`` is not known.
+    """
+    if any(group.get("maximize", False) for group in optimizer.param_groups):
+        return None
+    cls = type(optimizer)
+    if cls in (torch.optim.AdamW, torch.optim.Adam):
+        return "adamw"
+    if cls is torch.optim.Adafactor:
+        return "adafactor"
+    if cls is torch.optim.SGD:
+        return "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+    if cls.__module__.startswith("bitsandbytes."):
+        return _BNB_NAMES.get(cls.__name__)
+    return None
+
+
+def valid_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
+    """``candidates`` as a tuple of catalogue names (one name alone is one candidate); an unknown name
+    raises ``ValueError`` with the closest one."""
+    if isinstance(candidates, str):
+        candidates = (candidates,)
+    out = tuple(valid_name("optimizer candidate", name, CATALOGUE) for name in candidates)
+    if not out:
+        raise ValueError(f"candidates must name at least one of {', '.join(CATALOGUE)}")
+    return out
+
+
+def available_candidates(candidates: Iterable[str], info: Callable[[str], Any] = _log.info) -> list[str]:
+    """The ``candidates`` that can be built here: those that need bitsandbytes are dropped, with one
+    ``info`` line, where it does not load."""
+    names = list(valid_candidates(candidates))
+    needs = [n for n in names if CATALOGUE[n].needs_bitsandbytes]
+    if needs and load_bitsandbytes() is None:
+        info(f"bitsandbytes is not available here: skipping the candidates {', '.join(needs)}.")
+        names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]
+    return names
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the new optimizer, rebinding schedulers
+# --------------------------------------------------------------------------------------------------
+
+
+def _entry(name: str | None) -> CatalogueEntry:
+    return _UNKNOWN if name is None else CATALOGUE[name]
+
+
+def lr_factor(source: str | None, target: str) -> float:
+    """How much ``target``'s learning rate is larger than ``source``'s under the translation rules."""
+    return CATALOGUE[target].lr_scale / _entry(source).lr_scale
+
+
+def swap_optimizer(optimizer: Optimizer, name: str, *, allow_unknown: bool = False) -> Optimizer:
+    """A new ``name`` optimizer over ``optimizer``'s param groups, hyperparameters translated per group.
+
+    Each group keeps its parameters and its own keys (a group's ``"name"``, a scheduler's
+    ``"initial_lr"``, learning rates scaled by the rule). The old optimizer's ``lr`` and
+    ``weight_decay`` are read in AdamW's terms and translated (``betas`` and ``eps`` carried within the
+    Adam family; other options such as ``fused`` are not):
+
+    =================================  ======  ============  ==========================
+    to                                 lr      weight_decay  also
+    =================================  ======  ============  ==========================
+    adamw, adamw8bit, paged_adamw8bit  x 1     x 1           ``betas``, ``eps`` carried
+    lion, lion8bit                     / 10    x 10          ``betas=(0.9, 0.99)``
+    adafactor                          x 10    / 10          ``beta2_decay=-0.8``
+    sgd_momentum                       x 30    / 300         ``momentum=0.9``
+    sgd                                x 300   / 300
+    =================================  ======  ============  ==========================
+
+    Each keeps AdamW's decay per step (``lr * weight_decay``); the papers and measurements behind the
+    factors are in this function's module docstring. An optimizer the catalogue
+    (`CATALOGUE`) does not know raises unless ``allow_unknown=True``, which reads its ``lr`` and
+    ``weight_decay`` as AdamW's. The new optimizer has no state yet; ``optimizer`` is left as it was.
+
+    Example::
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        optimizer = swap_optimizer(optimizer, "lion")  # lr=3e-4, weight_decay=1.0, betas=(0.9, 0.99)
+    """
+    target = CATALOGUE[valid_name("optimizer", name, CATALOGUE)]
+    source_name = identify(optimizer)
+    if source_name is None and not allow_unknown:
+        raise ValueError(
+            f"{type(optimizer).__name__} is not in the optimizer catalogue ({', '.join(CATALOGUE)}); pass "
+            "allow_unknown=True to read its lr and weight_decay as AdamW's."
+        )
+    source = _entry(source_name)
+    factor = target.lr_scale / source.lr_scale
+    hyper = set(optimizer.defaults)
+    groups = []
+    for group in optimizer.param_groups:
+        kept = {k: v for k, v in group.items() if k != "params" and k not in hyper}
+        for key in _LR_KEYS:
+            if key in kept:
+                kept[key] = _scalar(kept[key]) * factor
+        groups.append({**kept, **target.translate(source.to_adamw(group)), "params": list(group["params"])})
+    defaults = target.translate(source.to_adamw(optimizer.defaults))
+    return target.build(groups, **defaults)
+
+
+def rebind_scheduler(scheduler: Any, optimizer: Optimizer, lr_factor: float = 1.0) -> None:
+    """Point ``scheduler`` at ``optimizer`` (built by `swap_optimizer`), keeping its schedule's shape.
+
+    The schedule's own state (``last_epoch``, lambdas, counters) is kept; its per-group learning rates
+    (``base_lrs``, ``min_lrs``, ...) are multiplied by ``lr_factor``, the ratio of the new optimizer's
+    learning rates to the old one's, so every later ``lr`` is the old schedule's times ``lr_factor``.
+    ``SequentialLR``/``ChainedScheduler`` are rebound with their children.
+    """
+    old = scheduler.optimizer
+    scheduler.optimizer = optimizer
+    for attr in _SCHEDULER_LR_LISTS:
+        values = scheduler.__dict__.get(attr)
+        if isinstance(values, list) and len(values) == len(optimizer.param_groups):
+            setattr(scheduler, attr, [_scalar(v) * lr_factor for v in values])
+    for child in scheduler.__dict__.get("_schedulers", ()):
+        if child.optimizer is old:
+            rebind_scheduler(child, optimizer, lr_factor)
+    _track_step_calls(optimizer, old)
+
+
+def _track_step_calls(optimizer: Optimizer, old: Optimizer) -> None:
+    """Wrap ``optimizer.step`` as torch's LRScheduler does on construction, so that scheduler's check
+    "was ``optimizer.step()`` called before ``scheduler.step()``?" keeps working after the swap."""
+    if getattr(old, "_opt_called", False):
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
