@@ -1,25 +1,29 @@
 """Training memory from architecture numbers alone, before a model is built or a GPU is touched.
 
-This is the analytic half of the estimator: given a transformer's shape, a batch, a precision scheme,
-an optimizer and a sharding strategy, it returns the same `MemoryBreakdown` the measurer produces, so
-the two can be compared category by category. Everything is plain integer arithmetic over parameter
-shapes; nothing here allocates a tensor.
+The analytic half of the estimator: from a transformer's shape, a batch, a precision, an optimizer, a
+checkpointing mode and a sharding strategy it returns the `MemoryBreakdown` a measured or simulated step
+has, so the two can be compared category by category. Everything is integer arithmetic over parameter
+shapes; nothing here allocates a tensor. Where each figure comes from:
 
-Conventions (the ones the categories of `MemoryBreakdown` imply):
+- ``parameters`` and ``gradients``: the exact tensor shapes of the layout (`parameter_shapes`), checked
+  against the released checkpoints: GPT-2 (Radford et al. 2019; 124,439,808 parameters as on Hugging
+  Face) and LLaMA-7B (Touvron et al. 2023; 6,738,415,616, a three-matrix SwiGLU MLP).
+- ``optimizer_state``: what each optimizer allocates per parameter shape in torch 2.x and bitsandbytes
+  0.50 (each ``*_state_bytes`` function gives its formula and source), plus an fp32 master copy when the
+  precision keeps one, as ZeRO counts it (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+  Training Trillion Parameter Models", §3.1: mixed-precision Adam keeps 2 + 2 + K bytes per parameter,
+  K = 12 for the fp32 master weights, momentum and variance).
+- ``activations``: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (arXiv:2205.05198), §4.1: ``s·b·h·(34 + 5·a·s/h)`` bytes per layer (the paper's s tokens per
+  sequence, b sequences, h the hidden width, a heads); under the selective checkpointing policies, what
+  those policies keep (`activation_bytes`).
+- ``temporary``: autocast's 16-bit copies of the fp32 weights under mixed precision (Micikevicius et al.
+  2018, "Mixed Precision Training"; Lightning's ``"16-mixed"`` / ``"bf16-mixed"``).
+- Sharding (`shard`): ZeRO stages 1, 2 and 3 partition the optimizer state, then the gradients, then the
+  parameters across the data-parallel ranks (Rajbhandari et al. 2020, §5; FSDP's full shard is stage 3).
 
-- ``parameters`` are the stored weights; ``gradients`` their ``.grad``; ``optimizer_state`` is every
-  tensor the optimizer keeps, *including an fp32 master copy* when the scheme has one (as in ZeRO's
-  accounting, where the master weights are part of the optimizer's K bytes per parameter).
-- The categories are summed as if all were live at once (the seeds' convention): an upper bound that is
-  tight at the start of the backward pass of a step after the first.
-- Optimizer figures reproduce what torch 2.x and bitsandbytes 0.50 actually allocate, down to torch's
-  per-parameter ``step`` tensors and bitsandbytes' per-block scales, so they can be checked against
-  ``optimizer.state`` exactly (tests/test_analytic.py does).
-
-Errata of the theory notes (seeds 000 and 003) this module was checked against, recomputed here:
-seed 000's 7B example sums to 5.16 B parameters with its own 2-matrix formula, not 6.7 B (LLaMA-7B has a
-3-matrix SwiGLU MLP: 6,738,415,616); one (B=4, h=32, T=2048) attention matrix at 2 bytes is 1.07 GB,
-not 2.1 GB (so two per layer over 32 layers is 68.7 GB, not 134 GB).
+The categories are summed as if all were live at once: an upper bound that is tight at the start of the
+backward pass of a step after the first.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._checkpointing import CHECKPOINT_MODES
 
 Shape = tuple[int, ...]
 
@@ -116,8 +121,9 @@ class TransformerShape:
 
     @classmethod
     def from_name(cls, name: str) -> TransformerShape:
-        """A published architecture: ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``llama-7b``."""
-        return _PRESETS[valid_name("architecture", name, _PRESETS)]
+        """A preset (`PRESETS`): ``tiny``, ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``,
+        ``llama-7b``; the bundled GPT demo builds the same ones (``GPTConfig.from_name``)."""
+        return PRESETS[valid_name("architecture", name, PRESETS)]
 
     @classmethod
     def from_config(cls, config: Any) -> TransformerShape:
@@ -206,14 +212,23 @@ class TransformerShape:
 _HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
 
 
-_PRESETS = {
+#: The preset architectures, by name: `TransformerShape.from_name` reads them, and the GPT demo's
+#: ``GPTConfig.from_name`` builds them (``lightning_memkit.demos.gpt.PRESETS`` is made from this table).
+PRESETS: dict[str, TransformerShape] = {
+    # The demo's CPU default: 0.87M parameters; a step of 16 x 128 tokens takes about 90 ms on 2 cores.
+    # Untied: with a 256-byte vocabulary a separate head costs little and learns bigrams far sooner.
+    "tiny": TransformerShape(256, 128, 4, 4, tie_weights=False, block_size=128),
+    # OpenAI's GPT-2 (Radford et al. 2019); parameter counts equal Hugging Face's (124,439,808 /
+    # 354,823,168 / 774,030,080 / 1,557,611,200): tied head, biases, learned positions, LayerNorm.
     "gpt2": TransformerShape(50257, 768, 12, 12, block_size=1024),
     "gpt2-medium": TransformerShape(50257, 1024, 24, 16, block_size=1024),
     "gpt2-large": TransformerShape(50257, 1280, 36, 20, block_size=1024),
     "gpt2-xl": TransformerShape(50257, 1600, 48, 25, block_size=1024),
+    # LLaMA-7B (Touvron et al. 2023): 6,738,415,616 parameters; SwiGLU, RMSNorm, rotary positions (no
+    # table; block_size is its 2048-token context), no biases, untied head, separate Q, K, V matrices.
     "llama-7b": TransformerShape(
         32000, 4096, 32, 32, d_ff=11008, mlp="swiglu", tie_weights=False, bias=False,
-        norm="rmsnorm", position="none", fused_qkv=False,
+        norm="rmsnorm", position="none", block_size=2048, fused_qkv=False,
     ),
 }  # fmt: skip
 
@@ -272,19 +287,6 @@ def count_parameters(shape: TransformerShape) -> int:
     return sum(math.prod(s) for s in parameter_shapes(shape))
 
 
-def seed_parameter_count(vocab_size: int, d_model: int, n_layer: int, d_ff: int) -> int:
-    """The theory notes' approximation ``V·d + L·(4d² + 2·d·d_ff) + d``.
-
-    It assumes a 2-matrix MLP and ignores biases, block norms and an untied head; for LLaMA-7B's
-    numbers it gives 5.16 B, not the 6.7 B the note claims (the real model has 3 MLP matrices).
-    """
-    for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layer", n_layer)):
-        _positive(name, value)
-    _positive("d_ff", d_ff)
-    d = d_model
-    return vocab_size * d + n_layer * (4 * d * d + 2 * d * d_ff) + d
-
-
 # --------------------------------------------------------------------------------------------------
 # Precision schemes
 # --------------------------------------------------------------------------------------------------
@@ -298,6 +300,10 @@ class PrecisionScheme:
     the weights to 16 bit as the forward uses them. Those copies are the difference between
     ``compute_bytes`` and ``param_bytes``: they live in autocast's cache until the forward ends and in
     autograd's saved tensors until the backward has used them, and are reported as ``temporary``.
+
+    Schemes outside Lightning are built directly: fp16 weights and gradients with an fp32 master copy
+    (Micikevicius et al. 2018; DeepSpeed's fp16) is ``PrecisionScheme(2, 2, master_bytes=4)``, with Adam
+    the 2 + 2 + 4 + 8 = 16 bytes per parameter of ZeRO's §3.1.
     """
 
     param_bytes: int  # the stored parameters
@@ -308,7 +314,7 @@ class PrecisionScheme:
 
     @classmethod
     def from_name(cls, name: str) -> PrecisionScheme:
-        """A Lightning precision string, or ``"seed000"`` / ``"seed003"`` (the theory notes' conventions)."""
+        """A Lightning precision string (the keys of `PRECISIONS`)."""
         return PRECISIONS[valid_name("precision", name, PRECISIONS)]
 
 
@@ -320,10 +326,6 @@ PRECISIONS: dict[str, PrecisionScheme] = {
     # torch optimizers allocate state with zeros_like(param): bf16 params -> bf16 moments.
     "16-true": PrecisionScheme(2, 2, 0, state_bytes=2, compute_bytes=2),
     "bf16-true": PrecisionScheme(2, 2, 0, state_bytes=2, compute_bytes=2),
-    # seed 000: fp16 params, fp32 grads, fp32 Adam moments, no master copy: 2 + 4 + 8 = 14 B/param.
-    "seed000": PrecisionScheme(2, 4, 0, state_bytes=4, compute_bytes=2),
-    # seed 003: fp16 params and grads, fp32 master, fp32 Adam moments: 2 + 2 + 4 + 8 = 16 B/param.
-    "seed003": PrecisionScheme(2, 2, 4, state_bytes=4, compute_bytes=2),
 }
 
 
@@ -342,22 +344,26 @@ def _precision(precision: str | PrecisionScheme) -> PrecisionScheme:
 
 
 def adamw_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """torch.optim.AdamW / Adam: ``exp_avg`` and ``exp_avg_sq`` per parameter, plus a 4-byte ``step``."""
+    """torch.optim.AdamW / Adam (Loshchilov & Hutter 2019; Kingma & Ba 2015): the first and second moments
+    ``exp_avg`` and ``exp_avg_sq`` in the parameter's dtype and a 4-byte ``step`` tensor, so
+    ``2·n·state_bytes + 4`` bytes for a parameter of n elements."""
     return sum(2 * math.prod(s) * state_bytes + _TORCH_STEP_BYTES for s in shapes)
 
 
 def sgd_momentum_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """torch.optim.SGD(momentum > 0): one ``momentum_buffer`` per parameter, no step counter."""
+    """torch.optim.SGD(momentum > 0) (heavy-ball momentum, as torch's SGD documents it): one
+    ``momentum_buffer`` per parameter, ``n·state_bytes`` bytes, no step counter."""
     return sum(math.prod(s) * state_bytes for s in shapes)
 
 
 def sgd_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """Plain SGD keeps nothing."""
+    """torch.optim.SGD without momentum keeps no state."""
     return 0
 
 
 def adafactor_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """torch.optim.Adafactor: factored second moment, no first moment, plus a 4-byte ``step``.
+    """torch.optim.Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear
+    Memory Cost", §3): a factored second moment, no first moment, plus a 4-byte ``step``.
 
     A parameter of shape (..., m, n) keeps ``row_var`` (..., m, 1) and ``col_var`` (..., 1, n): O(m + n)
     instead of O(m·n). Parameters with fewer than 2 dimensions keep a full ``variance``.
@@ -391,7 +397,9 @@ def _bnb_state_bytes(
 def adamw8bit_state_bytes(
     shapes: Sequence[Shape], *, min_8bit_size: int = BNB_MIN_8BIT_SIZE, block_size: int = BNB_BLOCK_SIZE
 ) -> int:
-    """bitsandbytes AdamW8bit / PagedAdamW8bit: two uint8 states ≈ 2 B/param + 8 B per 256-block.
+    """bitsandbytes AdamW8bit / PagedAdamW8bit (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
+    Quantization"): two uint8 states with one fp32 absmax per block of 256 elements, ≈ 2 B/param + 8 B
+    per block, and the two 256-entry fp32 quantization maps once per optimizer.
 
     Parameters under ``min_8bit_size`` elements keep two fp32 states (8 B/param). Paged state on CUDA
     lives in managed memory, which ``torch.cuda.memory_allocated`` does not see, but it is counted here.
@@ -400,14 +408,16 @@ def adamw8bit_state_bytes(
 
 
 def lion_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """bitsandbytes Lion (32-bit): one fp32 momentum, 4 B/param (always fp32, whatever ``state_bytes``)."""
+    """bitsandbytes Lion, 32-bit (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
+    one fp32 momentum, 4 B/param (always fp32, whatever ``state_bytes``)."""
     return _bnb_state_bytes(shapes, 1, BNB_MIN_8BIT_SIZE, BNB_BLOCK_SIZE, eight_bit=False)
 
 
 def lion8bit_state_bytes(
     shapes: Sequence[Shape], *, min_8bit_size: int = BNB_MIN_8BIT_SIZE, block_size: int = BNB_BLOCK_SIZE
 ) -> int:
-    """bitsandbytes Lion8bit: one uint8 momentum ≈ 1 B/param + 4 B per 256-block; small params fp32."""
+    """bitsandbytes Lion8bit: Lion's one momentum quantized as AdamW8bit's states are, ≈ 1 B/param + 4 B
+    per 256-element block; parameters under ``min_8bit_size`` elements keep it in fp32."""
     return _bnb_state_bytes(shapes, 1, min_8bit_size, block_size, eight_bit=True)
 
 
@@ -456,7 +466,8 @@ def static_breakdown(
     )
 
 
-#: strategy -> the categories it partitions across ranks (ZeRO stages 1, 2, 3; FSDP full shard = 3).
+#: strategy -> the categories it partitions across ranks: ZeRO stage 1 the optimizer state, stage 2 the
+#: gradients too, stage 3 the parameters too (Rajbhandari et al. 2020, §5); FSDP's full shard is stage 3.
 STRATEGIES: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "zero1": ("optimizer_state",),
@@ -472,7 +483,8 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
 def shard(
     breakdown: MemoryBreakdown, strategy: str, n_gpus: int, *, gradient_bytes: int | None = None
 ) -> MemoryBreakdown:
-    """One rank's share: the categories ``strategy`` partitions are divided by ``n_gpus`` (rounded up).
+    """One rank's share: the categories ``strategy`` partitions are divided by ``n_gpus`` (rounded up),
+    ZeRO's ``(2 + 2 + K)·Ψ / N_d`` per rank at stage 3 (Rajbhandari et al. 2020, Figure 1).
 
     Activations and temporaries are per rank already (``batch`` is the per-device micro-batch) and are
     never divided. Sharding moves bytes between devices; the sum over ranks stays the same.
@@ -493,11 +505,22 @@ def shard(
 
 
 # --------------------------------------------------------------------------------------------------
-# Activations (Korthikanti et al. 2022, arXiv:2205.05198)
+# Activations (Korthikanti et al. 2022, arXiv:2205.05198; the package's checkpointing policies)
 # --------------------------------------------------------------------------------------------------
 
-CHECKPOINTING = ("none", "selective", "full")
+#: How attention runs: ``"eager"`` materializes the (B, h, T, T) scores; ``"sdpa"`` (a fused/flash
+#: ``scaled_dot_product_attention`` kernel) never does.
 ATTENTION = ("eager", "sdpa")
+
+
+def _matmul_widths(shape: TransformerShape) -> list[int]:
+    """Output features per token of one block's matmuls, in forward order: Q, K, V (one fused matmul or
+    three), the attention output projection, the MLP's input projection(s) (SwiGLU: two) and its output."""
+    d, kv = shape.d_model, _kv_width(shape)
+    assert shape.d_ff is not None  # resolved in __post_init__
+    qkv = [d + 2 * kv] if shape.fused_qkv else [d, kv, kv]
+    mlp_in = [shape.d_ff] * (2 if shape.mlp == "swiglu" else 1)
+    return [*qkv, d, *mlp_in, d]
 
 
 def activation_bytes(
@@ -509,36 +532,50 @@ def activation_bytes(
     checkpointing: str = "none",
     attention: str = "eager",
 ) -> int:
-    """Bytes saved for backward by the ``n_layer`` blocks of one micro-batch.
+    """Bytes the ``n_layer`` blocks of one micro-batch keep from their forward for the backward.
 
-    Per layer, Korthikanti et al. count ``s·b·d·(34 + 5·h·s/d)`` bytes, i.e. for the model
-    ``L·B·T·(34·d + 5·h·T)``: 34 B per token per channel for the linear-size tensors and 5 B per entry of
-    the (B, h, T, T) attention core (softmax output 2, dropout mask 1, dropout output 2).
+    ``checkpointing`` is one of ``CHECKPOINT_MODES`` (``lightning_memkit.ActivationCheckpointing``'s
+    policies); ``d`` is ``d_model``, ``h`` the heads, ``B x T`` the micro-batch:
 
-    - ``checkpointing="selective"`` recomputes the attention core: the ``5·h·T`` term goes.
-    - ``attention="sdpa"`` (fused/flash) never stores a T×T matrix: the term goes too. Its O(B·h·T)
-      softmax statistics are not counted.
-    - ``checkpointing="full"`` keeps only each block's input, ``B·T·d`` elements per layer; the one block
-      being recomputed during backward is transient and not counted.
-    - Grouped-query attention (``n_kv_head < n_head``) keeps K and V at their width ``d_kv``: of the
-      ``34·d``, the ``2·d`` each of K and V become ``2·d_kv``.
+    - ``"none"``: Korthikanti et al. 2022 (§4.1, eq. 1) count ``T·B·d·(34 + 5·h·T/d)`` bytes per layer at
+      2-byte elements: 34 bytes per token per channel for the tensors of the residual width (attention 11,
+      MLP 19, the two norms' inputs 4, dropout masks at 1 byte included) and 5 per entry of the
+      (B, h, T, T) attention core (softmax output 2, dropout mask 1, dropout output 2). ``attention=
+      "sdpa"`` never stores a T x T matrix: the core term goes (its O(B·h·T) softmax statistics are not
+      counted). Grouped-query attention keeps K and V at their width ``d_kv``: of the ``34·d``, the
+      ``2·d`` each of K and V become ``2·d_kv``. Other element sizes scale the figure by
+      ``bytes_per_element / 2`` (rounded up). The constants are the paper's, for a GELU MLP with
+      ``d_ff = 4d``.
+    - ``"selective"``: what the op-level policy keeps (matmul and fused-attention outputs saved;
+      pointwise ops, norms and the softmax recomputed): the block's input, every matmul's output (Q, K,
+      V, attention out, MLP in, MLP out) and, under ``"sdpa"``, the attention kernel's output. For
+      GPT-2's layout with sdpa, ``(1 + 3 + 1 + 1 + 4 + 1)·d = 11·d`` elements per token, against the
+      ``17·d`` of Korthikanti's selective recomputation (of the attention core alone).
+    - ``"selective_half"``: as ``"selective"``, but only the first, third, ... matmul outputs are kept
+      (torchtitan's op-level policy): for GPT-2's layout with sdpa the input, Q/K/V, the attention output
+      and the MLP's input, ``(1 + 3 + 1 + 4)·d = 9·d`` per token; both output projections are recomputed.
+    - ``"full"``: only each block's input, ``B·T·d`` elements per layer; the one block being recomputed
+      during backward is transient and not counted.
 
-    Assumptions: the paper's constants, derived for a GELU MLP with d_ff = 4d, dropout and 2-byte
-    elements with 1-byte dropout masks. Other element sizes scale the whole figure by
-    ``bytes_per_element / 2`` (rounded up). Embedding output, final norm and logits (B·T·V) are outside
-    the blocks and not counted.
+    Outside the blocks (embedding output, final norm, logits of B·T·V) nothing is counted, and every
+    tensor is taken at ``bytes_per_element``: under mixed precision the residual stream, and so a
+    checkpointed block's input, is fp32.
     """
     _positive("batch", batch)
     _positive("seq_len", seq_len)
     _positive("bytes_per_element", bytes_per_element)
-    valid_name("checkpointing", checkpointing, CHECKPOINTING)
+    valid_name("checkpointing", checkpointing, CHECKPOINT_MODES)
     valid_name("attention", attention, ATTENTION)
-    L, d, h = shape.n_layer, shape.d_model, shape.n_head
+    L, d, h, tokens = shape.n_layer, shape.d_model, shape.n_head, batch * seq_len
     if checkpointing == "full":
-        return L * batch * seq_len * d * bytes_per_element
-    keeps_core = checkpointing == "none" and attention == "eager"
-    per_token = 34 * d - 4 * (d - _kv_width(shape)) + (5 * h * seq_len if keeps_core else 0)  # at 2 B/elt
-    return _ceil_div(L * batch * seq_len * per_token * bytes_per_element, 2)
+        return L * tokens * d * bytes_per_element
+    if checkpointing in ("selective", "selective_half"):
+        saved = _matmul_widths(shape)[:: 1 if checkpointing == "selective" else 2]
+        kept = d + sum(saved) + (d if attention == "sdpa" else 0)  # elements per token: input, outputs
+        return L * tokens * kept * bytes_per_element
+    core = 5 * h * seq_len if attention == "eager" else 0
+    per_token = 34 * d - 4 * (d - _kv_width(shape)) + core  # bytes at 2-byte elements
+    return _ceil_div(L * tokens * per_token * bytes_per_element, 2)
 
 
 def _autocast_copy_bytes(shape: TransformerShape, scheme: PrecisionScheme) -> int:

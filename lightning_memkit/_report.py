@@ -1,40 +1,87 @@
-"""Human-facing views of measured memory: the summary table of the peak step and the area plot."""
+"""Human-facing views of memory: the summary table of the peak step and the area plot over steps.
+
+`render_table` is the one table every printed report goes through (this summary, ``memkit estimate``'s
+columns, a fit plan's alternatives): rich's when it is installed, aligned plain text otherwise.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
 from lightning_memkit._breakdown import CATEGORIES, GiB, MemoryBreakdown, MiB, format_bytes
 
-__all__ = ["plot_history", "render_summary"]
+__all__ = ["plot_history", "render_summary", "render_table"]
 
 _COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 
 
-def render_summary(breakdown: MemoryBreakdown, *, step: int, budget: int | None = None) -> str:
-    """The peak step's categories as a table (rich when installed, plain text otherwise)."""
-    title = f"Peak training memory (step {step})"
-    if budget is not None:
-        title += f", {100 * breakdown.peak / budget:.1f}% of the {format_bytes(budget)} budget"
-    rows = [(name, getattr(breakdown, name)) for name in CATEGORIES]
-    peak = breakdown.peak or 1
-    try:
+def render_table(
+    header: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    title: str | None = None,
+    left: Collection[str] = (),
+    bold: Callable[[Sequence[str]], bool] | None = None,
+    width: int = 110,
+) -> str:
+    """Rows of strings as a table: drawn by rich when it is installed, aligned plain text otherwise.
+
+    Args:
+        header: the column names.
+        rows: one string per column each.
+        title: a line above the table (rich centres it over the table).
+        left: the columns aligned left, by name; the others are aligned right (numbers).
+        bold: which rows rich sets in bold (the total, the chosen plan); plain text has no bold.
+        width: rich's console width, in characters.
+
+    Returns:
+        The table without a trailing newline.
+    """
+    rows = [tuple(row) for row in rows]
+    try:  # rich is optional (the "examples" extra): without it, or hidden by a test, the table is plain
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        return f"{title}\n{breakdown}"
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        lines = [
+            "  ".join(
+                cell.ljust(w) if name in left else cell.rjust(w)
+                for cell, w, name in zip(row, widths, header, strict=True)
+            ).rstrip()
+            for row in [header, *rows]
+        ]
+        return "\n".join([title, *lines] if title is not None else lines)
     table = Table(title=title)
-    table.add_column("category")
-    table.add_column("memory", justify="right")
-    table.add_column("share", justify="right")
-    for name, value in rows:
-        table.add_row(name, format_bytes(value), f"{100 * value / peak:.1f}%")
-    table.add_row("peak", format_bytes(breakdown.peak), "100.0%", style="bold")
-    console = Console(width=100, record=True, force_terminal=False)
+    for name in header:
+        table.add_column(name, justify="left" if name in left else "right")
+    for row in rows:
+        table.add_row(*row, style="bold" if bold is not None and bold(row) else None)
+    console = Console(width=width, record=True, force_terminal=False)
     with console.capture() as capture:
         console.print(table)
-    return capture.get()
+    return capture.get().rstrip("\n")
+
+
+def render_summary(breakdown: MemoryBreakdown, *, step: int, budget: int | None = None) -> str:
+    """The peak step's categories as a table: memory and share of the peak, the peak in bold."""
+    title = f"Peak training memory (step {step})"
+    if budget is not None:
+        title += f", {100 * breakdown.peak / budget:.1f}% of the {format_bytes(budget)} budget"
+    peak = breakdown.peak or 1
+    rows = [
+        (name, format_bytes(getattr(breakdown, name)), f"{100 * getattr(breakdown, name) / peak:.1f}%")
+        for name in CATEGORIES
+    ]
+    rows.append(("peak", format_bytes(breakdown.peak), "100.0%"))
+    return render_table(
+        ("category", "memory", "share"),
+        rows,
+        title=title,
+        left=("category",),
+        bold=lambda row: row[0] == "peak",
+        width=100,
+    )
 
 
 def plot_history(

@@ -1,5 +1,11 @@
-"""``memkit estimate``: the numbers are those of the library calls, and every bad input fails in one line."""
+"""``memkit estimate`` and ``memkit plan`` through `main`, in-process: the numbers are the library calls',
+the table and the two lines under it show them, and the printed plan is code that runs. One test runs the
+installed console script (each process imports torch and Lightning: seconds)."""
 
+import ast
+import contextlib
+import inspect
+import io
 import json
 import re
 import shutil
@@ -14,65 +20,153 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_memkit import ActivationCheckpointing, AutoFit, estimate_memory, format_bytes, parse_budget
 from lightning_memkit._analytic import TransformerShape, estimate_analytic, shard
-from lightning_memkit._simulate import estimate_memory
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTConfig, GPTLightningModule
 
 TINY = ["estimate", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--device", "cpu"]
+BF16 = ["estimate", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--precision", "bf16-mixed"]
 
 
-def _run_json(capsys, argv):
-    assert main(argv) == 0
-    return json.loads(capsys.readouterr().out)
+def _run(argv):
+    """``main(argv)`` in-process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
 
 
-def _tiny_tokens():
-    x = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    return x, x
+def _json(argv):
+    status, out, err = _run([*argv, "--json"])
+    assert status == 0, err
+    return json.loads(out)
 
 
-def test_json_numbers_are_the_library_calls(capsys):
-    report = _run_json(capsys, [*TINY, "--precision", "bf16-mixed", "--json"])
+def _tokens(batch_size, seq_len):
+    x = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")  # (B, T) token ids
+    return x, x.clone()
+
+
+def _tiny():
     with torch.device("meta"):
-        module = GPTLightningModule("tiny")
-    simulated = estimate_memory(module, _tiny_tokens(), precision="bf16-mixed", device="cpu")
+        return GPTLightningModule("tiny")
+
+
+def _signed(n):
+    return f"+{format_bytes(n)}" if n > 0 else format_bytes(n)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    """``memkit estimate --json`` of the tiny GPT at 4 x 64 in bf16-mixed, shared by the tests reading it."""
+    return _json([*BF16, "--device", "cpu"])
+
+
+# --- memkit estimate: the numbers ----------------------------------------------------------------------
+
+
+def test_json_numbers_are_the_library_calls(bf16):
+    simulated = estimate_memory(_tiny(), _tokens(4, 64), precision="bf16-mixed", device="cpu")
     shape = TransformerShape.from_config(GPTConfig.from_name("tiny"))
-    analytic = estimate_analytic(shape, 2, 32, precision="bf16-mixed", optimizer="adamw", attention="sdpa")
-    assert report["simulated"] == simulated.as_dict()
-    assert report["analytic"] == analytic.as_dict()
-    assert report["optimizer"] is None  # the module's own configure_optimizers
-    assert report["simulated_seconds"] > 0
+    analytic = estimate_analytic(shape, 4, 64, precision="bf16-mixed", optimizer="adamw", attention="sdpa")
+    assert bf16["simulated"] == simulated.as_dict()
+    assert bf16["analytic"] == analytic.as_dict()
+    assert bf16["difference"] == {
+        name: bf16["simulated"][name] - bf16["analytic"][name] for name in bf16["analytic"]
+    }
+    assert bf16["optimizer"] is None  # the module's own configure_optimizers
+    assert bf16["optimizer_used"] == "adamw (configure_optimizers)"
+    assert bf16["simulated_seconds"] > 0
 
 
-def test_accumulate_simulates_the_highest_micro_batch(capsys):
-    report = _run_json(capsys, [*TINY, "--accumulate", "4", "--json"])
-    with torch.device("meta"):
-        module = GPTLightningModule("tiny")
-    accumulating = estimate_memory(module, _tiny_tokens(), device="cpu", accumulating=True)
+def test_accumulate_simulates_the_highest_micro_batch():
+    report = _json([*TINY, "--accumulate", "4"])
+    accumulating = estimate_memory(_tiny(), _tokens(2, 32), device="cpu", accumulating=True)
     assert report["simulated"] == accumulating.as_dict()
-    assert accumulating.peak > estimate_memory(module, _tiny_tokens(), device="cpu").peak
+    assert accumulating.peak > estimate_memory(_tiny(), _tokens(2, 32), device="cpu").peak
 
 
-def test_sharding_applies_to_both_columns_per_rank(capsys):
-    report = _run_json(capsys, [*TINY, "--optimizer", "adamw", "--gpus", "4", "--strategy", "fsdp", "--json"])
-    with torch.device("meta"):
-        module = GPTLightningModule("tiny")
-    simulated = estimate_memory(module, _tiny_tokens(), optimizer="adamw", device="cpu")
+def test_sharding_applies_to_both_columns_per_rank():
+    report = _json([*TINY, "--optimizer", "adamw", "--gpus", "4", "--strategy", "fsdp"])
+    simulated = estimate_memory(_tiny(), _tokens(2, 32), optimizer="adamw", device="cpu")
     shape = TransformerShape.from_config(GPTConfig.from_name("tiny"))
     assert report["simulated"] == shard(simulated, "fsdp", 4).as_dict()
-    assert (
-        report["analytic"] == shard(estimate_analytic(shape, 2, 32, precision="32-true"), "fsdp", 4).as_dict()
-    )
+    analytic = estimate_analytic(shape, 2, 32, precision="32-true")
+    assert report["analytic"] == shard(analytic, "fsdp", 4).as_dict()
     assert any("fsdp over 4 GPU(s)" in note for note in report["notes"])
 
 
-def test_table_shows_both_columns(capsys):
-    assert main(TINY) == 0
-    out = capsys.readouterr().out
-    assert "analytic" in out and "simulated" in out
-    for category in ("parameters", "gradients", "optimizer_state", "activations", "temporary", "peak"):
-        assert category in out
+def test_selective_half_checkpointing_in_both_columns():
+    report = _json([*TINY, "--checkpointing", "selective_half"])
+    simulated = estimate_memory(_tiny(), _tokens(2, 32), device="cpu", checkpointing="selective_half")
+    shape = TransformerShape.from_config(GPTConfig.from_name("tiny"))
+    analytic = estimate_analytic(shape, 2, 32, precision="32-true", checkpointing="selective_half")
+    assert report["simulated"] == simulated.as_dict() and report["analytic"] == analytic.as_dict()
+    assert report["checkpointing"] == "selective_half"
+
+
+# --- memkit estimate: the table and the explanation -------------------------------------------------
+
+
+def test_difference_is_explained(bf16):
+    difference = bf16["difference"]
+    trust, why = bf16["notes"][:2]
+    assert trust.startswith("Plan with the simulated column: it runs the model's own code")
+    assert "its peak falls in the forward, at aten.nll_loss_forward" in trust
+    # The categories that differ, largest first, with their numbers; the logits' size from B x T x vocab.
+    assert why.startswith(f"simulated - analytic: {_signed(difference['peak'])} (")
+    assert (
+        f"activations {_signed(difference['activations'])}, temporary {_signed(difference['temporary'])}."
+        in why
+    )
+    assert difference["activations"] > 0 > difference["temporary"]
+    assert "logits and the loss's buffers (4 x 64 x 256 = 256.00 KiB per fp32 copy)" in why
+    assert "autocast's weight copies as live at once (1.56 MiB)" in why
+
+
+@pytest.mark.parametrize("rich", [True, False])
+def test_table_has_the_three_columns_and_the_explanation(bf16, monkeypatch, rich):
+    if not rich:  # the plain-text table, as without rich installed
+        monkeypatch.setitem(sys.modules, "rich.console", None)
+    status, out, _ = _run([*BF16, "--device", "cpu"])
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0] == (
+        "Peak memory of one training step: tiny, batch 4 x 64, bf16-mixed, adamw (configure_optimizers), cpu"
+    )
+    header = next(line for line in lines if "category" in line)
+    assert header.index("analytic") < header.index("simulated") < header.index("difference")
+    for name, diff in bf16["difference"].items():
+        row = next(line for line in lines if re.search(rf"\b{name}\b", line))
+        analytic, simulated = format_bytes(bf16["analytic"][name]), format_bytes(bf16["simulated"][name])
+        assert simulated in row[row.index(analytic) + len(analytic) :], row
+        assert row.rstrip(" │").endswith(_signed(diff)), row
+    assert ("┃" in header) is rich
+    assert "Plan with the simulated column" in out and bf16["notes"][1] in out
+
+
+def wide_vocab():
+    """A GPT whose logits dwarf it: its bf16-mixed step peaks in the loss's backward, before any gradient."""
+    return GPTLightningModule(GPTConfig(vocab_size=8192, block_size=64, n_layer=1, n_head=2, n_embd=32))
+
+
+def test_explanation_of_a_peak_before_the_gradients_exist():
+    argv = ["estimate", "--model", "test_cli:wide_vocab", "--batch-size", "8", "--seq-len", "64"]
+    report = _json([*argv, "--precision", "bf16-mixed", "--device", "cpu"])
+    difference, simulated = report["difference"], report["simulated"]
+    trust, why = report["notes"][:2]
+    assert "peak falls in the backward, at aten._log_softmax_backward_data." in trust
+    ratio = simulated["peak"] / report["analytic"]["peak"]
+    assert why.startswith(f"simulated - analytic: {_signed(difference['peak'])} ({ratio:.2f}x): ")
+    assert simulated["gradients"] == 0 and difference["gradients"] < 0
+    parts = [f"{c} {_signed(difference[c])}" for c in ("temporary", "activations", "gradients")]
+    assert f": {', '.join(parts)}." in why  # the largest difference first
+    assert "(8 x 64 x 8,192 = 16.00 MiB per fp32 copy)" in why
+    assert "counts every gradient as live (none exists at the simulated peak)" in why
+
+
+# --- memkit estimate: the user's models --------------------------------------------------------------
 
 
 class Regressor(pl.LightningModule):
@@ -98,23 +192,24 @@ def tiny_lm():
     return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256))
 
 
-def test_a_users_lightning_module_with_its_own_example_batch(capsys):
+def test_a_users_lightning_module_with_its_own_example_batch():
     argv = ["estimate", "--model", "test_cli:Regressor", "--batch-size", "4", "--seq-len", "10"]
-    report = _run_json(capsys, [*argv, "--device", "cpu", "--json"])
+    report = _json([*argv, "--device", "cpu"])
     direct = estimate_memory(Regressor(), Regressor().example_batch(4, 10), device="cpu")
     assert report["simulated"] == direct.as_dict()
     assert report["simulated"]["optimizer_state"] == 4 * (16 * 64 + 64 + 64 + 1)  # SGD momentum
-    assert report["analytic"] is None  # no GPTConfig to compute it from
+    assert report["optimizer_used"] == "sgd_momentum (configure_optimizers)"
+    assert report["analytic"] is None and report["difference"] is None  # no GPTConfig to compute it from
+    assert not any(note.startswith("Plan with") for note in report["notes"])
 
 
-def test_a_plain_module_factory_is_stepped_as_a_language_model(capsys):
-    argv = ["estimate", "--model", "test_cli:tiny_lm", "--batch-size", "3", "--seq-len", "7", "--json"]
-    report = _run_json(capsys, argv)
+def test_a_plain_module_factory_is_stepped_as_a_language_model():
+    report = _json(["estimate", "--model", "test_cli:tiny_lm", "--batch-size", "3", "--seq-len", "7"])
     x = torch.zeros(3, 7, dtype=torch.long)
     loss = lambda out, y: F.cross_entropy(out.flatten(0, -2), y.flatten())  # noqa: E731
-    assert (
-        report["simulated"] == estimate_memory(tiny_lm(), (x, x), optimizer="adamw", loss_fn=loss).as_dict()
-    )
+    direct = estimate_memory(tiny_lm(), (x, x), optimizer="adamw", loss_fn=loss)
+    assert report["simulated"] == direct.as_dict()
+    assert report["optimizer_used"] == "adamw"
 
 
 @pytest.mark.parametrize(
@@ -131,13 +226,17 @@ def test_a_plain_module_factory_is_stepped_as_a_language_model(capsys):
         (["--precision", "fp16"], r"Unknown precision 'fp16'; valid: 64-true, 32-true, 16-mixed, bf16-mixed"),
         (["--optimizer", "adam"], r"Unknown optimizer 'adam'; valid: adamw, .*sgd\. Did you mean 'adamw'"),
         (["--strategy", "zero4"], r"Unknown strategy 'zero4'; valid: ddp, "),
+        (
+            ["--checkpointing", "half"],
+            r"Unknown checkpointing 'half'; valid: none, selective, selective_half",
+        ),
     ],
 )
-def test_errors_are_one_line_with_status_2(capsys, args, message):
+def test_errors_are_one_line_with_status_2(args, message):
     base = {"--model": "tiny", "--batch-size": "2", "--seq-len": "8"}
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
-    assert main(["estimate", *[item for pair in base.items() for item in pair]]) == 2
-    err = capsys.readouterr().err
+    status, _, err = _run(["estimate", *[item for pair in base.items() for item in pair]])
+    assert status == 2
     assert err.startswith("memkit estimate: error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
 
@@ -157,22 +256,46 @@ def test_the_console_script_runs():
 # --- plain Hugging Face models (tests/zoo.py: tiny random configs) -------------------------------
 
 
-def _hf_direct(factory, batch_size, seq_len):
-    """What ``memkit estimate`` must report for a Hugging Face model: its own loss on labels = input ids."""
-    from lightning_memkit.cli import _HFLanguageModel, _lm_loss
+class _TrainsItself(nn.Module):
+    """How memkit steps a Hugging Face model, as documented: ``model(input_ids=x, labels=x)``; the loss
+    is then its output's ``.loss`` (a model without ``labels``: cross-entropy over its first output)."""
 
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        if "labels" in inspect.signature(self.model.forward).parameters:
+            return self.model(input_ids=x, labels=x)
+        return self.model(input_ids=x)
+
+
+def _own_loss(output, y):
+    if output.get("loss") is not None:
+        return output.loss
+    hidden = output[0]  # (B, T, n_embd)
+    return F.cross_entropy(hidden.flatten(0, -2), y.flatten())
+
+
+def _hf_direct(factory, batch_size, seq_len):
     with torch.device("meta"):
-        model = _HFLanguageModel(factory())
-    x = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    return model, estimate_memory(model, (x, x.clone()), optimizer="adamw", loss_fn=_lm_loss)
+        model = _TrainsItself(factory())
+    return model, estimate_memory(model, _tokens(batch_size, seq_len), optimizer="adamw", loss_fn=_own_loss)
+
+
+def gpt2_base():
+    """GPT-2 without its head: no ``labels`` argument, so the loss is over its hidden states."""
+    from transformers import GPT2Config, GPT2Model
+
+    return GPT2Model(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=4, n_positions=16))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "qwen2"])
-def test_a_hugging_face_model_factory(capsys, name):
+def test_a_hugging_face_model_factory(name):
     import zoo
 
     argv = ["estimate", "--model", f"zoo:_{name}", "--batch-size", "2", "--seq-len", "16"]  # --device cuda
-    report = _run_json(capsys, [*argv, "--json"])
+    report = _json(argv)
     model, direct = _hf_direct(zoo.MODELS[name][0], 2, 16)
     assert report["simulated"] == direct.as_dict()
     assert report["optimizer_used"] == "adamw"
@@ -181,128 +304,25 @@ def test_a_hugging_face_model_factory(capsys, name):
     assert report["analytic"]["parameters"] == 4 * n == report["analytic"]["gradients"]
     assert report["analytic"]["optimizer_state"] == 8 * n + 4 * len(list(model.parameters()))  # AdamW
     assert any(f"from {type(model.model).__name__}'s config" in note for note in report["notes"])
-    assert main(argv) == 0
-    header = capsys.readouterr().out.splitlines()[0]
-    assert header.endswith(", 32-true, adamw, cuda"), header
+    assert (report["precision"], report["device"]) == ("32-true", "cuda")  # the defaults
 
 
-def test_hugging_face_loss_is_the_models_own():
-    """With labels the model computes its loss; without (a base model) the loss is over its first output."""
-    import zoo
-    from transformers import GPT2Config, GPT2Model
-
-    from lightning_memkit.cli import _HFLanguageModel, _lm_loss
-
-    torch.manual_seed(0)
-    lm = _HFLanguageModel(zoo._gpt2())
-    x = torch.randint(0, zoo.VOCAB, (2, 8))
-    out = lm(x)
-    assert lm.takes_labels and _lm_loss(out, x) is out.loss
-    base = _HFLanguageModel(
-        GPT2Model(GPT2Config(vocab_size=zoo.VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16))
-    )
-    assert not base.takes_labels
-    assert _lm_loss(base(x), x % 32).shape == ()  # cross-entropy over last_hidden_state's last dimension
+def test_a_hugging_face_model_without_labels_is_stepped_on_its_first_output():
+    report = _json(["estimate", "--model", "test_cli:gpt2_base", "--batch-size", "2", "--seq-len", "8"])
+    _, direct = _hf_direct(gpt2_base, 2, 8)
+    assert report["simulated"] == direct.as_dict()
 
 
-def test_analytic_column_says_why_it_does_not_apply(capsys):
+def test_analytic_column_says_why_it_does_not_apply():
     argv = ["estimate", "--model", "zoo:_bert", "--batch-size", "2", "--seq-len", "16", "--device", "cpu"]
-    report = _run_json(capsys, [*argv, "--json"])
+    report = _json(argv)
     assert report["analytic"] is None and report["simulated"]["peak"] > 0
     assert any("not available for BertForMaskedLM" in n and "decoder-only" in n for n in report["notes"])
-    assert main(["estimate", "--model", "zoo:_gpt2", "--batch-size", "2", "--seq-len", "65"]) == 2
-    assert "--seq-len 65 exceeds the model's block_size of 64" in capsys.readouterr().err
+    status, _, err = _run(["estimate", "--model", "zoo:_gpt2", "--batch-size", "2", "--seq-len", "65"])
+    assert status == 2 and "--seq-len 65 exceeds the model's block_size of 64" in err
 
 
-def test_header_names_the_optimizer_used(capsys):
-    for model, optimizer in (("test_cli:tiny_lm", "adamw"), ("test_cli:Regressor", "sgd_momentum")):
-        assert (
-            main(["estimate", "--model", model, "--batch-size", "2", "--seq-len", "4", "--device", "cpu"])
-            == 0
-        )
-        header = capsys.readouterr().out.splitlines()[0]
-        assert f", 32-true, {optimizer}" in header, header
-
-
-def test_plan_a_hugging_face_model_factory(capsys):
-    argv = ["plan", "--model", "zoo:_gpt2", "--gpu", "T4", "--global-batch", "4", "--seq-len", "16", "--json"]
-    report = _run_json(capsys, argv)
-    assert (report["micro_batch_size"], report["accumulate_grad_batches"]) == (4, 1)
-    assert report["optimizer"] == "adamw" and report["estimated_peak"] <= report["limit"]
-
-
-# --- issue 13: the estimate explains its two columns; the plan prints its set-up as code ------------
-
-
-def _signed(n):
-    from lightning_memkit._breakdown import format_bytes
-
-    return f"+{format_bytes(n)}" if n > 0 else format_bytes(n)
-
-
-BF16 = ["estimate", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--precision", "bf16-mixed"]
-
-
-def test_difference_is_simulated_minus_analytic_and_explained(capsys):
-    report = _run_json(capsys, [*BF16, "--device", "cpu", "--json"])
-    analytic, simulated, difference = report["analytic"], report["simulated"], report["difference"]
-    assert difference == {name: simulated[name] - analytic[name] for name in analytic}
-    trust, why = report["notes"][:2]
-    assert trust.startswith("Plan with the simulated column: it runs the model's own code")
-    assert "its peak falls in the forward, at aten.nll_loss_forward" in trust
-    # The categories that differ, largest first, with their numbers; the logits' size from B x T x vocab.
-    assert why.startswith(f"simulated - analytic: {_signed(difference['peak'])} (")
-    assert (
-        f"activations {_signed(difference['activations'])}, temporary {_signed(difference['temporary'])}."
-        in why
-    )
-    assert difference["activations"] > 0 > difference["temporary"]
-    assert "logits and the loss's buffers (4 x 64 x 256 = 256.00 KiB per fp32 copy)" in why
-    assert "autocast's weight copies as live at once (1.56 MiB)" in why
-
-
-@pytest.mark.parametrize("rich", [True, False])
-def test_table_has_the_difference_column_and_the_explanation(capsys, monkeypatch, rich):
-    if not rich:  # the plain-text table, as without rich installed
-        monkeypatch.setitem(sys.modules, "rich.console", None)
-    report = _run_json(capsys, [*BF16, "--device", "cpu", "--json"])
-    assert main([*BF16, "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    header = next(line for line in out.splitlines() if "category" in line)
-    assert header.index("analytic") < header.index("simulated") < header.index("difference")
-    for name, diff in report["difference"].items():
-        row = next(line for line in out.splitlines() if re.search(rf"\b{name}\b", line))
-        assert row.rstrip(" │").endswith(_signed(diff)), row
-    assert "Plan with the simulated column" in out and report["notes"][1] in out
-
-
-def test_explanation_of_a_peak_before_the_gradients_exist():
-    """GPT-2 at 8 x 1024 in bf16-mixed peaks in the loss's backward, before any gradient is made."""
-    import argparse
-
-    from lightning_memkit._breakdown import MemoryBreakdown
-    from lightning_memkit._simulate import TimelineEvent
-    from lightning_memkit.cli import _explain
-
-    MiB = 2**20
-    analytic = MemoryBreakdown(475 * MiB, 475 * MiB, 949 * MiB, 2448 * MiB, 236 * MiB)
-    simulated = MemoryBreakdown(475 * MiB, 0, 949 * MiB, 4444 * MiB, 3144 * MiB)
-    at = TimelineEvent("backward", "aten._log_softmax_backward_data.default", simulated.peak)
-    shape = TransformerShape.from_config(GPTConfig.from_name("gpt2"))
-    args = argparse.Namespace(batch_size=8, seq_len=1024)
-    trust, why = _explain(args, shape, analytic, simulated, at)
-    assert "peak falls in the backward, at aten._log_softmax_backward_data." in trust
-    assert why.startswith(f"simulated - analytic: {_signed(simulated.peak - analytic.peak)} (1.97x): ")
-    assert "temporary +2.84 GiB, activations +1.95 GiB, gradients -475.00 MiB." in why
-    assert "(8 x 1024 x 50,257 = 1.53 GiB per fp32 copy)" in why
-    assert "counts every gradient as live (none exists at the simulated peak)" in why
-
-
-def test_no_difference_without_an_analytic_column(capsys):
-    argv = ["estimate", "--model", "test_cli:tiny_lm", "--batch-size", "2", "--seq-len", "4", "--json"]
-    report = _run_json(capsys, argv)
-    assert report["analytic"] is None and report["difference"] is None
-    assert not any(note.startswith("Plan with") for note in report["notes"])
+# --- memkit plan --------------------------------------------------------------------------------------
 
 
 def _plan_code(out):
@@ -311,8 +331,6 @@ def _plan_code(out):
 
 def _trainer_calls(code):
     """The keyword arguments of each ``Trainer(...)`` call in ``code``, as Python values or source."""
-    import ast
-
     calls = []
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Trainer":
@@ -321,20 +339,15 @@ def _trainer_calls(code):
 
 
 def _value(node):
-    import ast
-
     try:
         return ast.literal_eval(node)
     except ValueError:
         return ast.unparse(node)
 
 
-def test_plan_prints_its_set_up_as_code_that_runs(capsys, monkeypatch, tmp_path):
-    argv = ["plan", "--model", "tiny", "--gpu", "T4", "--global-batch", "8", "--seq-len", "32"]
-    report = _run_json(capsys, [*argv, "--json"])
-    assert main(argv) == 0
-    code = _plan_code(capsys.readouterr().out)
-    assert code == report["code"]
+def test_plan_prints_its_set_up_as_code_that_runs(monkeypatch, tmp_path):
+    report = _json(["plan", "--model", "tiny", "--gpu", "T4", "--global-batch", "8", "--seq-len", "32"])
+    code = report["code"]
     autofit, by_hand = _trainer_calls(code)
     assert autofit == {"precision": report["precision"], "callbacks": "[AutoFit(budget='T4')]"}
     assert by_hand == {
@@ -351,30 +364,26 @@ def test_plan_prints_its_set_up_as_code_that_runs(capsys, monkeypatch, tmp_path)
 
 
 def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
-    import argparse
-    import ast
-
-    from lightning_memkit import ActivationCheckpointing, AutoFit, FitPlan, parse_budget
-    from lightning_memkit.cli import _plan_code as plan_code
-
-    budget = parse_budget("24GB", device_size=True)
-    plan = FitPlan(
-        micro_batch_size=2, accumulate_grad_batches=16, checkpointing="full", optimizer="adamw8bit",
-        precision="bf16-mixed", estimated_peak=1, budget=budget, margin=0.2, strategy="fsdp", n_gpus=8,
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = GPTLightningModule("tiny")  # configures AdamW
-    args = argparse.Namespace(global_batch=256, gpus=8, optimizer=None)
-    code = plan_code(args, model, plan)
+    """A card too small for the micro-batch of 16 without checkpointing, 8 ranks, one optimizer allowed."""
+    argv = ["plan", "--model", "tiny", "--gpu", "560MB", "--gpus", "8", "--strategy", "fsdp"]
+    argv += ["--global-batch", "128", "--seq-len", "64", "--precision", "bf16-mixed"]
+    report = _json([*argv, "--optimizer", "adamw8bit", "--margin", "0.2"])
+    assert report["micro_batch_size"] == 16 and report["checkpointing"] != "none"
+    code = report["code"]
     autofit, by_hand = _trainer_calls(code)
     sharded = {"precision": "bf16-mixed", "strategy": "fsdp", "devices": 8}
-    assert autofit == {**sharded, "callbacks": f"[AutoFit(budget={budget.usable}, margin=0.2)]"}
+    usable = parse_budget("560MB", device_size=True).usable  # the card less the CUDA context and reserve
+    callback = f"[AutoFit(budget={usable}, margin=0.2, optimizers=['adamw8bit'])]"
+    assert autofit == {**sharded, "callbacks": callback}
+    # One policy for every block, or the limit to plan a per-block split for ("2 selective, 2 full").
+    one_policy = report["checkpointing"] in ("selective", "selective_half", "full")
+    policy = f"policy='{report['checkpointing']}'" if one_policy else f"budget={report['limit']}"
     assert by_hand == {
-        "accumulate_grad_batches": 16,
+        "accumulate_grad_batches": 1,
         **sharded,
-        "callbacks": "[ActivationCheckpointing(policy='full')]",
+        "callbacks": f"[ActivationCheckpointing({policy})]",
     }
-    assert "here 32;" in code and "\nbatch_size = 2\n" in code
+    assert "here 16;" in code and "\nbatch_size = 16\n" in code and "a 560MB card leaves" in code
     assert '#    return lightning_memkit.swap_optimizer(optimizer, "adamw8bit")' in code
     assert "adamw8bit in place of adamw" in code
     # Run it with a Trainer that records its arguments (8 GPUs are not here); the callbacks are real.
@@ -388,4 +397,17 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     first = ast.Module(body=tree.body[:2], type_ignores=[])
     exec(compile(first, "<memkit plan>", "exec"), namespace)
     assert isinstance(namespace["trainer"]["callbacks"][0], AutoFit)
-    assert namespace["trainer"]["callbacks"][0].budget == budget.usable
+    assert namespace["trainer"]["callbacks"][0].budget == usable
+
+
+def test_plan_prints_the_plan_its_alternatives_and_the_code():
+    argv = ["plan", "--model", "zoo:_gpt2", "--gpu", "T4", "--global-batch", "4", "--seq-len", "16"]
+    status, out, err = _run(argv)
+    assert status == 0, err
+    assert "memkit plan: simulating micro-batch" in err  # progress goes to stderr
+    assert out.startswith("zoo:_gpt2 on T4, global batch 4 x 16:\n")
+    table, code = out.split("The plan as code (Python):\n")
+    chosen = next(line for line in table.splitlines() if line.rstrip(" │").endswith("chosen"))
+    assert re.search(r"\b4\b.*\b1\b.*none.*adamw.*32-true", chosen), table  # micro-batch 4, accumulate 1
+    assert "\nbatch_size = 4\n" in code and "accumulate_grad_batches=1" in code
+    assert re.search(r"\nplanned in [\d.]+ s \(\d+ simulated steps\)\n$", code), code

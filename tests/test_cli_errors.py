@@ -211,7 +211,11 @@ def test_plan_arguments(capfd, args, message):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--checkpointing", "some"], r"argument --checkpointing: Unknown checkpointing 'some'; valid: none"),
+        (
+            ["--checkpointing", "some"],
+            r"argument --checkpointing: Unknown checkpointing 'some'; valid: none, selective, "
+            r"selective_half, full",
+        ),
         (["--device", "tpu"], r"argument --device: Unknown device 'tpu'; valid: cuda, cpu"),
         (["--accumulate", "0"], r"argument --accumulate: must be a positive integer, got '0'"),
         (["--batch-size", "two"], r"argument --batch-size: must be a positive integer, got 'two'"),

@@ -1,4 +1,6 @@
-"""The memory plot (`plot_history`) read back from the figure it returns: legend, ticks, budget line."""
+"""What users read: the one table every report prints (`render_table`, rich or plain text), the peak step's
+summary, and the memory plot (`plot_history`) read back from the figure it returns: legend, ticks, budget
+line."""
 
 from __future__ import annotations
 
@@ -6,10 +8,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import sys
+
 import pytest
 
 from lightning_memkit._breakdown import CATEGORIES, GiB, MemoryBreakdown, MiB
-from lightning_memkit._report import plot_history
+from lightning_memkit._report import plot_history, render_summary, render_table
 
 STEPS = list(range(5))
 
@@ -26,6 +30,48 @@ def _history(*, dips=(0, 3)):
         )
         for step in STEPS
     ]
+
+
+HEADER = ("name", "size", "fits")
+ROWS = [("small", "1.00 MiB", "yes"), ("larger one", "10.00 GiB", "no")]
+
+
+@pytest.fixture
+def plain(monkeypatch):
+    """Tables as without rich installed."""
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+
+
+def test_plain_table_aligns_numbers_right_and_named_columns_left(plain):
+    text = render_table(HEADER, ROWS, title="Two rows", left=("name",))
+    assert text.splitlines() == [
+        "Two rows",
+        "name             size  fits",
+        "small        1.00 MiB   yes",
+        "larger one  10.00 GiB    no",
+    ]
+
+
+def test_rich_table_has_the_same_cells_and_its_title():
+    text = render_table(HEADER, ROWS, title="Two rows", left=("name",), bold=lambda row: row[2] == "no")
+    lines = text.splitlines()
+    assert lines[0].strip() == "Two rows" and not text.endswith("\n")
+    assert "┃ name       ┃      size ┃ fits ┃" in lines  # the header row, as wide as the widest cell
+    assert "│ small      │  1.00 MiB │  yes │" in lines
+    assert "│ larger one │ 10.00 GiB │   no │" in lines
+
+
+@pytest.mark.parametrize("rich", [True, False])
+def test_summary_shows_each_category_its_share_and_the_budget(monkeypatch, rich):
+    if not rich:
+        monkeypatch.setitem(sys.modules, "rich.console", None)
+    breakdown = _history(dips=())[0]  # 20 MiB: 4 + 4 + 8 + 3 + 1
+    text = render_summary(breakdown, step=7, budget=40 * MiB)
+    assert " ".join(text.split()).startswith("Peak training memory (step 7), 50.0% of the 40.00 MiB budget")
+    for name, share in zip(CATEGORIES, ("20.0%", "20.0%", "40.0%", "15.0%", "5.0%"), strict=True):
+        row = next(line for line in text.splitlines() if name in line)
+        assert row.rstrip(" │").endswith(share), row
+    assert next(line for line in text.splitlines() if "peak" in line).rstrip(" │").endswith("100.0%")
 
 
 def _plot(tmp_path, budget=20 * MiB, **kwargs):

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
+from lightning_memkit import _analytic
 from lightning_memkit.demos._data import GPTDataModule, decode, encode
 
 __all__ = ["GPT", "Block", "GPTConfig", "GPTDataModule", "GPTLightningModule", "WarmupCosine"]
@@ -65,35 +66,28 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
-def _gpt2(n_layer: int, n_head: int, n_embd: int) -> dict:
-    return dict(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+def _config_fields(shape: _analytic.TransformerShape) -> dict:
+    """``GPTConfig`` fields for a preset architecture. The demo always fuses Q, K and V into one matrix
+    (the parameter count is the same) and gives a layout without a position table rotary positions."""
+    return dict(
+        vocab_size=shape.vocab_size,
+        block_size=shape.block_size,
+        n_layer=shape.n_layer,
+        n_head=shape.n_head,
+        n_embd=shape.d_model,
+        d_ff=None if shape.d_ff == 4 * shape.d_model else shape.d_ff,
+        mlp=shape.mlp,
+        norm=shape.norm,
+        pos_embedding="learned" if shape.position == "learned" else "rope",
+        bias=shape.bias,
+        tie_weights=shape.tie_weights,
+    )
 
 
-PRESETS: dict[str, dict] = {
-    # The CPU default: 0.87M parameters; a step of 16 x 128 tokens takes about 90 ms on 2 cores. Untied:
-    # with a 256-byte vocabulary a separate head costs little and learns bigrams far sooner.
-    "tiny": dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128, tie_weights=False),
-    # OpenAI's GPT-2; parameter counts equal Hugging Face's (124,439,808 / 354,823,168 / 774,030,080 /
-    # 1,557,611,200): vocabulary 50257, tied head, biases, learned positions, LayerNorm.
-    "gpt2": _gpt2(12, 12, 768),
-    "gpt2-medium": _gpt2(24, 16, 1024),
-    "gpt2-large": _gpt2(36, 20, 1280),
-    "gpt2-xl": _gpt2(48, 25, 1600),
-    # LLaMA-7B: 6,738,415,616 parameters; SwiGLU, RMSNorm, rotary positions, no biases, untied head.
-    "llama-7b": dict(
-        vocab_size=32000,
-        block_size=2048,
-        n_layer=32,
-        n_head=32,
-        n_embd=4096,
-        d_ff=11008,
-        mlp="swiglu",
-        norm="rmsnorm",
-        pos_embedding="rope",
-        bias=False,
-        tie_weights=False,
-    ),
-}
+#: Preset name -> ``GPTConfig`` fields: ``tiny`` (the CPU default, 0.87M parameters), ``gpt2`` ...
+#: ``gpt2-xl`` and ``llama-7b`` at their published parameter counts. One table with the analytic
+#: estimator's architectures, made from it.
+PRESETS: dict[str, dict] = {name: _config_fields(shape) for name, shape in _analytic.PRESETS.items()}
 
 
 def _norm(config: GPTConfig) -> nn.Module:

@@ -1,0 +1,68 @@
+"""The ``memkit`` command: a run's training memory before the run, from the shell.
+
+    memkit estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision bf16-mixed --optimizer adamw
+
+prints one training step's peak memory by category in three columns side by side: ``analytic``
+(architecture arithmetic), ``simulated`` (the step run on fake tensors, `lightning_memkit.estimate_memory`)
+and their ``difference``, with two lines on which to plan with and why they differ. ``--json`` prints the
+same as one JSON object; ``--gpus N --strategy S`` shows one rank's share under that strategy.
+
+    memkit plan --model gpt2 --gpu A100-40GB --global-batch 64 --seq-len 1024 --precision bf16-mixed
+
+prints the plan that fits, every configuration simulated, and the plan as Python to paste: the Trainer
+with ``AutoFit``, which makes the plan as the fit starts, and the same set by hand.
+
+``--model`` is a GPT preset (``tiny``, ``gpt2``, ... ``llama-7b``) or ``package.module:factory``, a
+callable taking no arguments, called under the meta device; the batch is ``(x, y)``, token ids of shape
+``(batch_size, seq_len)``, unless the module defines ``example_batch(batch_size, seq_len)``.
+
+Each subcommand has a module beside this one, sharing the argument types, `UsageError` and the model
+loading. Adding a subcommand: write ``add_<name>(subparsers)`` that adds its parser with
+``set_defaults(run=...)``, where ``run(args) -> int``, and list it in `SUBCOMMANDS`. Raise `UsageError`
+for bad input, or run what may fail on it under ``usage_error``: `main` prints it as one line and
+returns 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_memkit.cli._args import UsageError
+from lightning_memkit.cli._estimate import add_estimate
+from lightning_memkit.cli._plan import add_plan
+
+__all__ = ["SUBCOMMANDS", "UsageError", "main"]
+
+#: subcommand name -> the function that adds its parser (see the module docstring).
+SUBCOMMANDS: dict[str, Callable[[Any], None]] = {"estimate": add_estimate, "plan": add_plan}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), so the reason is the whole message."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``memkit`` argument parser, one subparser per entry of `SUBCOMMANDS`."""
+    memkit = _Parser(prog="memkit", description="Training memory of PyTorch Lightning runs, before the run.")
+    subparsers = memkit.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in SUBCOMMANDS.values():
+        add(subparsers)
+    return memkit
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``memkit`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    try:
+        args = parser().parse_args(argv)
+        return args.run(args)
+    except UsageError as e:
+        print(f"memkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # argparse after --help (0) or an error it has printed (2)
+        return e.code if isinstance(e.code, int) else 2

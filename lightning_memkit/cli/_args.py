@@ -1,0 +1,94 @@
+"""What every subcommand shares: the one-line `UsageError` and the argument types that check their input."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+from lightning_memkit._analytic import valid_name
+from lightning_memkit._budget import Budget, parse_budget
+
+
+class UsageError(Exception):
+    """Bad input from the command line; `main` prints it as one line and exits with status 2."""
+
+
+@contextlib.contextmanager
+def usage_error(*catch: type[Exception], context: str = "", fix: str = "") -> Iterator[None]:
+    """Raise what ``catch`` (default: any exception) catches as a one-line `UsageError`.
+
+    Without ``context`` the message's first line is the whole error (the library's own ``ValueError``s
+    already say what to change); with it, ``context: Type: first line; fix`` (the user's code failed, and
+    the type is half the story). The one place where bad input becomes exit status 2.
+    """
+    kinds = catch or (Exception,)
+    try:
+        yield
+    except UsageError:
+        raise
+    except kinds as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        message = f"{context}: {type(e).__name__}{': ' if first else ''}{first}" if context else first
+        raise UsageError(f"{message.rstrip('.')}; {fix}" if fix else message) from e
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def gpu(text: str) -> Budget:
+    """``--gpu``: a `Budget` from a GPU name or a card size; ``0.5`` (a size without its unit) is refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and not value.is_integer():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a GPU name nor a card size; give a name (A100-40GB) or a size with its "
+            "unit (24GB, 24GiB)"
+        )
+    try:
+        return parse_budget(text, device_size=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def one_of(kind: str, valid: Sequence[str]) -> Callable[[str], str]:
+    """One of the ``valid`` names, or the library's ``Unknown <kind>`` error with a close match."""
+
+    def parse(text: str) -> str:
+        try:
+            return valid_name(kind, text, valid)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = kind  # argparse names the type in some messages
+    return parse
+
+
+def names(kind: str, valid: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of ``valid`` names, each checked as `one_of` checks one."""
+    one = one_of(kind, valid)
+
+    def parse(text: str) -> tuple[str, ...]:
+        return tuple(one(name.strip()) for name in text.split(","))
+
+    parse.__name__ = kind
+    return parse
+
+
+def margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share of the budget in [0, 1), got {text!r}")
+    return value

@@ -1,0 +1,293 @@
+"""``memkit estimate``: one training step's peak memory by category, analytic and simulated side by side.
+
+The ``analytic`` column is architecture arithmetic (for the GPT presets, models carrying a ``GPTConfig``,
+and Hugging Face GPT-2, GPT-NeoX and LLaMA-family models whose ``.config`` maps onto it parameter for
+parameter; otherwise a note says why not), the ``simulated`` one the step run on fake tensors
+(`lightning_memkit.estimate_memory`), and ``difference`` is simulated minus analytic. Two lines under the
+table say which to plan with (the simulated one: the model's own code ran) and why they differ, from the
+figures: the categories that differ most and what the analytic model leaves out there (the logits and the
+loss's buffers, gradients not yet made at the simulated peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_memkit._analytic import (
+    OPTIMIZERS,
+    STRATEGIES,
+    TransformerShape,
+    estimate_analytic,
+    model_static,
+    shard,
+)
+from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
+from lightning_memkit._checkpointing import CHECKPOINT_MODES
+from lightning_memkit._report import render_table
+from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, TimelineEvent, estimate_memory
+from lightning_memkit.cli._args import one_of, positive_int
+from lightning_memkit.cli._models import (
+    add_model_argument,
+    analytic_shape,
+    check_seq_len,
+    example_batch,
+    lm_loss,
+    load_model,
+    optimizer_used,
+    step_errors,
+)
+
+
+def add_estimate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="one training step's peak memory by category: analytic, simulated and their difference",
+        description=(
+            "Print one training step's peak memory by category, analytic and simulated side by side, with "
+            "their difference and why they differ (plan with the simulated one). "
+            "The batch is (x, y): int64 token ids of shape (batch-size, seq-len), unless the module "
+            "defines example_batch(batch_size, seq_len)."
+        ),
+        epilog=(
+            "A LightningModule runs its own training_step (and configure_optimizers unless --optimizer is "
+            "given); a plain nn.Module is stepped as a language model, cross_entropy(model(x), y) over its "
+            "output's last dimension; a Hugging Face model as model(input_ids=x, labels=x).loss. Nothing is "
+            "allocated: the model is built on the meta device and the step runs on fake tensors."
+        ),
+    )
+    add_model_argument(p)
+    p.add_argument(
+        "--batch-size", type=positive_int, required=True, metavar="B", help="micro-batch per device"
+    )
+    p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
+    p.add_argument(
+        "--precision",
+        type=one_of("precision", list(PRECISION_DTYPES)),
+        default="32-true",
+        metavar="P",
+        help=f"a Lightning precision: {', '.join(PRECISION_DTYPES)} (default: 32-true)",
+    )
+    p.add_argument(
+        "--optimizer",
+        type=one_of("optimizer", list(OPTIMIZERS)),
+        default=None,
+        metavar="O",
+        help=f"{', '.join(OPTIMIZERS)} (default: a LightningModule's configure_optimizers, else adamw)",
+    )
+    p.add_argument(
+        "--checkpointing",
+        type=one_of("checkpointing", CHECKPOINT_MODES),
+        default="none",
+        metavar=f"{{{','.join(CHECKPOINT_MODES)}}}",
+        help="none, selective (matmul and attention outputs kept, the rest recomputed), selective_half "
+        "(every second matmul recomputed too) or full (every repeated block recomputed)",
+    )
+    p.add_argument(
+        "--accumulate",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="micro-batches per optimizer step (default: 1); above 1 the simulated column is the highest "
+        "micro-batch, whose backward adds to gradients already there",
+    )
+    p.add_argument(
+        "--gpus", type=positive_int, default=1, metavar="N", help="ranks to shard over (default: 1)"
+    )
+    p.add_argument(
+        "--strategy",
+        type=one_of("strategy", list(STRATEGIES)),
+        default="ddp",
+        metavar="S",
+        help=f"{', '.join(STRATEGIES)} (default: ddp); what it shards is divided by --gpus",
+    )
+    p.add_argument(
+        "--device",
+        type=one_of("device", DEVICES),
+        default="cuda",
+        metavar="{cuda,cpu}",
+        help="the device to plan for: cuda (512-byte allocator blocks, foreach optimizers) or cpu "
+        "(default: cuda; no GPU is needed)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run_estimate)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    shape, note = analytic_shape(model)
+    check_seq_len(model, shape, args.seq_len)
+    args.optimizer_used, catalogued = optimizer_used(model, args.optimizer)
+    notes: list[str] = [note] if note else []
+    analytic = None
+    if shape is not None:
+        if catalogued is None:
+            notes.append(
+                f"analytic: {args.optimizer_used} is not in the catalogue; its state is AdamW's there"
+            )
+        analytic = estimate_analytic(
+            shape,
+            args.batch_size,
+            args.seq_len,
+            precision=args.precision,
+            optimizer=catalogued or "adamw",
+            checkpointing=args.checkpointing,
+            attention="sdpa",
+        )
+    start = time.perf_counter()
+    with step_errors(model, args.model, args.batch_size, args.seq_len):
+        simulated, at_peak = _simulate(model, args)
+    seconds = time.perf_counter() - start
+    notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
+    if args.gpus > 1 or args.strategy != "ddp":
+        sharded = STRATEGIES[args.strategy]
+        analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
+        grads = model_static(model, args.precision).gradients
+        simulated = shard(simulated, args.strategy, args.gpus, gradient_bytes=grads)
+        buckets = " and adds its all-reduce buckets (a copy of the gradients)" if args.gpus > 1 else ""
+        notes.append(
+            f"per rank: {args.strategy} over {args.gpus} GPU(s) divides "
+            f"{', '.join(sharded) or 'nothing'} by {args.gpus}{buckets if not sharded else ''}"
+        )
+    explanation = _explain(args, shape, analytic, simulated, at_peak) if analytic is not None else []
+    if args.json:
+        print(json.dumps(_report(args, analytic, simulated, seconds, [*explanation, *notes]), indent=2))
+    else:
+        print(_table(args, analytic, simulated, [*explanation, *notes]))
+    return 0
+
+
+def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdown, TimelineEvent | None]:
+    """The simulated step's breakdown and the op at which its peak falls (the first of the highest)."""
+    lightning = isinstance(model, LightningModule)
+    breakdown, timeline = estimate_memory(
+        model,
+        example_batch(model, args.model, args.batch_size, args.seq_len),
+        optimizer=args.optimizer if lightning else args.optimizer or "adamw",
+        loss_fn=None if lightning else lm_loss,
+        precision=args.precision,
+        checkpointing=None if args.checkpointing == "none" else args.checkpointing,
+        device=args.device,
+        accumulating=args.accumulate > 1,
+        return_timeline=True,
+    )
+    return breakdown, max(timeline, key=lambda event: event.live, default=None)
+
+
+def _difference(analytic: MemoryBreakdown, simulated: MemoryBreakdown) -> dict[str, int]:
+    """Simulated minus analytic, in bytes, per category and for the peak."""
+    a, s = analytic.as_dict(), simulated.as_dict()
+    return {name: s[name] - a[name] for name in (*CATEGORIES, "peak")}
+
+
+def _signed(n: int) -> str:
+    return f"+{format_bytes(n)}" if n > 0 else format_bytes(n)
+
+
+def _explain(
+    args: argparse.Namespace,
+    shape: TransformerShape,
+    analytic: MemoryBreakdown,
+    simulated: MemoryBreakdown,
+    at_peak: TimelineEvent | None,
+) -> list[str]:
+    """Two lines under the table: which column to plan with, and why they differ, from the figures.
+
+    The second names the categories that differ by at least 1 % of the larger peak (at most three, the
+    largest first), each with what the analytic model leaves out or assumes there: the logits and the
+    loss's buffers (B x T x vocab elements, several fp32 copies at a language model's peak), every
+    gradient counted as live (the simulated peak may fall before the backward has made them: Lightning
+    zeroes them after the forward), all of autocast's weight copies counted at once.
+    """
+    op = at_peak.op.removesuffix(".default") if at_peak is not None else ""
+    where = f"; its peak falls in the {at_peak.phase}, at {op}" if at_peak is not None else ""
+    trust = (
+        f"Plan with the simulated column: it runs the model's own code{where}. The analytic one is "
+        "architecture arithmetic, for what-ifs or without the model's code."
+    )
+    diff = _difference(analytic, simulated)
+    floor = 0.01 * max(analytic.peak, simulated.peak)
+    differing = sorted((c for c in CATEGORIES if abs(diff[c]) >= floor), key=lambda c: -abs(diff[c]))[:3]
+    ratio = f" ({simulated.peak / analytic.peak:.2f}x)" if analytic.peak else ""
+    total = f"simulated - analytic: {_signed(diff['peak'])}{ratio}"
+    if not differing:
+        return [trust, f"{total}; no category differs by 1 %."]
+    higher = {c for c in differing if diff[c] > 0}
+    lower = {c for c in differing if diff[c] < 0}
+    why = []
+    if higher & {"activations", "temporary"}:
+        logits = args.batch_size * args.seq_len * shape.vocab_size  # (B, T, V) elements
+        why.append(
+            f"leaves out the logits and the loss's buffers ({args.batch_size} x {args.seq_len} x "
+            f"{shape.vocab_size:,} = {format_bytes(4 * logits)} per fp32 copy)"
+        )
+    if "gradients" in lower:
+        made = "none exists" if simulated.gradients == 0 else f"{format_bytes(simulated.gradients)} exist"
+        why.append(f"counts every gradient as live ({made} at the simulated peak)")
+    if "temporary" in lower and analytic.temporary:
+        copies = format_bytes(analytic.temporary)
+        why.append(f"counts all of autocast's weight copies as live at once ({copies})")
+    parts = ", ".join(f"{c} {_signed(diff[c])}" for c in differing)
+    because = f" Analytic {', '.join(why[:-1])}{' and ' if len(why) > 1 else ''}{why[-1]}." if why else ""
+    return [trust, f"{total}: {parts}.{because}"]
+
+
+def _report(
+    args: argparse.Namespace,
+    analytic: MemoryBreakdown | None,
+    simulated: MemoryBreakdown,
+    seconds: float,
+    notes: list[str],
+) -> dict[str, Any]:
+    """The ``--json`` object. Byte counts are integers; ``difference`` is simulated minus analytic per
+    category (negative where analytic is higher); ``analytic``/``difference`` are null when there is no
+    analytic column. ``notes`` starts with `_explain`'s two lines when there is."""
+    return {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "optimizer_used": args.optimizer_used,
+        "checkpointing": args.checkpointing,
+        "device": args.device,
+        "gpus": args.gpus,
+        "strategy": args.strategy,
+        "analytic": analytic.as_dict() if analytic is not None else None,
+        "simulated": simulated.as_dict(),
+        "difference": _difference(analytic, simulated) if analytic is not None else None,
+        "simulated_seconds": seconds,
+        "notes": notes,
+    }
+
+
+def _table(
+    args: argparse.Namespace, analytic: MemoryBreakdown | None, simulated: MemoryBreakdown, notes: list[str]
+) -> str:
+    """A header line, then categories as rows and the two estimates and their difference as columns."""
+    title = (
+        f"Peak memory of one training step: {args.model}, batch {args.batch_size} x {args.seq_len}, "
+        f"{args.precision}, {args.optimizer_used}, {args.device}"
+    )
+    diff = _difference(analytic, simulated) if analytic is not None else None
+    rows = [
+        (
+            name,
+            format_bytes(getattr(analytic, name)) if analytic is not None else "—",
+            format_bytes(getattr(simulated, name)),
+            _signed(diff[name]) if diff is not None else "—",
+        )
+        for name in (*CATEGORIES, "peak")
+    ]
+    table = render_table(
+        ("category", "analytic", "simulated", "difference"),
+        rows,
+        left=("category",),
+        bold=lambda row: row[0] == "peak",
+    )
+    return "\n".join([title, table, *notes])

@@ -1,0 +1,326 @@
+"""The model a command runs on, and how one training step of it is simulated.
+
+``--model`` is a preset of the bundled GPT demo (``tiny``, ``gpt2``, ... ``llama-7b``) or
+``package.module:factory``, a callable taking no arguments that returns an ``nn.Module`` or a
+``LightningModule``. The factory is called under ``torch.device("meta")``, so a model built the usual way
+is never allocated; the current directory is importable.
+
+The example batch, for any model: if the module has a method ``example_batch(batch_size, seq_len)``,
+what it returns is the batch (build it on the meta device to keep it free). Otherwise the batch is
+``(x, y)``, two int64 token-id tensors of shape ``(batch_size, seq_len)``: what a causal language model's
+``training_step`` takes. A ``LightningModule`` runs its own ``training_step`` (and ``configure_optimizers``
+unless ``--optimizer`` is given); a plain ``nn.Module`` is stepped as a language model,
+``cross_entropy(model(x), y)`` over its output's last dimension (the first element of a tuple output). A
+Hugging Face ``PreTrainedModel`` is stepped as it trains itself: ``model(input_ids=x, labels=x)`` and the
+``loss`` of its ``ModelOutput`` (a model without ``labels`` in its ``forward``: cross-entropy over its
+``logits``, else its first output).
+
+The user's own code failing (the factory, ``example_batch``, the model's step) is bad input: a one-line
+`UsageError` with what was being done and how to fix it. A preset failing is our bug, and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import functools
+import importlib
+import inspect
+import logging
+import os
+import reprlib
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_memkit._analytic import TransformerShape, count_parameters
+from lightning_memkit._lightning import lightning_stand_ins, optimizers_from
+from lightning_memkit._optimizers import identify
+from lightning_memkit.cli._args import UsageError, usage_error
+from lightning_memkit.demos.gpt import PRESETS, GPTConfig, GPTLightningModule
+
+#: Most tokens in one batch: B x T x the vocabulary x 8 bytes must stay an int64 byte count.
+MAX_TOKENS = 2**40
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|MODULE:FACTORY",
+        help=f"a GPT preset ({', '.join(PRESETS)}) or package.module:factory (no arguments, returns an "
+        "nn.Module or LightningModule; called under the meta device)",
+    )
+
+
+def load_model(spec: str) -> nn.Module:
+    """A preset's GPTLightningModule, or what ``package.module:factory`` returns, built on meta."""
+    if ":" not in spec:
+        if spec not in PRESETS:
+            module_name, _, attr = spec.rpartition(".")
+            dotted = f" (a factory is named with a colon: {module_name}:{attr})" if module_name else ""
+            raise UsageError(
+                f"unknown preset {spec!r} for --model; valid: {', '.join(PRESETS)}, or package.module:factory"
+                + dotted
+            )
+        with torch.device("meta"):
+            return GPTLightningModule(spec)
+    factory = _factory(spec)
+    name = f"{spec.partition(':')[2]}()"
+    called = "it is called with no arguments under torch.device('meta'); call it in Python for the traceback"
+    with usage_error(context=f"--model {spec}: calling {name} failed", fix=called), torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        got = f"{reprlib.repr(model)} ({type(model).__name__})"
+        got = "None (does it return the model?)" if model is None else got
+        raise UsageError(f"--model {spec}: {name} returned {got}, not an nn.Module or LightningModule")
+    _check_trainable(model, spec)
+    if _is_hf(model):
+        return HFLanguageModel(model)
+    return model
+
+
+def _factory(spec: str) -> Callable[[], Any]:
+    """The callable ``package.module:factory`` names, checked to be callable with no arguments."""
+    module_name, _, attr = spec.partition(":")
+    for part, where, what in ((module_name, "before", "package.module"), (attr, "after", "factory")):
+        if not part.strip():
+            raise UsageError(
+                f"--model {spec!r} has no {what} {where} the ':'; give package.module:factory, e.g. "
+                "mypkg.models:build"
+            )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own package is found
+    with usage_error(
+        context=f"cannot load --model {spec}: importing {module_name!r} failed",
+        fix=f"the current directory is on the path; try python -c 'import {module_name}'",
+    ):
+        module = importlib.import_module(module_name)
+    first = attr.split(".")[0]
+    close = [] if hasattr(module, first) else difflib.get_close_matches(first, dir(module), n=3)
+    with usage_error(
+        AttributeError,
+        context=f"cannot load --model {spec}",
+        fix=f"did you mean {' or '.join(close)}?" if close else "",
+    ):
+        factory = functools.reduce(getattr, attr.split("."), module)
+    if not callable(factory):
+        raise UsageError(f"--model {spec} is a {type(factory).__name__}, not a callable returning a model")
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        parameters = []
+    required = [
+        p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
+        raise UsageError(
+            f"--model {spec}: {attr}() needs arguments ({', '.join(required)}) but is called with none; "
+            f"write a factory without arguments, e.g. def build(): return {attr}({required[0]}=...), "
+            "and give --model module:build"
+        )
+    return factory
+
+
+def _check_trainable(model: nn.Module, spec: str) -> None:
+    """A model memkit can step has parameters, of a known shape, some of which train, and an optimization
+    it runs without a Trainer (Lightning's automatic one)."""
+    params = list(model.parameters())
+    name = type(model).__name__
+    if not params:
+        built_later = " (layers built in configure_model are not seen: build them in __init__)"
+        raise UsageError(
+            f"--model {spec} ({name}) has no parameters, so there is nothing to train; return the model "
+            "that holds them" + (built_later if hasattr(model, "configure_model") else "")
+        )
+    lazy = [m for m in model.modules() if isinstance(m, nn.modules.lazy.LazyModuleMixin)]
+    if lazy:
+        raise UsageError(
+            f"--model {spec} ({name}) has lazy modules ({type(lazy[0]).__name__}), whose parameters have no "
+            "shape until a first forward; give their sizes (nn.Linear(in_features, ...) for nn.LazyLinear)"
+        )
+    if not any(p.requires_grad for p in params):
+        raise UsageError(
+            f"--model {spec} ({name}) has no trainable parameters: all {len(params)} have "
+            "requires_grad=False; unfreeze those the run trains"
+        )
+    if not getattr(model, "automatic_optimization", True):
+        raise UsageError(
+            f"--model {spec} ({name}) uses manual optimization, whose steps only a running Trainer drives; "
+            "give a factory of the nn.Module it trains (stepped as a language model, or by example_batch)"
+        )
+
+
+def _is_hf(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face ``PreTrainedModel``."""
+    # transformers is optional and slow to import: it is imported here, and only once the user's code has
+    # imported it (a model of its classes cannot exist before).
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+class HFLanguageModel(nn.Module):
+    """A Hugging Face model stepped on token ids as it trains itself: ``model(input_ids=x, labels=x)``
+    (the collator's ``labels`` are the input ids; a causal LM shifts them itself) and its own ``.loss``;
+    a model whose ``forward`` takes no ``labels`` gets ``input_ids`` alone and the loss from its logits
+    (`lm_loss`). Its parameters, blocks and ``config`` are the wrapped model's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.takes_labels = "labels" in inspect.signature(model.forward).parameters
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        if self.takes_labels:
+            return self.model(input_ids=input_ids, labels=input_ids)
+        return self.model(input_ids=input_ids)
+
+
+def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The model's own loss when its output has one (a Hugging Face ``ModelOutput`` given ``labels``),
+    else cross-entropy over the logits (``.logits``, a mapping's first tensor, a tuple's first element)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        if isinstance(output, Mapping):
+            logits = next(v for v in output.values() if isinstance(v, torch.Tensor))
+        else:
+            logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def _gpt_config(model: nn.Module) -> GPTConfig | None:
+    """The model's ``GPTConfig`` if it has one (the analytic column needs the architecture's numbers)."""
+    config = getattr(model, "config", None)
+    return config if isinstance(config, GPTConfig) else None
+
+
+def _hf_model(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face ``PreTrainedModel`` ``model`` is or holds (a LightningModule around one)."""
+    if "transformers" not in sys.modules:
+        return None
+    return next((m for m in model.modules() if _is_hf(m)), None)
+
+
+def analytic_shape(model: nn.Module) -> tuple[TransformerShape | None, str | None]:
+    """The architecture's numbers for the analytic column, or ``None`` and the note that says why not.
+
+    From a ``GPTConfig`` (the presets, nanoGPT-style models), or from a Hugging Face model's ``.config``
+    when the numbers it maps to give exactly the model's parameter count: a variant with extra norms,
+    biases or heads is not described by the analytic model.
+    """
+    config = _gpt_config(model)
+    if config is not None:
+        return TransformerShape.from_config(config), None
+    hf = _hf_model(model)
+    if hf is None:
+        return None, (
+            "analytic: not available: it needs the architecture's numbers, from a preset, a model with a "
+            "GPTConfig (.config) or a Hugging Face model (.config)"
+        )
+    name = type(hf).__name__
+    try:
+        shape = TransformerShape.from_hf_config(hf.config)
+    except ValueError as e:
+        return None, f"analytic: not available for {name}: {e}"
+    n_model = sum(p.numel() for p in model.parameters())
+    n_shape = count_parameters(shape)
+    if n_model != n_shape:
+        return None, (
+            f"analytic: not available for {name}: its config maps to {n_shape:,} parameters, the model has "
+            f"{n_model:,} (a layout the analytic model does not describe: other norms, biases or heads)"
+        )
+    kv = f", {shape.n_kv_head} K/V heads" if shape.n_kv_head not in (None, shape.n_head) else ""
+    return shape, (
+        f"analytic: from {name}'s config: d_model {shape.d_model}, {shape.n_layer} layers, {shape.n_head} "
+        f"heads{kv}, d_ff {shape.d_ff}, {shape.mlp}, {shape.norm}; activations per Korthikanti et al."
+    )
+
+
+def check_seq_len(model: nn.Module, shape: TransformerShape | None, seq_len: int) -> None:
+    config = _gpt_config(model)
+    block = config.block_size if config is not None else None
+    if shape is not None and shape.position == "learned":
+        block = shape.block_size
+    if block is not None and seq_len > block:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size of {block}")
+
+
+def optimizer_used(model: nn.Module, optimizer: str | None) -> tuple[str, str | None]:
+    """(what the header names, its catalogue name or ``None``) of the optimizer the simulation steps."""
+    if optimizer is not None:
+        return optimizer, optimizer
+    if not isinstance(model, LightningModule):
+        return "adamw", "adamw"
+    try:
+        with lightning_stand_ins(model, torch.device("cpu")), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizers = optimizers_from(model.configure_optimizers())
+    except Exception:  # the simulated step reports the user's error; the header only names the optimizer
+        return "configure_optimizers", None
+    if not optimizers:
+        return "configure_optimizers (no optimizer)", None
+    names = [identify(o) or type(o).__name__ for o in optimizers]
+    return f"{' + '.join(names)} (configure_optimizers)", names[0] if len(names) == 1 else None
+
+
+def example_batch(model: nn.Module, spec: str, batch_size: int, seq_len: int) -> Any:
+    if batch_size * seq_len > MAX_TOKENS:
+        raise UsageError(
+            f"a batch of {batch_size} x {seq_len} is {batch_size * seq_len:,} tokens, more than the "
+            f"{MAX_TOKENS:,} the simulation counts; check --seq-len and the batch size"
+        )
+    if callable(getattr(model, "example_batch", None)):
+        with usage_error(
+            context=f"--model {spec}: its example_batch({batch_size}, {seq_len}) failed",
+            fix="it is called as example_batch(batch_size, seq_len) and returns the batch its step takes",
+        ):
+            return model.example_batch(batch_size, seq_len)
+    x = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")  # (B, T) token ids
+    return x, x.clone()
+
+
+@contextlib.contextmanager
+def step_errors(model: nn.Module, spec: str, batch_size: int, seq_len: int) -> Iterator[None]:
+    """Where the user's model's simulated step runs: its failure is a one-line error that says which
+    batch it was given and how to give another. A preset failing is our bug: it keeps its traceback."""
+    if ":" not in spec:
+        yield
+        return
+    if callable(getattr(model, "example_batch", None)):
+        batch = f"the batch was its example_batch({batch_size}, {seq_len})"
+    else:
+        how = (
+            "its training_step"
+            if isinstance(model, LightningModule)
+            else "model(input_ids=x, labels=x)"
+            if isinstance(model, HFLanguageModel)
+            else "cross_entropy(model(x), y)"
+        )
+        batch = (
+            f"the batch was (x, y), int64 token ids of shape ({batch_size}, {seq_len}), stepped as {how}; "
+            "a model that takes other inputs (images, features) defines example_batch(batch_size, seq_len) "
+            "returning its batch"
+        )
+    # torch logs a failing meta kernel's traceback before raising: the one line says what went wrong.
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, log.disabled = log.disabled, True
+    try:
+        with usage_error(context=f"--model {spec}: the simulated training step failed", fix=batch):
+            yield
+    finally:
+        log.disabled = disabled
