@@ -1,13 +1,20 @@
-"""AutoFit's plan against an exhaustive grid, on the tiny GPT on CPU (a budget in bytes).
+"""AutoFit's plans against the rule it used before it read the checkpointing planner's costs.
 
     python benchmarks/bench_autofit.py
 
-Plans a global batch of 16 x 64 tokens for a byte budget the default run (micro-batch 16, no checkpointing,
-AdamW) exceeds; measures every (micro-batch, checkpointing) cell's real peak (`measure`) against its
-simulated one and the budget, and times it (median of 3 global batches); then times the plan against the
-fastest feasible cells side by side, interleaved for several rounds, and prints plan throughput / best
-feasible throughput from those medians (target >= 0.95). The optimizer is not part of the timed grid: the
-plan never trades optimizer quality for speed, so the best feasible plan uses the same optimizer.
+The tiny GPT on CPU, a global batch of 16 x 64 tokens, AdamW, three byte budgets from loose to tight. For
+each budget:
+
+- "planner": ``plan_fit`` as it is: per-block checkpointing plans from `CheckpointPlanner`, ranked by the
+  recompute cost the planner measures;
+- "uniform": the earlier rule, reproduced exactly: one checkpointing mode for every block, ``none``,
+  ``selective`` or ``full``, ranked with fixed recompute fractions (0, 0.1, 1/3) — the fastest by that
+  model among the (micro-batch, mode) cells whose simulated peak fits (`grid`, the exhaustive search the
+  earlier pruned search agreed with).
+
+Both plans run for real: their measured peaks (`measure`) against the budget, and their times, medians of
+``ROUNDS`` interleaved rounds of one global batch each. ``ratio`` is uniform time / planner time: above 1
+the planner's plan is faster; the target is >= 0.95 (at least as good, within the noise of a shared CPU).
 """
 
 import statistics
@@ -15,14 +22,15 @@ import time
 
 import torch
 
-from lightning_memkit import measure
-from lightning_memkit._autofit import grid, plan_fit
-from lightning_memkit._checkpointing import apply_checkpointing
+from lightning_memkit import apply_checkpointing, measure, plan_fit
+from lightning_memkit._autofit import grid
 from lightning_memkit.demos.gpt import GPTLightningModule
 
-G, T, BUDGET, MARGIN = 16, 64, 40_000_000, 0.1
-ROUNDS = 7  # interleaved rounds of the second pass
-CONTENDERS = 3  # the first pass's fastest feasible cells, timed against the plan
+G, T, MARGIN = 16, 64, 0.1
+BUDGETS = (40_000_000, 32_000_000, 26_000_000)
+ROUNDS = 7
+#: The recompute fractions AutoFit assumed for a uniform mode before it read the planner's measurements.
+UNIFORM_RECOMPUTE = {"none": 0.0, "selective": 0.1, "full": 1 / 3}
 
 
 def global_step(module, optimizer, batch, m):
@@ -36,26 +44,21 @@ def global_step(module, optimizer, batch, m):
     return time.perf_counter() - start
 
 
-def run(module, batch, m, level, measured=True, repeats=3):
-    """(real peak or None, median seconds of ``repeats`` global batches) of one cell."""
-    peak = None
-    with apply_checkpointing(module, level) if level != "none" else _null():
+def real_peak(module, batch, m, checkpointing):
+    """The measured peak of one global batch with ``checkpointing`` applied (after a warm-up batch)."""
+    with apply_checkpointing(module, checkpointing):
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
         global_step(module, optimizer, batch, m)  # warm-up, creates the optimizer state
-        if measured:
-            with measure(module, optimizer, device="cpu") as result:
-                global_step(module, optimizer, batch, m)
-            peak = result.breakdown.peak
-        seconds = statistics.median(global_step(module, optimizer, batch, m) for _ in range(repeats))
-    return peak, seconds
+        with measure(module, optimizer, device="cpu") as result:
+            global_step(module, optimizer, batch, m)
+    return result.breakdown.peak
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
+def timed(module, batch, m, checkpointing):
+    with apply_checkpointing(module, checkpointing):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        global_step(module, optimizer, batch, m)
+        return global_step(module, optimizer, batch, m)
 
 
 def main():
@@ -65,42 +68,43 @@ def main():
     module = GPTLightningModule("tiny")
     x = torch.randint(0, 256, (G, T))
     batch = (x, x.roll(-1, 1))
-    start = time.perf_counter()
-    plan = plan_fit(module, batch, BUDGET, margin=MARGIN, device="cpu")
-    print(f"planned in {time.perf_counter() - start:.1f} s; cost model {plan.cost}")
-    print(plan)
-    assert plan.optimizer == "adamw"
-    peaks = grid(module, batch, optimizer="adamw", device="cpu")
-    print(f"default run (m={G}, none) simulated peak {peaks[(G, 'none')]:,} B > budget {BUDGET:,} B")
-    results = {}
-    for (m, level), simulated in peaks.items():
-        real, seconds = run(module, batch, m, level)
-        results[(m, level)] = (simulated, real, seconds)
-        fits = real <= BUDGET * (1 - MARGIN)
-        print(
-            f"m={m:2d} {level:9s} simulated {simulated:>11,} real {real:>11,} {seconds * 1e3:8.1f} ms"
-            f"{'  feasible' if fits else ''}"
+    peaks = grid(module, batch, optimizer="adamw", checkpointing=tuple(UNIFORM_RECOMPUTE), device="cpu")
+    print(f"default run (m={G}, no checkpointing) simulated peak {peaks[(G, 'none')]:,} B")
+    header = f"{'budget':>12} {'rule':8} {'plan':48} {'real peak':>12} {'fits':>5} {'median':>9}"
+    rows, ratios = [header], []
+    for budget in BUDGETS:
+        start = time.perf_counter()
+        plan = plan_fit(module, batch, budget, margin=MARGIN, device="cpu")
+        seconds = time.perf_counter() - start
+        limit = plan.limit
+        _, m_old, level_old = min(
+            (plan.cost.time(m, G // m, UNIFORM_RECOMPUTE[level]), m, level)
+            for (m, level), peak in peaks.items()
+            if peak <= limit
         )
-    feasible = {k: v for k, v in results.items() if v[1] <= BUDGET * (1 - MARGIN)}
-    chosen_key = (plan.micro_batch_size, plan.checkpointing)
-    chosen = results[chosen_key]
-    print(
-        f"plan m={plan.micro_batch_size} {plan.checkpointing}: real peak {chosen[1]:,} B <= budget "
-        f"{BUDGET:,} B: {chosen[1] <= BUDGET} (OOMs: {int(chosen[1] > BUDGET)})"
-    )
-    contenders = sorted(feasible, key=lambda k: feasible[k][2])[:CONTENDERS]
-    contenders = [chosen_key, *(k for k in contenders if k != chosen_key)]
-    times = {k: [] for k in contenders}
-    for _ in range(ROUNDS):
-        for key in contenders:
-            times[key].append(run(module, batch, *key, measured=False)[1])
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    for (m, level), seconds in medians.items():
-        print(f"interleaved, {ROUNDS} rounds: m={m:2d} {level:9s} median {seconds * 1e3:6.1f} ms")
-    best_key = min(medians, key=medians.get)
-    print(f"best feasible: m={best_key[0]} {best_key[1]} {medians[best_key] * 1e3:.1f} ms")
-    ratio = medians[best_key] / medians[chosen_key]
-    print(f"throughput ratio plan / best feasible: {ratio:.3f} (target >= 0.95)")
+        contenders = {
+            "planner": (
+                plan.micro_batch_size,
+                plan.checkpoint_plan or plan.checkpointing,
+                plan.checkpointing,
+            ),
+            "uniform": (m_old, level_old, level_old),
+        }
+        times = {rule: [] for rule in contenders}
+        for _ in range(ROUNDS):
+            for rule, (m, checkpointing, _) in contenders.items():
+                times[rule].append(timed(module, batch, m, checkpointing))
+        medians = {rule: statistics.median(v) for rule, v in times.items()}
+        for rule, (m, checkpointing, label) in contenders.items():
+            real = real_peak(module, batch, m, checkpointing)
+            rows.append(
+                f"{budget:>12,} {rule:8} {f'm={m} x {G // m}, {label}':48} {real:>12,} "
+                f"{'yes' if real <= budget else 'NO':>5} {medians[rule] * 1e3:7.1f} ms"
+            )
+        ratios.append(medians["uniform"] / medians["planner"])
+        rows.append(f"{'':12} planned in {seconds:.1f} s; ratio uniform / planner time {ratios[-1]:.3f}")
+    print("\n".join(rows))
+    print(f"worst ratio over the budgets: {min(ratios):.3f} (target >= 0.95)")
 
 
 if __name__ == "__main__":

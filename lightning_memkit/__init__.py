@@ -14,17 +14,22 @@ Public surface (everything else lives in private modules):
 - `lightning_memkit.demos.gpt`: the bundled nanoGPT-style example.
 """
 
-from lightning_memkit._autofit import FitPlan, plan_fit
+from lightning_memkit._autofit import plan_fit
+from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget, parse_bytes
+from lightning_memkit._checkpoint_planner import plan_checkpointing
 from lightning_memkit._checkpointing import (
+    CHECKPOINT_MODES,
+    BlockPlan,
+    CheckpointMode,
     CheckpointPlan,
     apply_checkpointing,
-    find_blocks,
-    plan_checkpointing,
 )
+from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
 from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
-from lightning_memkit._optim import CATALOGUE, OptimizerChoice, fit_optimizer, swap_optimizer
+from lightning_memkit._optim import OptimizerChoice, fit_optimizer
+from lightning_memkit._optimizers import CATALOGUE, swap_optimizer
 from lightning_memkit._simulate import TimelineEvent, estimate_memory
 from lightning_memkit.callbacks import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
 
@@ -33,10 +38,14 @@ __version__ = "0.1.0"
 __all__ = [
     "CATALOGUE",
     "CATEGORIES",
+    "CHECKPOINT_MODES",
     "GPUS",
     "ActivationCheckpointing",
+    "Alternative",
     "AutoFit",
+    "BlockPlan",
     "Budget",
+    "CheckpointMode",
     "CheckpointPlan",
     "FitPlan",
     "MemoryBreakdown",
@@ -44,6 +53,7 @@ __all__ = [
     "MemoryMonitor",
     "OptimizerChoice",
     "OptimizerSwap",
+    "StepCost",
     "TimelineEvent",
     "__version__",
     "apply_checkpointing",

@@ -60,9 +60,12 @@ def lightning_stand_ins(module: nn.Module, device: torch.device) -> Iterator[Non
     """
     saved = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
     module.__dict__["log"] = module.__dict__["log_dict"] = _no_op
-    saved_device = module._device
+    saved_device = module._device  # DeviceDtypeModuleMixin's: `self.device` has no setter
     module._device = device
-    attach = module._trainer is None and getattr(module, "_fabric", None) is None
+    try:
+        attach = module.trainer is None  # attached to a Trainer, or to Fabric (a shim Trainer)
+    except RuntimeError:  # "... is not attached to a `Trainer`"
+        attach = True
     if attach:
         pl_logger = logging.getLogger("lightning.pytorch")
         level = pl_logger.level

@@ -68,6 +68,7 @@ from lightning_memkit._lightning import (
     optimizers_from,
 )
 from lightning_memkit._measure import _Storage, _Tracker, allocation_rounding
+from lightning_memkit._optimizers import load_bitsandbytes
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
 
@@ -225,8 +226,6 @@ def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Opti
         return functools.partial(torch.optim.SGD, lr=1e-3)
     if name == "sgd_momentum":
         return functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9)
-    from lightning_memkit._optim import load_bitsandbytes  # imported only when asked for
-
     bnb = load_bitsandbytes()
     if bnb is None:
         raise ValueError(

@@ -8,8 +8,17 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_memkit import MemoryMonitor, measure
-from lightning_memkit._autofit import FitPlan, StepCost, grid, plan_fit
+from lightning_memkit import (
+    CHECKPOINT_MODES,
+    FitPlan,
+    MemoryMonitor,
+    StepCost,
+    estimate_memory,
+    find_blocks,
+    measure,
+    plan_fit,
+)
+from lightning_memkit._autofit import grid
 from lightning_memkit._budget import parse_budget
 from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.callbacks.auto_fit import AutoFit
@@ -39,15 +48,34 @@ def plan(module, batch):
     return plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST)
 
 
-def test_plan_fits_and_is_the_largest_micro_batch(module, batch, plan):
+def test_plan_fits_and_is_the_fastest_configuration_simulated(module, batch, plan):
     assert plan.estimated_peak <= plan.limit == int(BUDGET * 0.9)
     assert plan.micro_batch_size * plan.accumulate_grad_batches == G
     assert plan.optimizer == "adamw"  # the module's own, and it fits
-    peaks = grid(module, batch, optimizer="adamw", device="cpu")
-    fitting = [m for (m, level), peak in peaks.items() if level == plan.checkpointing and peak <= plan.limit]
-    assert plan.micro_batch_size == max(fitting)
+    peaks = grid(module, batch, optimizer="adamw", checkpointing=("none",), device="cpu")
     assert peaks[(G, "none")] > plan.limit  # the default run does not fit
+    # Never a smaller micro-batch than the largest that fits without checkpointing (with this cost model a
+    # larger micro-batch saves a fixed 10 ms per micro-step, more than any recompute costs here).
+    assert plan.micro_batch_size >= max(
+        m for (m, level), peak in peaks.items() if level == "none" and peak <= plan.limit
+    )
+    timed = [a for a in plan.alternatives if a.fits and a.time is not None]
+    assert len(timed) > 1 and min(a.time for a in timed) == 1.0  # the chosen one is the fastest that fits
     assert any(a.fits is False for a in plan.alternatives)
+
+
+def test_a_per_block_plan_is_the_planners_and_fits_when_simulated(module, batch, plan):
+    checkpoints = plan.checkpoint_plan
+    assert checkpoints is not None and plan.micro_batch_size > 2  # checkpointing bought a larger micro-batch
+    assert [b.name for b in checkpoints.blocks] == [name for name, _ in find_blocks(module)]
+    modes = list(checkpoints.policies.values())
+    counts = ", ".join(f"{modes.count(mode)} {mode}" for mode in CHECKPOINT_MODES if mode in modes)
+    assert plan.checkpointing == (modes[0] if len(set(modes)) == 1 else counts)
+    m = plan.micro_batch_size
+    part = tuple(t[:m] for t in batch)
+    simulated = estimate_memory(module, part, checkpointing=checkpoints, device="cpu", accumulating=m < G)
+    assert simulated.peak == plan.estimated_peak <= plan.limit
+    assert 0.0 <= checkpoints.overhead < 0.5
 
 
 def test_applied_plan_measured_peak_within_budget(module, batch, plan):
@@ -93,8 +121,12 @@ def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, m
     lines = []
     monkeypatch.setattr(autofit, "PROGRESS_AFTER_S", 0.0)  # as if every simulation were slow
     plan = plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST, progress=lines.append)
-    assert len(lines) == len(plan.alternatives) > 1
-    assert lines[0].startswith("simulating micro-batch") and "(0 simulated in" in lines[0]
+    simulations = [line for line in lines if line.startswith("simulating micro-batch")]
+    assert len(simulations) == len(set(simulations)) > 1  # each once
+    assert simulations[0].endswith("(0 steps simulated in 0 s)")
+    uniform = [a for a in plan.alternatives if a.checkpointing in CHECKPOINT_MODES]
+    assert len(simulations) >= len(uniform) - 1  # the chosen per-block plan may name a uniform mode
+    assert any(line.startswith("measuring the blocks' checkpointing costs at micro-batch") for line in lines)
 
 
 def test_infeasible_budget_names_floor_and_fixes(module, batch):
@@ -178,11 +210,11 @@ def _fit_on_device(tmp_path, module, budget=20_000_000, ckpt_path=None, **traine
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The run the pretend device's runs must reproduce: micro-batch 4 x 2, selective, no OOM."""
+    """The run the pretend device's runs must reproduce: micro-batch 4 x 2, some blocks selective, no OOM."""
     module = _Device()
     _, callback = _fit_on_device(tmp_path_factory.mktemp("reference"), module)
     assert (callback.plan.micro_batch_size, callback.plan.accumulate_grad_batches) == (4, 2)
-    assert callback.plan.checkpointing == "selective"
+    assert set(callback.plan.checkpoint_plan.policies.values()) == {"none", "selective"}
     return module
 
 
@@ -194,7 +226,8 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     module = _Device(rows=2, where=where, at=at)
     with pytest.warns(UserWarning, match="re-planned one notch leaner"):
         trainer, callback = _fit_on_device(tmp_path, module, max_steps=5)  # past the 3 verify steps
-    assert module.pretend.raised == 2  # selective -> full at micro-batch 4 (OOM again) -> micro-batch 2
+    # none/selective per block -> selective_half -> full at micro-batch 4 (OOM each time) -> micro-batch 2
+    assert module.pretend.raised == 3
     plan = callback.plan
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (2, 4, "full")
     assert trainer.accumulate_grad_batches == 1  # the user's, back after the fit
@@ -260,7 +293,8 @@ def test_leaner_keeps_to_the_allowed_checkpointing():
 
     assert plan(8, "none").leaner(("none", "full")) == plan(8, "full")  # no selective: not allowed
     assert plan(8, "none").leaner(("none",)) == plan(4, "none")
-    assert plan(8, "selective").leaner() == plan(8, "full")
+    assert plan(8, "selective").leaner() == plan(8, "selective_half")
+    assert plan(8, "selective").leaner(("none", "selective", "full")) == plan(8, "full")
     assert plan(1, "full").leaner() is None
 
 
@@ -359,7 +393,7 @@ def test_a_model_without_repeated_blocks_is_planned_without_checkpointing():
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (8, 1, "none")
     assert plan.levels == ("none",)
     assert {a.checkpointing for a in plan.alternatives} == {"none"}
-    assert "selective, full not planned: _MLP has no repeated blocks" in plan.summary()
+    assert "selective, selective_half, full not planned: _MLP has no repeated blocks" in plan.summary()
     assert plan.leaner() == replace(plan, micro_batch_size=4, accumulate_grad_batches=2)  # never checkpoints
     assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))).levels == ("none",)
     # A plain nn.Module with a loss function too.

@@ -48,8 +48,9 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_memkit._autofit import FitPlan
+from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._lightning import batch_size, pieces
+from lightning_memkit.callbacks._trainer import logging_as_training_step
 
 __all__ = ["StepGuard"]
 
@@ -170,7 +171,7 @@ class StepGuard:
             try:
                 with _frozen(piece.frozen):
                     if real is None:
-                        with _logging_as_training_step(self.module), self._precision():
+                        with logging_as_training_step(self.module), self._precision():
                             real = _loss_of(self._step(piece.batch, *self._args, **self._kwargs))
                     # Every parameter may already hold its share (an OOM after the last accumulation).
                     if real is not None and real.requires_grad:
@@ -232,14 +233,3 @@ def _frozen(params: frozenset[Tensor]) -> Iterator[None]:
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
-
-
-@contextmanager
-def _logging_as_training_step(module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` in a slice run from ``backward`` files its values under ``training_step``, as usual."""
-    previous = module._current_fx_name
-    module._current_fx_name = "training_step"
-    try:
-        yield
-    finally:
-        module._current_fx_name = previous

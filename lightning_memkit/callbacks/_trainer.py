@@ -4,12 +4,15 @@ upgrade that moves one breaks this file only (the versions tested are bounded in
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
 from lightning_memkit._analytic import model_static, scheme
@@ -18,6 +21,10 @@ __all__ = [
     "accumulates",
     "accumulating_now",
     "ddp_bucket_bytes",
+    "first_batch",
+    "fit_data_source",
+    "fsdp_checkpointing",
+    "logging_as_training_step",
     "on_rank_zero",
     "optimizer_steps_done",
     "precision",
@@ -97,3 +104,76 @@ def accumulating_now(trainer: pl.Trainer) -> bool:
 def optimizer_steps_done(trainer: pl.Trainer) -> int:
     """Optimizer steps taken so far, counted as Lightning's loggers count them (``step`` in metrics)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def first_batch(trainer: pl.Trainer) -> Any | None:
+    """The first batch of the training dataloader as ``training_step`` will receive it, or ``None`` when
+    the Trainer has no training dataloader or it yields no batch.
+
+    For a callback that simulates the step before training (from ``setup`` on: the dataloader is
+    attached). The loader comes from the fit's data source (the ``train_dataloader`` hook or the
+    datamodule's, called once more), and ``None`` batches are skipped as the fit loop skips them. The
+    batch goes through ``on_before_batch_transfer``, ``transfer_batch_to_device`` (to the strategy's root
+    device) and ``on_after_batch_transfer``, as the fit loop does. The global RNG and every loader's and
+    sampler's own generator are put back afterwards, so the epoch that follows starts with this very
+    batch and draws the same random numbers.
+    """
+    source = trainer.fit_loop._data_source
+    loader = source.dataloader() if source.is_defined() else None
+    if loader is None:
+        return None
+    combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
+    with _rng_kept(combined.flattened, trainer.strategy.root_device):
+        batch = next((b for b, _, _ in combined if b is not None), None)
+        if batch is None:
+            return None
+        batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+@contextlib.contextmanager
+def _rng_kept(loaders: Sequence[Any], device: torch.device) -> Iterator[None]:
+    """Put back the global RNG (CPU, and ``device`` if CUDA) and every loader's and sampler's own
+    generator: a shuffling sampler draws its permutation from them when iterated."""
+    generators: dict[int, torch.Generator] = {}
+    for loader in loaders:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for holder in (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            g = getattr(holder, "generator", None)
+            if isinstance(g, torch.Generator):
+                generators[id(g)] = g
+    states = [(g, g.get_state()) for g in generators.values()]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            for g, state in states:
+                g.set_state(state)
+
+
+def fit_data_source(trainer: pl.Trainer) -> Any:
+    """The fit's training data source (what ``BatchSizeFinder`` reads): ``is_module()`` tells whether the
+    dataloader comes from a hook that may be called again, ``dataloader()`` calls it."""
+    return trainer.fit_loop._data_source
+
+
+@contextlib.contextmanager
+def logging_as_training_step(module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` called outside the loop's ``training_step`` (from a slice run in ``backward``) files its
+    values under ``training_step``, as usual."""
+    previous = module._current_fx_name
+    module._current_fx_name = "training_step"
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
+
+
+def fsdp_checkpointing(strategy: Any, classes: set[type[nn.Module]] | None = None) -> bool:
+    """Whether ``strategy`` (an ``FSDPStrategy``) checkpoints activations itself; with ``classes``, make it
+    checkpoint every instance of them (``activation_checkpointing_policy=classes``) first."""
+    if classes is not None:
+        from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs  # FSDP's own import
+
+        strategy._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(None, classes)
+    return bool(getattr(strategy, "_activation_checkpointing_kwargs", None))

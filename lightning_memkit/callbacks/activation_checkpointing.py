@@ -1,7 +1,7 @@
 """ActivationCheckpointing: checkpoint the model's blocks, choosing the cheapest plan that fits a budget.
 
-The planning and the wrapping live in `lightning_memkit._checkpointing` (`plan_checkpointing`,
-`apply_checkpointing`); this callback picks the moment and the inputs. It acts in ``setup("fit")``: after
+The planning and the wrapping are plain functions (`plan_checkpointing`, `apply_checkpointing`); this
+callback picks the moment and the inputs. It acts in ``setup("fit")``: after
 the LightningModule's layers exist and before ``configure_optimizers`` or any strategy wraps the model
 (checkpointing patches each block's ``forward`` in place, so parameters keep their identity and the
 optimizer, DDP and ``state_dict`` keys see the same model). With a budget it needs one training batch to
@@ -19,20 +19,20 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
+from lightning_memkit._blocks import _classes, _no_blocks_message, find_blocks
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget, parse_budget, reads_device
-from lightning_memkit._checkpointing import (
-    LEVELS,
-    CheckpointHandle,
-    CheckpointPlan,
-    _classes,
-    _no_blocks_message,
-    apply_checkpointing,
-    find_blocks,
-    plan_checkpointing,
-)
+from lightning_memkit._checkpoint_planner import plan_checkpointing
+from lightning_memkit._checkpointing import LEVELS, CheckpointHandle, CheckpointPlan, apply_checkpointing
 from lightning_memkit._isolate import isolated
-from lightning_memkit.callbacks._trainer import accumulates, ddp_bucket_bytes, on_rank_zero, precision
+from lightning_memkit.callbacks._trainer import (
+    accumulates,
+    ddp_bucket_bytes,
+    first_batch,
+    fsdp_checkpointing,
+    on_rank_zero,
+    precision,
+)
 
 _OPTION = "ActivationCheckpointing(policy={MyBlock})"
 
@@ -245,7 +245,7 @@ class ActivationCheckpointing(Callback):
 
         Returns whether it took the plan; otherwise the plan is applied in place as for other strategies.
         """
-        if getattr(strategy, "_activation_checkpointing_kwargs", None):
+        if fsdp_checkpointing(strategy):
             raise MisconfigurationException(
                 "FSDPStrategy(activation_checkpointing_policy=...) and the ActivationCheckpointing callback "
                 "both configure activation checkpointing; keep one of them."
@@ -258,8 +258,6 @@ class ActivationCheckpointing(Callback):
             )
         if self.policy != "full":
             return False  # selective checkpointing has no FSDPStrategy form: applied in place
-        from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs
-
         classes = self.layer_classes
         if classes is None:
             found = find_blocks(pl_module)
@@ -269,7 +267,7 @@ class ActivationCheckpointing(Callback):
         names = [name for name, _ in find_blocks(pl_module, classes)]
         if not names:
             raise ValueError(_no_blocks_message(pl_module, _OPTION, classes))
-        strategy._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(None, set(classes))
+        fsdp_checkpointing(strategy, set(classes))
         self.plan = CheckpointPlan.uniform(names, "full")
         rank_zero_info(
             "Activation checkpointing handed to FSDPStrategy as activation_checkpointing_policy="
@@ -309,19 +307,12 @@ def _submodule(module: nn.Module, name: str) -> nn.Module | None:
 
 def _example_batch(trainer: pl.Trainer) -> Any:
     """One batch of the training dataloader the Trainer was given (for the simulated step)."""
-    source = trainer.fit_loop._data_source
-    loader = source.dataloader() if source.is_defined() else None
-    if loader is None:
-        raise MisconfigurationException(
-            "ActivationCheckpointing(budget=...) simulates one training step and needs a batch, but the "
-            "Trainer has no training dataloader yet. Pass one to `fit` (or a datamodule), or plan yourself "
-            "with `lightning_memkit.plan_checkpointing(model, batch, budget)` and apply the plan in "
-            "`configure_model`."
-        )
-    batch = next((b for b in loader if b is not None), None)  # Lightning skips a None batch too
+    batch = first_batch(trainer)
     if batch is None:
         raise MisconfigurationException(
             "ActivationCheckpointing(budget=...) simulates one training step and needs a batch, but the "
-            "training dataloader yields none."
+            "Trainer has no training dataloader yet, or it yields no batch. Pass one to `fit` (or a "
+            "datamodule), or plan yourself with `lightning_memkit.plan_checkpointing(model, batch, budget)` "
+            "and apply the plan in `configure_model`."
         )
     return batch

@@ -74,12 +74,14 @@ from lightning.pytorch.utilities.parsing import (
     lightning_setattr,
 )
 
-from lightning_memkit._autofit import FitPlan, plan_fit
+from lightning_memkit._autofit import plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
 from lightning_memkit._budget import Budget, parse_budget, reads_device
+from lightning_memkit._checkpointing import CHECKPOINT_MODES
+from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._isolate import isolated
 from lightning_memkit.callbacks._step_guard import StepGuard
-from lightning_memkit.callbacks._trainer import on_rank_zero, precision, sharding
+from lightning_memkit.callbacks._trainer import fit_data_source, on_rank_zero, precision, sharding
 
 __all__ = ["AutoFit"]
 
@@ -94,8 +96,9 @@ class AutoFit(Callback):
         margin: share of the budget kept free for what the estimate cannot see.
         batch_size_attr: the attribute holding the micro-batch size (``BatchSizeFinder``'s default).
         optimizers: candidate catalogue names in quality order (default: the module's own, then lighter).
-        checkpointing: the uniform checkpointing levels allowed; a module without repeated blocks is
-            planned without checkpointing (the plan's ``note``, in the info line, says so).
+        checkpointing: the checkpointing modes a block may get (the plan chooses block by block); a
+            module without repeated blocks is planned without checkpointing (the plan's ``note``, in the
+            info line, says so).
         cost: the throughput model (`plan_fit`'s ``cost``).
         verify_steps: first steps whose measured peak is checked (CUDA) and whose OOM in the forward or
             backward is recovered from (one process, automatic optimization); 0 turns both off.
@@ -108,7 +111,7 @@ class AutoFit(Callback):
         margin: float = 0.1,
         batch_size_attr: str = "batch_size",
         optimizers: Sequence[str] | None = None,
-        checkpointing: Sequence[str] = ("none", "selective", "full"),
+        checkpointing: Sequence[str] = CHECKPOINT_MODES,
         cost: str = "auto",
         verify_steps: int = 3,
     ) -> None:
@@ -165,7 +168,7 @@ class AutoFit(Callback):
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
         strategy, ranks = sharding(trainer)
         copies = trainer.accumulate_grad_batches * ranks
-        source = trainer.fit_loop._data_source  # what BatchSizeFinder reads too
+        source = fit_data_source(trainer)
         if not source.is_module():
             raise ValueError(
                 f"AutoFit sets the micro-batch through `{self.batch_size_attr}`, but the train dataloader "

@@ -1,0 +1,366 @@
+"""What `plan_fit` returns, and the throughput model it ranks plans by.
+
+A `FitPlan` is plain data: the micro-batch, accumulation, checkpointing (block by block), optimizer and
+precision of a run that fits, with every configuration simulated on the way as `Alternative` rows. It
+applies itself to a LightningModule (`FitPlan.apply`) and steps down one notch after an OOM
+(`FitPlan.leaner`). `StepCost` is the time of a micro-step, measured on the device or counted from FLOPs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_memkit._breakdown import format_bytes
+from lightning_memkit._budget import Budget
+from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
+from lightning_memkit._isolate import isolated
+from lightning_memkit._lightning import batch_slice, is_lightning, lightning_stand_ins, loss_of
+from lightning_memkit._measure import model_device
+from lightning_memkit._optimizers import identify, lr_factor, rebind_scheduler, swap_optimizer
+from lightning_memkit._report import render_table
+
+__all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
+
+#: Seconds of overhead per op of a micro-step (kernel launch + dispatch), for offline plans.
+LAUNCH_SECONDS: dict[str, float] = {"cuda": 10e-6, "cpu": 5e-6}
+#: Sustained FLOP/s assumed for offline plans: an A100-class GPU in bf16, a few CPU cores.
+DEVICE_FLOPS: dict[str, float] = {"cuda": 150e12, "cpu": 50e9}
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost model
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one micro-step: ``fixed + per_sample * m * (1 + recompute)``.
+
+    ``recompute`` is what checkpointing adds: the recomputed ops' cost as a fraction of the checkpointed
+    blocks' forward + backward, as the checkpointing planner measures it for the plan
+    (`CheckpointPlan.overhead`: 0 without checkpointing, about 1/3 for full checkpointing of every block).
+
+    Attributes:
+        fixed: per-micro-step overhead in seconds (launches, Python, the loss).
+        per_sample: seconds per sample of forward + backward without checkpointing.
+        source: ``"measured"`` (timed on the device) or ``"flops"`` (counted, offline).
+    """
+
+    fixed: float
+    per_sample: float
+    source: str = "flops"
+
+    def time(self, micro_batch_size: int, accumulate: int, recompute: float = 0.0) -> float:
+        """Seconds of one global batch (per rank)."""
+        return accumulate * (self.fixed + self.per_sample * micro_batch_size * (1 + recompute))
+
+
+def flops_cost(estimate: Callable[..., Any], device: str, m: int = 1) -> StepCost:
+    """`StepCost` from a simulated step of ``m`` samples: FLOPs / `DEVICE_FLOPS` per sample, ops x
+    `LAUNCH_SECONDS` per micro-step."""
+    with FlopCounterMode(display=False) as counter:
+        _, timeline = estimate(m, "none", return_timeline=True)
+    ops = sum(event.phase in ("forward", "backward") for event in timeline)
+    per_sample = counter.get_total_flops() / m / DEVICE_FLOPS[device]
+    return StepCost(ops * LAUNCH_SECONDS[device], per_sample, "flops")
+
+
+def measured_cost(
+    model: nn.Module, batch: Any, *, loss_fn: Callable | None = None, sizes: tuple[int, int] = (1, 4)
+) -> StepCost:
+    """`StepCost` from timing real forward + backward passes at two micro-batch sizes (median of 3 each).
+
+    No optimizer step is taken, and the passes run `isolated`: the model's gradients, buffers (BatchNorm
+    statistics), train/eval flags, torchmetrics states and public list/dict attributes, and the RNG
+    streams dropout draws from, are put back as they were. Sizes that are equal (a batch of one sample)
+    give a cost that is all per sample.
+    """
+
+    lightning = is_lightning(model)
+
+    def once(m: int) -> float:
+        part = batch_slice(batch, m)
+        start = time.perf_counter()
+        if lightning:
+            loss = loss_of(model.training_step(part, 0))
+        else:
+            inputs, target = part
+            loss = loss_fn(model(inputs), target)  # type: ignore[misc]
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        if next(model.parameters()).device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    small, large = sizes
+    stand_ins = lightning_stand_ins(model, model_device(model)) if lightning else contextlib.nullcontext()
+    with isolated(model, "AutoFit's timing"), stand_ins, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        once(small)  # warm-up: first-call allocations and kernel selection
+        times = {m: statistics.median(once(m) for _ in range(3)) for m in {small, large}}
+    if large == small:  # nothing to tell the fixed part from the per-sample one
+        return StepCost(0.0, times[small] / small, "measured")
+    per_sample = max((times[large] - times[small]) / (large - small), 1e-9)
+    return StepCost(max(times[small] - per_sample * small, 0.0), per_sample, "measured")
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One simulated configuration. ``peak`` is one rank's step peak in bytes; ``time`` is relative to the
+    chosen plan's (1.0; larger is slower), ``None`` for configurations without a cost."""
+
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    checkpointing: str
+    optimizer: str | None
+    precision: str
+    peak: int
+    time: float | None
+    fits: bool
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """How to run a training step within a memory budget. Bytes are ints.
+
+    Attributes:
+        micro_batch_size: samples per forward/backward (per rank): the dataloader's batch size.
+        accumulate_grad_batches: micro-batches per optimizer step; ``micro_batch_size *
+            accumulate_grad_batches`` is the per-rank global batch.
+        checkpointing: the checkpointing mode of every repeated block (``"none"``, ``"selective"``,
+            ``"selective_half"``, ``"full"``) or, where the blocks' modes differ, a summary of them
+            (``"2 selective, 2 full"``); `checkpoint_plan` then has the mode of each block.
+        optimizer: the `CATALOGUE` name of the optimizer to train with; ``None``:
+            whatever ``configure_optimizers`` returns (an optimizer the catalogue does not know).
+        precision: the Lightning precision string the plan was simulated with.
+        estimated_peak: one rank's simulated step peak with the plan.
+        budget: the `Budget` planned for; the plan keeps ``estimated_peak <= budget.usable * (1 - margin)``.
+        margin: the reserve kept below ``budget.usable``, as a fraction.
+        alternatives: every configuration simulated, as `Alternative` rows.
+        strategy: Lightning's strategy name (``"ddp"``, ``"fsdp"``, ``"deepspeed_stage_2"``, ...); ``"auto"``
+            for one GPU.
+        n_gpus: ranks the global batch is split across.
+        cost: the throughput model the times came from.
+        levels: the checkpointing modes that were candidates (``("none",)`` for a model without
+            repeated blocks, which cannot be checkpointed); `leaner` keeps to them.
+        note: why some modes asked for were not candidates (``""`` when all were); `summary` shows it.
+        checkpoint_plan: the checkpointing planner's plan, block by block, with its measured savings and
+            recompute cost (`CheckpointPlan`); ``None`` where every block has the mode `checkpointing` names.
+    """
+
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    checkpointing: str
+    optimizer: str | None
+    precision: str
+    estimated_peak: int
+    budget: Budget
+    margin: float = 0.1
+    alternatives: tuple[Alternative, ...] = ()
+    strategy: str = "auto"
+    n_gpus: int = 1
+    cost: StepCost | None = field(default=None, compare=False)
+    levels: tuple[str, ...] = field(default=CHECKPOINT_MODES, compare=False)
+    note: str = field(default="", compare=False)
+    checkpoint_plan: CheckpointPlan | None = None
+
+    @property
+    def limit(self) -> int:
+        """Bytes the step's peak may reach: ``budget.usable * (1 - margin)``."""
+        return int(self.budget.usable * (1 - self.margin))
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step across all ranks."""
+        return self.micro_batch_size * self.accumulate_grad_batches * self.n_gpus
+
+    def leaner(self, levels: Sequence[str] = CHECKPOINT_MODES) -> FitPlan | None:
+        """The next plan one notch leaner (after an OOM): every block at the next mode allowed (``levels``)
+        stronger than the strongest the plan uses, at the same micro-batch (a per-block plan that already
+        uses the strongest: that mode on every block), else half the micro-batch (the largest divisor of
+        it at most half) with accumulation multiplied to keep the global batch, checkpointing unchanged;
+        ``None`` at micro-batch 1 with the strongest mode allowed. Its ``estimated_peak`` is not simulated:
+        it is the current one."""
+        allowed = [mode for mode in CHECKPOINT_MODES if mode in levels and mode in self.levels]
+        used = set(self.checkpoint_plan.policies.values()) if self.checkpoint_plan else {self.checkpointing}
+        strongest = max(CHECKPOINT_MODES.index(mode) for mode in used)
+        # Every block at the next mode stronger than the strongest in use; a per-block plan that already
+        # uses the strongest mode allowed gets it on every block.
+        rank = CHECKPOINT_MODES.index
+        stronger = [m for m in allowed if rank(m) > strongest] or [
+            m for m in allowed if rank(m) == strongest and used != {m}
+        ]
+        if stronger:
+            return replace(self, checkpointing=stronger[0], checkpoint_plan=None)
+        m = self.micro_batch_size
+        smaller = max((d for d in range(1, m // 2 + 1) if m % d == 0), default=None)
+        if smaller is None:
+            return None
+        return replace(
+            self,
+            micro_batch_size=smaller,
+            accumulate_grad_batches=self.accumulate_grad_batches * (m // smaller),
+        )
+
+    def apply(self, module: nn.Module) -> _Applied:
+        """Checkpoint ``module``'s blocks and make its ``configure_optimizers`` return the plan's optimizer.
+
+        The micro-batch and accumulation are the Trainer's and the dataloader's to set (`AutoFit` does
+        both). Returns a handle whose ``remove()`` undoes both changes.
+        """
+        applied = _Applied(module)
+        applied.checkpointing = apply_checkpointing(module, self.checkpoint_plan or self.checkpointing)
+        configure = getattr(module, "configure_optimizers", None)
+        if self.optimizer is not None and callable(configure):
+            module.__dict__["configure_optimizers"] = _swapped_configure(configure, self.optimizer)
+            applied.patched = True
+        return applied
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (JSON, ``strategy.broadcast``, ``state_dict``); `from_dict` reads it back."""
+        data = asdict(self)
+        data["alternatives"] = [asdict(a) for a in self.alternatives]
+        if self.checkpoint_plan is not None:
+            data["checkpoint_plan"] = self.checkpoint_plan.as_dict()
+        data["limit"] = self.limit
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FitPlan:
+        keys = ("micro_batch_size", "accumulate_grad_batches", "checkpointing", "optimizer", "precision")
+        cost, checkpoints = data.get("cost"), data.get("checkpoint_plan")
+        return cls(
+            **{k: data[k] for k in keys},
+            estimated_peak=data["estimated_peak"],
+            budget=Budget(**data["budget"]),
+            margin=data.get("margin", 0.1),
+            alternatives=tuple(Alternative(**a) for a in data.get("alternatives", ())),
+            strategy=data.get("strategy", "ddp"),
+            n_gpus=data.get("n_gpus", 1),
+            cost=StepCost(**cost) if cost else None,
+            levels=tuple(data.get("levels", CHECKPOINT_MODES)),
+            note=data.get("note", ""),
+            checkpoint_plan=CheckpointPlan.from_dict(checkpoints) if checkpoints else None,
+        )
+
+    def summary(self) -> str:
+        """One line: the plan and its peak against the limit."""
+        gpus = f" x {self.n_gpus} GPUs ({self.strategy})" if self.n_gpus > 1 else ""
+        return (
+            f"micro-batch {self.micro_batch_size} x accumulate {self.accumulate_grad_batches}{gpus}, "
+            f"checkpointing {self.checkpointing}, optimizer {self.optimizer or 'as configured'}, "
+            f"{self.precision}: estimated peak {format_bytes(self.estimated_peak)} of "
+            f"{format_bytes(self.limit)} ({self.budget.source} less {self.margin:.0%} margin)"
+            + (f"; {self.note}" if self.note else "")
+        )
+
+    def __str__(self) -> str:
+        header = ("m", "accumulate", "checkpointing", "optimizer", "precision", "peak", "rel. time", "fits")
+        rows = [
+            (
+                str(a.micro_batch_size),
+                str(a.accumulate_grad_batches),
+                a.checkpointing,
+                a.optimizer or "configured",
+                a.precision,
+                format_bytes(a.peak),
+                "—" if a.time is None else f"{a.time:.2f}",
+                ("chosen" if self._is_chosen(a) else "yes") if a.fits else "no",
+            )
+            for a in self.alternatives
+        ]
+        table = render_table(
+            header,
+            rows,
+            title="configurations simulated (peak per rank; time per global batch, 1.00 = chosen)",
+            left=("checkpointing", "optimizer"),
+            bold=lambda row: row[-1] == "chosen",
+        )
+        return "\n".join([self.summary(), table])
+
+    def _is_chosen(self, a: Alternative) -> bool:
+        return (a.micro_batch_size, a.checkpointing, a.optimizer, a.precision) == (
+            self.micro_batch_size,
+            self.checkpointing,
+            self.optimizer,
+            self.precision,
+        )
+
+
+def _swapped_configure(original: Callable[[], Any], name: str) -> Callable[[], Any]:
+    """``configure_optimizers`` that returns the user's configuration with the optimizer swapped (a plain
+    function: Lightning's ``is_overridden`` reads its ``__code__``)."""
+
+    def configure_optimizers() -> Any:
+        return _swap_config(original(), name)
+
+    return configure_optimizers
+
+
+def _swap_config(config: Any, name: str) -> Any:
+    """``configure_optimizers``'s output with every optimizer replaced by a ``name`` one (hyperparameters
+    translated by `swap_optimizer`) and its LR schedulers rebound, in all of Lightning's forms."""
+    swapped: dict[int, torch.optim.Optimizer] = {}
+
+    def new(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if id(optimizer) not in swapped:
+            if identify(optimizer) == name:
+                swapped[id(optimizer)] = optimizer
+            else:
+                swapped[id(optimizer)] = swap_optimizer(optimizer, name, allow_unknown=True)
+        return swapped[id(optimizer)]
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, torch.optim.Optimizer):
+            return new(item)
+        if isinstance(item, torch.optim.lr_scheduler.LRScheduler) or hasattr(item, "optimizer"):
+            old = item.optimizer
+            if isinstance(old, torch.optim.Optimizer) and new(old) is not old:
+                rebind_scheduler(item, new(old), lr_factor(identify(old), name))
+            return item
+        if isinstance(item, dict):
+            return {k: walk(v) for k, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return type(item)(walk(v) for v in item)
+        return item
+
+    return walk(config)
+
+
+class _Applied:
+    """What `FitPlan.apply` changed on a module; ``remove()`` undoes it (also a context manager)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.checkpointing: Any = None
+        self.patched = False
+
+    def remove(self) -> None:
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
+            self.checkpointing = None
+        if self.patched:
+            self.module.__dict__.pop("configure_optimizers", None)
+            self.patched = False
+
+    def __enter__(self) -> _Applied:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
