@@ -335,7 +335,8 @@ def plan_fit(
         precision: a Lightning precision string, or several allowed, in order of preference.
         checkpointing: the checkpointing modes a block may get (`CHECKPOINT_MODES`: ``"none"``,
             ``"selective"``, ``"selective_half"``, ``"full"``); the plan chooses block by block.
-        strategy, n_gpus: shard one rank's step (`_analytic.STRATEGIES`); the batch is split across ranks.
+        strategy, n_gpus: shard one rank's step (``"ddp"``, ``"fsdp"``, ``"zero1"`` to ``"zero3"``,
+            ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``); the batch is split across ranks.
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.

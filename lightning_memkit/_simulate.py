@@ -361,7 +361,7 @@ def estimate_memory(
     batch is allocated.
 
     Side effects. The user's step code runs once more (``training_step``, or ``forward`` and ``loss_fn``),
-    on fake tensors, and what it can leave behind is put back (`_isolate.isolated`): the parameters and
+    on fake tensors, and what it can leave behind is put back: the parameters and
     buffers are fake twins during the step, so the real ones (BatchNorm's statistics among them) are never
     written; the real gradients are set aside, not copied, and given back; the train/eval flag of every
     submodule; torchmetrics states (values and ``update`` counts); the contents of the public ``list``,

@@ -57,7 +57,7 @@ class ActivationCheckpointing(Callback):
 
     Planning runs the module's ``training_step`` (on fake tensors) and draws a batch from the dataloader;
     it leaves no trace on the run: buffers (BatchNorm's statistics), the RNG streams, gradients, metrics
-    and list attributes are put back (`_isolate.isolated`), so a plan that checkpoints nothing trains
+    and list attributes are put back, so a plan that checkpoints nothing trains
     exactly as without the callback. An optimizer whose ``step`` needs a closure (LBFGS) is simulated as
     `estimate_memory` does it.
 

@@ -1,6 +1,6 @@
 """AutoFit: fit a run to a memory budget from the estimate, before the first step; no trial OOMs.
 
-The search lives in `lightning_memkit._autofit` (`plan_fit`); this callback picks the moment and installs
+The search is the plain function `plan_fit`; this callback picks the moment and installs
 the plan in the Trainer.
 
 When. ``setup("fit")`` runs after the datamodule's ``setup`` and before the strategy builds the optimizers
@@ -15,8 +15,8 @@ How. The global batch is the batch size attribute (found as ``BatchSizeFinder`` 
 ``lightning_hasattr``/``lightning_setattr`` on the module, its hparams and the datamodule) times the
 Trainer's ``accumulate_grad_batches`` times the ranks; the example batch is the train dataloader's first
 batch, repeated to the global size. The plan's micro-batch becomes the attribute and its accumulation the
-Trainer's. The plan is one rank's step under the Trainer's strategy (`_analytic.shard`): DDP's all-reduce
-buckets are counted; FSDP and DeepSpeed ZeRO divide what they shard. Precision is the Trainer's: a callback
+Trainer's. The plan is one rank's step under the Trainer's strategy: DDP's all-reduce buckets are
+counted; FSDP and DeepSpeed ZeRO divide what they shard. Precision is the Trainer's: a callback
 cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
 
 No trace. Planning runs the user's ``training_step`` before the first step: on fake tensors for every

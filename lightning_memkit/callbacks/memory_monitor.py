@@ -1,6 +1,6 @@
 """MemoryMonitor: every training step's peak memory by category, in the user's logger.
 
-The measurement itself lives in `lightning_memkit._measure`; this callback decides *which* steps to
+The measurement itself is `measure`, a plain context manager; this callback decides *which* steps to
 measure, keeps the run cheap, and reports. A measured step follows every op (about 1.3x a plain step on
 CPU), so it is done only for steps unlike any measured before. Two steps are alike when their
 *signature* matches: the shape, dtype and device of every tensor in the batch, however it is nested

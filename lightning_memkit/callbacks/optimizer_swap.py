@@ -10,7 +10,7 @@ A fresh fit decides in ``on_fit_start``: the strategy has built the optimizers a
 forward has run yet (not even the sanity check), so a budget nothing fits fails before any training
 work. The simulated estimate needs the step's batch: the first batch of the training dataloader, taken
 with the transfer hooks applied, the global RNG and the loader's generators put back afterwards, so the
-epoch still starts with that very batch (`_trainer.first_batch`). The choice is installed at the first
+epoch still starts with that very batch . The choice is installed at the first
 training batch, after Lightning has loaded any optimizer state (a checkpoint saved without this
 callback). Where no batch can be taken at fit start (an empty loader), the first training batch
 decides, as it installs.
