@@ -135,7 +135,8 @@ class _Search:
     def __init__(self, model, batch, loss_fn, device, strategy, n_gpus, progress=None) -> None:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
         self.strategy, self.n_gpus = strategy, n_gpus
-        self.cache: dict[tuple, MemoryBreakdown] = {}
+        self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
+        self.whole: dict[tuple, MemoryBreakdown] = {}  # the same steps, unsharded
         #: the checkpointing planner of each (micro-batch, optimizer, precision) asked for
         self.planners: dict[tuple, CheckpointPlanner] = {}
         #: a forward + backward timed at each micro-batch, without checkpointing (`timed_recompute`)
@@ -172,8 +173,8 @@ class _Search:
                 f"simulating micro-batch {m}, checkpointing {checkpointing}, optimizer "
                 f"{optimizer or 'as configured'}, {precision}"
             )
-            b = self.estimate(m, checkpointing, optimizer=optimizer, precision=precision)
-            self.cache[key] = self.per_rank(b, precision)
+            self.whole[key] = self.estimate(m, checkpointing, optimizer=optimizer, precision=precision)
+            self.cache[key] = self.per_rank(self.whole[key], precision)
         return self.cache[key]
 
     def per_rank(self, breakdown: MemoryBreakdown, precision: str) -> MemoryBreakdown:
@@ -203,10 +204,13 @@ class _Search:
                         loss_fn=self.loss_fn,
                         precision=precision,
                         accumulating=m < batch_size(self.batch),
-                        max_rounds=4,  # a few plans per micro-batch: uniform modes are candidates too
+                        max_rounds=3,  # a few plans per micro-batch: uniform modes are candidates too
                     )
             finally:
                 self.seconds += time.perf_counter() - start
+            for (m_, level, optimizer_, precision_), breakdown in self.whole.items():
+                if (m_, optimizer_, precision_) == key:  # steps the search simulated already
+                    self.planners[key].remember(self.planners[key].uniform(level), breakdown)
         return self.planners[key]
 
     def checkpoint_plan(
@@ -230,9 +234,12 @@ class _Search:
                         options.append((plan.overhead or 0.0, plan))
         finally:
             self.seconds += time.perf_counter() - start
-        for level in levels:
-            if level != "none" and self.peak(m, level, optimizer, precision).peak <= limit:
-                uniform = planner.uniform(level)
+        cheapest = min((o for o, _ in options), default=float("inf"))
+        for level in levels[1:] if levels[0] == "none" else levels:
+            uniform = planner.uniform(level)
+            if planner.overhead(uniform) >= cheapest:
+                continue  # not cheaper than the planner's plan: not worth a simulation
+            if self.per_rank(planner.simulate(uniform), precision).peak <= limit:
                 options.append((planner.overhead(uniform), planner.plan_for(uniform)))
         for _, option in sorted(options, key=lambda o: o[0]):
             breakdown = self.per_rank(option.breakdown, precision)

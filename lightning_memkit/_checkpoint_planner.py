@@ -279,6 +279,11 @@ class CheckpointPlanner:
                 self._simulated[choice] = self._estimate()
         return self._simulated[choice]
 
+    def remember(self, choice: Sequence[str], breakdown: MemoryBreakdown) -> None:
+        """Take ``breakdown`` as the simulated step of ``choice``, simulated elsewhere (as `simulate` would:
+        the same model, batch and estimate arguments, the plan applied with `apply_checkpointing`)."""
+        self._simulated.setdefault(tuple(choice), breakdown)
+
     def _peak_none_without_cache(self, peak_none: int) -> int:
         """The peak without checkpointing as the plans that checkpoint see the rest of the step: with
         Hugging Face's key/value cache off (``peak_none`` itself where the model has none on)."""
