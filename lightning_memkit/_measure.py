@@ -187,6 +187,13 @@ class _Tracker(TorchDispatchMode):
             self.peak_live.append(rec)
         return rec
 
+    def ignore(self, t: Tensor) -> None:
+        """Count ``t``'s storage as zero bytes (a simulation's tensor that the real run keeps on another
+        device)."""
+        storage, key = t.untyped_storage(), id(t.untyped_storage())
+        if key not in self.live:
+            self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), _Storage(0))
+
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
         if entry is not None:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
@@ -67,7 +66,7 @@ from lightning_memkit._lightning import (
     loss_of,
     optimizers_from,
 )
-from lightning_memkit._measure import _Storage, _Tracker, allocation_rounding
+from lightning_memkit._measure import _Tracker, allocation_rounding
 from lightning_memkit._optimizers import load_bitsandbytes
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
@@ -153,12 +152,6 @@ class _SimTracker(_Tracker):
         if self.timeline is not None and func.namespace not in _UNTIMED:
             self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
         return out
-
-    def ignore(self, t: Tensor) -> None:
-        """Count ``t``'s storage as zero bytes: it would live on another device in the real run."""
-        storage, key = t.untyped_storage(), id(t.untyped_storage())
-        if key not in self.live:
-            self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), _Storage(0))
 
 
 # --------------------------------------------------------------------------------------------------
