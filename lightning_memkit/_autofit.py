@@ -446,8 +446,8 @@ def _label(policies: Sequence[str]) -> str:
 
 
 def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Option]:
-    """The fastest micro-batch and checkpointing that fit: the largest micro-batch without checkpointing,
-    and every larger one up to the largest the strongest mode fits, with the planner's cheapest plan."""
+    """The micro-batches and checkpointing worth ranking: the largest micro-batch without checkpointing,
+    and larger ones up to the largest the strongest mode fits, each with the planner's cheapest plan."""
     options: list[_Option] = []
     reached = 0
     if levels[0] == "none":
@@ -459,9 +459,11 @@ def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Opt
     above = [m for m in sizes if m > reached]
     if levels != ("none",) and above:
         top = _largest_fitting(lambda m: search.peak(m, levels[-1], opt, prec).peak <= limit, above)
-        for m in (m for m in above if top is not None and m <= top):
+        # From the largest down: a smaller micro-batch takes more micro-steps, so once the best plan found
+        # beats one's time without any recompute, that micro-batch needs no planner.
+        for m in reversed([m for m in above if top is not None and m <= top]):
             if options and step_cost.time(m, G // m) >= min(options).time:
-                continue  # even without recompute this micro-batch would be slower
+                continue
             found = search.checkpoint_plan(m, levels, opt, prec, limit)
             if found is None:
                 continue

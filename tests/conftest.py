@@ -1,8 +1,12 @@
-"""Shared test models: ones the project did not write (torch's TransformerEncoder), and a plain MLP."""
+"""Shared test models (torch's own TransformerEncoder, one the project did not write), fixtures, and the
+`cuda` marker's skip."""
 
 from __future__ import annotations
 
 import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 # Under pytest-xdist (`pytest -n 2`, as CI runs), one thread per worker: two workers of two threads each
 # on 2 cores only take turns. Subprocesses the tests start (scripts, DDP ranks) inherit it.
@@ -12,11 +16,22 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 import lightning.pytorch as pl
 import pytest
 import torch
+from filelock import FileLock
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)  # torch may have been imported before this file (by a plugin)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests are skipped, with the reason, where no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
 
 
 class EncoderLM(pl.LightningModule):
@@ -85,3 +100,33 @@ def trainer_kwargs(tmp_path):
         enable_model_summary=False,
         enable_checkpointing=False,
     )
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """``once(name, produce)``: ``produce(folder)`` runs once per test session; every call returns its folder.
+
+    For work that several tests read and no test should pay for twice (two DDP ranks starting Python,
+    torch and Lightning). Under pytest-xdist the workers share it: the first to ask runs it while the others
+    wait on a lock, then read the same folder; a failure is re-raised in each test that asks.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # shared by this session's workers, and by nothing else
+
+    def run(name: str, produce: Callable[[Path], None]) -> Path:
+        folder, failed, done = root / name, root / f"{name}.failed", root / f"{name}.done"
+        with FileLock(root / f"{name}.lock"):
+            if not done.exists() and not failed.exists():
+                folder.mkdir(exist_ok=True)
+                try:
+                    produce(folder)
+                except BaseException:
+                    failed.write_text(traceback.format_exc())
+                    raise
+                done.touch()
+        if failed.exists():
+            pytest.fail(f"{name} failed (in this or another pytest worker):\n{failed.read_text()}")
+        return folder
+
+    return run

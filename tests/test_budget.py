@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE, GPUS, Budget, parse_budget
+from lightning_memkit import GPUS, Budget, parse_budget
+from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE  # what a card loses
 
 
 def _device_usable(total: int) -> int:

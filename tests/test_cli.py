@@ -400,7 +400,10 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     assert namespace["trainer"]["callbacks"][0].budget == usable
 
 
-def test_plan_prints_the_plan_its_alternatives_and_the_code():
+def test_plan_prints_the_plan_its_alternatives_and_the_code(monkeypatch):
+    import lightning_memkit._autofit
+
+    monkeypatch.setattr(lightning_memkit._autofit, "PROGRESS_AFTER_S", 0.0)  # as if planning were slow
     argv = ["plan", "--model", "zoo:_gpt2", "--gpu", "T4", "--global-batch", "4", "--seq-len", "16"]
     status, out, err = _run(argv)
     assert status == 0, err

@@ -3,8 +3,7 @@
 import importlib.util
 import itertools
 import math
-import os
-import subprocess
+import runpy
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -219,6 +218,7 @@ class _RecordLosses(L.Callback):
         self.losses.append(outputs["loss"].item())
 
 
+@pytest.mark.slow  # 40 training steps
 def test_loss_falls_within_a_short_run(tmp_path):
     L.seed_everything(0)
     model = GPTLightningModule("tiny")
@@ -246,19 +246,14 @@ def test_loss_falls_within_a_short_run(tmp_path):
     assert text.startswith("The ") and len(text) == 44 and text.isascii()
 
 
-def test_train_script_end_to_end(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def test_train_script_end_to_end(tmp_path, monkeypatch, capsys):
+    """``python examples/gpt/train.py ...`` as run from a shell, in this process: a fresh interpreter would
+    only add importing torch (test_newcomer.py starts one, for what only a fresh interpreter shows)."""
+    monkeypatch.chdir(tmp_path)
     args = ["--max-steps", "3", "--batch-size", "4", "--seq-len", "32", "--default-root-dir", "logs"]
-    result = subprocess.run(
-        [sys.executable, str(TRAIN_SCRIPT), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "--- sample ---" in result.stdout
+    monkeypatch.setattr(sys, "argv", [str(TRAIN_SCRIPT), *args])
+    runpy.run_path(str(TRAIN_SCRIPT), run_name="__main__")
+    assert "--- sample ---" in capsys.readouterr().out
     log_dir = tmp_path / "logs" / "gpt" / "version_0"
     assert list(log_dir.glob("events.out.tfevents.*"))
     assert (log_dir / "memory.png").is_file()
@@ -276,6 +271,7 @@ def train():
 SHORT_RUN = ["--max-steps", "2", "--batch-size", "8", "--seq-len", "32", "--val-every-n-steps", "2"]
 
 
+@pytest.mark.slow  # AutoFit simulates a handful of configurations
 def test_train_script_autofit(tmp_path, monkeypatch, train):
     """``--autofit``: the default run (about 27 MB) does not fit 20 MB; the plan's real steps do."""
     monkeypatch.chdir(tmp_path)
@@ -290,6 +286,7 @@ def test_train_script_autofit(tmp_path, monkeypatch, train):
     assert monitor.budget == 20_000_000  # the plot draws the budget the run was fitted to (issue 13, item 7)
 
 
+@pytest.mark.slow
 def test_train_script_single_levers(tmp_path, monkeypatch, train):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):

@@ -148,6 +148,7 @@ def _in_child(queue, channels):
     queue.put([_conv_error(channels, side) for side in (20, 28)])
 
 
+@pytest.mark.slow  # two helpers start, one per child
 def test_forked_children_start_their_own_helper():
     """Two forked children (``ddp_fork``, DataLoader workers) must not read each other's answers from the
     parent's helper (they read −49 % … +152 % when they did)."""
@@ -185,6 +186,7 @@ def test_a_matmul_copying_a_zero_stride_gradient():
     assert estimate.peak == pytest.approx(truth, rel=0.01)
 
 
+@pytest.mark.slow  # a helper starts twice
 def test_a_helper_that_dies_is_started_again():
     worker = _Worker()
     conv, x = torch.ops.aten.convolution.default, torch.zeros(1, 1, 8, 8)

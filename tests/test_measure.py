@@ -205,7 +205,7 @@ def test_breakdown_is_read_after_the_block_and_hooks_are_removed_on_error():
     model(torch.randn(2, 256)).sum().backward()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda  # skipped without a CUDA device (conftest.py)
 def test_peak_matches_max_memory_allocated_on_cuda():
     model, _, _ = encoder_step()
     model.cuda()

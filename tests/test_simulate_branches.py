@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from zoo import ZooModule, zoo_batch
 
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit import estimate_memory
 from lightning_memkit.testing import allocator_peak
 
 TOLERANCE = 0.01  # |estimate - allocator| <= 1 %
