@@ -73,14 +73,12 @@ from lightning_memkit._lightning import (
     batch_size,
     batch_slice,
     is_lightning,
-    lightning_stand_ins,
-    optimizers_from,
 )
 from lightning_memkit._measure import model_device
-from lightning_memkit._optimizers import CATALOGUE, DEFAULT_CANDIDATES, identify, load_bitsandbytes
+from lightning_memkit._optimizers import lighter_candidates
 from lightning_memkit._simulate import estimate_memory
 
-__all__ = ["grid", "own_optimizer", "plan_fit"]
+__all__ = ["grid", "plan_fit"]
 
 #: Lightning's strategy name for each sharding scheme `shard` knows.
 LIGHTNING_STRATEGY: dict[str, str] = {
@@ -100,33 +98,6 @@ PROGRESS_AFTER_S = 2.0
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def own_optimizer(model: nn.Module) -> str | None:
-    """The catalogue name of the optimizer ``configure_optimizers`` builds; ``None`` if unknown or absent."""
-    if not is_lightning(model):
-        return None
-    try:
-        with lightning_stand_ins(model, model_device(model)), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optimizers = optimizers_from(model.configure_optimizers())
-    except Exception:
-        return None
-    return identify(optimizers[0]) if len(optimizers) == 1 else None
-
-
-def _candidates(model: nn.Module, optimizers: Sequence[str | None] | None) -> tuple[str | None, ...]:
-    if optimizers is not None:
-        return tuple(optimizers)
-    own = own_optimizer(model)
-    if own is None:
-        return (None,) if is_lightning(model) else DEFAULT_CANDIDATES
-    order = list(DEFAULT_CANDIDATES)
-    start = order.index(own) if own in order else 0
-    names = [own] + [n for n in order[start + 1 :] if n != own]
-    if load_bitsandbytes() is None:
-        names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]
-    return tuple(names)
 
 
 class _Search:
@@ -387,7 +358,7 @@ def plan_fit(
     per_rank = batch_slice(batch, total // n_gpus)
     sizes = _divisors(total // n_gpus)
     search = _Search(model, per_rank, loss_fn, device, strategy if n_gpus > 1 else "ddp", n_gpus, progress)
-    candidates = _candidates(model, optimizers)
+    candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
     sizes = _runnable(search, sizes, levels[-1], candidates[0], precisions[0])
 
     chosen: tuple[str | None, str] | None = None

@@ -65,10 +65,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memkit._analytic import valid_name
+from lightning_memkit._lightning import is_lightning, lightning_stand_ins, optimizers_from
+from lightning_memkit._measure import model_device
 
 __all__ = [
     "ADAFACTOR_LR_SCALE",
@@ -78,8 +80,10 @@ __all__ = [
     "CatalogueEntry",
     "available_candidates",
     "identify",
+    "lighter_candidates",
     "load_bitsandbytes",
     "lr_factor",
+    "own_optimizer",
     "rebind_scheduler",
     "swap_optimizer",
     "valid_candidates",
@@ -396,3 +400,31 @@ def _track_step_calls(optimizer: Optimizer, old: Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def own_optimizer(model: nn.Module) -> str | None:
+    """The catalogue name of the optimizer ``configure_optimizers`` builds; ``None`` if unknown or absent."""
+    if not is_lightning(model):
+        return None
+    try:
+        with lightning_stand_ins(model, model_device(model)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizers = optimizers_from(model.configure_optimizers())
+    except Exception:
+        return None
+    return identify(optimizers[0]) if len(optimizers) == 1 else None
+
+
+def lighter_candidates(model: nn.Module) -> tuple[str | None, ...]:
+    """The optimizers `plan_fit` may give ``model``, in quality order: its own (`own_optimizer`), then the
+    lighter ones of `DEFAULT_CANDIDATES` that load here; ``(None,)`` for a LightningModule whose optimizer
+    the catalogue does not know (kept as configured)."""
+    own = own_optimizer(model)
+    if own is None:
+        return (None,) if is_lightning(model) else DEFAULT_CANDIDATES
+    order = list(DEFAULT_CANDIDATES)
+    start = order.index(own) if own in order else 0
+    names = [own] + [n for n in order[start + 1 :] if n != own]
+    if load_bitsandbytes() is None:
+        names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]
+    return tuple(names)

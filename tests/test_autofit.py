@@ -1,6 +1,7 @@
 """plan_fit, FitPlan, AutoFit and `memkit plan` on the tiny GPT, on CPU."""
 
 import json
+import re
 from dataclasses import replace
 
 import lightning as L
@@ -123,7 +124,7 @@ def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, m
     plan = plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST, progress=lines.append)
     simulations = [line for line in lines if line.startswith("simulating micro-batch")]
     assert len(simulations) == len(set(simulations)) > 1  # each once
-    assert simulations[0].endswith("(0 steps simulated in 0 s)")
+    assert re.search(r"\(0 steps simulated in \d+ s\)$", simulations[0])
     uniform = [a for a in plan.alternatives if a.checkpointing in CHECKPOINT_MODES]
     assert len(simulations) >= len(uniform) - 1  # the chosen per-block plan may name a uniform mode
     assert any(line.startswith("measuring the blocks' checkpointing costs at micro-batch") for line in lines)
