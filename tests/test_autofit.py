@@ -3,6 +3,7 @@
 import json
 import re
 from dataclasses import replace
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -22,6 +23,7 @@ from lightning_memkit import (
 from lightning_memkit._autofit import grid
 from lightning_memkit._budget import parse_budget
 from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit.callbacks import auto_fit
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
@@ -196,6 +198,21 @@ class _Device(GPTLightningModule):
         self.grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
 
 
+#: The pretend device's plans, by configuration: these tests are about what AutoFit does after planning, and
+#: `plan_fit` at cost="flops" gives the same plan for the same model class, batch shapes and arguments, so
+#: each is planned once per worker (their tests share an xdist group).
+_PLANS: dict[str, FitPlan] = {}
+on_the_pretend_device = pytest.mark.xdist_group("pretend-device")
+
+
+def _plan_once(model, batch, budget, **kwargs) -> FitPlan:
+    shapes = [tuple(t.shape) for t in batch]
+    key = repr((type(model), shapes, budget, sorted((k, v) for k, v in kwargs.items() if k != "progress")))
+    if key not in _PLANS:
+        _PLANS[key] = plan_fit(model, batch, budget, **kwargs)
+    return _PLANS[key]
+
+
 def _fit_on_device(tmp_path, module, budget=20_000_000, ckpt_path=None, **trainer_kwargs):
     L.seed_everything(0)
     callback = AutoFit(budget=budget, cost="flops")
@@ -205,7 +222,8 @@ def _fit_on_device(tmp_path, module, budget=20_000_000, ckpt_path=None, **traine
         enable_checkpointing=False,
     )  # fmt: skip
     trainer = L.Trainer(**{**kwargs, **trainer_kwargs})
-    trainer.fit(module, GPTDataModule(batch_size=G, seq_len=T, num_sentences=300), ckpt_path=ckpt_path)
+    with mock.patch.object(auto_fit, "plan_fit", _plan_once):
+        trainer.fit(module, GPTDataModule(batch_size=G, seq_len=T, num_sentences=300), ckpt_path=ckpt_path)
     return trainer, callback
 
 
@@ -219,6 +237,7 @@ def reference(tmp_path_factory):
     return module
 
 
+@on_the_pretend_device
 @pytest.mark.parametrize(("where", "at"), [("forward", 0), ("backward", 1)])
 def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     """An OOM re-plans leaner until the step fits and loses no sample and counts no gradient twice: the
@@ -245,6 +264,7 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
 
 
+@on_the_pretend_device
 def test_slices_run_under_the_precision_plugin(tmp_path):
     """bf16-mixed: the slices run from Lightning's backward call are under autocast too."""
     module = _Device(rows=2)
@@ -280,6 +300,7 @@ def test_a_ready_made_dataloader_is_refused(tmp_path):
         trainer.fit(module, train_dataloaders=DataLoader(data.train_dataloader().dataset, batch_size=G))
 
 
+@on_the_pretend_device
 def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
     module = _Device(rows=0)
     with pytest.raises(RuntimeError, match="no leaner plan is left"):
@@ -299,6 +320,7 @@ def test_leaner_keeps_to_the_allowed_checkpointing():
     assert plan(1, "full").leaner() is None
 
 
+@on_the_pretend_device
 def test_resume_installs_the_saved_plan(tmp_path):
     """A resumed run trains with the plan its checkpoint was made with (its optimizer, whose state the
     checkpoint holds), whatever a new plan would be."""
@@ -348,7 +370,10 @@ def test_plan_and_monitor_match_the_allocator_in_the_trainer(tmp_path, model, bu
     step is the allocator's, and the plan's estimated peak is within 1 % of it."""
     torch.manual_seed(0)
     module, data = model()
-    peaks, monitor, callback = AllocatorPeaks(), MemoryMonitor(), AutoFit(budget=budget, cost="flops")
+    # Per-block plans of none and selective (op-level checkpointing, the mode with most to get wrong); the
+    # other modes' choice is tested above, and each mode adds simulations.
+    autofit = AutoFit(budget=budget, cost="flops", checkpointing=("none", "selective"))
+    peaks, monitor, callback = AllocatorPeaks(), MemoryMonitor(), autofit
     trainer = L.Trainer(
         default_root_dir=tmp_path, max_steps=3, limit_val_batches=0, accelerator="cpu", devices=1,
         callbacks=[callback, *peaks.around(monitor)], enable_progress_bar=False, enable_model_summary=False,
@@ -404,8 +429,6 @@ def test_a_model_without_repeated_blocks_is_planned_without_checkpointing():
 
 
 def test_autofit_runs_a_model_without_repeated_blocks(tmp_path, monkeypatch):
-    import lightning_memkit.callbacks.auto_fit as auto_fit
-
     lines = []
     monkeypatch.setattr(auto_fit, "rank_zero_info", lines.append)
     module = _MLP(batch_size=4)

@@ -7,7 +7,6 @@ import itertools
 import json
 import logging
 import types
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -390,26 +389,3 @@ def test_callback_hands_full_checkpointing_to_fsdp():
     configured = FSDPStrategy(activation_checkpointing_policy={Block})
     with pytest.raises(MisconfigurationException, match="keep one of them"):
         ActivationCheckpointing(policy="full").setup(types.SimpleNamespace(strategy=configured), model, "fit")
-
-
-class _RecordPolicies(pl.Callback):
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-
-    def on_train_end(self, trainer, pl_module):
-        path = self.directory / f"rank{trainer.global_rank}.json"
-        path.write_text(json.dumps(checkpoint_policies(pl_module)))
-
-
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-def test_callback_under_ddp_plans_once_and_every_rank_applies_it(tmp_path):
-    model = EncoderLM(d_model=32, n_layer=3, seq_len=32, batch_size=4, n_batches=4)
-    batch = next(iter(model.train_dataloader()))
-    none = estimate_memory(model, batch, device="cpu").peak
-    with apply_checkpointing(model, "full"):
-        full = estimate_memory(model, batch, device="cpu").peak
-    callback = ActivationCheckpointing(budget=(none + full) // 2, cost="flops")
-    trainer = _trainer(tmp_path, [callback, _RecordPolicies(tmp_path)], devices=2, strategy="ddp_spawn")
-    trainer.fit(model)
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert rank0 and rank0 == rank1

@@ -8,11 +8,7 @@ import inspect
 import io
 import json
 import re
-import shutil
-import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -239,18 +235,6 @@ def test_errors_are_one_line_with_status_2(args, message):
     assert status == 2
     assert err.startswith("memkit estimate: error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
-
-
-def test_the_console_script_runs():
-    script = Path(sysconfig.get_path("scripts")) / "memkit"
-    command = [str(script)] if script.exists() else [shutil.which("memkit") or ""]
-    if not command[0]:
-        command = [sys.executable, "-m", "lightning_memkit.cli"]
-    done = subprocess.run(
-        [*command, *TINY, "--json"], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["simulated"]["peak"] > 0
 
 
 # --- plain Hugging Face models (tests/zoo.py: tiny random configs) -------------------------------

@@ -3,9 +3,12 @@ status 2 and no traceback: what was wrong, why, and how to fix it. The user's ow
 ``example_batch``, the model's step) failing is such a mistake too."""
 
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -160,11 +163,14 @@ def test_an_image_model_on_the_token_batch(capfd, user_models):
 
 
 def test_the_shell_sees_one_line(tmp_path, user_models):
-    """From the shell too: a meta kernel failing makes torch log its traceback before raising, which
-    in-process capture does not see; the command silences it."""
-    argv = _estimate("user_models:features")
+    """The installed ``memkit`` script, from the shell: a meta kernel failing makes torch log its traceback
+    before raising, which in-process capture does not see; the command silences it. The user's module is
+    found in the working directory, as under ``python -m``."""
+    script = Path(sysconfig.get_path("scripts")) / "memkit"
+    command = [str(script)] if script.exists() else [shutil.which("memkit") or ""]
+    assert command[0], "the memkit console script is not installed: pip install -e ."
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_memkit.cli", *argv],
+        [*command, *_estimate("user_models:features")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

@@ -1,5 +1,6 @@
 """Callbacks under 2-process DDP on CPU (gloo): MemoryMonitor's figures from every rank reach rank 0's
-logger; AutoFit plans on rank 0 and every rank installs that plan; OptimizerSwap counts DDP's buckets.
+logger; AutoFit and ActivationCheckpointing plan on rank 0 and every rank installs that plan; OptimizerSwap
+counts DDP's buckets.
 
 Starting a rank (a Python that imports torch and Lightning) costs more than any of these runs, so they
 share one pair of ranks: `_spawn_ranks` starts them once per test session, each rank runs every scenario
@@ -25,11 +26,23 @@ from conftest import EncoderLM
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_memkit import AutoFit, MemoryBreakdown, MemoryMonitor, OptimizerSwap, estimate_memory
+from lightning_memkit import (
+    ActivationCheckpointing,
+    AutoFit,
+    MemoryBreakdown,
+    MemoryMonitor,
+    OptimizerSwap,
+    apply_checkpointing,
+    estimate_memory,
+)
 from lightning_memkit._analytic import shard
+from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
 MiB = 2**20  # the unit of the logged keys
+# The ranks' scenarios run once, on the worker that runs these tests: one pair of rank processes at a time
+# next to the other worker's tests, and no worker waiting for another's ranks.
+pytestmark = pytest.mark.xdist_group("ddp-ranks")
 needs_distributed = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
 )
@@ -145,6 +158,27 @@ def _buckets(out: Path) -> None:
     (out / "buckets.json").write_text(json.dumps(record))
 
 
+class _RecordPolicies(pl.Callback):
+    def __init__(self, out: Path, callback: ActivationCheckpointing) -> None:
+        self.out, self.callback = out, callback
+
+    def on_train_end(self, trainer, pl_module):
+        record = {"applied": checkpoint_policies(pl_module), "planned": self.callback.plan.policies}
+        (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _checkpointing(out: Path) -> None:
+    """A budget halfway between the step without checkpointing and with every block checkpointed."""
+    model = EncoderLM(d_model=32, n_layer=3, seq_len=32, batch_size=4, n_batches=4)
+    batch = next(iter(model.train_dataloader()))
+    none = estimate_memory(model, batch, device="cpu").peak
+    with apply_checkpointing(model, "full"):
+        full = estimate_memory(model, batch, device="cpu").peak
+    callback = ActivationCheckpointing(budget=(none + full) // 2, cost="flops")
+    (out / "budget.json").write_text(json.dumps({"none": none, "full": full}))
+    _trainer(out, max_steps=2, logger=False, callbacks=[callback, _RecordPolicies(out, callback)]).fit(model)
+
+
 class _FailingOnRankOne(MemoryMonitor):
     """A monitor whose measurement breaks on rank 1 at the second step; it notes what each rank saw."""
 
@@ -182,7 +216,14 @@ def _failing(out: Path) -> None:
 
 #: In the order the ranks run them. The allocator's record is last: torch.profiler now and then fails on
 #: a DDP step (see `_buckets`), and a rank that fails in a Trainer leaves the other waiting in a collective.
-SCENARIOS = dict(autofit=_autofit, swap=_swap, failing=_failing, buckets=_buckets, monitor=_monitor)
+SCENARIOS = dict(
+    autofit=_autofit,
+    checkpointing=_checkpointing,
+    swap=_swap,
+    failing=_failing,
+    buckets=_buckets,
+    monitor=_monitor,
+)
 
 
 def _rank(rank: int, out: Path) -> None:
@@ -276,6 +317,18 @@ def test_ddp_autofit_rank_zero_plans_for_all(ddp):
     assert (rank0["batch_size"], rank0["accumulate"]) == (m, accumulate)
     assert m * accumulate == 8 and (plan["n_gpus"], plan["strategy"]) == (2, "ddp")
     assert not rank0["guarded"]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_ddp_checkpointing_plans_once_and_every_rank_applies_it(ddp):
+    """ActivationCheckpointing under DDP: every rank applies the plan rank 0 broadcast (what it planned,
+    blocks without checkpointing left alone), the same blocks the same way."""
+    out = ddp("checkpointing")
+    rank0, rank1 = (json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1
+    assert rank0["applied"] == {name: mode for name, mode in rank0["planned"].items() if mode != "none"}
+    assert rank0["applied"] and len(rank0["planned"]) == 3
 
 
 @pytest.mark.slow
