@@ -9,10 +9,10 @@ shapes; nothing here allocates a tensor. Where each figure comes from:
   against the released checkpoints: GPT-2 (Radford et al. 2019; 124,439,808 parameters as on Hugging
   Face) and LLaMA-7B (Touvron et al. 2023; 6,738,415,616, a three-matrix SwiGLU MLP).
 - ``optimizer_state``: what each optimizer allocates per parameter shape in torch 2.x and bitsandbytes
-  0.50 (each ``*_state_bytes`` function gives its formula and source), plus an fp32 master copy when the
-  precision keeps one, as ZeRO counts it (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
-  Training Trillion Parameter Models", §3.1: mixed-precision Adam keeps 2 + 2 + K bytes per parameter,
-  K = 12 for the fp32 master weights, momentum and variance).
+  0.50 (`lightning_memkit._optimizer_state`: each ``*_state_bytes`` function gives its formula and
+  source), plus an fp32 master copy when the precision keeps one, as ZeRO counts it (Rajbhandari et al.
+  2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3.1: mixed-precision
+  Adam keeps 2 + 2 + K bytes per parameter, K = 12 for the fp32 master weights, momentum and variance).
 - ``activations``: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (arXiv:2205.05198), §4.1: ``s·b·h·(34 + 5·a·s/h)`` bytes per layer (the paper's s tokens per
   sequence, b sequences, h the hidden width, a heads); under the selective checkpointing policies, what
@@ -30,25 +30,13 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
-
-Shape = tuple[int, ...]
-
-#: bitsandbytes 0.50 ``Optimizer{1,2}State.init_state``: 8-bit state is quantized in blocks of 256
-#: elements, each with one fp32 absmax scale ...
-BNB_BLOCK_SIZE = 256
-#: ... and parameters with fewer elements than this keep plain fp32 state.
-BNB_MIN_8BIT_SIZE = 4096
-#: Each 8-bit state kind also holds a 256-entry fp32 quantization map (``qmap1``/``qmap2``), shared by
-#: every parameter of one optimizer, so it is counted once per optimizer.
-_BNB_QMAP_BYTES = 256 * 4
-#: torch.optim keeps ``state["step"]`` as a 0-d tensor of the default dtype (fp32) per parameter.
-_TORCH_STEP_BYTES = 4
+from lightning_memkit._optimizer_state import OPTIMIZERS, Shape
 
 
 def _positive(name: str, value: Any) -> int:
@@ -336,103 +324,6 @@ def scheme(precision: str) -> str:
 
 def _precision(precision: str | PrecisionScheme) -> PrecisionScheme:
     return precision if isinstance(precision, PrecisionScheme) else PrecisionScheme.from_name(precision)
-
-
-# --------------------------------------------------------------------------------------------------
-# Optimizer state, per parameter shape
-# --------------------------------------------------------------------------------------------------
-
-
-def adamw_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """torch.optim.AdamW / Adam (Loshchilov & Hutter 2019; Kingma & Ba 2015): the first and second moments
-    ``exp_avg`` and ``exp_avg_sq`` in the parameter's dtype and a 4-byte ``step`` tensor, so
-    ``2·n·state_bytes + 4`` bytes for a parameter of n elements."""
-    return sum(2 * math.prod(s) * state_bytes + _TORCH_STEP_BYTES for s in shapes)
-
-
-def sgd_momentum_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """torch.optim.SGD(momentum > 0) (heavy-ball momentum, as torch's SGD documents it): one
-    ``momentum_buffer`` per parameter, ``n·state_bytes`` bytes, no step counter."""
-    return sum(math.prod(s) * state_bytes for s in shapes)
-
-
-def sgd_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """torch.optim.SGD without momentum keeps no state."""
-    return 0
-
-
-def adafactor_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """torch.optim.Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear
-    Memory Cost", §3): a factored second moment, no first moment, plus a 4-byte ``step``.
-
-    A parameter of shape (..., m, n) keeps ``row_var`` (..., m, 1) and ``col_var`` (..., 1, n): O(m + n)
-    instead of O(m·n). Parameters with fewer than 2 dimensions keep a full ``variance``.
-    """
-    total = 0
-    for s in shapes:
-        if len(s) >= 2:
-            lead = math.prod(s[:-2])
-            total += lead * (s[-2] + s[-1]) * state_bytes
-        else:
-            total += math.prod(s) * state_bytes
-        total += _TORCH_STEP_BYTES
-    return total
-
-
-def _bnb_state_bytes(
-    shapes: Sequence[Shape], n_states: int, min_8bit_size: int, block_size: int, eight_bit: bool
-) -> int:
-    # bitsandbytes' step counter is a Python int; its 32-bit state is fp32 whatever the param dtype.
-    total, any_8bit = 0, False
-    for s in shapes:
-        n = math.prod(s)
-        if eight_bit and n >= min_8bit_size:
-            any_8bit = True
-            total += n_states * (n + 4 * _ceil_div(n, block_size))  # uint8 state + fp32 absmax per block
-        else:
-            total += n_states * 4 * n
-    return total + (n_states * _BNB_QMAP_BYTES if any_8bit else 0)
-
-
-def adamw8bit_state_bytes(
-    shapes: Sequence[Shape], *, min_8bit_size: int = BNB_MIN_8BIT_SIZE, block_size: int = BNB_BLOCK_SIZE
-) -> int:
-    """bitsandbytes AdamW8bit / PagedAdamW8bit (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-    Quantization"): two uint8 states with one fp32 absmax per block of 256 elements, ≈ 2 B/param + 8 B
-    per block, and the two 256-entry fp32 quantization maps once per optimizer.
-
-    Parameters under ``min_8bit_size`` elements keep two fp32 states (8 B/param). Paged state on CUDA
-    lives in managed memory, which ``torch.cuda.memory_allocated`` does not see, but it is counted here.
-    """
-    return _bnb_state_bytes(shapes, 2, min_8bit_size, block_size, eight_bit=True)
-
-
-def lion_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
-    """bitsandbytes Lion, 32-bit (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
-    one fp32 momentum, 4 B/param (always fp32, whatever ``state_bytes``)."""
-    return _bnb_state_bytes(shapes, 1, BNB_MIN_8BIT_SIZE, BNB_BLOCK_SIZE, eight_bit=False)
-
-
-def lion8bit_state_bytes(
-    shapes: Sequence[Shape], *, min_8bit_size: int = BNB_MIN_8BIT_SIZE, block_size: int = BNB_BLOCK_SIZE
-) -> int:
-    """bitsandbytes Lion8bit: Lion's one momentum quantized as AdamW8bit's states are, ≈ 1 B/param + 4 B
-    per 256-element block; parameters under ``min_8bit_size`` elements keep it in fp32."""
-    return _bnb_state_bytes(shapes, 1, min_8bit_size, block_size, eight_bit=True)
-
-
-#: name -> f(shapes, state_bytes) -> bytes. ``state_bytes`` is the element size torch.optim state takes
-#: from the parameters; the bitsandbytes optimizers ignore it (their full-precision state is fp32).
-OPTIMIZERS: dict[str, Callable[[Sequence[Shape], int], int]] = {
-    "adamw": adamw_state_bytes,
-    "adamw8bit": lambda shapes, _: adamw8bit_state_bytes(shapes),
-    "paged_adamw8bit": lambda shapes, _: adamw8bit_state_bytes(shapes),
-    "lion": lion_state_bytes,
-    "lion8bit": lambda shapes, _: lion8bit_state_bytes(shapes),
-    "adafactor": adafactor_state_bytes,
-    "sgd_momentum": sgd_momentum_state_bytes,
-    "sgd": sgd_state_bytes,
-}
 
 
 def optimizer_state_bytes(name: str, shapes: Sequence[Shape], *, state_bytes: int = 4) -> int:

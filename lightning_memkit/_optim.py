@@ -30,11 +30,11 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memkit._analytic import OPTIMIZERS
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._lightning import needs_closure
 from lightning_memkit._measure import allocation_rounding, model_device, rounded
+from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import (
     CATALOGUE,
     DEFAULT_CANDIDATES,

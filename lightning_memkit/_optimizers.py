@@ -6,7 +6,8 @@ those optimizers, in quality order (`CATALOGUE`), and the rules that carry AdamW
 to each (`swap_optimizer`, `rebind_scheduler`). Which one to use is decided in `_optim` (`fit_optimizer`,
 and the `OptimizerSwap` callback over it); this module estimates nothing.
 
-The catalogue (bytes of ``optimizer.state`` per parameter; `_analytic.OPTIMIZERS` has the exact formulas):
+The catalogue (bytes of ``optimizer.state`` per parameter; `_optimizer_state.OPTIMIZERS` has the exact
+formulas):
 
 =================  ========================================  =====================================
 name               optimizer                                 state

@@ -55,7 +55,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit import _shadow
-from lightning_memkit._analytic import OPTIMIZERS, valid_name
+from lightning_memkit._analytic import valid_name
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._isolate import isolated
@@ -67,6 +67,7 @@ from lightning_memkit._lightning import (
     optimizers_from,
 )
 from lightning_memkit._measure import _Tracker, allocation_rounding
+from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import load_bitsandbytes
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
@@ -209,7 +210,7 @@ def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None, sha
 
 
 def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Optimizer]:
-    """The optimizer class an `_analytic.OPTIMIZERS` name stands for, with its defaults (SGD: lr=1e-3)."""
+    """The optimizer class an `OPTIMIZERS` name stands for, with its defaults (SGD: lr=1e-3)."""
     name = valid_name("optimizer", name, OPTIMIZERS)
     if name == "adamw":
         return torch.optim.AdamW

@@ -15,15 +15,10 @@ from hypothesis import strategies as st
 
 from lightning_memkit import estimate_memory
 from lightning_memkit._analytic import (
-    BNB_BLOCK_SIZE,
-    BNB_MIN_8BIT_SIZE,
-    OPTIMIZERS,
     STRATEGIES,
     PrecisionScheme,
     TransformerShape,
     activation_bytes,
-    adamw8bit_state_bytes,
-    adamw_state_bytes,
     count_parameters,
     estimate_analytic,
     optimizer_state_bytes,
@@ -33,6 +28,13 @@ from lightning_memkit._analytic import (
 )
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
+from lightning_memkit._optimizer_state import (
+    BNB_BLOCK_SIZE,
+    BNB_MIN_8BIT_SIZE,
+    OPTIMIZERS,
+    adamw8bit_state_bytes,
+    adamw_state_bytes,
+)
 from lightning_memkit.demos.gpt import PRESETS, GPTConfig, GPTLightningModule
 
 LLAMA_7B = TransformerShape.from_name("llama-7b")

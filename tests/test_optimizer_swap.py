@@ -28,7 +28,7 @@ from lightning_memkit import (
     storage_bytes,
     swap_optimizer,
 )
-from lightning_memkit._analytic import OPTIMIZERS  # the formulas the simulated bytes must equal
+from lightning_memkit._optimizer_state import OPTIMIZERS  # the formulas the simulated bytes must equal
 from lightning_memkit.demos.gpt import WarmupCosine
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -20,7 +20,6 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._analytic import (
-    OPTIMIZERS,
     STRATEGIES,
     TransformerShape,
     estimate_analytic,
@@ -29,6 +28,7 @@ from lightning_memkit._analytic import (
 )
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
+from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._report import render_table
 from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, TimelineEvent, estimate_memory
 from lightning_memkit.cli._args import one_of, positive_int

@@ -17,11 +17,12 @@ from typing import Any
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_memkit._analytic import OPTIMIZERS, STRATEGIES
+from lightning_memkit._analytic import STRATEGIES
 from lightning_memkit._autofit import plan_fit
 from lightning_memkit._budget import GPUS
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan
+from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import own_optimizer
 from lightning_memkit._simulate import PRECISION_DTYPES
 from lightning_memkit.cli._args import UsageError, gpu, margin, names, one_of, positive_int, usage_error
