@@ -30,14 +30,14 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
     input is kept either way.
     """
     if layer_classes is not None:
-        classes = _classes(layer_classes)
+        classes = block_classes(layer_classes)
         found = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
         return _outermost(found)
     groups = _repeated(model)
     return _outermost(groups[0]) if groups else []
 
 
-def _classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
+def block_classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
     classes = (layer_classes,) if isinstance(layer_classes, type) else tuple(layer_classes)
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(f"Expected nn.Module subclasses such as {{Block}}, got {layer_classes!r}")
@@ -74,7 +74,7 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     return kept
 
 
-def _no_blocks_message(model: nn.Module, option: str, layer_classes: LayerClasses | None = None) -> str:
+def no_blocks_message(model: nn.Module, option: str, layer_classes: LayerClasses | None = None) -> str:
     """Why there is nothing to checkpoint, and the option to pass (``option`` names ``MyBlock``)."""
     if layer_classes is None:
         return (
@@ -82,7 +82,7 @@ def _no_blocks_message(model: nn.Module, option: str, layer_classes: LayerClasse
             "nn.Sequential holds two or more composite layers of the same class. Name the layer classes to "
             f"checkpoint: {option}."
         )
-    asked = " or ".join(c.__name__ for c in _classes(layer_classes))
+    asked = " or ".join(c.__name__ for c in block_classes(layer_classes))
     groups = _repeated(model)
     if not groups:
         return (

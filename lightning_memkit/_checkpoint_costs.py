@@ -36,9 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from lightning_memkit._checkpointing import POLICIES, _CheckpointedForward
+from lightning_memkit._checkpointing import POLICIES, CheckpointedForward
 from lightning_memkit._kernels import hashable
-from lightning_memkit._measure import _Storage, rounded
+from lightning_memkit._measure import Storage, rounded
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class _Ledger(TorchDispatchMode):
     def __init__(self, rounding: int) -> None:
         super().__init__()
         self.rounding = rounding
-        self.live: dict[int, tuple[ref, _Storage]] = {}  # id(storage) -> (weakref, record)
+        self.live: dict[int, tuple[ref, Storage]] = {}  # id(storage) -> (weakref, record)
         self.current = 0
         self.peak = 0
         self.ops: list[_Op] = []
@@ -117,7 +117,7 @@ class _Ledger(TorchDispatchMode):
         key = id(storage)
         if key in self.live:
             return
-        record = _Storage(rounded(storage.nbytes(), self.rounding))
+        record = Storage(rounded(storage.nbytes(), self.rounding))
         self.live[key] = (ref(storage, lambda _, key=key: self._free(key)), record)
         self.current += record.nbytes
 
@@ -165,9 +165,9 @@ def _run_block(block: nn.Module, policy: Any, args: tuple, kwargs: dict, roundin
     for p in params:
         p.grad = None
     previous = block.__dict__.get("forward")
-    if isinstance(previous, _CheckpointedForward):
+    if isinstance(previous, CheckpointedForward):
         previous = previous.previous
-    call = _CheckpointedForward(block, policy, previous)
+    call = CheckpointedForward(block, policy, previous)
     forward = call if policy.checkpoints else call.original()
     # Hugging Face's key/value cache is shared by the whole step and filled as it goes: running the block
     # again with it would extend it (and backpropagate through the step's graph). The planner profiles with
@@ -209,7 +209,7 @@ class _Option:
 
 
 @dataclass(frozen=True)
-class _Block:
+class BlockCosts:
     """A DP item: the block's options by policy name (in `POLICIES` order) and its gradients' bytes."""
 
     name: str
@@ -217,7 +217,7 @@ class _Block:
     grads: int
 
 
-class _OpTimer:
+class OpTimer:
     """Seconds per op, benchmarked on ``device`` with random data of the recorded shapes.
 
     Op by op rather than whole blocks: an op is short, so the best of a few runs is stable even on a shared
@@ -279,7 +279,7 @@ class _OpTimer:
                 torch.set_num_threads(threads)
 
 
-def _options(runs: dict[str, _Run], cost: str, timer: _OpTimer | None) -> tuple[dict[str, _Option], int]:
+def block_options(runs: dict[str, _Run], cost: str, timer: OpTimer | None) -> tuple[dict[str, _Option], int]:
     """Per policy, the DP's option; and the block's forward+backward cost without checkpointing.
 
     The recomputed ops are those run under the policy beyond the ones run without it. ``cost="time"``:
@@ -310,7 +310,7 @@ def _options(runs: dict[str, _Run], cost: str, timer: _OpTimer | None) -> tuple[
     return options, sum(op_cost(op) for op in base.ops)
 
 
-class _Profiler:
+class BlockProfiler:
     """Forward pre-hooks that profile every distinct block the first time it runs in a simulated step."""
 
     def __init__(self, blocks: list[tuple[str, nn.Module]], levels: Sequence[str], rounding: int) -> None:

@@ -42,10 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit._blocks import LayerClasses, _no_blocks_message, find_blocks
+from lightning_memkit._blocks import LayerClasses, find_blocks, no_blocks_message
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
-from lightning_memkit._checkpoint_costs import _Block, _OpTimer, _options, _Profiler
+from lightning_memkit._checkpoint_costs import BlockCosts, BlockProfiler, OpTimer, block_options
 from lightning_memkit._checkpointing import (
     CHECKPOINT_MODES,
     LEVELS,
@@ -53,10 +53,10 @@ from lightning_memkit._checkpointing import (
     BlockPlan,
     CheckpointHandle,
     CheckpointPlan,
-    _apply,
-    _caching_configs,
-    _without_cache,
+    apply_plan,
+    caching_configs,
     checkpoint_policies,
+    without_cache,
 )
 from lightning_memkit._measure import allocation_rounding, model_device
 from lightning_memkit._simulate import estimate_memory
@@ -81,12 +81,12 @@ _WITHOUT_BUDGET = {
 # --------------------------------------------------------------------------------------------------
 
 
-def _activation_peak(blocks: Sequence[_Block], choice: Sequence[str], tail: int = 0) -> int:
+def _activation_peak(blocks: Sequence[BlockCosts], choice: Sequence[str], tail: int = 0) -> int:
     """``A(plan) = max(max_j sum_{i<j} R_i + X_j + sum_{i>j} G_i, sum_i R_i + tail)`` (module docstring)."""
     return max(_backward_peak(blocks, choice), _kept(blocks, choice) + tail)
 
 
-def _backward_peak(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
+def _backward_peak(blocks: Sequence[BlockCosts], choice: Sequence[str]) -> int:
     """The first term of ``A(plan)``: the highest point of the blocks' backward."""
     grads_after = _suffix_grads(blocks)
     kept, worst = 0, 0
@@ -97,12 +97,12 @@ def _backward_peak(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
     return worst
 
 
-def _kept(blocks: Sequence[_Block], choice: Sequence[str]) -> int:
+def _kept(blocks: Sequence[BlockCosts], choice: Sequence[str]) -> int:
     """``sum_i R_i``: what every block keeps for its backward, all held when the loss runs."""
     return sum(block.options[name].retained for block, name in zip(blocks, choice, strict=True))
 
 
-def _suffix_grads(blocks: Sequence[_Block]) -> list[int]:
+def _suffix_grads(blocks: Sequence[BlockCosts]) -> list[int]:
     after, total = [], 0
     for block in reversed(blocks):
         after.append(total)
@@ -111,7 +111,7 @@ def _suffix_grads(blocks: Sequence[_Block]) -> list[int]:
 
 
 def _solve(
-    blocks: Sequence[_Block], cap: float, levels: Sequence[str], tail: int = 0
+    blocks: Sequence[BlockCosts], cap: float, levels: Sequence[str], tail: int = 0
 ) -> tuple[str, ...] | None:
     """The cheapest choice of policies with ``A(plan) <= cap`` (``tail`` as `_activation_peak` takes it),
     exactly; ``None`` if there is none.
@@ -231,7 +231,7 @@ class CheckpointPlanner:
             cost = "flops"
         found = find_blocks(model, blocks)
         if not found:
-            raise ValueError(_no_blocks_message(model, "plan_checkpointing(..., blocks={MyBlock})", blocks))
+            raise ValueError(no_blocks_message(model, "plan_checkpointing(..., blocks={MyBlock})", blocks))
         self.model, self.batch, self.cost = model, batch, cost
         self.policy = policy if isinstance(policy, str) else levels
         self.max_rounds = max_rounds
@@ -242,17 +242,17 @@ class CheckpointPlanner:
         # Profile every distinct block inside one simulated step (the step's own result is not used), with
         # Hugging Face's key/value cache off: every plan that checkpoints a block runs so (apply_checkpointing
         # turns it off), and the block options are only read for such plans.
-        profiler = _Profiler(found, self.levels, rounding=allocation_rounding(target))
-        with self._bare(), _without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
+        profiler = BlockProfiler(found, self.levels, rounding=allocation_rounding(target))
+        with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
             self._estimate()
         if not profiler.order:
             raise ValueError(f"None of the {len(found)} candidate blocks ran in the training step.")
-        timer = _OpTimer(target) if cost == "time" else None
-        options = {sig: _options(runs, cost, timer) for sig, runs in profiler.runs.items()}
+        timer = OpTimer(target) if cost == "time" else None
+        options = {sig: block_options(runs, cost, timer) for sig, runs in profiler.runs.items()}
         if timer is not None and timer.failed:
             log.info("Not timed (counted as free): %s", ", ".join(sorted(map(str, timer.failed))))
         self.blocks = [
-            _Block(name, options[profiler.signature[name]][0], profiler.grads[name])
+            BlockCosts(name, options[profiler.signature[name]][0], profiler.grads[name])
             for name in profiler.order
         ]
         self.names = [b.name for b in self.blocks]
@@ -264,7 +264,9 @@ class CheckpointPlanner:
 
     def _bare(self) -> CheckpointHandle:
         """Remove any checkpointing `apply_checkpointing` left on the model, while planning."""
-        return _apply(self.model, {name: "none" for name in checkpoint_policies(self.model)}, announce=False)
+        return apply_plan(
+            self.model, {name: "none" for name in checkpoint_policies(self.model)}, announce=False
+        )
 
     def simulate(self, choice: Sequence[str]) -> MemoryBreakdown:
         """The simulated step's breakdown with ``choice`` (one policy per block, in `names` order).
@@ -275,7 +277,7 @@ class CheckpointPlanner:
         choice = tuple(choice)
         if choice not in self._simulated:
             plan = dict(zip(self.names, choice, strict=True))
-            with self._bare(), _apply(self.model, plan, announce=False):
+            with self._bare(), apply_plan(self.model, plan, announce=False):
                 self._simulated[choice] = self._estimate()
         return self._simulated[choice]
 
@@ -287,11 +289,11 @@ class CheckpointPlanner:
     def _peak_none_without_cache(self, peak_none: int) -> int:
         """The peak without checkpointing as the plans that checkpoint see the rest of the step: with
         Hugging Face's key/value cache off (``peak_none`` itself where the model has none on)."""
-        if not _caching_configs(self.model):
+        if not caching_configs(self.model):
             return peak_none
         key = ("none, without cache",)
         if key not in self._simulated:
-            with self._bare(), _without_cache(self.model):
+            with self._bare(), without_cache(self.model):
                 self._simulated[key] = self._estimate()
         return self._simulated[key].peak
 

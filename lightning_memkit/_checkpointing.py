@@ -49,7 +49,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from lightning_memkit._blocks import LayerClasses, _classes, _no_blocks_message, find_blocks
+from lightning_memkit._blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 
 __all__ = [
@@ -180,7 +180,7 @@ def _policy(name: str) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-class _CheckpointedForward:
+class CheckpointedForward:
     """Set as ``module.forward``: runs the module's own forward under ``checkpoint`` with a policy.
 
     ``previous`` is the instance-level ``forward`` that was there before (``None`` for the class's), so
@@ -287,7 +287,7 @@ class CheckpointHandle:
     def _set(self, module: nn.Module, policy: Any) -> bool:
         """Give ``module`` ``policy``; returns whether it is now checkpointed by this handle."""
         current = module.__dict__.get("forward")
-        ours = isinstance(current, _CheckpointedForward)
+        ours = isinstance(current, CheckpointedForward)
         if not ours and policy.checkpoints and _checkpointed_elsewhere(module, current):
             warnings.warn(
                 f"{type(module).__name__} is already checkpointed by other code (torch's CheckpointWrapper, "
@@ -299,7 +299,7 @@ class CheckpointHandle:
         self._undo.append((module, current))
         previous = current.previous if ours else current
         if policy.checkpoints:
-            module.__dict__["forward"] = _CheckpointedForward(module, policy, previous)
+            module.__dict__["forward"] = CheckpointedForward(module, policy, previous)
         elif previous is None:
             module.__dict__.pop("forward", None)
         else:
@@ -310,7 +310,7 @@ class CheckpointHandle:
         """``use_cache = False`` on the Hugging Face configs in ``model`` that have it on; ``announce``
         (`apply_checkpointing`'s own plans, not the planner's) also says so and remembers the value, so
         that ``apply_checkpointing(model, "none")`` can give it back without this handle."""
-        configs = _caching_configs(model)
+        configs = caching_configs(model)
         for config in configs:
             self._configs.append((config, config.use_cache))
             if announce:
@@ -339,7 +339,7 @@ class CheckpointHandle:
         self.remove()
 
 
-def _caching_configs(model: nn.Module) -> list[Any]:
+def caching_configs(model: nn.Module) -> list[Any]:
     """The distinct Hugging Face configs reachable from ``model``'s submodules with ``use_cache`` on.
 
     Hugging Face's key/value cache is for generation. In a training step it fills on the first forward, so
@@ -383,7 +383,7 @@ def _announce_cache_off(configs: Sequence[Any]) -> None:
 
 
 @contextlib.contextmanager
-def _without_cache(model: nn.Module) -> Iterator[None]:
+def without_cache(model: nn.Module) -> Iterator[None]:
     """``use_cache`` off in ``model``'s Hugging Face configs while inside (silently: for simulations)."""
     handle = CheckpointHandle()
     handle._turn_off_cache(model, announce=False)
@@ -396,7 +396,7 @@ def checkpoint_policies(model: nn.Module) -> dict[str, str]:
     return {
         name: m.__dict__["forward"].policy.name
         for name, m in model.named_modules()
-        if isinstance(m.__dict__.get("forward"), _CheckpointedForward)
+        if isinstance(m.__dict__.get("forward"), CheckpointedForward)
     }
 
 
@@ -430,10 +430,10 @@ def apply_checkpointing(
     does; one warning line says so): ``handle.remove()`` or ``apply_checkpointing(model, "none")`` turns it
     back on.
     """
-    return _apply(model, plan, blocks, announce=True)
+    return apply_plan(model, plan, blocks, announce=True)
 
 
-def _apply(
+def apply_plan(
     model: nn.Module, plan: Any, blocks: LayerClasses | None = None, *, announce: bool
 ) -> CheckpointHandle:
     """`apply_checkpointing`; ``announce=False`` for the planner's temporary plans (nothing logged)."""
@@ -461,13 +461,13 @@ def _assignment(model: nn.Module, plan: Any, blocks: LayerClasses | None) -> lis
         found = find_blocks(model, blocks)
         if not found and policy.checkpoints:
             raise ValueError(
-                _no_blocks_message(model, "apply_checkpointing(model, plan, blocks={MyBlock})", blocks)
+                no_blocks_message(model, "apply_checkpointing(model, plan, blocks={MyBlock})", blocks)
             )
         return [(module, policy) for _, module in found]
-    classes = _classes(plan)
+    classes = block_classes(plan)
     found = find_blocks(model, classes)
     if not found:
-        raise ValueError(_no_blocks_message(model, "apply_checkpointing(model, {MyBlock})", classes))
+        raise ValueError(no_blocks_message(model, "apply_checkpointing(model, {MyBlock})", classes))
     return [(module, POLICIES["full"]) for _, module in found]
 
 

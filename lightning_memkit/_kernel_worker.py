@@ -74,7 +74,7 @@ def internal_peak(name: str, args: Any, kwargs: Any) -> int | None:
     return peak
 
 
-def _read(stream: BinaryIO) -> Any:
+def read_message(stream: BinaryIO) -> Any:
     """The next message; `EOFError` when the other side has closed (or died)."""
     header = stream.read(8)
     if len(header) < 8:
@@ -94,7 +94,7 @@ def main() -> None:
     sys.stdout = sys.stderr  # anything printed by torch must not corrupt the answers
     while True:
         try:
-            request = _read(stdin)
+            request = read_message(stdin)
         except EOFError:  # the parent is done
             return
         name, args, kwargs, (threads, mkldnn, matmul_precision, deterministic) = request

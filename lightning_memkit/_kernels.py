@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memkit._kernel_worker import _read, write
+from lightning_memkit._kernel_worker import read_message, write
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class _Worker:
         if not ready:
             raise TimeoutError(f"the helper process did not answer in {_TIMEOUT_S:.0f} s")
         try:
-            return _read(self.process.stdout)
+            return read_message(self.process.stdout)
         except EOFError:
             raise RuntimeError(f"the helper process exited with code {self.process.wait()}") from None
 

@@ -120,7 +120,7 @@ def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None)
     return total
 
 
-class _Storage:
+class Storage:
     """One storage's life inside the measured step. ``clock`` values are op counts."""
 
     __slots__ = ("__weakref__", "category", "grad_at", "nbytes", "saved_at")
@@ -132,7 +132,7 @@ class _Storage:
         self.saved_at: int | None = None  # clock when autograd first saved it for backward
 
 
-class _Tracker(TorchDispatchMode):
+class Tracker(TorchDispatchMode):
     """Follows storage lifetimes on one device; keeps the live set at the highest point."""
 
     #: whether fake tensors are storages of the step (the simulator's) or of a simulation run inside it
@@ -153,11 +153,11 @@ class _Tracker(TorchDispatchMode):
         self.device = device
         self.rounding = allocation_rounding(device)
         self.clock = 0
-        self.live: dict[int, tuple[weakref.ref, _Storage]] = {}
+        self.live: dict[int, tuple[weakref.ref, Storage]] = {}
         self.current = 0
         self.peak = 0
         self.peak_clock = 0
-        self.peak_live: list[_Storage] = []
+        self.peak_live: list[Storage] = []
         #: why the step could not be followed (a torch.func transform turned saved-tensor hooks off)
         self.unfollowed: str | None = None
         self._hooks: tuple[Any, Any] | None = None
@@ -166,7 +166,7 @@ class _Tracker(TorchDispatchMode):
 
     # --- bookkeeping --------------------------------------------------------------------------
 
-    def record(self, t: Tensor, *, preexisting: bool = False) -> _Storage | None:
+    def record(self, t: Tensor, *, preexisting: bool = False) -> Storage | None:
         """The record of ``t``'s storage, registering it if this is the first sight of it."""
         if t.device != self.device or t.is_sparse:
             return None
@@ -177,7 +177,7 @@ class _Tracker(TorchDispatchMode):
         if entry is not None:
             return entry[1]
         nbytes = rounded(storage.nbytes(), self.rounding)
-        rec = _Storage(nbytes)
+        rec = Storage(nbytes)
         key = id(storage)
         self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), rec)
         self.current += nbytes
@@ -192,7 +192,7 @@ class _Tracker(TorchDispatchMode):
         device)."""
         storage, key = t.untyped_storage(), id(t.untyped_storage())
         if key not in self.live:
-            self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), _Storage(0))
+            self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), Storage(0))
 
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
@@ -236,7 +236,7 @@ class _Tracker(TorchDispatchMode):
             self.peak = self.current + unseen
             self.peak_clock = self.clock
             self.peak_live = [rec for _, rec in self.live.values()]
-            self.peak_live.append(_Storage(unseen))  # owned by no one: temporary
+            self.peak_live.append(Storage(unseen))  # owned by no one: temporary
 
     def pack(self, t: Tensor) -> Tensor:
         rec = self.record(t, preexisting=True)
@@ -281,7 +281,7 @@ class _Tracker(TorchDispatchMode):
                 rec.category = "optimizer_state"
 
     @contextlib.contextmanager
-    def watching(self, model: nn.Module) -> Iterator[_Tracker]:
+    def watching(self, model: nn.Module) -> Iterator[Tracker]:
         """Follow the ops, saved tensors and gradient accumulations of the step run inside."""
         handles = [
             p.register_post_accumulate_grad_hook(self.on_grad) for p in model.parameters() if p.requires_grad
@@ -376,7 +376,7 @@ class MemoryMeasurement:
         #: why the step could not be followed in full, or ``None``: a torch.func transform ran in it,
         #: and what it saved is missing from `breakdown`
         self.unfollowed: str | None = None
-        self._tracker: _Tracker | None = None
+        self._tracker: Tracker | None = None
         self._watching: contextlib.AbstractContextManager | None = None
 
     @property
@@ -394,7 +394,7 @@ class MemoryMeasurement:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        tracker = self._tracker = _Tracker(self.device)
+        tracker = self._tracker = Tracker(self.device)
         tracker.adopt(self.model, self.optimizers)
         self._watching = tracker.watching(self.model)
         self._watching.__enter__()
@@ -452,7 +452,7 @@ _patched: dict[str, Any] = {}
 _users = 0  # trackers watching, in all threads
 
 
-def _innermost() -> _Tracker | None:
+def _innermost() -> Tracker | None:
     stack = getattr(_WATCHING, "stack", None)
     return stack[-1] if stack else None
 
@@ -536,7 +536,7 @@ def _unpatch() -> None:
 
 
 @contextlib.contextmanager
-def _watched_elsewhere(tracker: _Tracker) -> Iterator[None]:
+def _watched_elsewhere(tracker: Tracker) -> Iterator[None]:
     """Route the two checkpointing allocations above to ``tracker`` while it watches this thread."""
     global _users
     with _PATCH_LOCK:

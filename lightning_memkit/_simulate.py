@@ -3,7 +3,7 @@
 This is the simulated half of the estimator. `estimate_memory` runs one real training step of the
 user's model — forward, backward, ``optimizer.step()``, ``zero_grad()``, with the user's own code — but
 every parameter, buffer, batch tensor and intermediate is a ``FakeTensor``: it has a shape, a dtype and a
-storage size, and no data. The same storage tracker `measure` uses (`_measure._Tracker`) watches the
+storage size, and no data. The same storage tracker `measure` uses (`_measure.Tracker`) watches the
 step, so the result is the breakdown `measure` would report for the real step, and a 70B model can be
 planned on a laptop. Compared with `_analytic`, nothing is assumed about the architecture: whatever the
 code allocates is counted.
@@ -66,7 +66,7 @@ from lightning_memkit._lightning import (
     loss_of,
     optimizers_from,
 )
-from lightning_memkit._measure import _Tracker, allocation_rounding
+from lightning_memkit._measure import Tracker, allocation_rounding
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import load_bitsandbytes
 
@@ -125,8 +125,8 @@ class _Placeholders(TorchDispatchMode):
         return value if value is not None else func(*args, **(kwargs or {}))
 
 
-class _SimTracker(_Tracker):
-    """`_Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline."""
+class _SimTracker(Tracker):
+    """`Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline."""
 
     counts_fakes = True
 

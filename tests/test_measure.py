@@ -77,7 +77,7 @@ def test_what_selective_checkpointing_keeps_counts_as_activations():
 
     from lightning_memkit import apply_checkpointing
 
-    assert hasattr(checkpoint, "_VersionWrapper"), "torch changed SAC's cache: see _Tracker._selective_..."
+    assert hasattr(checkpoint, "_VersionWrapper"), "torch changed SAC's cache: see Tracker._selective_..."
     model, optimizer, step = encoder_step(n_layer=3)
     kept = {}
     for level in ("selective", "full"):

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_memkit._blocks import _classes, _no_blocks_message, find_blocks
+from lightning_memkit._blocks import block_classes, find_blocks, no_blocks_message
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget, parse_budget, reads_device
 from lightning_memkit._checkpoint_planner import plan_checkpointing
@@ -128,7 +128,7 @@ class ActivationCheckpointing(Callback):
             self.layer_classes: tuple[type[nn.Module], ...] | None = None
             self.policy = policy
         else:
-            self.layer_classes = _classes(policy)
+            self.layer_classes = block_classes(policy)
             self.policy = "full"
         if cost not in ("time", "flops"):
             raise ValueError(f"Unknown cost {cost!r}; choose 'time' or 'flops'")
@@ -197,7 +197,7 @@ class ActivationCheckpointing(Callback):
         if self.budget is None:
             found = find_blocks(pl_module, self.layer_classes)
             if not found:
-                raise ValueError(_no_blocks_message(pl_module, _OPTION, self.layer_classes))
+                raise ValueError(no_blocks_message(pl_module, _OPTION, self.layer_classes))
             return CheckpointPlan.uniform([name for name, _ in found], _uniform_policy(self.policy))
         if not pl_module.automatic_optimization:
             raise MisconfigurationException(
@@ -262,11 +262,11 @@ class ActivationCheckpointing(Callback):
         if classes is None:
             found = find_blocks(pl_module)
             if not found:
-                raise ValueError(_no_blocks_message(pl_module, _OPTION))
+                raise ValueError(no_blocks_message(pl_module, _OPTION))
             classes = tuple({type(m) for _, m in found})
         names = [name for name, _ in find_blocks(pl_module, classes)]
         if not names:
-            raise ValueError(_no_blocks_message(pl_module, _OPTION, classes))
+            raise ValueError(no_blocks_message(pl_module, _OPTION, classes))
         fsdp_checkpointing(strategy, set(classes))
         self.plan = CheckpointPlan.uniform(names, "full")
         rank_zero_info(
