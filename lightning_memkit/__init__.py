@@ -7,9 +7,10 @@ Public surface (everything else lives in private modules):
   before any memory is spent.
 - Callbacks: `MemoryMonitor` (log every step's breakdown), `ActivationCheckpointing` (the cheapest
   checkpointing plan that fits a budget), `OptimizerSwap` (the best optimizer that fits), `AutoFit`
-  (micro-batch, accumulation, checkpointing and optimizer for a GPU size).
+  (micro-batch, accumulation, checkpointing and optimizer for a GPU size), `GradientRelease` (free the
+  gradients once the optimizer has stepped: the next forward runs without them).
 - The plain functions behind them: `plan_checkpointing` / `apply_checkpointing`, `fit_optimizer` /
-  `swap_optimizer`, `plan_fit`.
+  `swap_optimizer`, `plan_fit`, `release_gradients`.
 - `parse_bytes`, `parse_budget`: read a memory size (``"24GB"``) or a budget (``"A100-40GB"``, ``0.9``).
 - `lightning_memkit.demos.gpt`: the bundled nanoGPT-style example.
 """
@@ -27,11 +28,18 @@ from lightning_memkit._checkpointing import (
     apply_checkpointing,
 )
 from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
+from lightning_memkit._gradient_release import release_gradients
 from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
 from lightning_memkit._optim import OptimizerChoice, fit_optimizer
 from lightning_memkit._optimizers import CATALOGUE, swap_optimizer
 from lightning_memkit._simulate import TimelineEvent, estimate_memory
-from lightning_memkit.callbacks import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
+from lightning_memkit.callbacks import (
+    ActivationCheckpointing,
+    AutoFit,
+    GradientRelease,
+    MemoryMonitor,
+    OptimizerSwap,
+)
 
 __version__ = "0.1.0"
 
@@ -48,6 +56,7 @@ __all__ = [
     "CheckpointMode",
     "CheckpointPlan",
     "FitPlan",
+    "GradientRelease",
     "MemoryBreakdown",
     "MemoryMeasurement",
     "MemoryMonitor",
@@ -66,6 +75,7 @@ __all__ = [
     "parse_bytes",
     "plan_checkpointing",
     "plan_fit",
+    "release_gradients",
     "storage_bytes",
     "swap_optimizer",
 ]

@@ -103,8 +103,11 @@ def _divisors(n: int) -> list[int]:
 class _Search:
     """Simulations of one model and batch, cached by configuration; one rank's (sharded) peak."""
 
-    def __init__(self, model, batch, loss_fn, device, strategy, n_gpus, progress=None) -> None:
+    def __init__(
+        self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, release_gradients=False
+    ) -> None:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
+        self.release_gradients = release_gradients
         self.strategy, self.n_gpus = strategy, n_gpus
         self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
         self.whole: dict[tuple, MemoryBreakdown] = {}  # the same steps, unsharded
@@ -132,6 +135,7 @@ class _Search:
                     loss_fn=self.loss_fn,
                     precision=precision,
                     device=self.device,
+                    release_gradients=self.release_gradients,
                     return_timeline=return_timeline,
                 )
         finally:
@@ -175,6 +179,7 @@ class _Search:
                         loss_fn=self.loss_fn,
                         precision=precision,
                         accumulating=m < batch_size(self.batch),
+                        release_gradients=self.release_gradients,
                         max_rounds=3,  # a few plans per micro-batch: uniform modes are candidates too
                     )
             finally:
@@ -297,6 +302,7 @@ def plan_fit(
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     cost: str | StepCost = "auto",
     progress: Callable[[str], None] | None = None,
+    release_gradients: bool = False,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -320,6 +326,8 @@ def plan_fit(
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.
         progress: called with a line before each simulation once planning has taken
             ``PROGRESS_AFTER_S`` seconds (a large model's simulations take seconds each).
+        release_gradients: plan for a run that frees the gradients after each optimizer step
+            (`release_gradients`, `GradientRelease`): the forward without the previous step's gradients.
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -357,7 +365,16 @@ def plan_fit(
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
     per_rank = batch_slice(batch, total // n_gpus)
     sizes = _divisors(total // n_gpus)
-    search = _Search(model, per_rank, loss_fn, device, strategy if n_gpus > 1 else "ddp", n_gpus, progress)
+    search = _Search(
+        model,
+        per_rank,
+        loss_fn,
+        device,
+        strategy if n_gpus > 1 else "ddp",
+        n_gpus,
+        progress,
+        release_gradients,
+    )
     candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
     sizes = _runnable(search, sizes, levels[-1], candidates[0], precisions[0])
 

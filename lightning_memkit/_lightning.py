@@ -125,12 +125,21 @@ def optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
 
 @dataclass
 class TrainingStep:
-    """What runs in one simulated step; ``lightning`` selects Lightning's order of the phases."""
+    """What runs in one simulated step; ``lightning`` selects Lightning's order of the phases, and
+    ``release_gradients`` frees the gradients once the optimizers have stepped (`release_gradients`), so
+    that Lightning's next forward runs without them."""
 
     forward: Callable[[], Tensor]
     optimizers: list[torch.optim.Optimizer]
     lightning: bool
     accumulating: bool = False
+    release_gradients: bool = False
+
+    @property
+    def frees_after_step(self) -> bool:
+        """Whether the gradients are gone once the optimizers have stepped: a plain loop's ``zero_grad``
+        after the step, or released; Lightning's own ``zero_grad`` comes after the next forward."""
+        return not self.lightning or self.release_gradients
 
     @property
     def with_closure(self) -> bool:
@@ -161,7 +170,7 @@ class TrainingStep:
         self._forward_backward(phase)
         phase("optimizer")
         self.step()
-        if not self.lightning:
+        if self.frees_after_step:
             phase("zero_grad")
             self.zero_grad()
 
@@ -192,7 +201,7 @@ class TrainingStep:
 
         phase("optimizer")
         self.step(closure)
-        if not self.lightning:
+        if self.frees_after_step:
             phase("zero_grad")
             self.zero_grad()
 
@@ -207,9 +216,9 @@ class TrainingStep:
             self.step(_zero_loss if self.with_closure else None)
             for optimizer in self.optimizers:
                 _full_lbfgs_history(optimizer)
-        # In Lightning the gradients live on until the next zero_grad; an accumulating micro-batch finds
-        # the earlier micro-batches' gradients.
-        if not self.lightning and not self.accumulating:
+        # In Lightning the gradients live on until the next zero_grad (unless released); an accumulating
+        # micro-batch finds the earlier micro-batches' gradients.
+        if self.frees_after_step and not self.accumulating:
             self.zero_grad()
 
 

@@ -149,9 +149,11 @@ def simulated_estimator(
     precision: str = "32-true",
     device: str | torch.device | None = None,
     accumulating: bool = False,
+    release_gradients: bool = False,
 ) -> Estimator:
     """The whole step on fake tensors (`estimate_memory`), with one optimizer; ``accumulating``: the last
-    micro-batch of a gradient accumulation cycle."""
+    micro-batch of a gradient accumulation cycle; ``release_gradients``: the gradients freed after the
+    optimizer's step (`release_gradients`)."""
     device = torch.device(device or model_device(model).type)
     run = functools.partial(
         estimate_memory,
@@ -161,6 +163,7 @@ def simulated_estimator(
         precision=precision,
         device=device,
         accumulating=accumulating,
+        release_gradients=release_gradients,
     )
 
     def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
@@ -454,6 +457,7 @@ def fit_optimizer(
     precision: str = "32-true",
     device: str | torch.device | None = None,
     accumulating: bool = False,
+    release_gradients: bool = False,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -481,6 +485,8 @@ def fit_optimizer(
         device: ``"cuda"`` or ``"cpu"``: the allocator to plan for (default: the model's device).
         accumulating: the loop accumulates gradients over micro-batches of ``batch`` (its highest
             micro-batch is simulated; `estimate_memory`).
+        release_gradients: the loop frees the gradients after each optimizer step (`release_gradients`):
+            a LightningModule's forward then runs without the previous step's gradients.
 
     Returns:
         An `OptimizerChoice`: the name chosen, the optimizers, the estimated breakdown and every estimate
@@ -502,7 +508,13 @@ def fit_optimizer(
         estimate, method = _given(step_peak), "given"
     elif batch is not None and len(optimizers) == 1 and not _manual(model):
         estimate = simulated_estimator(
-            model, batch, loss_fn=loss_fn, precision=precision, device=device, accumulating=accumulating
+            model,
+            batch,
+            loss_fn=loss_fn,
+            precision=precision,
+            device=device,
+            accumulating=accumulating,
+            release_gradients=release_gradients,
         )
         method = "simulated"
     else:

@@ -316,6 +316,7 @@ def estimate_memory(
     device: str | torch.device = ...,
     first_step: bool = ...,
     accumulating: bool = ...,
+    release_gradients: bool = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -332,6 +333,7 @@ def estimate_memory(
     device: str | torch.device = ...,
     first_step: bool = ...,
     accumulating: bool = ...,
+    release_gradients: bool = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -347,6 +349,7 @@ def estimate_memory(
     device: str | torch.device = "cuda",
     first_step: bool = False,
     accumulating: bool = False,
+    release_gradients: bool = False,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -400,6 +403,10 @@ def estimate_memory(
         accumulating: estimate the last micro-batch of a gradient accumulation cycle
             (``accumulate_grad_batches > 1``), the cycle's highest: its backward adds to gradients that
             are already there (no ``zero_grad`` before it), then the optimizer steps.
+        release_gradients: the gradients are freed as soon as the optimizers have stepped
+            (`release_gradients`, `GradientRelease`): a LightningModule's forward then runs without the
+            previous step's gradients, which Lightning's order (training_step, zero_grad, backward)
+            otherwise keeps through it. A plain module's step (zero_grad after the step) is the same.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -467,7 +474,7 @@ def estimate_memory(
         _use_device_defaults(optimizers, target)
 
         forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
-        step = TrainingStep(forward, optimizers, lightning, accumulating)
+        step = TrainingStep(forward, optimizers, lightning, accumulating, release_gradients)
         stack.enter_context(mode)
         if not first_step or accumulating:
             with _Placeholders():

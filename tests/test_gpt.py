@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
+from lightning_memkit import ActivationCheckpointing, AutoFit, GradientRelease, MemoryMonitor, OptimizerSwap
 from lightning_memkit.demos._data import decode, encode, make_corpus
 from lightning_memkit.demos.gpt import (
     GPT,
@@ -291,13 +291,17 @@ def test_train_script_single_levers(tmp_path, monkeypatch, train):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
         train.parse_args(["--autofit", "20MB", "--optimizer-budget", "20MB"])
-    trainer = train.main([*SHORT_RUN, "--checkpointing-budget", "22MB", "--optimizer-budget", "22MB"])
+    trainer = train.main(
+        [*SHORT_RUN, "--checkpointing-budget", "22MB", "--optimizer-budget", "22MB", "--release-gradients"]
+    )
     checkpointing = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
     swap = next(c for c in trainer.callbacks if isinstance(c, OptimizerSwap))
     monitor = next(c for c in trainer.callbacks if isinstance(c, MemoryMonitor))
     assert checkpointing.plan is not None and swap.choice is not None
     assert monitor.history and all(b.peak <= 22_000_000 for _, b in monitor.history)  # default: ~27 MB
-    # OptimizerSwap's estimate of the step with the checkpointing applied is the step the Trainer ran.
+    assert any(isinstance(c, GradientRelease) for c in trainer.callbacks)
+    # OptimizerSwap's estimate of the step with the checkpointing applied (and the gradients released) is
+    # the step the Trainer ran.
     assert swap.choice.tried[-1][1] == pytest.approx(monitor.history[-1][1].peak, rel=0.01)
 
 

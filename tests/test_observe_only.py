@@ -1,6 +1,7 @@
 """Observe-only means bit-identical (issue 12): each callback, at a budget that changes nothing, leaves the
 run exactly as it is without it — parameters, every step's loss, BatchNorm statistics, metric states, the
-RNG streams and torch.compile — across the usages users bring."""
+RNG streams and torch.compile — across the usages users bring. GradientRelease, which frees the gradients
+after each optimizer step, must leave training bit-identical in the same usages."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, OptimizerSwap
+from lightning_memkit import ActivationCheckpointing, AutoFit, GradientRelease, MemoryMonitor, OptimizerSwap
 
 HUGE = "100TB"  # a budget every plan fits: nothing may change
 
@@ -170,6 +171,8 @@ CALLBACKS = {
     "optimizer_swap": lambda: OptimizerSwap(budget=HUGE),
     "autofit": lambda: AutoFit(budget=HUGE, cost="flops"),
     "checkpointing": lambda: ActivationCheckpointing(budget=HUGE),
+    # Not observe-only (it frees memory), but its training is bit-identical in every usage by design.
+    "gradient_release": GradientRelease,
 }
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
 from lightning_memkit._analytic import model_static, scheme
+from lightning_memkit.callbacks.gradient_release import GradientRelease
 
 __all__ = [
     "accumulates",
@@ -28,6 +29,7 @@ __all__ = [
     "on_rank_zero",
     "optimizer_steps_done",
     "precision",
+    "releases_gradients",
     "sharding",
 ]
 
@@ -94,6 +96,12 @@ def accumulates(trainer: pl.Trainer) -> bool:
     schedulers = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
     scheduled = [n for c in schedulers for n in c.scheduling.values()]
     return trainer.accumulate_grad_batches > 1 or any(n > 1 for n in scheduled)
+
+
+def releases_gradients(trainer: pl.Trainer) -> bool:
+    """Whether the fit frees the gradients after each optimizer step (a `GradientRelease` callback): the
+    budget callbacks then estimate the step without the previous step's gradients in the forward."""
+    return any(isinstance(c, GradientRelease) for c in trainer.callbacks)
 
 
 def accumulating_now(trainer: pl.Trainer) -> bool:

@@ -81,7 +81,13 @@ from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._isolate import isolated
 from lightning_memkit.callbacks._step_guard import StepGuard
-from lightning_memkit.callbacks._trainer import fit_data_source, on_rank_zero, precision, sharding
+from lightning_memkit.callbacks._trainer import (
+    fit_data_source,
+    on_rank_zero,
+    precision,
+    releases_gradients,
+    sharding,
+)
 
 __all__ = ["AutoFit"]
 
@@ -199,6 +205,7 @@ class AutoFit(Callback):
             n_gpus=ranks,
             cost=self.cost,
             progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
+            release_gradients=releases_gradients(trainer),
         )
 
     def _budget(self, device: str) -> Budget:
