@@ -450,3 +450,31 @@ def test_cli_plan_of_a_factory_without_repeated_blocks(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "checkpointing none" in out and "no repeated blocks" in out
+
+
+@on_the_pretend_device
+def test_a_batch_that_needs_two_halvings_stops_at_the_micro_batch_that_fits(tmp_path):
+    """From (8, none) on a device that takes 2 rows: the checkpointing modes, then micro-batch 4 (the first
+    4-row slice fails), then 2. The slice still queued at 4 rows is cut too, not run and failed again."""
+    module = _Device(rows=2)
+    with pytest.warns(UserWarning, match="re-planned one notch leaner"):
+        _, callback = _fit_on_device(tmp_path, module, budget=10**9)
+    plan = callback.plan
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (2, 4, "full")
+    assert module.pretend.raised == 5  # selective, selective_half, full, micro-batch 4, micro-batch 2 fits
+
+
+@on_the_pretend_device
+def test_a_resumed_run_recovers_from_the_saved_plans_micro_batch(tmp_path):
+    """The resumed run installs the saved plan (8, none) over its fresh one (a smaller micro-batch): an OOM
+    then cuts the 8-row batches, as the saved plan's loader gives them."""
+    _fit_on_device(tmp_path, _Device(), budget=10**9, enable_checkpointing=True)  # 2 steps
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    module = _Device(rows=4, at=2)  # fails on the resumed run's first batch
+    with pytest.warns(UserWarning, match="re-planned one notch leaner"):
+        _, callback = _fit_on_device(
+            tmp_path / "resumed", module, budget=11_000_000, ckpt_path=ckpt, max_steps=3
+        )
+    plan = callback.plan
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (4, 2, "full")
+    assert module.pretend.raised == 4  # selective, selective_half, full, then micro-batch 4 fits

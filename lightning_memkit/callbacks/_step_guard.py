@@ -200,7 +200,9 @@ class StepGuard:
         size = self.replan().micro_batch_size
         if size < self.micro_batch_size:  # else only the checkpointing changed: nothing to cut
             self.size = size
-        self._queue[:0] = self._cut(replace(piece, frozen=piece.frozen | frozenset(touched)))
+        # The failed piece and those still queued at the old size, all cut to the new one.
+        failed = replace(piece, frozen=piece.frozen | frozenset(touched))
+        self._queue = [part for queued in (failed, *self._queue) for part in self._cut(queued)]
 
     def _cut(self, piece: _Piece) -> list[_Piece]:
         if self.size is None:

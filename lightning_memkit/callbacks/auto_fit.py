@@ -224,6 +224,8 @@ class AutoFit(Callback):
         self._apply(plan)
         if self._guard is None and self.verify_steps > 0 and _recoverable(trainer, pl_module):
             self._guard = StepGuard(trainer, pl_module, self._replan, plan.micro_batch_size)
+        elif self._guard is not None:  # a resume installs the saved plan over the fresh one
+            self._guard.micro_batch_size, self._guard.size = plan.micro_batch_size, None
 
     def _apply(self, plan: FitPlan) -> None:
         assert self._target is not None
