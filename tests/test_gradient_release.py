@@ -51,9 +51,9 @@ def _zoo(name: str, batch_size: int, seq_len: int):
     return make
 
 
-# The GPT example; Qwen2 (LLaMA family) at its default use_cache=True; T5, whose step still peaks in the
-# forward without the gradients, so it saves all of them.
-MODELS = {"gpt": _gpt, "qwen2": _zoo("qwen2", 2, 32), "t5": _zoo("t5", 4, 64)}
+# The GPT example, and T5 at its default use_cache=True, whose step still peaks in the forward without
+# the gradients, so it saves all of them (benchmarks/bench_gradient_release.py: the rest of the zoo).
+MODELS = {"gpt": _gpt, "t5": _zoo("t5", 4, 64)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -137,7 +137,8 @@ def test_the_callback_removes_its_hooks_after_the_fit(tmp_path):
 def test_the_budget_callbacks_plan_for_the_released_step(tmp_path):
     """At 31 MB the GPT example's AdamW step fits only with the gradients released (32.4 MB without, 29.5
     MB with): OptimizerSwap keeps AdamW beside GradientRelease and swaps without it; plan_fit keeps the
-    whole batch without checkpointing when told the run releases them."""
+    whole batch without checkpointing when told the run releases them (without, the step does not fit as
+    OptimizerSwap just found)."""
     budget = 31_000_000
     for release, expected in ((True, "adamw"), (False, "adamw8bit")):
         module, data, _ = _gpt()
@@ -147,5 +148,3 @@ def test_the_budget_callbacks_plan_for_the_released_step(tmp_path):
     module, _, batch = _gpt()
     kept = plan_fit(module, batch, budget, margin=0, device="cpu", cost="flops", release_gradients=True)
     assert (kept.micro_batch_size, kept.checkpointing, kept.optimizer) == (B, "none", "adamw")
-    changed = plan_fit(module, batch, budget, margin=0, device="cpu", cost="flops")
-    assert (changed.micro_batch_size, changed.checkpointing, changed.optimizer) != (B, "none", "adamw")
