@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -33,8 +34,8 @@ def parse_bytes(value: int | str) -> int:
     """
     if isinstance(value, bool):
         raise TypeError(f"A memory size must be bytes or a string like '24GiB', got {value!r}")
-    if isinstance(value, int):
-        number, unit = value, ""
+    if isinstance(value, numbers.Integral):  # int, and NumPy's integers
+        number, unit = int(value), ""
     elif isinstance(value, str):
         match = _PATTERN.match(value.lower())
         if match is None or match.group(2) not in _UNITS:

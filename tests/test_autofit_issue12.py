@@ -12,7 +12,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import StepCost, plan_fit
+from lightning_memkit import StepCost, parse_budget, plan_fit
 from lightning_memkit._autofit import grid
 from lightning_memkit._simulate import estimate_memory
 from lightning_memkit.callbacks.auto_fit import AutoFit
@@ -163,6 +163,13 @@ def test_a_float_budget_outside_0_1_is_refused_at_once(budget):
     message = rf"A float budget is a fraction of the current CUDA device, in \(0, 1\]; got .*{size}"
     with pytest.raises(ValueError, match=message):
         AutoFit(budget=budget)
+
+
+def test_numpy_integer_budgets_are_bytes():
+    """A size computed with NumPy (``np.int64``) is bytes, as an int is: every ``budget=`` reads it with
+    `parse_budget` (it raised TypeError)."""
+    numpy = pytest.importorskip("numpy")
+    assert parse_budget(numpy.int64(24_000_000)) == parse_budget(24_000_000)
 
 
 def test_manual_optimization_is_refused_in_autofits_terms(tmp_path):
