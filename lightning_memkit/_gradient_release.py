@@ -25,8 +25,8 @@ __all__ = ["release_gradients"]
 def release_gradients(optimizer: Optimizer) -> RemovableHandle:
     """Free the gradients of ``optimizer``'s parameters after each of its steps; ``.remove()`` undoes it.
 
-    A step post-hook (`torch.optim.Optimizer.register_step_post_hook`) sets ``p.grad = None`` for every
-    parameter of every param group: the same as ``optimizer.zero_grad(set_to_none=True)``, one step sooner.
+    A step post-hook (`torch.optim.Optimizer.register_step_post_hook`) calls the optimizer's own
+    ``zero_grad(set_to_none=True)``, which Lightning would call one step later.
     Works for any optimizer built on ``torch.optim.Optimizer`` (bitsandbytes' and torchao's included).
     Code that reads ``p.grad`` after the step (say, in ``on_train_batch_end``) then finds ``None``: read
     it in ``on_before_optimizer_step`` instead, where gradient norms are logged and clipped.
@@ -43,6 +43,4 @@ def release_gradients(optimizer: Optimizer) -> RemovableHandle:
 
 
 def _free_gradients(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
+    optimizer.zero_grad(set_to_none=True)
