@@ -51,9 +51,10 @@ def _zoo(name: str, batch_size: int, seq_len: int):
     return make
 
 
-# The GPT example, and T5 at its default use_cache=True, whose step still peaks in the forward without
-# the gradients, so it saves all of them (benchmarks/bench_gradient_release.py: the rest of the zoo).
-MODELS = {"gpt": _gpt, "t5": _zoo("t5", 4, 64)}
+# The GPT example; T5 at its default use_cache=True, whose step still peaks in the forward without the
+# gradients, so it saves all of them; the CNN with BatchNorm, whose step peaks in its backward, so it saves
+# nothing (benchmarks/bench_gradient_release.py: the rest of the zoo).
+MODELS = {"gpt": _gpt, "t5": _zoo("t5", 4, 64), "resnet": _zoo("resnet", 4, 64)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -75,6 +76,9 @@ def test_the_peak_falls_as_estimated_and_the_monitor_matches_the_allocator(name,
         assert estimates[release].peak == pytest.approx(steady[release], rel=0.01)
     saved, predicted = steady[False] - steady[True], estimates[False].peak - estimates[True].peak
     gradients = estimates[False].gradients
+    if name == "resnet":  # the peak is in the backward, where the last step's gradients are gone anyway
+        assert predicted == 0 and saved == pytest.approx(0, abs=0.001 * steady[False])
+        return
     assert 0 < predicted <= gradients
     assert saved == pytest.approx(predicted, rel=0.02)
     if name == "t5":
