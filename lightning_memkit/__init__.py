@@ -8,9 +8,10 @@ Public surface (everything else lives in private modules):
 - Callbacks: `MemoryMonitor` (log every step's breakdown), `ActivationCheckpointing` (the cheapest
   checkpointing plan that fits a budget), `OptimizerSwap` (the best optimizer that fits), `AutoFit`
   (micro-batch, accumulation, checkpointing and optimizer for a GPU size), `GradientRelease` (free the
-  gradients once the optimizer has stepped: the next forward runs without them).
+  gradients once the optimizer has stepped: the next forward runs without them), `FusedOptimizerStep`
+  (step each parameter inside backward: no step holds all the gradients).
 - The plain functions behind them: `plan_checkpointing` / `apply_checkpointing`, `fit_optimizer` /
-  `swap_optimizer`, `plan_fit`, `release_gradients`.
+  `swap_optimizer`, `plan_fit`, `release_gradients`, `fuse_optimizer_step`.
 - `parse_bytes`, `parse_budget`: read a memory size (``"24GB"``) or a budget (``"A100-40GB"``, ``0.9``).
 - `lightning_memkit.demos.gpt`: the bundled nanoGPT-style example.
 """
@@ -28,6 +29,7 @@ from lightning_memkit._checkpointing import (
     apply_checkpointing,
 )
 from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
+from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
 from lightning_memkit._gradient_release import release_gradients
 from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
 from lightning_memkit._optim import OptimizerChoice, fit_optimizer
@@ -36,6 +38,7 @@ from lightning_memkit._simulate import TimelineEvent, estimate_memory
 from lightning_memkit.callbacks import (
     ActivationCheckpointing,
     AutoFit,
+    FusedOptimizerStep,
     GradientRelease,
     MemoryMonitor,
     OptimizerSwap,
@@ -56,6 +59,8 @@ __all__ = [
     "CheckpointMode",
     "CheckpointPlan",
     "FitPlan",
+    "FusedOptimizerStep",
+    "FusedStep",
     "GradientRelease",
     "MemoryBreakdown",
     "MemoryMeasurement",
@@ -70,6 +75,7 @@ __all__ = [
     "find_blocks",
     "fit_optimizer",
     "format_bytes",
+    "fuse_optimizer_step",
     "measure",
     "parse_budget",
     "parse_bytes",

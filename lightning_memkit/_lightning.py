@@ -15,7 +15,6 @@ blocks inside one; all of them run a ``LightningModule``'s own ``training_step``
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_memkit._fused_step import fuse_optimizer_step, needs_closure
+
 __all__ = [
     "TrainingStep",
     "batch_size",
@@ -33,7 +34,6 @@ __all__ = [
     "is_lightning",
     "lightning_stand_ins",
     "loss_of",
-    "needs_closure",
     "optimizers_from",
     "pieces",
 ]
@@ -125,21 +125,31 @@ def optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
 
 @dataclass
 class TrainingStep:
-    """What runs in one simulated step; ``lightning`` selects Lightning's order of the phases, and
+    """What runs in one simulated step; ``lightning`` selects Lightning's order of the phases,
     ``release_gradients`` frees the gradients once the optimizers have stepped (`release_gradients`), so
-    that Lightning's next forward runs without them."""
+    that Lightning's next forward runs without them, and ``fused_step`` steps each parameter inside backward
+    (`fuse_optimizer_step`)."""
 
     forward: Callable[[], Tensor]
     optimizers: list[torch.optim.Optimizer]
     lightning: bool
     accumulating: bool = False
     release_gradients: bool = False
+    fused_step: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fused_step and self.accumulating:
+            raise ValueError(
+                "The optimizer step fused into backward updates the parameters at every backward, so it "
+                "cannot accumulate gradients over micro-batches: plan it with accumulate_grad_batches=1."
+            )
 
     @property
     def frees_after_step(self) -> bool:
         """Whether the gradients are gone once the optimizers have stepped: a plain loop's ``zero_grad``
-        after the step, or released; Lightning's own ``zero_grad`` comes after the next forward."""
-        return not self.lightning or self.release_gradients
+        after the step, released, or consumed inside backward; Lightning's own ``zero_grad`` comes after
+        the next forward."""
+        return not self.lightning or self.release_gradients or self.fused_step
 
     @property
     def with_closure(self) -> bool:
@@ -164,6 +174,10 @@ class TrainingStep:
             if tracker is not None:
                 tracker.phase = name
 
+        if self.fused_step:  # the optimizers step inside backward; Lightning's step() after it does nothing
+            with fuse_optimizer_step(self.optimizers):  # refuses an optimizer that needs a closure
+                self._forward_backward(phase)
+            return
         if self.with_closure:
             self._run_in_step(phase)
             return
@@ -220,15 +234,6 @@ class TrainingStep:
         # micro-batch finds the earlier micro-batches' gradients.
         if self.frees_after_step and not self.accumulating:
             self.zero_grad()
-
-
-def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` requires a closure (``torch.optim.LBFGS``: it re-evaluates the loss)."""
-    try:
-        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    except (TypeError, ValueError):  # no signature to read (a C extension): assume the usual step()
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _zero_loss() -> Tensor:

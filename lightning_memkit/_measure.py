@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._kernels import hides_memory, kernel_peak
 
-__all__ = ["MemoryMeasurement", "measure", "storage_bytes"]
+__all__ = ["MemoryMeasurement", "gradient_consumed", "measure", "storage_bytes"]
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes; max_memory_allocated counts
 # the rounded sizes, so the tracker must too. The CPU allocator counts the bytes asked for.
@@ -553,6 +553,16 @@ def _watched_elsewhere(tracker: Tracker) -> Iterator[None]:
             _users -= 1
             if _users == 0:
                 _unpatch()
+
+
+def gradient_consumed(param: Tensor) -> None:
+    """Tell the trackers watching this step that ``param.grad`` is a gradient, before a post-accumulate-grad
+    hook registered ahead of theirs frees it (the fused optimizer step): theirs would find ``None``.
+
+    The trackers are found on the dispatch mode stack, which autograd carries into its backward threads."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, Tracker):
+            mode.on_grad(param)
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
-from lightning_memkit._lightning import needs_closure
+from lightning_memkit._fused_step import needs_closure
 from lightning_memkit._measure import allocation_rounding, model_device, rounded
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import (

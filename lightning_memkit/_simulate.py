@@ -317,6 +317,7 @@ def estimate_memory(
     first_step: bool = ...,
     accumulating: bool = ...,
     release_gradients: bool = ...,
+    fused_step: bool = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -334,6 +335,7 @@ def estimate_memory(
     first_step: bool = ...,
     accumulating: bool = ...,
     release_gradients: bool = ...,
+    fused_step: bool = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -350,6 +352,7 @@ def estimate_memory(
     first_step: bool = False,
     accumulating: bool = False,
     release_gradients: bool = False,
+    fused_step: bool = False,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -407,6 +410,10 @@ def estimate_memory(
             (`release_gradients`, `GradientRelease`): a LightningModule's forward then runs without the
             previous step's gradients, which Lightning's order (training_step, zero_grad, backward)
             otherwise keeps through it. A plain module's step (zero_grad after the step) is the same.
+        fused_step: each parameter is stepped inside backward as soon as its gradient is complete, and
+            the gradient freed (`fuse_optimizer_step`, `FusedOptimizerStep`): no step holds all the
+            gradients. Not with ``accumulating`` (it steps at every backward), nor with an optimizer that
+            needs a closure.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -474,7 +481,7 @@ def estimate_memory(
         _use_device_defaults(optimizers, target)
 
         forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
-        step = TrainingStep(forward, optimizers, lightning, accumulating, release_gradients)
+        step = TrainingStep(forward, optimizers, lightning, accumulating, release_gradients, fused_step)
         stack.enter_context(mode)
         if not first_step or accumulating:
             with _Placeholders():

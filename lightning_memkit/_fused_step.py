@@ -1,0 +1,121 @@
+"""The optimizer step fused into backward: each parameter is updated as soon as its gradient is complete.
+
+A post-accumulate-grad hook on every trained parameter calls its optimizer's ``step()`` and then frees that
+gradient, so at most the gradients of the parameters whose backward is in flight exist at once, instead of
+all of them (PyTorch's recipe, "How to save memory by fusing the optimizer step into the backward pass";
+torchtune's ``optimizer_in_bwd``; LOMO). When the hook of parameter ``p`` runs, ``p`` is the only parameter
+with a gradient (the others are not yet computed, or already stepped and freed), and ``torch.optim``
+optimizers, bitsandbytes' and torchao's skip parameters whose ``.grad`` is ``None``: the ordinary
+``step()`` of the user's own optimizer updates exactly ``p``, with the same per-parameter arithmetic as a
+step after backward. Nothing else changes: the optimizer object, its state (and its ``state_dict`` in a
+checkpoint), its learning-rate scheduler and the step ``Lightning`` calls after backward, which finds no
+gradient left and does nothing.
+
+Why not torch-optimi's gradient release: it works only with optimi's own optimizers (the optimizer ladder
+here is torch's and bitsandbytes') and keeps each parameter's param group inside the optimizer state
+(``state[p]["group"]``), which a Lightning checkpoint would then carry.
+
+What it cannot do, and refuses (`refusal`): an optimizer that re-evaluates the loss (LBFGS's closure);
+anything that needs all gradients before any update — gradient clipping by global norm, accumulation over
+micro-batches, the fp16 grad scaler's inf check, DDP's or FSDP's reduction across ranks (the hook would
+step on one rank's unreduced gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_memkit._measure import gradient_consumed
+
+__all__ = ["FusedStep", "fuse_optimizer_step", "needs_closure"]
+
+
+class FusedStep:
+    """The hooks `fuse_optimizer_step` installed; ``remove()`` (or leaving a ``with`` block) takes them
+    off, and the optimizers step after backward again."""
+
+    def __init__(self, handles: list[RemovableHandle], optimizers: list[Optimizer]) -> None:
+        self.handles = handles
+        self.optimizers = optimizers
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def __enter__(self) -> FusedStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedStep:
+    """Step each parameter inside backward, as soon as its gradient is complete, and free the gradient.
+
+    The peak no longer holds the model's gradients: during backward only the gradients not yet consumed
+    exist (one layer's, give or take), and none in the forward. Training is the same as calling
+    ``optimizer.step()`` after ``loss.backward()`` (bit-identical for torch's AdamW on the CPU,
+    ``tests/test_fused_step.py``); ``optimizer.step()`` and ``zero_grad()`` may still be called, and do
+    nothing more. Learning-rate schedulers and ``state_dict`` work as before: it is the same optimizer.
+
+    Any gradient present when it is installed is freed (it would otherwise join the first update).
+
+    Raises:
+        ValueError: an optimizer needs a closure (LBFGS), or a parameter belongs to two optimizers.
+
+    Example::
+
+        fused = fuse_optimizer_step(optimizer)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()  # each parameter is updated as its gradient completes
+        fused.remove()
+    """
+    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    owners: dict[int, Optimizer] = {}
+    params: list[Tensor] = []
+    for optimizer in optimizers:
+        if needs_closure(optimizer):
+            raise ValueError(
+                f"{type(optimizer).__name__} re-evaluates the loss in step(closure), which cannot run inside "
+                "backward: the optimizer step cannot be fused with it. Use an optimizer whose step() takes "
+                "no closure, or GradientRelease, which frees the gradients after the step instead."
+            )
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if owners.setdefault(id(p), optimizer) is not optimizer:
+                    raise ValueError(
+                        f"A parameter of shape {tuple(p.shape)} is in two optimizers; each parameter's "
+                        "update must come from one optimizer to be fused into backward."
+                    )
+                if p.requires_grad:
+                    params.append(p)
+        optimizer.zero_grad(set_to_none=True)
+    handles = [
+        p.register_post_accumulate_grad_hook(functools.partial(_step_one, optimizer=owners[id(p)]))
+        for p in params
+    ]
+    return FusedStep(handles, optimizers)
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (``torch.optim.LBFGS``: it re-evaluates the loss)."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read (a C extension): assume the usual step()
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+@torch.no_grad()
+def _step_one(param: Tensor, optimizer: Optimizer) -> None:
+    gradient_consumed(param)  # a tracker watching the step counts it as a gradient before it goes
+    optimizer.step()  # only `param` has a gradient now: the others are None
+    param.grad = None

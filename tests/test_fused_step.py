@@ -1,0 +1,176 @@
+"""FusedOptimizerStep / fuse_optimizer_step (issue 15, lever 2): each parameter is stepped inside backward
+and its gradient freed. Training is bit-identical to the unfused step (torch's AdamW on the CPU, with the
+GPT example's two param groups and its warm-up/cosine scheduler), the allocator's peak is what
+`estimate_memory(fused_step=True)` predicts, the monitor still matches the allocator, and set-ups whose
+update would differ (clipping, accumulation, the fp16 scaler, DDP, manual optimization, LBFGS) are refused."""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+from zoo import ZooModule, zoo_batch
+
+from lightning_memkit import FusedOptimizerStep, MemoryMonitor, estimate_memory, fuse_optimizer_step
+from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
+from lightning_memkit.testing import AllocatorPeaks
+
+B, T = 8, 64
+
+
+def _trainer(tmp_path, callbacks, max_steps=4, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
+        logger=CSVLogger(tmp_path), callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, **kwargs,
+    )  # fmt: skip
+
+
+class _Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+def _gpt(batch_size=B):
+    torch.manual_seed(0)
+    data = GPTDataModule(batch_size=batch_size, seq_len=T, num_sentences=300)
+    x = torch.randint(0, 256, (batch_size, T))
+    return GPTLightningModule("tiny", max_steps=4), data, (x, x.roll(-1, 1))
+
+
+def _qwen2():
+    torch.manual_seed(0)
+    return ZooModule("qwen2", batch_size=4, seq_len=64, n_batches=4), None, zoo_batch("qwen2", 4, 64)
+
+
+def _run(make, fused: bool, tmp_path):
+    module, data, batch = make()
+    peaks, monitor, losses = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False), _Losses()
+    callbacks = [FusedOptimizerStep()] if fused else []
+    trainer = _trainer(tmp_path / str(fused), [*callbacks, losses, *peaks.around(monitor)], max_steps=3)
+    trainer.fit(module, data)
+    for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
+        assert measured.peak == pytest.approx(truth, rel=0.001)  # categories sum to the allocator's peak
+    return module, batch, peaks.peaks, losses.losses
+
+
+@pytest.mark.parametrize(("make", "batch_size"), [(_gpt, B), (_qwen2, 4)], ids=["gpt", "qwen2"])
+def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, batch_size, tmp_path):
+    """The unchanged LightningModule with and without FusedOptimizerStep: the same losses and parameters,
+    every step's allocator peak as the monitor reports it, and the first and steady steps' peaks as
+    estimated. No gradient is whole at the peak, so it is below the unfused step's by at least the
+    gradients the unfused peak holds, less what the backward's in-flight gradients and optimizer
+    temporaries add (the estimator counts those too)."""
+    plain, batch, plain_peaks, plain_losses = _run(make, False, tmp_path)
+    fused, _, fused_peaks, fused_losses = _run(make, True, tmp_path)
+    assert torch.equal(torch.stack(fused_losses), torch.stack(plain_losses))
+    for a, b in zip(fused.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    first = estimate_memory(fused, batch, device="cpu", fused_step=True, first_step=True)
+    steady = estimate_memory(fused, batch, device="cpu", fused_step=True)
+    assert first.peak == pytest.approx(fused_peaks[0], rel=0.01)
+    assert steady.peak == pytest.approx(max(fused_peaks[1:]), rel=0.01)
+    unfused = estimate_memory(plain, batch, device="cpu")
+    assert unfused.peak == pytest.approx(max(plain_peaks[1:]), rel=0.01)
+    assert steady.gradients <= unfused.gradients / 4  # a few parameters' gradients at most
+    assert max(fused_peaks[1:]) <= max(plain_peaks[1:])
+
+
+def test_resume_restores_the_optimizer_and_schedule(tmp_path):
+    """Two steps, a checkpoint, two more resumed: with the fused step as without it (the optimizer, its
+    state and the scheduler are Lightning's own), the same losses and parameters."""
+    results = {}
+    for fused in (False, True):
+        module, data, _ = _gpt()
+        callbacks = [FusedOptimizerStep()] if fused else []
+        trainer = _trainer(tmp_path / str(fused), callbacks, max_steps=2)
+        trainer.fit(module, data)
+        ckpt = tmp_path / f"{fused}.ckpt"
+        trainer.save_checkpoint(ckpt)
+        torch.manual_seed(1)  # the resumed weights come from the checkpoint, not the seed
+        module, data, _ = _gpt()
+        losses = _Losses()
+        callbacks = [FusedOptimizerStep()] if fused else []
+        _trainer(tmp_path / f"{fused}-resumed", [*callbacks, losses]).fit(module, data, ckpt_path=ckpt)
+        results[fused] = torch.stack(losses.losses), [p.detach() for p in module.parameters()]
+        assert module.trainer.optimizers[0].state_dict()["state"][0]["step"] == 4
+    assert torch.equal(results[True][0], results[False][0]) and len(results[True][0]) == 2
+    for a, b in zip(results[True][1], results[False][1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+        lambda p: bnb.optim.AdamW8bit(p, lr=1e-2, min_8bit_size=64),
+        lambda p: bnb.optim.Lion(p, lr=1e-3),
+    ],
+    ids=["adamw", "sgd_momentum", "adamw8bit", "lion"],
+)
+def test_plain_loop_trains_as_the_unfused_step(optimizer):
+    """A plain PyTorch loop (zero_grad, backward, step, as the optimizer's own docs write it): the fused
+    step trains the same, with torch's and bitsandbytes' optimizers, and leaves no gradient behind."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))]
+    models.append(torch.nn.Sequential(*(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))))
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [optimizer(m.parameters()) for m in models]
+    fused = fuse_optimizer_step(optimizers[1])
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    for _ in range(5):
+        for model, opt in zip(models, optimizers, strict=True):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert all(p.grad is None for p in models[1].parameters())
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    fused.remove()  # unfused again: the gradients stay until zero_grad
+    torch.nn.functional.mse_loss(models[1](x), y).backward()
+    assert all(p.grad is not None for p in models[1].parameters())
+
+
+def test_refuses_what_needs_all_gradients_before_a_step(tmp_path):
+    """Each set-up whose update would differ inside backward is refused as the fit starts, saying why and
+    what to use instead."""
+    cases = {
+        "gradient_clip_val=1.0 clips by the norm of all gradients": {"gradient_clip_val": 1.0},
+        "accumulate_grad_batches=2 adds several backward": {"accumulate_grad_batches": 2},
+        "DDPStrategy reduces each gradient": {"strategy": "ddp"},
+    }
+    for message, kwargs in cases.items():
+        module, data, _ = _gpt()
+        match = f"FusedOptimizerStep cannot run here: {message}.*GradientRelease"
+        with pytest.raises(ValueError, match=match):
+            _trainer(tmp_path, [FusedOptimizerStep()], max_steps=1, **kwargs).fit(module, data)
+    module, data, _ = _gpt()
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="manual optimization"):
+        _trainer(tmp_path, [FusedOptimizerStep()], max_steps=1).fit(module, data)
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="LBFGS re-evaluates the loss"):
+        fuse_optimizer_step(torch.optim.LBFGS(model.parameters()))
+    shared = list(model.parameters())
+    with pytest.raises(ValueError, match=r"A parameter of shape \(4, 4\) is in two optimizers"):
+        fuse_optimizer_step([torch.optim.SGD(shared, lr=0.1), torch.optim.SGD(shared[:1], lr=0.1)])
+    module, _, batch = _gpt()
+    with pytest.raises(ValueError, match="cannot accumulate gradients"):
+        estimate_memory(module, batch, device="cpu", fused_step=True, accumulating=True)
+
+
+def test_fp16_scaler_is_refused(tmp_path):
+    """fp16 AMP with its grad scaler (Lightning gives CUDA one; here it is given on the CPU)."""
+    module, data, _ = _gpt()
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = _trainer(tmp_path, [FusedOptimizerStep()], max_steps=1, plugins=[scaled])
+    with pytest.raises(ValueError, match='precision="16-mixed" scales the loss'):
+        trainer.fit(module, data)
