@@ -54,6 +54,7 @@ plan reports; the run itself uses Lightning's strategies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from collections import Counter
@@ -103,11 +104,10 @@ def _divisors(n: int) -> list[int]:
 class _Search:
     """Simulations of one model and batch, cached by configuration; one rank's (sharded) peak."""
 
-    def __init__(
-        self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, release_gradients=False
-    ) -> None:
+    def __init__(self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, levers=None) -> None:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
-        self.release_gradients = release_gradients
+        #: how the step runs: `estimate_memory`'s ``release_gradients`` and ``fused_step``
+        self.levers: dict[str, bool] = dict(levers or {})
         self.strategy, self.n_gpus = strategy, n_gpus
         self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
         self.whole: dict[tuple, MemoryBreakdown] = {}  # the same steps, unsharded
@@ -135,8 +135,8 @@ class _Search:
                     loss_fn=self.loss_fn,
                     precision=precision,
                     device=self.device,
-                    release_gradients=self.release_gradients,
                     return_timeline=return_timeline,
+                    **self.levers,
                 )
         finally:
             self.seconds += time.perf_counter() - start
@@ -179,8 +179,8 @@ class _Search:
                         loss_fn=self.loss_fn,
                         precision=precision,
                         accumulating=m < batch_size(self.batch),
-                        release_gradients=self.release_gradients,
-                        max_rounds=3,  # a few plans per micro-batch: uniform modes are candidates too
+                        max_rounds=3,
+                        **self.levers,  # a few plans per micro-batch: uniform modes are candidates too
                     )
             finally:
                 self.seconds += time.perf_counter() - start
@@ -256,7 +256,10 @@ class _Search:
             return 0
 
     def _static(self, optimizer: str | None, precision: str) -> MemoryBreakdown:
-        return model_static(self.model, precision, optimizer or "sgd")
+        static = model_static(self.model, precision, optimizer or "sgd")
+        if self.levers.get("fused_step"):  # never all at once: a parameter's gradient at a time
+            return dataclasses.replace(static, gradients=0)
+        return static
 
 
 def _runnable(
@@ -303,6 +306,7 @@ def plan_fit(
     cost: str | StepCost = "auto",
     progress: Callable[[str], None] | None = None,
     release_gradients: bool = False,
+    fused_step: bool = False,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -328,6 +332,9 @@ def plan_fit(
             ``PROGRESS_AFTER_S`` seconds (a large model's simulations take seconds each).
         release_gradients: plan for a run that frees the gradients after each optimizer step
             (`release_gradients`, `GradientRelease`): the forward without the previous step's gradients.
+        fused_step: plan for a run that steps each parameter inside backward (`fuse_optimizer_step`,
+            `FusedOptimizerStep`): no gradient is whole at once, and no accumulation (the micro-batch is
+            the global batch per GPU); one process only.
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -365,6 +372,14 @@ def plan_fit(
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
     per_rank = batch_slice(batch, total // n_gpus)
     sizes = _divisors(total // n_gpus)
+    if fused_step:
+        if n_gpus > 1:
+            raise ValueError(
+                "The optimizer step fused into backward runs on one process: DDP and the sharded strategies "
+                "reduce each gradient across ranks after backward. Plan it with n_gpus=1, or plan "
+                "release_gradients=True instead."
+            )
+        sizes = sizes[-1:]  # it steps at every backward: no accumulation
     search = _Search(
         model,
         per_rank,
@@ -373,7 +388,7 @@ def plan_fit(
         strategy if n_gpus > 1 else "ddp",
         n_gpus,
         progress,
-        release_gradients,
+        {"release_gradients": release_gradients, "fused_step": fused_step},
     )
     candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
     sizes = _runnable(search, sizes, levels[-1], candidates[0], precisions[0])

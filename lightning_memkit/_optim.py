@@ -116,8 +116,11 @@ def _analytic_state_bytes(name: str, params: Sequence[Tensor]) -> int:
     return sum(OPTIMIZERS[name](shapes, size) for size, shapes in by_size.items())
 
 
-def static_estimator(model: nn.Module, *, device: str | torch.device | None = None) -> Estimator:
-    """Parameters + gradients + the optimizers' state (`state_bytes`): the step without activations."""
+def static_estimator(
+    model: nn.Module, *, device: str | torch.device | None = None, gradients: bool = True
+) -> Estimator:
+    """Parameters + gradients + the optimizers' state (`state_bytes`): the step without activations;
+    without the gradients for a step that never holds them all (`fuse_optimizer_step`)."""
     device = torch.device(device or model_device(model).type)
     rounding = allocation_rounding(device)
 
@@ -132,7 +135,7 @@ def static_estimator(model: nn.Module, *, device: str | torch.device | None = No
         return sum(rounded(n, rounding) for n in sizes.values())
 
     params = storages([*model.parameters(), *model.buffers()])
-    grads = storages(p for p in model.parameters() if p.requires_grad)
+    grads = storages(p for p in model.parameters() if p.requires_grad) if gradients else 0
 
     def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
         state = sum(state_bytes(o, device=device) for o in optimizers)
@@ -150,10 +153,12 @@ def simulated_estimator(
     device: str | torch.device | None = None,
     accumulating: bool = False,
     release_gradients: bool = False,
+    fused_step: bool = False,
 ) -> Estimator:
     """The whole step on fake tensors (`estimate_memory`), with one optimizer; ``accumulating``: the last
     micro-batch of a gradient accumulation cycle; ``release_gradients``: the gradients freed after the
-    optimizer's step (`release_gradients`)."""
+    optimizer's step (`release_gradients`); ``fused_step``: the step inside backward
+    (`fuse_optimizer_step`)."""
     device = torch.device(device or model_device(model).type)
     run = functools.partial(
         estimate_memory,
@@ -164,6 +169,7 @@ def simulated_estimator(
         device=device,
         accumulating=accumulating,
         release_gradients=release_gradients,
+        fused_step=fused_step,
     )
 
     def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
@@ -458,6 +464,7 @@ def fit_optimizer(
     device: str | torch.device | None = None,
     accumulating: bool = False,
     release_gradients: bool = False,
+    fused_step: bool = False,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -487,6 +494,8 @@ def fit_optimizer(
             micro-batch is simulated; `estimate_memory`).
         release_gradients: the loop frees the gradients after each optimizer step (`release_gradients`):
             a LightningModule's forward then runs without the previous step's gradients.
+        fused_step: the loop steps each parameter inside backward (`fuse_optimizer_step`): no gradient
+            is whole at once (the static estimate leaves them out).
 
     Returns:
         An `OptimizerChoice`: the name chosen, the optimizers, the estimated breakdown and every estimate
@@ -515,10 +524,11 @@ def fit_optimizer(
             device=device,
             accumulating=accumulating,
             release_gradients=release_gradients,
+            fused_step=fused_step,
         )
         method = "simulated"
     else:
-        estimate, method = static_estimator(model, device=device), "static"
+        estimate, method = static_estimator(model, device=device, gradients=not fused_step), "static"
     return choose_optimizer(
         optimizers, budget, estimate, candidates=candidates, allow_unknown=allow_unknown, method=method
     )

@@ -12,6 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import (
+    AutoFit,
+    FusedOptimizerStep,
     GradientRelease,
     MemoryMonitor,
     OptimizerSwap,
@@ -53,7 +55,7 @@ def _zoo(name: str, batch_size: int, seq_len: int):
 
 # The GPT example; T5 at its default use_cache=True, whose step still peaks in the forward without the
 # gradients, so it saves all of them; the CNN with BatchNorm, whose step peaks in its backward, so it saves
-# nothing (benchmarks/bench_gradient_release.py: the rest of the zoo).
+# nothing (benchmarks/bench_step_levers.py: the rest of the zoo).
 MODELS = {"gpt": _gpt, "t5": _zoo("t5", 4, 64), "resnet": _zoo("resnet", 4, 64)}
 
 
@@ -138,17 +140,29 @@ def test_the_callback_removes_its_hooks_after_the_fit(tmp_path):
     assert not optimizer._optimizer_step_post_hooks
 
 
-def test_the_budget_callbacks_plan_for_the_released_step(tmp_path):
-    """At 31 MB the GPT example's AdamW step fits only with the gradients released (32.4 MB without, 29.5
-    MB with): OptimizerSwap keeps AdamW beside GradientRelease and swaps without it; plan_fit keeps the
-    whole batch without checkpointing when told the run releases them (without, the step does not fit as
-    OptimizerSwap just found)."""
-    budget = 31_000_000
-    for release, expected in ((True, "adamw"), (False, "adamw8bit")):
-        module, data, _ = _gpt()
-        swap = OptimizerSwap(budget=budget)
-        _fit(module, data, [swap, *([GradientRelease()] if release else [])], tmp_path / str(release), 1)
-        assert swap.choice.name == expected
+@pytest.mark.parametrize("lever", [GradientRelease, FusedOptimizerStep])
+def test_the_budget_callbacks_plan_for_the_step_the_levers_make(lever, tmp_path):
+    """At 31 MB the GPT example's AdamW step fits only without all its gradients (32.4 MB with them, 29.5
+    MB released after the step or stepped inside backward): OptimizerSwap keeps AdamW beside either lever
+    and would swap without one (the step does not fit); plan_fit keeps the whole batch without
+    checkpointing when told. AutoFit beside FusedOptimizerStep plans no accumulation, which the fused step
+    refuses."""
+    budget, kwargs = (
+        31_000_000,
+        {"release_gradients": lever is GradientRelease, "fused_step": lever is not GradientRelease},
+    )
+    module, data, _ = _gpt()
+    swap = OptimizerSwap(budget=budget)
+    _fit(module, data, [swap, lever()], tmp_path / "swap", 1)
+    assert swap.choice.name == "adamw"
+    without = estimate_memory(module, _gpt()[2], device="cpu")
+    assert without.peak > budget  # what OptimizerSwap alone finds, and swaps to adamw8bit for
     module, _, batch = _gpt()
-    kept = plan_fit(module, batch, budget, margin=0, device="cpu", cost="flops", release_gradients=True)
+    kept = plan_fit(module, batch, budget, margin=0, device="cpu", cost="flops", **kwargs)
     assert (kept.micro_batch_size, kept.checkpointing, kept.optimizer) == (B, "none", "adamw")
+    if lever is FusedOptimizerStep:
+        module, data, _ = _gpt()
+        fit = AutoFit(budget="20MB", cost="flops")
+        trainer = _fit(module, data, [fit, lever()], tmp_path / "autofit", 1)
+        assert fit.plan.accumulate_grad_batches == trainer.accumulate_grad_batches == 1
+        assert fit.plan.micro_batch_size == B

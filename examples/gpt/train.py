@@ -16,7 +16,8 @@ global batch), gradient accumulation, activation checkpointing and optimizer tog
 ``--checkpointing-budget`` and ``--optimizer-budget`` use one lever each (ActivationCheckpointing,
 OptimizerSwap). Budgets are sizes ("24GB", "6GiB") or, for --autofit, GPU names ("A100-40GB").
 ``--release-gradients`` frees the gradients after each optimizer step (GradientRelease): the next
-forward runs without them, and the budget callbacks plan for that.
+forward runs without them, and the budget callbacks plan for that. ``--fused-step`` steps each parameter
+inside backward instead (FusedOptimizerStep): no step holds all the gradients; no gradient accumulation.
 """
 
 import argparse
@@ -29,7 +30,14 @@ from typing import TYPE_CHECKING
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, GradientRelease, MemoryMonitor, OptimizerSwap
+from lightning_memkit import (
+    ActivationCheckpointing,
+    AutoFit,
+    FusedOptimizerStep,
+    GradientRelease,
+    MemoryMonitor,
+    OptimizerSwap,
+)
 from lightning_memkit.demos.gpt import PRESETS, GPTDataModule, GPTLightningModule
 
 if TYPE_CHECKING:
@@ -73,10 +81,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fit.add_argument("--autofit", metavar="BUDGET", help="AutoFit: plan every lever to fit, e.g. 24GB, T4")
     fit.add_argument("--checkpointing-budget", metavar="BUDGET", help="ActivationCheckpointing's budget")
     fit.add_argument("--optimizer-budget", metavar="BUDGET", help="OptimizerSwap's budget")
-    fit.add_argument(
+    step = fit.add_mutually_exclusive_group()
+    step.add_argument(
         "--release-gradients",
         action="store_true",
         help="GradientRelease: free the gradients after each optimizer step (same training, lower peak)",
+    )
+    step.add_argument(
+        "--fused-step",
+        action="store_true",
+        help="FusedOptimizerStep: step each parameter inside backward (same training, no gradients held)",
     )
     args = parser.parse_args(argv)
     if args.autofit and (args.checkpointing_budget or args.optimizer_budget):
@@ -120,6 +134,8 @@ def print_sample(trainer: L.Trainer, model: GPTLightningModule) -> None:
 
 def callbacks(args: argparse.Namespace) -> list[L.Callback]:
     chosen: list[L.Callback] = [GradientRelease()] if args.release_gradients else []
+    if args.fused_step:
+        chosen.append(FusedOptimizerStep())
     if args.autofit:
         chosen.append(AutoFit(budget=args.autofit))
     if args.checkpointing_budget:

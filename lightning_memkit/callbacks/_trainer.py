@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
 from lightning_memkit._analytic import model_static, scheme
+from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
 
 __all__ = [
@@ -29,8 +30,8 @@ __all__ = [
     "on_rank_zero",
     "optimizer_steps_done",
     "precision",
-    "releases_gradients",
     "sharding",
+    "step_levers",
 ]
 
 T = TypeVar("T")
@@ -98,10 +99,14 @@ def accumulates(trainer: pl.Trainer) -> bool:
     return trainer.accumulate_grad_batches > 1 or any(n > 1 for n in scheduled)
 
 
-def releases_gradients(trainer: pl.Trainer) -> bool:
-    """Whether the fit frees the gradients after each optimizer step (a `GradientRelease` callback): the
-    budget callbacks then estimate the step without the previous step's gradients in the forward."""
-    return any(isinstance(c, GradientRelease) for c in trainer.callbacks)
+def step_levers(trainer: pl.Trainer) -> dict[str, bool]:
+    """How the fit's callbacks change the step, as `estimate_memory`'s keywords: ``release_gradients``
+    (a `GradientRelease`: no previous step's gradients in the forward) and ``fused_step`` (a
+    `FusedOptimizerStep`: each parameter stepped inside backward). The budget callbacks plan that step."""
+    return {
+        "release_gradients": any(isinstance(c, GradientRelease) for c in trainer.callbacks),
+        "fused_step": any(isinstance(c, FusedOptimizerStep) for c in trainer.callbacks),
+    }
 
 
 def accumulating_now(trainer: pl.Trainer) -> bool:

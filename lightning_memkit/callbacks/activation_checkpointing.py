@@ -32,7 +32,7 @@ from lightning_memkit.callbacks._trainer import (
     fsdp_checkpointing,
     on_rank_zero,
     precision,
-    releases_gradients,
+    step_levers,
 )
 
 _OPTION = "ActivationCheckpointing(policy={MyBlock})"
@@ -230,7 +230,7 @@ class ActivationCheckpointing(Callback):
                     device=trainer.strategy.root_device.type,
                     precision=precision(trainer),
                     accumulating=accumulates(trainer),
-                    release_gradients=releases_gradients(trainer),
+                    **step_levers(trainer),
                 ).as_dict()
 
         return CheckpointPlan.from_dict(on_rank_zero(trainer, decide, "Planning activation checkpointing"))

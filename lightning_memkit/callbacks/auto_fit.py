@@ -85,8 +85,8 @@ from lightning_memkit.callbacks._trainer import (
     fit_data_source,
     on_rank_zero,
     precision,
-    releases_gradients,
     sharding,
+    step_levers,
 )
 
 __all__ = ["AutoFit"]
@@ -205,7 +205,7 @@ class AutoFit(Callback):
             n_gpus=ranks,
             cost=self.cost,
             progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
-            release_gradients=releases_gradients(trainer),
+            **step_levers(trainer),
         )
 
     def _budget(self, device: str) -> Budget:

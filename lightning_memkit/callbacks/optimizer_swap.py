@@ -61,7 +61,7 @@ from lightning_memkit.callbacks._trainer import (
     first_batch,
     on_rank_zero,
     precision,
-    releases_gradients,
+    step_levers,
 )
 
 
@@ -304,7 +304,7 @@ class OptimizerSwap(Callback):
                 precision=precision(trainer),
                 device=device,
                 accumulating=accumulates(trainer),
-                release_gradients=releases_gradients(trainer),
+                **step_levers(trainer),
             )
             method = "simulated"
         else:

@@ -72,6 +72,15 @@ def add_plan(subparsers: Any) -> None:
         "--optimizer", type=names("optimizer", list(OPTIMIZERS)), default=None, metavar="O[,O...]",
         help="candidate optimizers in quality order (default: the model's own, then the lighter ones)",
     )  # fmt: skip
+    lever = p.add_mutually_exclusive_group()
+    lever.add_argument(
+        "--release-gradients", action="store_true",
+        help="plan with GradientRelease: no previous step's gradients in the forward",
+    )  # fmt: skip
+    lever.add_argument(
+        "--fused-step", action="store_true",
+        help="plan with FusedOptimizerStep: each parameter stepped inside backward (no accumulation, 1 GPU)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(run=run_plan)
 
@@ -101,9 +110,12 @@ def run_plan(args: argparse.Namespace) -> int:
             loss_fn=None if lightning else lm_loss,
             cost="flops",
             progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
+            release_gradients=args.release_gradients,
+            fused_step=args.fused_step,
         )
     seconds = time.perf_counter() - start
-    code = plan_code(plan, model, global_batch=args.global_batch, optimizers=args.optimizer)
+    lever = "GradientRelease" if args.release_gradients else "FusedOptimizerStep" if args.fused_step else None
+    code = plan_code(plan, model, global_batch=args.global_batch, optimizers=args.optimizer, lever=lever)
     if args.json:
         print(json.dumps({"model": args.model, **plan.as_dict(), "code": code, "seconds": seconds}, indent=2))
     else:
@@ -115,13 +127,19 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def plan_code(
-    plan: FitPlan, model: nn.Module, *, global_batch: int, optimizers: tuple[str, ...] | None
+    plan: FitPlan,
+    model: nn.Module,
+    *,
+    global_batch: int,
+    optimizers: tuple[str, ...] | None,
+    lever: str | None = None,
 ) -> str:
     """The plan as Python a user pastes: the Trainer with ``AutoFit``, which makes this plan as the fit
     starts, then the same set by hand: the micro-batch (the DataLoader's batch size), the Trainer's
     arguments, checkpointing as a callback (its policy, or the step's limit when the blocks' modes differ:
     ActivationCheckpointing then plans the split), and an optimizer swap as a comment (it goes in
-    ``configure_optimizers``). ``optimizers`` are the candidates ``--optimizer`` gave, if any."""
+    ``configure_optimizers``). ``optimizers`` are the candidates ``--optimizer`` gave, if any; ``lever`` the
+    callback that changes the step the plan was made for (``"FusedOptimizerStep"``), in both Trainers."""
     budget, named = plan.budget, plan.budget.source in GPUS
     # AutoFit reads a size as the step's limit, not as a card's: a card size is given as what it leaves.
     autofit = {"budget": json.dumps(budget.source) if named else f"{budget.usable:_}"}
@@ -134,11 +152,15 @@ def plan_code(
         trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.n_gpus)}
     by_hand = {"accumulate_grad_batches": str(plan.accumulate_grad_batches), **trainer}
     per_block = plan.checkpointing not in CHECKPOINT_MODES  # the blocks' modes differ ("2 selective, 2 full")
+    levers = [f"{lever}()"] if lever else []
     if per_block:  # no one policy names it: ActivationCheckpointing plans the split for the step's limit
-        by_hand["callbacks"] = f"[ActivationCheckpointing(budget={plan.limit:_})]"
+        levers.append(f"ActivationCheckpointing(budget={plan.limit:_})")
     elif plan.checkpointing != "none":
-        by_hand["callbacks"] = f"[ActivationCheckpointing(policy={json.dumps(plan.checkpointing)})]"
-    imports = ["ActivationCheckpointing", "AutoFit"] if "callbacks" in by_hand else ["AutoFit"]
+        levers.append(f"ActivationCheckpointing(policy={json.dumps(plan.checkpointing)})")
+    if levers:
+        by_hand["callbacks"] = f"[{', '.join(levers)}]"
+    imports = sorted({"AutoFit", *(c.split("(")[0] for c in levers)})
+    with_autofit = [f"AutoFit({_arguments(autofit)})", *([f"{lever}()"] if lever else [])]
     card = f"#    The budget is what a {budget.source} card leaves after the CUDA context and reserve."
     per_gpu = global_batch // plan.n_gpus
     lines = [
@@ -148,7 +170,7 @@ def plan_code(
         "# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the",
         f"#    global batch per GPU, here {per_gpu}; it sets micro-batch and accumulation itself.",
         *([] if named else [card]),
-        _call("trainer = Trainer", {**trainer, "callbacks": f"[AutoFit({_arguments(autofit)})]"}),
+        _call("trainer = Trainer", {**trainer, "callbacks": f"[{', '.join(with_autofit)}]"}),
         "",
         "# 2. Or by hand: batch_size is the micro-batch, the DataLoader's batch size.",
         f"batch_size = {plan.micro_batch_size}",
