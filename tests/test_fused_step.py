@@ -50,25 +50,25 @@ def _qwen2():
 
 
 def _run(make, fused: bool, tmp_path):
+    """Three steps of ``make``'s module; the fused run also measured (allocator and monitor, every step)."""
     module, data, batch = make()
-    peaks, monitor, losses = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False), _Losses()
-    callbacks = [FusedOptimizerStep()] if fused else []
-    trainer = _trainer(tmp_path / str(fused), [*callbacks, losses, *peaks.around(monitor)], max_steps=3)
-    trainer.fit(module, data)
+    losses, peaks, monitor = _Losses(), AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
+    watched = [FusedOptimizerStep(), *peaks.around(monitor)] if fused else []
+    _trainer(tmp_path / str(fused), [losses, *watched], max_steps=3).fit(module, data)
     for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
         assert measured.peak == pytest.approx(truth, rel=0.001)  # categories sum to the allocator's peak
     return module, batch, peaks.peaks, losses.losses
 
 
-@pytest.mark.parametrize(("make", "batch_size"), [(_gpt, B), (_qwen2, 4)], ids=["gpt", "qwen2"])
-def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, batch_size, tmp_path):
-    """The unchanged LightningModule with and without FusedOptimizerStep: the same losses and parameters,
-    every step's allocator peak as the monitor reports it, and the first and steady steps' peaks as
-    estimated. No gradient is whole at the peak, so it is below the unfused step's by at least the
-    gradients the unfused peak holds, less what the backward's in-flight gradients and optimizer
-    temporaries add (the estimator counts those too)."""
-    plain, batch, plain_peaks, plain_losses = _run(make, False, tmp_path)
+@pytest.mark.parametrize("make", [_gpt, _qwen2], ids=["gpt", "qwen2"])
+def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
+    """The unchanged LightningModule with and without FusedOptimizerStep: the same losses and parameters;
+    every fused step's allocator peak as the monitor reports it, and the first and steady steps' peaks as
+    estimated. No gradient is whole at the peak (the unfused step's peak is checked against the allocator
+    in ``test_gradient_release.py`` and ``test_zoo.py``)."""
+    plain, batch, _, plain_losses = _run(make, False, tmp_path)
     fused, _, fused_peaks, fused_losses = _run(make, True, tmp_path)
+    assert len(fused_peaks) == 3
     assert torch.equal(torch.stack(fused_losses), torch.stack(plain_losses))
     for a, b in zip(fused.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -78,9 +78,8 @@ def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, batch_size
     assert first.peak == pytest.approx(fused_peaks[0], rel=0.01)
     assert steady.peak == pytest.approx(max(fused_peaks[1:]), rel=0.01)
     unfused = estimate_memory(plain, batch, device="cpu")
-    assert unfused.peak == pytest.approx(max(plain_peaks[1:]), rel=0.01)
     assert steady.gradients <= unfused.gradients / 4  # a few parameters' gradients at most
-    assert max(fused_peaks[1:]) <= max(plain_peaks[1:])
+    assert max(fused_peaks[1:]) <= unfused.peak
 
 
 def test_resume_restores_the_optimizer_and_schedule(tmp_path):
