@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, estimate_memory, format_bytes, parse_budget
+from lightning_memkit import (
+    ActivationCheckpointing,
+    AutoFit,
+    FusedOptimizerStep,
+    estimate_memory,
+    format_bytes,
+    parse_budget,
+)
 from lightning_memkit._analytic import TransformerShape, estimate_analytic, shard
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTConfig, GPTLightningModule
@@ -382,6 +389,26 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     exec(compile(first, "<memkit plan>", "exec"), namespace)
     assert isinstance(namespace["trainer"]["callbacks"][0], AutoFit)
     assert namespace["trainer"]["callbacks"][0].budget == usable
+
+
+def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback():
+    """``--fused-step``: the step inside backward cannot accumulate, so the micro-batch is the global batch,
+    and both Trainers in the code carry FusedOptimizerStep; on several GPUs it is
+    refused, saying why."""
+    argv = ["plan", "--model", "tiny", "--gpu", "1GB", "--global-batch", "64", "--seq-len", "128"]
+    report = _json([*argv, "--fused-step"])
+    assert (report["micro_batch_size"], report["accumulate_grad_batches"]) == (64, 1)
+    autofit, by_hand = _trainer_calls(report["code"])
+    assert autofit["callbacks"].endswith(", FusedOptimizerStep()]")
+    assert by_hand["callbacks"] == "[FusedOptimizerStep()]"
+    assert "from lightning_memkit import AutoFit, FusedOptimizerStep\n" in report["code"]
+    namespace = {"Trainer": dict}
+    exec(report["code"].replace("from lightning.pytorch import Trainer\n", ""), namespace)
+    assert isinstance(namespace["trainer"]["callbacks"][0], FusedOptimizerStep)
+    status, _, err = _run([*argv, "--fused-step", "--gpus", "2"])
+    assert status == 2 and "fused into backward runs on one process" in err
+    status, _, err = _run([*argv, "--fused-step", "--release-gradients"])
+    assert status == 2 and "not allowed with argument" in err
 
 
 def test_plan_prints_the_plan_its_alternatives_and_the_code(monkeypatch):
