@@ -558,9 +558,14 @@ def _infeasible(search, candidates, precisions, levels, limit, budget, margin, t
     best = search.peak(search.smallest, strongest, candidates[0], precisions[0])
     # Unsharded smallest steps: what more GPUs (FSDP) or a larger card would have to hold.
     whole = search.estimate(search.smallest, strongest, optimizer=candidates[0], precision=precisions[0])
-    fsdp = next(
-        (n for n in _SUGGESTED_GPUS if n <= total and shard(whole, "fsdp", n).peak <= limit),
-        None,
+    fused = search.levers.get("fused_step", False)  # one process only: no FSDP to suggest
+    fsdp = (
+        None
+        if fused
+        else next(
+            (n for n in _SUGGESTED_GPUS if n <= total and shard(whole, "fsdp", n).peak <= limit),
+            None,
+        )
     )
     gpu = next(
         (
@@ -579,10 +584,15 @@ def _infeasible(search, candidates, precisions, levels, limit, budget, margin, t
     if gpu is not None:
         fixes.append(f"one {gpu} ({GPUS[gpu] / 1024:.0f} GiB) fits it at micro-batch {search.smallest}")
     hint = "; ".join(fixes) or "no single GPU or up to 64 FSDP ranks fits it"
+    static_parts = (
+        "parameters + optimizer state: the fused step holds no gradients"
+        if fused
+        else ("parameters + gradients + optimizer state")
+    )
     lower = "" if {"bf16-true", "16-true"} & set(precisions) else "; or allow a lower precision (bf16-true)"
     return (
         f"No plan fits {format_bytes(limit)} ({budget.source}, usable {format_bytes(budget.usable)} less the "
-        f"{margin:.0%} margin){ranks}. Static floor (parameters + gradients + optimizer state) with "
+        f"{margin:.0%} margin){ranks}. Static floor ({static_parts}) with "
         f"{leanest_opt or 'the configured optimizer'}, {leanest_prec}: {format_bytes(floor.static)}; the "
         f"leanest plan (micro-batch {search.smallest}, {strongest} checkpointing, {leanest_opt}) peaks at "
         f"{format_bytes(floor.peak)}; with {candidates[0] or 'the configured optimizer'} at micro-batch "

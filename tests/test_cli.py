@@ -407,6 +407,10 @@ def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback()
     assert isinstance(namespace["trainer"]["callbacks"][0], FusedOptimizerStep)
     status, _, err = _run([*argv, "--fused-step", "--gpus", "2"])
     assert status == 2 and "fused into backward runs on one process" in err
+    small = [*argv[:4], "600MB", *argv[5:], "--fused-step", "--optimizer", "sgd"]
+    status, _, err = _run(small)  # nothing fits: the floor has no gradients, and no FSDP is suggested
+    assert status == 2 and "(parameters + optimizer state: the fused step holds no gradients)" in err
+    assert "fsdp" not in err.lower()
     status, _, err = _run([*argv, "--fused-step", "--release-gradients"])
     assert status == 2 and "not allowed with argument" in err
 
