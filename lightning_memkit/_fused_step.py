@@ -15,6 +15,10 @@ Why not torch-optimi's gradient release: it works only with optimi's own optimiz
 here is torch's and bitsandbytes') and keeps each parameter's param group inside the optimizer state
 (``state[p]["group"]``), which a Lightning checkpoint would then carry.
 
+torch-optimi's own optimizers keep one step count per param group, which a step per parameter would
+advance once per parameter: they are stepped through optimi's per-parameter path (``step(param=p)``) when
+built with ``gradient_release=True``, and refused otherwise.
+
 What it cannot do, and refuses (`refusal`): an optimizer that re-evaluates the loss (LBFGS's closure);
 anything that needs all gradients before any update — gradient clipping by global norm, accumulation over
 micro-batches, the fp16 grad scaler's inf check, DDP's or FSDP's reduction across ranks (the hook would
@@ -28,6 +32,7 @@ import inspect
 from collections.abc import Iterable
 
 import torch
+from optimi.optimizer import OptimiOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -88,6 +93,14 @@ def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedSte
                 "backward: the optimizer step cannot be fused with it. Use an optimizer whose step() takes "
                 "no closure, or GradientRelease, which frees the gradients after the step instead."
             )
+        if isinstance(optimizer, OptimiOptimizer) and not optimizer.defaults.get("gradient_release"):
+            kind = type(optimizer).__name__
+            raise ValueError(
+                f"torch-optimi's {kind} counts its steps per param group, so one step per parameter inside "
+                "backward would advance its bias correction once per parameter. Build it with "
+                f"optimi.{kind}(..., gradient_release=True), which steps one parameter at a time, or use "
+                "GradientRelease instead."
+            )
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if owners.setdefault(id(p), optimizer) is not optimizer:
@@ -98,8 +111,13 @@ def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedSte
                 if p.requires_grad:
                     params.append(p)
         optimizer.zero_grad(set_to_none=True)
+    groups = {
+        id(p): group for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
+    }
     handles = [
-        p.register_post_accumulate_grad_hook(functools.partial(_step_one, optimizer=owners[id(p)]))
+        p.register_post_accumulate_grad_hook(
+            functools.partial(_step_one, optimizer=owners[id(p)], group=groups[id(p)])
+        )
         for p in params
     ]
     return FusedStep(handles, optimizers)
@@ -115,7 +133,14 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def _step_one(param: Tensor, optimizer: Optimizer) -> None:
+def _step_one(param: Tensor, optimizer: Optimizer, group: dict) -> None:
     gradient_consumed(param)  # a tracker watching the step counts it as a gradient before it goes
-    optimizer.step()  # only `param` has a gradient now: the others are None
+    if isinstance(optimizer, OptimiOptimizer):
+        # Its per-parameter path (gradient_release=True) reads the hyperparameters from
+        # state[param]["group"], which Lightning's optimizer_to_device and load_state_dict replace with a
+        # copy: a scheduler's learning rate would no longer reach it. Point it at the live group.
+        optimizer.state[param]["group"] = group
+        optimizer.step(param=param)
+    else:
+        optimizer.step()  # only `param` has a gradient now: the others are None
     param.grad = None

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import bitsandbytes as bnb
 import lightning.pytorch as pl
+import optimi
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 from zoo import ZooModule, zoo_batch
 
-from lightning_memkit import FusedOptimizerStep, MemoryMonitor, estimate_memory, fuse_optimizer_step
+from lightning_memkit import (
+    FusedOptimizerStep,
+    GradientRelease,
+    MemoryMonitor,
+    OptimizerSwap,
+    estimate_memory,
+    fuse_optimizer_step,
+)
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -173,3 +181,75 @@ def test_fp16_scaler_is_refused(tmp_path):
     trainer = _trainer(tmp_path, [FusedOptimizerStep()], max_steps=1, plugins=[scaled])
     with pytest.raises(ValueError, match='precision="16-mixed" scales the loss'):
         trainer.fit(module, data)
+
+
+class _Losses2(_Losses):
+    """Losses, and a layer of the optimizer frozen as training starts, unfrozen at the second batch (as
+    BackboneFinetuning does)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.model.blocks[0].requires_grad_(False)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            pl_module.model.blocks[0].requires_grad_(True)
+
+
+class _Optimi(GPTLightningModule):
+    """The example on torch-optimi's Kahan-summed AdamW, built for its per-parameter step."""
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        groups = [dict(g, gradient_release=True) for g in config["optimizer"].param_groups]
+        config["optimizer"] = optimi.AdamW(groups, lr=groups[0]["lr"], kahan_sum=True, gradient_release=True)
+        config["lr_scheduler"]["scheduler"].optimizer = config["optimizer"]
+        return config
+
+
+@pytest.mark.parametrize("case", ["unfrozen", "optimi"])
+def test_the_hooks_follow_what_trains(case, tmp_path):
+    """A layer frozen at the start and unfrozen at the second batch gets its own hook then (else every
+    other parameter's step() would step it again while its gradient waits); torch-optimi's AdamW, which
+    counts steps per group, is stepped through its per-parameter path with the live learning rate (the
+    warm-up schedule moves it every step; Lightning's optimizer_to_device copies the group optimi keeps).
+    Both train as without the fused step."""
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        module = _Optimi("tiny", max_steps=4) if case == "optimi" else GPTLightningModule("tiny", max_steps=4)
+        data = GPTDataModule(batch_size=B, seq_len=T, num_sentences=300)
+        losses = _Losses2() if case == "unfrozen" else _Losses()
+        callbacks = [losses, *([FusedOptimizerStep()] if fused else [])]
+        _trainer(tmp_path / str(fused), callbacks, max_steps=4).fit(module, data)
+        results.append((torch.stack(losses.losses), [p.detach() for p in module.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"optimi.AdamW\(..., gradient_release=True\)"):
+        fuse_optimizer_step(optimi.AdamW(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_the_swapped_optimizer_is_the_one_stepped_and_hooks_go_on_failure(tmp_path):
+    """OptimizerSwap installs its choice at the first batch, after on_train_start: the fused step hooks
+    that one (its 8-bit state steps), not the configured AdamW. A fit that fails leaves no hook behind,
+    for either lever."""
+    module, data, _ = _gpt()
+    swap = OptimizerSwap(budget=27_000_000)  # AdamW's fused step needs 29.5 MB, 8-bit AdamW's fits
+    trainer = _trainer(tmp_path, [swap, FusedOptimizerStep()], max_steps=2)
+    trainer.fit(module, data)
+    (optimizer,) = trainer.optimizers
+    assert swap.choice.name == "adamw8bit" and isinstance(optimizer, bnb.optim.AdamW8bit)
+    assert {int(s["step"]) for s in optimizer.state.values()} == {2}
+
+    class Fail(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 1:
+                raise RuntimeError("stop")
+
+    for lever in (FusedOptimizerStep(), GradientRelease()):
+        module, data, _ = _gpt()
+        trainer = _trainer(tmp_path, [lever, Fail()], max_steps=3)
+        with pytest.raises(RuntimeError, match="stop"):
+            trainer.fit(module, data)
+        assert not any(p._post_accumulate_grad_hooks for p in module.parameters())
+        assert not trainer.optimizers[0]._optimizer_step_post_hooks

@@ -1,8 +1,9 @@
 """FusedOptimizerStep: each parameter is updated inside backward, as soon as its gradient is complete.
 
-The lever is `fuse_optimizer_step`; this callback installs it on the fit's optimizers in
-``on_train_start`` (after `OptimizerSwap` has swapped them and `AutoFit` has set the accumulation) and takes
-it off when training ends. Lightning's loop is unchanged: it still calls ``training_step``, ``zero_grad``,
+The lever is `fuse_optimizer_step`; this callback installs it on the fit's optimizers right before a
+training backward (after `OptimizerSwap` has installed its choice, again whenever the optimizers or the
+trained parameters change) and takes it off for validation, at the end of training and after an exception.
+Lightning's loop is unchanged: it still calls ``training_step``, ``zero_grad``,
 ``backward`` and ``optimizer.step(closure)``; the parameters are updated inside that backward, and the step
 after it finds no gradient and does nothing.
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
 
@@ -48,6 +51,7 @@ class FusedOptimizerStep(Callback):
 
     def __init__(self) -> None:
         self._fused: FusedStep | None = None
+        self._installed_for: tuple[int, ...] = ()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -55,24 +59,51 @@ class FusedOptimizerStep(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refuse(trainer, pl_module)  # again: AutoFit sets the accumulation in on_fit_start
-        self._remove()
-        self._fused = fuse_optimizer_step(trainer.optimizers)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """Hook the optimizers and parameters this backward trains. Checked at every backward, as late as
+        possible: `OptimizerSwap` installs its choice at the first batch, and a parameter unfrozen later
+        (``BackboneFinetuning``) or a param group added must be stepped once, by its own hook, not by every
+        other parameter's ``step()`` while its gradient waits."""
+        key = _trained(trainer.optimizers)
+        if key != self._installed_for:
+            self._remove()
+            self._fused = fuse_optimizer_step(trainer.optimizers)
+            self._installed_for = key
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove()  # a backward in validation (under enable_grad) must not step; back at the next one
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove()
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._remove()  # Lightning calls neither on_train_end nor teardown then
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove()  # also after an exception, where on_train_end is not called
+        self._remove()
 
     def _remove(self) -> None:
         if self._fused is not None:
             self._fused.remove()
             self._fused = None
+        self._installed_for = ()
 
     def _refuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         why = refusal(trainer, pl_module)
         if why is not None:
             raise ValueError(f"FusedOptimizerStep cannot run here: {why}")
+
+
+def _trained(optimizers: list[Optimizer]) -> tuple[int, ...]:
+    """What the hooks are for: the optimizers, and the parameters of each that require a gradient."""
+    return tuple(
+        id(x)
+        for optimizer in optimizers
+        for x in (optimizer, *(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad))
+    )
 
 
 def refusal(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
