@@ -61,6 +61,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
@@ -76,8 +77,8 @@ from lightning_memkit._lightning import (
     is_lightning,
 )
 from lightning_memkit._measure import model_device
-from lightning_memkit._optimizers import lighter_candidates
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit._optimizers import COMPENSATED, lighter_candidates
+from lightning_memkit._simulate import PRECISION_DTYPES, estimate_memory
 
 __all__ = ["grid", "plan_fit"]
 
@@ -307,6 +308,7 @@ def plan_fit(
     progress: Callable[[str], None] | None = None,
     release_gradients: bool = False,
     fused_step: bool = False,
+    compensate: bool = True,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -335,6 +337,11 @@ def plan_fit(
         fused_step: plan for a run that steps each parameter inside backward (`fuse_optimizer_step`,
             `FusedOptimizerStep`): no gradient is whole at once, and no accumulation (the micro-batch is
             the global batch per GPU); one process only.
+        compensate: plan 16-bit weights (``"bf16-true"``, ``"16-true"``) only with an update that keeps the
+            small steps a 16-bit weight would round away: AdamW and SGD become their Kahan-summed
+            ``"adamw_kahan"``, ``"sgd_kahan"`` (torch-optimi; `COMPENSATED`) there, and the other
+            optimizers are not planned there. ``False`` plans every optimizer at every precision (AutoFit:
+            the Trainer's precision and optimizer are the user's).
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -391,11 +398,21 @@ def plan_fit(
         {"release_gradients": release_gradients, "fused_step": fused_step},
     )
     candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
-    sizes = _runnable(search, sizes, levels[-1], candidates[0], precisions[0])
+    pairs = _pairs(candidates, precisions, compensate, fused_step)
+    if not pairs:
+        raise ValueError(
+            f"None of the optimizers {', '.join(map(str, candidates))} keeps small updates with 16-bit "
+            f"weights ({', '.join(precisions)}): allow adamw or sgd (planned as their Kahan-summed "
+            "adamw_kahan, sgd_kahan), or a precision with fp32 weights (32-true, bf16-mixed)."
+        )
+    candidates = tuple(dict.fromkeys(o for o, _ in pairs))  # with the Kahan twins, in quality order
+    sizes = _runnable(search, sizes, levels[-1], *pairs[0])
 
     chosen: tuple[str | None, str] | None = None
     for opt in candidates:
         for prec in precisions:
+            if (opt, prec) not in pairs:
+                continue
             if search.static(opt, prec) > limit:
                 continue
             if search.peak(sizes[0], levels[-1], opt, prec).peak <= limit:
@@ -404,7 +421,7 @@ def plan_fit(
         if chosen:
             break
     if chosen is None:
-        raise ValueError(_infeasible(search, candidates, precisions, levels, limit, budget, margin, total))
+        raise ValueError(_infeasible(search, pairs, precisions, levels, limit, budget, margin, total))
 
     opt, prec = chosen
     step_cost = _cost(cost, model, per_rank, loss_fn, device, search, prec, opt)
@@ -518,6 +535,29 @@ def _alternatives(
     )
 
 
+def _pairs(
+    candidates: Sequence[str | None], precisions: Sequence[str], compensate: bool, fused: bool = False
+) -> list[tuple[str | None, str]]:
+    """The (optimizer, precision) pairs to plan, best first: each optimizer at each precision, except that
+    with ``compensate`` a precision with 16-bit weights takes only compensated updates (an optimizer's
+    Kahan twin, right after it), and those twins are not added at fp32 weights, where they are the same
+    optimizer (`COMPENSATED`). ``None`` (the configured optimizer, not in the catalogue) is kept as is.
+    With the ``fused`` step the Kahan entries are left out: torch-optimi's optimizers count steps per
+    group, and `fuse_optimizer_step` takes them only built with ``gradient_release=True``."""
+    kahan = set(COMPENSATED.values())
+    pairs: list[tuple[str | None, str]] = []
+    for opt in candidates:
+        options = (opt,) if not compensate or opt is None else (opt, COMPENSATED.get(opt, opt))
+        for candidate in dict.fromkeys(options):
+            for prec in precisions:
+                sixteen = PRECISION_DTYPES[prec][0] in (torch.bfloat16, torch.float16)
+                lossy = candidate not in kahan if sixteen else (candidate in kahan and candidate != opt)
+                if (compensate and candidate is not None and lossy) or (fused and candidate in kahan):
+                    continue
+                pairs.append((candidate, prec))
+    return list(dict.fromkeys(pairs))
+
+
 def _checkpointable(model: nn.Module, levels: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
     """The modes that are candidates for ``model``, and a note on those that are not.
 
@@ -549,15 +589,14 @@ def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> 
     )
 
 
-def _infeasible(search, candidates, precisions, levels, limit, budget, margin, total) -> str:
+def _infeasible(search, pairs, precisions, levels, limit, budget, margin, total) -> str:
     """The error text: static floor, leanest plan's peak, and what would fit."""
-    leanest_opt = candidates[-1]
-    leanest_prec = precisions[-1]
+    (first_opt, first_prec), (leanest_opt, leanest_prec) = pairs[0], pairs[-1]
     strongest = levels[-1]
     floor = search.peak(search.smallest, strongest, leanest_opt, leanest_prec)
-    best = search.peak(search.smallest, strongest, candidates[0], precisions[0])
+    best = search.peak(search.smallest, strongest, first_opt, first_prec)
     # Unsharded smallest steps: what more GPUs (FSDP) or a larger card would have to hold.
-    whole = search.estimate(search.smallest, strongest, optimizer=candidates[0], precision=precisions[0])
+    whole = search.estimate(search.smallest, strongest, optimizer=first_opt, precision=first_prec)
     fused = search.levers.get("fused_step", False)  # one process only: no FSDP to suggest
     fsdp = (
         None
@@ -578,9 +617,7 @@ def _infeasible(search, candidates, precisions, levels, limit, budget, margin, t
     ranks = f" over {search.n_gpus} GPUs ({search.strategy})" if search.n_gpus > 1 else ""
     fixes = []
     if fsdp is not None:
-        fixes.append(
-            f"{fsdp} GPUs of this size with strategy='fsdp' (or deepspeed_stage_3) keep {candidates[0]}"
-        )
+        fixes.append(f"{fsdp} GPUs of this size with strategy='fsdp' (or deepspeed_stage_3) keep {first_opt}")
     if gpu is not None:
         fixes.append(f"one {gpu} ({GPUS[gpu] / 1024:.0f} GiB) fits it at micro-batch {search.smallest}")
     hint = "; ".join(fixes) or "no single GPU or up to 64 FSDP ranks fits it"
@@ -595,7 +632,7 @@ def _infeasible(search, candidates, precisions, levels, limit, budget, margin, t
         f"{margin:.0%} margin){ranks}. Static floor ({static_parts}) with "
         f"{leanest_opt or 'the configured optimizer'}, {leanest_prec}: {format_bytes(floor.static)}; the "
         f"leanest plan (micro-batch {search.smallest}, {strongest} checkpointing, {leanest_opt}) peaks at "
-        f"{format_bytes(floor.peak)}; with {candidates[0] or 'the configured optimizer'} at micro-batch "
+        f"{format_bytes(floor.peak)}; with {first_opt or 'the configured optimizer'} at micro-batch "
         f"{search.smallest}: {format_bytes(best.peak)}. What would fit: {hint}{lower}."
     )
 

@@ -100,6 +100,21 @@ def lion8bit_state_bytes(
     return _bnb_state_bytes(shapes, 1, min_8bit_size, block_size, eight_bit=True)
 
 
+def adamw_kahan_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
+    """torch-optimi AdamW with Kahan summation (Zamirai et al. 2020, "Revisiting BFloat16 Training"): the
+    two moments in the parameter's dtype and, for 16-bit parameters, a Kahan compensation buffer of the same
+    size that keeps the low bits each update loses; no per-parameter step counter (one per group). So
+    ``2·n·4`` bytes for fp32 parameters and ``3·n·2`` for bf16 ones."""
+    per_element = 2 * state_bytes + (state_bytes if state_bytes < 4 else 0)
+    return sum(math.prod(s) * per_element for s in shapes)
+
+
+def sgd_kahan_state_bytes(shapes: Sequence[Shape], state_bytes: int = 4) -> int:
+    """torch-optimi SGD without momentum, with Kahan summation: only the compensation buffer, for 16-bit
+    parameters (``n·2`` bytes); nothing for fp32 ones."""
+    return sum(math.prod(s) * state_bytes for s in shapes) if state_bytes < 4 else 0
+
+
 #: name -> f(shapes, state_bytes) -> bytes. ``state_bytes`` is the element size torch.optim state takes
 #: from the parameters; the bitsandbytes optimizers ignore it (their full-precision state is fp32).
 OPTIMIZERS: dict[str, Callable[[Sequence[Shape], int], int]] = {
@@ -111,4 +126,6 @@ OPTIMIZERS: dict[str, Callable[[Sequence[Shape], int], int]] = {
     "adafactor": adafactor_state_bytes,
     "sgd_momentum": sgd_momentum_state_bytes,
     "sgd": sgd_state_bytes,
+    "adamw_kahan": adamw_kahan_state_bytes,
+    "sgd_kahan": sgd_kahan_state_bytes,
 }

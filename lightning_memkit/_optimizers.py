@@ -20,7 +20,15 @@ lion8bit           bitsandbytes.optim.Lion8bit               ≈1 B (+ fp32 unde
 adafactor          torch.optim.Adafactor                     O(rows + columns) per matrix
 sgd_momentum       torch.optim.SGD(momentum=0.9)             4 B
 sgd                torch.optim.SGD                           0 B
+adamw_kahan        optimi.AdamW(kahan_sum=True)              8 B fp32; 6 B under bf16-true (+ Kahan)
+sgd_kahan          optimi.SGD(kahan_sum=True)                0 B fp32; 2 B under bf16-true (Kahan)
 =================  ========================================  =====================================
+
+The last two are the compensated updates for 16-bit weights (``precision="bf16-true"``): a bf16
+parameter keeps 8 bits of mantissa, so an update below 1/256 of the weight rounds away entirely (and
+late in a decayed schedule most do); torch-optimi's Kahan summation keeps the lost low bits in a bf16
+buffer and adds them back (Zamirai et al. 2020, "Revisiting BFloat16 Training"). For fp32 parameters they
+are AdamW and SGD. `plan_fit` plans bf16-true only with them (`COMPENSATED`).
 
 Translation rules, from AdamW's per-group ``lr`` and ``weight_decay`` (every rule multiplies, so a
 group without decay keeps none and a learning-rate schedule keeps its shape, scaled):
@@ -47,6 +55,8 @@ group without decay keeps none and a learning-rate schedule keeps its shape, sca
   than Adam: on the tiny GPT x10 reached 3.05, x30 3.04 and x100 diverged; 30 is the largest stable.
 - **SGD**: ``lr * 300`` (momentum SGD's effective step is ``lr / (1 - 0.9)``, so the step size stays
   that of the momentum rule) and ``weight_decay / 300``, the same decay per step.
+- **AdamW / SGD with Kahan summation** (torch-optimi): AdamW's and SGD's rules; optimi's AdamW decay is
+  decoupled (``lr * weight_decay``) as torch's, its SGD decay an L2 term as torch's.
 
 An original that is not AdamW is first carried back to AdamW's terms by the inverse of its own rule.
 Only ``lr``, ``weight_decay`` (and ``betas``/``eps`` between the Adam family) are carried; options such
@@ -65,6 +75,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import optimi
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -238,8 +249,25 @@ CATALOGUE: dict[str, CatalogueEntry] = {
             "sgd", torch.optim.SGD, lr_scale=10 * SGD_LR_SCALE, decay_scale=_SGD_DECAY,
             fixed=(("momentum", 0.0),), state="0 B",
         ),
+        CatalogueEntry(
+            "adamw_kahan", optimi.AdamW, carries=_ADAM, fixed=(("kahan_sum", True),),
+            state="8 B/param for fp32 weights; 6 B/param for bf16: bf16 moments + a bf16 Kahan buffer",
+        ),
+        CatalogueEntry(
+            "sgd_kahan", optimi.SGD, lr_scale=10 * SGD_LR_SCALE, decay_scale=_SGD_DECAY,
+            fixed=(("momentum", 0.0), ("kahan_sum", True)), state="0 B for fp32 weights; 2 B/param for bf16",
+        ),
     )
 }  # fmt: skip
+
+#: The compensated update (`CATALOGUE`'s Kahan entries) that replaces an optimizer where the weights are
+#: 16-bit (bf16-true, 16-true) and an uncompensated update would lose the small steps.
+COMPENSATED = {
+    "adamw": "adamw_kahan",
+    "sgd": "sgd_kahan",
+    "adamw_kahan": "adamw_kahan",
+    "sgd_kahan": "sgd_kahan",
+}
 
 #: What `OptimizerSwap` and `fit_optimizer` try by default, in order. ``paged_adamw8bit`` is left out:
 #: it holds as many bytes as ``adamw8bit``, so it never fits where that does not; name it to use it.
@@ -262,7 +290,9 @@ def identify(optimizer: Optimizer) -> str | None:
 
     Exact types only (a subclass may change the update): torch's AdamW and Adam are ``"adamw"``, SGD is
     ``"sgd_momentum"`` or ``"sgd"`` by its momentum, Adafactor ``"adafactor"``, and bitsandbytes'
-    AdamW8bit, PagedAdamW8bit, Lion, Lion8bit their own names. ``maximize=True`` is not known.
+    AdamW8bit, PagedAdamW8bit, Lion, Lion8bit their own names; torch-optimi's AdamW and SGD (without
+    momentum) ``"adamw_kahan"`` and ``"sgd_kahan"`` unless Kahan summation is off. ``maximize=True`` is
+    not known.
     """
     if any(group.get("maximize", False) for group in optimizer.param_groups):
         return None
@@ -275,6 +305,12 @@ def identify(optimizer: Optimizer) -> str | None:
         return "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
     if cls.__module__.startswith("bitsandbytes."):
         return _BNB_NAMES.get(cls.__name__)
+    if cls in (optimi.AdamW, optimi.SGD) and all(
+        g.get("kahan_sum") is not False for g in optimizer.param_groups
+    ):
+        if cls is optimi.AdamW:
+            return "adamw_kahan"
+        return None if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd_kahan"
     return None
 
 

@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
+import optimi
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -220,6 +222,10 @@ def _named_optimizer(name: str) -> Callable[[Iterable[Tensor]], torch.optim.Opti
         return functools.partial(torch.optim.SGD, lr=1e-3)
     if name == "sgd_momentum":
         return functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9)
+    if name == "adamw_kahan":
+        return functools.partial(optimi.AdamW, lr=1e-3, kahan_sum=True)
+    if name == "sgd_kahan":
+        return functools.partial(optimi.SGD, lr=1e-3, kahan_sum=True)
     bnb = load_bitsandbytes()
     if bnb is None:
         raise ValueError(
@@ -254,11 +260,19 @@ def _rebuild(
                 "pass an optimizer built over model.parameters(), or a factory such as "
                 "functools.partial(torch.optim.AdamW, lr=1e-3)."
             )
-        groups.append({**group, "params": [fake_of[id(p)] for p in group["params"]]})
+        # torch-optimi keeps its run state in the group ("setup", a "step" tensor): the twin starts afresh.
+        kept = {k: v for k, v in group.items() if k not in _GROUP_RUN_STATE}
+        groups.append({**kept, "params": [fake_of[id(p)] for p in group["params"]]})
     try:
         return type(optimizer)(groups, **optimizer.defaults)
-    except TypeError:  # a constructor whose keywords are not its defaults' keys: the groups carry them
-        return type(optimizer)(groups)
+    except TypeError:  # a constructor whose keywords are not its defaults' keys: the groups carry them,
+        # and only the keywords it takes are passed (torch-optimi's lr is required; its beta1 is not one)
+        accepted = inspect.signature(type(optimizer)).parameters
+        return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+#: Keys of a param group that are an optimizer's running state, not its hyperparameters (torch-optimi's).
+_GROUP_RUN_STATE = ("setup", "step")
 
 
 def _use_device_defaults(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> None:

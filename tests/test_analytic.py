@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
 
+import optimi
 import pytest
 import torch
 from hypothesis import given, settings
@@ -265,6 +266,18 @@ def test_torch_optimizer_state_matches_a_real_step(name, make):
 def test_torch_state_follows_bf16_params():
     real = _one_step(lambda p: torch.optim.AdamW(p), dtype=torch.bfloat16)
     assert real == optimizer_state_bytes("adamw", SHAPES, state_bytes=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [("adamw_kahan", lambda p: optimi.AdamW(p, lr=1e-3)), ("sgd_kahan", lambda p: optimi.SGD(p, lr=1e-3))],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimi_state_matches_a_real_step(name, make, dtype):
+    """torch-optimi's Kahan buffer exists for 16-bit weights only; its moments take the weights' dtype."""
+    real = _one_step(make, dtype=dtype)
+    assert real == optimizer_state_bytes(name, SHAPES, state_bytes=dtype.itemsize)
+    assert (real > 0) == (name == "adamw_kahan" or dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit", "lion", "lion8bit"])

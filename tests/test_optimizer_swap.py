@@ -11,6 +11,7 @@ import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
+import optimi
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,9 @@ def test_catalogue_names_of_optimizers():
     assert name(bnb.optim.Lion8bit(p)) == "lion8bit"
     assert name(torch.optim.RMSprop(p)) is None
     assert name(torch.optim.AdamW(p, maximize=True)) is None
+    assert name(optimi.AdamW(p, lr=0.1)) == "adamw_kahan" and name(optimi.SGD(p, lr=0.1)) == "sgd_kahan"
+    assert name(optimi.AdamW(p, lr=0.1, kahan_sum=False)) is None
+    assert name(optimi.SGD(p, lr=0.1, momentum=0.9)) is None
 
 
 def test_translation_per_group():

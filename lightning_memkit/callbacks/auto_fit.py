@@ -205,6 +205,7 @@ class AutoFit(Callback):
             n_gpus=ranks,
             cost=self.cost,
             progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
+            compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
             **step_levers(trainer),
         )
 

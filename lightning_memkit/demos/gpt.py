@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_memkit import _analytic
+from lightning_memkit._optimizers import swap_optimizer
 from lightning_memkit.demos._data import GPTDataModule, decode, encode
 
 __all__ = ["GPT", "Block", "GPTConfig", "GPTDataModule", "GPTLightningModule", "WarmupCosine"]
@@ -267,6 +268,8 @@ class GPTLightningModule(L.LightningModule):
         warmup_steps: optimizer steps of linear warmup.
         max_steps: optimizer steps of the cosine decay; ``None`` takes ``trainer.estimated_stepping_batches``.
         min_lr_ratio: the final learning rate as a fraction of the peak.
+        optimizer: a catalogue name (`lightning_memkit.CATALOGUE`): AdamW's hyperparameters carried over
+            by `swap_optimizer`; ``"adamw_kahan"`` is the compensated update for ``precision="bf16-true"``.
 
     Logs ``train_loss`` (each step) and ``val_loss`` (each validation epoch), in nats per byte.
     """
@@ -280,6 +283,7 @@ class GPTLightningModule(L.LightningModule):
         warmup_steps: int = 10,
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         if isinstance(config, str):
@@ -314,6 +318,8 @@ class GPTLightningModule(L.LightningModule):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"},
         ]
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        if hp.get("optimizer", "adamw") != "adamw":  # checkpoints saved before the argument have none
+            optimizer = swap_optimizer(optimizer, hp.optimizer)
         max_steps = hp.max_steps or self.trainer.estimated_stepping_batches
         if not math.isfinite(max_steps):
             raise ValueError(
