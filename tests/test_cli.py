@@ -227,7 +227,10 @@ def test_a_plain_module_factory_is_stepped_as_a_language_model():
         (["--gpus", "0"], r"argument --gpus: must be a positive integer"),
         (["--seq-len", "4096"], r"--seq-len 4096 exceeds the model's block_size of 128"),
         (["--precision", "fp16"], r"Unknown precision 'fp16'; valid: 64-true, 32-true, 16-mixed, bf16-mixed"),
-        (["--optimizer", "adam"], r"Unknown optimizer 'adam'; valid: adamw, .*sgd_kahan\. Did you mean 'adamw'"),
+        (
+            ["--optimizer", "adam"],
+            r"Unknown optimizer 'adam'; valid: adamw, .*sgd_kahan\. Did you mean 'adamw'",
+        ),
         (["--strategy", "zero4"], r"Unknown strategy 'zero4'; valid: ddp, "),
         (
             ["--checkpointing", "half"],

@@ -16,6 +16,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import (
+    AutoFit,
     FusedOptimizerStep,
     GradientRelease,
     MemoryMonitor,
@@ -23,6 +24,7 @@ from lightning_memkit import (
     estimate_memory,
     fuse_optimizer_step,
 )
+from lightning_memkit._analytic import model_static
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -253,3 +255,20 @@ def test_the_swapped_optimizer_is_the_one_stepped_and_hooks_go_on_failure(tmp_pa
             trainer.fit(module, data)
         assert not any(p._post_accumulate_grad_hooks for p in module.parameters())
         assert not trainer.optimizers[0]._optimizer_step_post_hooks
+
+
+def test_autofit_meets_a_budget_below_adamws_static_floor(tmp_path):
+    """13 MB is below what AdamW's parameters, gradients and state take on their own (14.0 MB): AutoFit
+    beside FusedOptimizerStep keeps AdamW (no gradient is ever whole), plans no accumulation and
+    checkpoints the blocks to fit; every real step is within the budget, at the estimate."""
+    torch.manual_seed(0)
+    module = GPTLightningModule("tiny", max_steps=3)
+    assert model_static(module, "32-true", "adamw").static > 13_000_000
+    fit, peaks = AutoFit(budget=13_000_000, margin=0, cost="flops"), AllocatorPeaks()
+    trainer = _trainer(tmp_path, [fit, FusedOptimizerStep(), *peaks.around()], max_steps=3)
+    trainer.fit(module, GPTDataModule(batch_size=2, seq_len=T, num_sentences=300))
+    plan = fit.plan
+    assert (plan.optimizer, plan.micro_batch_size, trainer.accumulate_grad_batches) == ("adamw", 2, 1)
+    assert plan.checkpointing != "none" and len(peaks.peaks) == 3
+    assert max(peaks.peaks) <= 13_000_000
+    assert max(peaks.peaks[1:]) == pytest.approx(plan.estimated_peak, rel=0.01)

@@ -12,7 +12,6 @@ from lightning.pytorch.loggers import CSVLogger
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import (
-    AutoFit,
     FusedOptimizerStep,
     GradientRelease,
     MemoryMonitor,
@@ -145,8 +144,7 @@ def test_the_budget_callbacks_plan_for_the_step_the_levers_make(lever, tmp_path)
     """At 31 MB the GPT example's AdamW step fits only without all its gradients (32.4 MB with them, 29.5
     MB released after the step or stepped inside backward): OptimizerSwap keeps AdamW beside either lever
     and would swap without one (the step does not fit); plan_fit keeps the whole batch without
-    checkpointing when told. AutoFit beside FusedOptimizerStep plans no accumulation, which the fused step
-    refuses."""
+    checkpointing when told (AutoFit beside FusedOptimizerStep: ``test_fused_step.py``)."""
     budget, kwargs = (
         31_000_000,
         {"release_gradients": lever is GradientRelease, "fused_step": lever is not GradientRelease},
@@ -160,9 +158,3 @@ def test_the_budget_callbacks_plan_for_the_step_the_levers_make(lever, tmp_path)
     module, _, batch = _gpt()
     kept = plan_fit(module, batch, budget, margin=0, device="cpu", cost="flops", **kwargs)
     assert (kept.micro_batch_size, kept.checkpointing, kept.optimizer) == (B, "none", "adamw")
-    if lever is FusedOptimizerStep:
-        module, data, _ = _gpt()
-        fit = AutoFit(budget="20MB", cost="flops")
-        trainer = _fit(module, data, [fit, lever()], tmp_path / "autofit", 1)
-        assert fit.plan.accumulate_grad_batches == trainer.accumulate_grad_batches == 1
-        assert fit.plan.micro_batch_size == B
