@@ -303,7 +303,7 @@ def test_a_ready_made_dataloader_is_refused(tmp_path):
 @on_the_pretend_device
 def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
     module = _Device(rows=0)
-    with pytest.raises(RuntimeError, match="no leaner plan is left"):
+    with pytest.raises(RuntimeError, match=r"with full checkpointing, the strongest of .*no leaner plan is"):
         _fit_on_device(tmp_path, module)
     assert all(p.requires_grad for p in module.parameters())
     assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}

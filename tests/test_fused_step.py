@@ -260,7 +260,8 @@ def test_the_swapped_optimizer_is_the_one_stepped_and_hooks_go_on_failure(tmp_pa
 def test_autofit_meets_a_budget_below_adamws_static_floor(tmp_path):
     """13 MB is below what AdamW's parameters, gradients and state take on their own (14.0 MB): AutoFit
     beside FusedOptimizerStep keeps AdamW (no gradient is ever whole), plans no accumulation and
-    checkpoints the blocks to fit; every real step is within the budget, at the estimate."""
+    checkpoints the blocks to fit; every real step is within the budget, at the estimate. Its OOM guard
+    stays off (it would run a batch again in slices, and each slice's backward would step)."""
     torch.manual_seed(0)
     module = GPTLightningModule("tiny", max_steps=3)
     assert model_static(module, "32-true", "adamw").static > 13_000_000
@@ -270,5 +271,6 @@ def test_autofit_meets_a_budget_below_adamws_static_floor(tmp_path):
     plan = fit.plan
     assert (plan.optimizer, plan.micro_batch_size, trainer.accumulate_grad_batches) == ("adamw", 2, 1)
     assert plan.checkpointing != "none" and len(peaks.peaks) == 3
+    assert fit._guard is None  # no OOM recovery by slices: each slice's backward would step
     assert max(peaks.peaks) <= 13_000_000
     assert max(peaks.peaks[1:]) == pytest.approx(plan.estimated_peak, rel=0.01)

@@ -343,9 +343,9 @@ class AutoFit(Callback):
         leaner = self.plan.leaner(self.checkpointing)
         if leaner is None:
             raise RuntimeError(
-                f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with full "
-                "checkpointing: no leaner plan is left; lower the budget given to AutoFit so that a lighter "
-                "optimizer is chosen."
+                f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with "
+                f"{self.plan.checkpointing} checkpointing, the strongest of {self.checkpointing}: no leaner "
+                "plan is left; lower the budget given to AutoFit so that a lighter optimizer is chosen."
             )
         rank_zero_warn(f"AutoFit: out of memory; re-planned one notch leaner: {leaner.summary()}")
         self.plan = leaner
@@ -377,11 +377,13 @@ class AutoFit(Callback):
 
 def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
     """Whether `StepGuard` can recover from an OOM here: one device that runs the module unwrapped, a
-    precision plugin whose backward calls the module's ``backward`` hook, automatic optimization."""
+    precision plugin whose backward calls the module's ``backward`` hook, automatic optimization, and no
+    optimizer step inside backward (`FusedOptimizerStep`: each slice's backward would step)."""
     return (
         isinstance(trainer.strategy, SingleDeviceStrategy)
         and type(trainer.precision_plugin).backward is Precision.backward
         and module.automatic_optimization
+        and not step_levers(trainer)["fused_step"]
     )
 
 
