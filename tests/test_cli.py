@@ -25,7 +25,10 @@ from lightning_memkit import (
     parse_budget,
 )
 from lightning_memkit._analytic import TransformerShape, estimate_analytic, shard
+from lightning_memkit._checkpointing import CheckpointPlan
+from lightning_memkit._fitplan import FitPlan
 from lightning_memkit.cli import main
+from lightning_memkit.cli._plan import plan_code
 from lightning_memkit.demos.gpt import GPTConfig, GPTLightningModule
 
 TINY = ["estimate", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--device", "cpu"]
@@ -369,14 +372,17 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     usable = parse_budget("560MB", device_size=True).usable  # the card less the CUDA context and reserve
     callback = f"[AutoFit(budget={usable}, margin=0.2, optimizers=['adamw8bit'])]"
     assert autofit == {**sharded, "callbacks": callback}
-    # One policy for every block, or the limit to plan a per-block split for ("2 selective, 2 full").
-    one_policy = report["checkpointing"] in ("selective", "selective_half", "full")
-    policy = f"policy='{report['checkpointing']}'" if one_policy else f"budget={report['limit']}"
+    # One policy for every block: a per-block split ("2 selective, 2 full") is written as its strongest
+    # mode, since ActivationCheckpointing cannot plan a budget under FSDP.
+    modes = [part.split(" ")[-1] for part in report["checkpointing"].split(", ")]
+    strongest = max(modes, key=("none", "selective", "selective_half", "full").index)
     assert by_hand == {
         "accumulate_grad_batches": 1,
         **sharded,
-        "callbacks": f"[ActivationCheckpointing({policy})]",
+        "callbacks": f"[ActivationCheckpointing(policy='{strongest}')]",
     }
+    if len(modes) > 1:
+        assert f"under fsdp every block gets {strongest}: it fits too" in code
     assert "here 16;" in code and "\nbatch_size = 16\n" in code and "a 560MB card leaves" in code
     assert '#    return lightning_memkit.swap_optimizer(optimizer, "adamw8bit")' in code
     assert "adamw8bit in place of adamw" in code
@@ -392,6 +398,26 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     exec(compile(first, "<memkit plan>", "exec"), namespace)
     assert isinstance(namespace["trainer"]["callbacks"][0], AutoFit)
     assert namespace["trainer"]["callbacks"][0].budget == usable
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_3"])
+def test_plan_code_writes_a_per_block_plan_each_strategy_can_run(strategy):
+    """A per-block plan ("2 none, 2 full") is ActivationCheckpointing(budget=the step's limit) under DDP,
+    which plans the split itself; a sharded strategy cannot plan that budget (FSDP refuses it, ZeRO-3's
+    simulated step is unsharded), so there every block gets the plan's strongest mode, which fits too."""
+    blocks = [{"name": f"model.blocks.{i}", "policy": "none" if i < 2 else "full"} for i in range(4)]
+    plan = FitPlan(
+        micro_batch_size=4, accumulate_grad_batches=2, checkpointing="2 none, 2 full", optimizer="adamw",
+        precision="bf16-mixed", estimated_peak=10**9, budget=parse_budget("A100-40GB"), strategy=strategy,
+        n_gpus=2, checkpoint_plan=CheckpointPlan.from_dict({"blocks": blocks}),
+    )  # fmt: skip
+    code = plan_code(plan, GPTLightningModule("tiny"), global_batch=16, optimizers=None)
+    _, by_hand = _trainer_calls(code)
+    if strategy == "ddp":
+        assert by_hand["callbacks"] == f"[ActivationCheckpointing(budget={plan.limit})]"
+    else:
+        assert by_hand["callbacks"] == "[ActivationCheckpointing(policy='full')]"
+        assert f"under {strategy} every block gets full: it fits too" in code
 
 
 def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback():

@@ -152,11 +152,18 @@ def plan_code(
         trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.n_gpus)}
     by_hand = {"accumulate_grad_batches": str(plan.accumulate_grad_batches), **trainer}
     per_block = plan.checkpointing not in CHECKPOINT_MODES  # the blocks' modes differ ("2 selective, 2 full")
+    # ActivationCheckpointing plans a budget on the unsharded step (and refuses to under FSDP): with a
+    # sharded strategy a per-block plan is written as its strongest mode on every block, which fits too.
+    sharded = plan.n_gpus > 1 and plan.strategy != "ddp"
+    strongest = max(
+        plan.checkpoint_plan.policies.values() if plan.checkpoint_plan else [plan.checkpointing],
+        key=CHECKPOINT_MODES.index,
+    )
     levers = [f"{lever}()"] if lever else []
-    if per_block:  # no one policy names it: ActivationCheckpointing plans the split for the step's limit
+    if per_block and not sharded:  # no one policy names it: ActivationCheckpointing plans the split
         levers.append(f"ActivationCheckpointing(budget={plan.limit:_})")
     elif plan.checkpointing != "none":
-        levers.append(f"ActivationCheckpointing(policy={json.dumps(plan.checkpointing)})")
+        levers.append(f"ActivationCheckpointing(policy={json.dumps(strongest)})")
     if levers:
         by_hand["callbacks"] = f"[{', '.join(levers)}]"
     imports = sorted({"AutoFit", *(c.split("(")[0] for c in levers)})
@@ -176,7 +183,12 @@ def plan_code(
         f"batch_size = {plan.micro_batch_size}",
         _call("trainer = Trainer", by_hand),
     ]
-    if per_block:
+    if per_block and sharded:
+        lines.append(
+            f"#    The plan checkpoints block by block ({plan.checkpointing}); under {plan.strategy} "
+            f"every block gets {strongest}: it fits too, for more recompute."
+        )
+    elif per_block:
         lines.append(
             f"#    Checkpointing block by block ({plan.checkpointing}), planned for the step's limit."
         )
