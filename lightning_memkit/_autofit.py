@@ -205,10 +205,9 @@ class _Search:
                 # The planner fits the whole step; one rank keeps only its share of what is sharded.
                 offset = floor.peak - self.per_rank(floor, precision).peak
                 options = []
-                if "none" in levels:  # else every block must be checkpointed: uniform modes only
-                    with contextlib.suppress(ValueError):  # raised below the floor
-                        plan = planner.plan(limit + offset)
-                        options.append((plan.overhead or 0.0, plan))
+                with contextlib.suppress(ValueError):  # raised below the floor
+                    plan = planner.plan(limit + offset, levels=levels)  # block by block, among `levels`
+                    options.append((plan.overhead or 0.0, plan))
         finally:
             self.seconds += time.perf_counter() - start
         cheapest = min((o for o, _ in options), default=float("inf"))

@@ -306,17 +306,24 @@ class CheckpointPlanner:
         spent = sum(b.options[c].cost for b, c in zip(self.blocks, choice, strict=True))
         return spent / self.baseline if self.baseline else 0.0
 
-    def plan(self, budget: int | float | str | Budget | None = None) -> CheckpointPlan:
-        """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`)."""
+    def plan(
+        self, budget: int | float | str | Budget | None = None, *, levels: Sequence[str] | None = None
+    ) -> CheckpointPlan:
+        """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`); ``levels``: the
+        modes a block may get, a subset of the planner's (``("selective_half", "full")``: every block is
+        checkpointed, one way or the other)."""
+        levels = self.levels if levels is None else tuple(m for m in self.levels if m in levels)
+        if not levels:
+            raise ValueError(f"levels must name some of the planner's modes {self.levels}")
         limit = None if budget is None else parse_budget(budget).usable
         peak_none = self.simulate(self.uniform("none")).peak
         if limit is None:
-            choice = self.uniform(_WITHOUT_BUDGET.get(self.policy, self.levels[-1]))
+            choice = self.uniform(_WITHOUT_BUDGET.get(self.policy, levels[-1]))
         else:
-            floor = self.simulate(self.uniform(self.levels[-1]))
+            floor = self.simulate(self.uniform(levels[-1]))
             if limit < floor.peak:
-                raise ValueError(_floor_message(limit, floor, self.levels[-1], len(self.blocks), peak_none))
-            choice = self._fit(limit, peak_none)
+                raise ValueError(_floor_message(limit, floor, levels[-1], len(self.blocks), peak_none))
+            choice = self._fit(limit, peak_none, levels)
         return self.plan_for(choice, limit)
 
     def plan_for(self, choice: Sequence[str], budget: int | None = None) -> CheckpointPlan:
@@ -345,22 +352,23 @@ class CheckpointPlanner:
             breakdown=breakdown,
         )
 
-    def _calibrate(self, peak_none: int, peak_floor: int) -> tuple[int, int]:
+    def _calibrate(self, peak_none: int, peak_floor: int, floor_level: str) -> tuple[int, int]:
         """``C`` and ``T`` of the peak model (module docstring), as ``(C, T - C)``: the offset and the
         ``tail`` that `_activation_peak` and `_solve` take.
 
         ``peak_none`` is the step without checkpointing as the plans that checkpoint see the rest of the
-        step (Hugging Face's cache off), ``peak_floor`` the floor's. Each of the two terms of the model is
-        at most the simulated peak, at both ends; each constant is the largest that keeps it so.
+        step (Hugging Face's cache off), ``peak_floor`` the floor's (``floor_level`` on every block). Each
+        of the two terms of the model is at most the simulated peak, at both ends; each constant is the
+        largest that keeps it so.
         """
-        none, floor = self.uniform("none"), self.uniform(self.levels[-1])
+        none, floor = self.uniform("none"), self.uniform(floor_level)
         backward = min(
             peak_none - _backward_peak(self.blocks, none), peak_floor - _backward_peak(self.blocks, floor)
         )
         at_loss = min(peak_none - _kept(self.blocks, none), peak_floor - _kept(self.blocks, floor))
         return backward, at_loss - backward
 
-    def _fit(self, limit: int, peak_none: int) -> tuple[str, ...]:
+    def _fit(self, limit: int, peak_none: int, levels: tuple[str, ...]) -> tuple[str, ...]:
         """The DP's plan at the highest cap whose simulated peak fits ``limit``.
 
         ``plan_at(cap)``, the cheapest plan whose modeled peak is at most ``cap``, gets cheaper as the cap
@@ -370,13 +378,14 @@ class CheckpointPlanner:
         plans at both ends of the bracket, and at most `max_rounds` new plans are; the caps searched run
         from the floor's modeled peak up, so the floor's plan (simulated: it fits) is the fallback.
         """
-        floor = self.uniform(self.levels[-1])
-        offset, tail = self._calibrate(self._peak_none_without_cache(peak_none), self.simulate(floor).peak)
+        floor = self.uniform(levels[-1])
+        peak_floor = self.simulate(floor).peak
+        offset, tail = self._calibrate(self._peak_none_without_cache(peak_none), peak_floor, levels[-1])
         solved: dict[float, tuple[str, ...]] = {}
 
         def plan_at(cap: float) -> tuple[str, ...]:
             if cap not in solved:
-                choice = _solve(self.blocks, cap - offset, self.levels, tail)
+                choice = _solve(self.blocks, cap - offset, levels, tail)
                 assert choice is not None, "no cap below the floor's modeled peak is searched"
                 solved[cap] = choice
             return solved[cap]

@@ -202,7 +202,8 @@ def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
 
 def test_plan_is_the_cheapest_of_all_sixteen_that_fit():
     """A 2-block GPT under ``policy="auto"``: every budget between (and at) the simulated peaks of its 16
-    plans gets a plan that fits and costs the least recompute among the plans that fit."""
+    plans gets a plan that fits and costs the least recompute among the plans that fit; among the 4 plans
+    of two modes too (``levels=``, as `plan_fit(checkpointing=("selective_half", "full"))` asks)."""
     torch.manual_seed(0)
     model = LM(n_layer=2)
     batch = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))  # the shapes of `planned`
@@ -215,6 +216,14 @@ def test_plan_is_the_cheapest_of_all_sixteen_that_fit():
         cheapest = min(planner.overhead(c) for c, peak in peaks.items() if peak <= budget)
         assert plan.peak <= budget and plan.overhead == cheapest, (budget, str(plan))
         assert plan.peak == peaks[tuple(plan.policies.values())]
+        # Modes without "none" (every block checkpointed): still block by block, among those modes.
+        within = {c: peak for c, peak in peaks.items() if set(c) <= {"selective_half", "full"}}
+        if budget < min(within.values()):
+            continue
+        plan = planner.plan(budget, levels=("selective_half", "full"))
+        assert set(plan.policies.values()) <= {"selective_half", "full"}
+        cheapest = min(planner.overhead(c) for c, peak in within.items() if peak <= budget)
+        assert plan.peak <= budget and plan.overhead == cheapest, (budget, str(plan))
 
 
 # --------------------------------------------------------------------------------------------------
