@@ -43,6 +43,9 @@ class FusedOptimizerStep(Callback):
     all at once: code that reads ``p.grad`` after backward (``on_after_backward``,
     ``on_before_optimizer_step``) finds ``None``; read a gradient in a parameter's own
     ``register_post_accumulate_grad_hook``, registered before this callback's (in ``setup``).
+    Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs an inner
+    backward per segment: a parameter used both inside and outside a segment would be stepped twice, on
+    partial gradients; the default non-reentrant checkpointing (this package's, Hugging Face's) is safe.
 
     Example::
 
