@@ -398,6 +398,13 @@ def plan_fit(
     )
     candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
     pairs = _pairs(candidates, precisions, compensate, fused_step)
+    if not pairs and fused_step:
+        raise ValueError(
+            f"With 16-bit weights ({', '.join(precisions)}) only the Kahan-summed optimizers keep the small "
+            "updates, and the fused step cannot take them as the catalogue builds them (torch-optimi counts "
+            "steps per group): allow a precision with fp32 weights (32-true, bf16-mixed), or plan without "
+            "fused_step."
+        )
     if not pairs:
         raise ValueError(
             f"None of the optimizers {', '.join(map(str, candidates))} keeps small updates with 16-bit "
@@ -537,23 +544,26 @@ def _alternatives(
 def _pairs(
     candidates: Sequence[str | None], precisions: Sequence[str], compensate: bool, fused: bool = False
 ) -> list[tuple[str | None, str]]:
-    """The (optimizer, precision) pairs to plan, best first: each optimizer at each precision, except that
-    with ``compensate`` a precision with 16-bit weights takes only compensated updates (an optimizer's
-    Kahan twin, right after it), and those twins are not added at fp32 weights, where they are the same
-    optimizer (`COMPENSATED`). ``None`` (the configured optimizer, not in the catalogue) is kept as is.
-    With the ``fused`` step the Kahan entries are left out: torch-optimi's optimizers count steps per
-    group, and `fuse_optimizer_step` takes them only built with ``gradient_release=True``."""
+    """The (optimizer, precision) pairs to plan, best first: each optimizer at each precision in the order
+    given, except that with ``compensate`` a precision with 16-bit weights takes the optimizer's Kahan
+    twin (`COMPENSATED`), and an optimizer without one is not planned there. ``None`` (the configured
+    optimizer, not in the catalogue) is kept as is. With the ``fused`` step the Kahan entries are left
+    out: torch-optimi's optimizers count steps per group, and `fuse_optimizer_step` takes them only built
+    with ``gradient_release=True``."""
     kahan = set(COMPENSATED.values())
     pairs: list[tuple[str | None, str]] = []
     for opt in candidates:
-        options = (opt,) if not compensate or opt is None else (opt, COMPENSATED.get(opt, opt))
-        for candidate in dict.fromkeys(options):
-            for prec in precisions:
-                sixteen = PRECISION_DTYPES[prec][0] in (torch.bfloat16, torch.float16)
-                lossy = candidate not in kahan if sixteen else (candidate in kahan and candidate != opt)
-                if (compensate and candidate is not None and lossy) or (fused and candidate in kahan):
-                    continue
-                pairs.append((candidate, prec))
+        for prec in precisions:  # in the order of preference given
+            candidate = opt
+            if (
+                compensate
+                and opt is not None
+                and PRECISION_DTYPES[prec][0] in (torch.bfloat16, torch.float16)
+            ):
+                candidate = COMPENSATED.get(opt)  # a Kahan entry is its own twin
+            if (candidate is None and opt is not None) or (fused and candidate in kahan):
+                continue
+            pairs.append((candidate, prec))
     return list(dict.fromkeys(pairs))
 
 

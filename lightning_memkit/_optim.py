@@ -37,6 +37,7 @@ from lightning_memkit._measure import allocation_rounding, model_device, rounded
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import (
     CATALOGUE,
+    COMPENSATED,
     DEFAULT_CANDIDATES,
     available_candidates,
     identify,
@@ -44,7 +45,7 @@ from lightning_memkit._optimizers import (
     rebind_scheduler,
     swap_optimizer,
 )
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit._simulate import PRECISION_DTYPES, estimate_memory
 
 __all__ = [
     "Estimator",
@@ -304,6 +305,19 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def compensated_candidates(
+    candidates: Sequence[str], optimizers: Sequence[Optimizer], precision: str
+) -> tuple[str, ...]:
+    """``candidates`` for optimizers that keep a compensated update (torch-optimi's Kahan summation) on
+    16-bit weights: each as its Kahan twin (`COMPENSATED`), the others left out, so that a swap never
+    trades the compensation for an update that rounds the small steps away. Otherwise unchanged."""
+    sixteen = PRECISION_DTYPES.get(precision, (torch.float32,))[0] in (torch.bfloat16, torch.float16)
+    kahan = set(COMPENSATED.values())
+    if not sixteen or not any(identify(o) in kahan for o in optimizers):
+        return tuple(candidates)
+    return tuple(dict.fromkeys(COMPENSATED[c] for c in candidates if c in COMPENSATED))
+
+
 def choose_optimizer(
     optimizers: Sequence[Optimizer],
     budget: int | Budget,
@@ -529,6 +543,7 @@ def fit_optimizer(
         method = "simulated"
     else:
         estimate, method = static_estimator(model, device=device, gradients=not fused_step), "static"
+    candidates = compensated_candidates(candidates, optimizers, precision)
     return choose_optimizer(
         optimizers, budget, estimate, candidates=candidates, allow_unknown=allow_unknown, method=method
     )

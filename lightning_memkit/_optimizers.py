@@ -206,6 +206,8 @@ class CatalogueEntry:
             "weight_decay": _scalar(group.get("weight_decay", 0.0)) / self.decay_scale,
         }
         out.update({k: group[k] for k in self.carries if k in group})
+        if "betas" in self.carries and "betas" not in group and "beta1" in group:  # torch-optimi's names
+            out["betas"] = (group["beta1"], group["beta2"])
         return out
 
 
@@ -305,9 +307,9 @@ def identify(optimizer: Optimizer) -> str | None:
         return "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
     if cls.__module__.startswith("bitsandbytes."):
         return _BNB_NAMES.get(cls.__name__)
-    if cls in (optimi.AdamW, optimi.SGD) and all(
-        g.get("kahan_sum") is not False for g in optimizer.param_groups
-    ):
+    # Kahan on, and the decay scaled by the learning rate as torch's (decouple_lr=True decays without it)
+    kahan = [g.get("kahan_sum") is not False and not g.get("decouple_lr") for g in optimizer.param_groups]
+    if cls in (optimi.AdamW, optimi.SGD) and all(kahan):
         if cls is optimi.AdamW:
             return "adamw_kahan"
         return None if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd_kahan"

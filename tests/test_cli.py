@@ -420,6 +420,18 @@ def test_plan_code_writes_a_per_block_plan_each_strategy_can_run(strategy):
         assert f"under {strategy} every block gets full: it fits too" in code
 
 
+def test_plan_at_bf16_true_prints_the_kahan_optimizer_for_both_set_ups():
+    """bf16-true is planned with the Kahan-summed AdamW; AutoFit keeps the Trainer's optimizer unless told,
+    so the printed AutoFit names the Kahan candidates (found by a hostile review: it trained plain AdamW)."""
+    argv = ["plan", "--model", "tiny", "--gpu", "1GB", "--global-batch", "8", "--seq-len", "64"]
+    report = _json([*argv, "--precision", "bf16-true"])
+    assert (report["optimizer"], report["precision"]) == ("adamw_kahan", "bf16-true")
+    autofit, _ = _trainer_calls(report["code"])
+    usable = parse_budget("1GB", device_size=True).usable
+    assert autofit["callbacks"] == f"[AutoFit(budget={usable}, optimizers=['adamw_kahan', 'sgd_kahan'])]"
+    assert 'return lightning_memkit.swap_optimizer(optimizer, "adamw_kahan")' in report["code"]
+
+
 def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback():
     """``--fused-step``: the step inside backward cannot accumulate, so the micro-batch is the global batch,
     and both Trainers in the code carry FusedOptimizerStep; on several GPUs it is

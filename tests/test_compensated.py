@@ -11,7 +11,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_memkit import estimate_memory, plan_fit
+from lightning_memkit import estimate_memory, fit_optimizer, plan_fit, swap_optimizer
+from lightning_memkit._autofit import _pairs
+from lightning_memkit._optim import compensated_candidates
+from lightning_memkit._optimizers import identify
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -85,3 +88,35 @@ def test_the_bf16_step_with_kahan_is_as_estimated(tmp_path):
     assert steady.optimizer_state == 6 * n
     assert first.peak == pytest.approx(peaks.peaks[0], rel=0.01)
     assert steady.peak == pytest.approx(max(peaks.peaks[1:]), rel=0.01)
+
+
+def test_a_swap_keeps_the_compensation_and_the_optimizers_own_hyperparameters():
+    """Found by a hostile review. On bf16 weights, plain AdamW's state is smaller than the Kahan-summed
+    one's, so a tight budget would trade the compensation away: the candidates become the Kahan twins.
+    Swapping from a user-built optimi AdamW keeps its betas (optimi names them beta1, beta2), and one
+    that decays without the learning rate (decouple_lr) is not taken for AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    kahan = optimi.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), kahan_sum=True)
+    assert compensated_candidates(("adamw", "adamw8bit", "sgd"), [kahan], "bf16-true") == (
+        "adamw_kahan",
+        "sgd_kahan",
+    )
+    assert compensated_candidates(("adamw", "sgd"), [kahan], "bf16-mixed") == ("adamw", "sgd")  # fp32 weights
+    six = sum(6 * p.numel() for p in model.parameters())
+    choice = fit_optimizer(model, kahan, six, precision="bf16-true", device="cpu")  # static: below 6 B/param
+    assert choice.name == "sgd_kahan" and type(choice.optimizer) is optimi.SGD
+    assert swap_optimizer(kahan, "adamw").param_groups[0]["betas"] == (0.9, 0.95)
+    assert identify(optimi.AdamW(model.parameters(), lr=1e-3, decouple_lr=True)) is None
+
+
+def test_pairs_follow_the_precision_preference():
+    """bf16-true first means the Kahan twin at bf16-true before AdamW at 32-true; an optimizer without a
+    twin is planned at fp32 weights only; with the fused step the Kahan entries are not planned at all."""
+    assert _pairs(("adamw", "lion"), ("bf16-true", "32-true"), True) == [
+        ("adamw_kahan", "bf16-true"),
+        ("adamw", "32-true"),
+        ("lion", "32-true"),
+    ]
+    assert _pairs(("adamw",), ("32-true", "bf16-true"), True, fused=True) == [("adamw", "32-true")]
+    assert _pairs(("adamw",), ("bf16-true",), False) == [("adamw", "bf16-true")]

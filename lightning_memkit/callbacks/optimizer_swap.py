@@ -43,6 +43,7 @@ from lightning_memkit._optim import (
     Estimator,
     OptimizerChoice,
     choose_optimizer,
+    compensated_candidates,
     simulated_estimator,
     static_estimator,
 )
@@ -246,8 +247,9 @@ class OptimizerSwap(Callback):
             if simulated and batch is None:
                 return False, None
             estimate, method = self._estimator(trainer, pl_module, batch)
+            candidates = compensated_candidates(self.candidates, optimizers, precision(trainer))
             choice = choose_optimizer(
-                optimizers, budget, estimate, candidates=self.candidates, allow_unknown=self.allow_unknown,
+                optimizers, budget, estimate, candidates=candidates, allow_unknown=self.allow_unknown,
                 method=method, info=rank_zero_info, warn=rank_zero_warn,
             )  # fmt: skip
             made.append(choice)
