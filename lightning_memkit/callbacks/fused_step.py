@@ -1,8 +1,8 @@
 """FusedOptimizerStep: each parameter is updated inside backward, as soon as its gradient is complete.
 
-The lever is `fuse_optimizer_step`; this callback installs it on the fit's optimizers right before a
-training backward (after `OptimizerSwap` has installed its choice, again whenever the optimizers or the
-trained parameters change) and takes it off for validation, at the end of training and after an exception.
+The lever is `fuse_optimizer_step`; this callback installs it on the fit's optimizers (`StepHooks`: right
+before a training backward, again whenever the optimizers or the trained parameters change, off for
+validation, at the end of training and after an exception).
 Lightning's loop is unchanged: it still calls ``training_step``, ``zero_grad``,
 ``backward`` and ``optimizer.step(closure)``; the parameters are updated inside that backward, and the step
 after it finds no gradient and does nothing.
@@ -15,19 +15,17 @@ Trainer already has, and a set-up the fused step cannot serve is refused with th
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from torch import Tensor
-from torch.optim import Optimizer
 
 from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
+from lightning_memkit.callbacks._step_hooks import StepHooks
 
 __all__ = ["FusedOptimizerStep"]
 
 _INSTEAD = "GradientRelease() frees the gradients after the step instead, and keeps the rest"
 
 
-class FusedOptimizerStep(Callback):
+class FusedOptimizerStep(StepHooks):
     """Fuse every optimizer's step into backward: no step holds all the gradients at once.
 
     Lightning keeps all of a step's gradients from the backward to the next ``zero_grad``; with this
@@ -52,10 +50,6 @@ class FusedOptimizerStep(Callback):
         trainer = Trainer(precision="bf16-true", callbacks=[FusedOptimizerStep(), MemoryMonitor()])
     """
 
-    def __init__(self) -> None:
-        self._fused: FusedStep | None = None
-        self._installed_for: tuple[int, ...] = ()
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._refuse(trainer, pl_module)  # before the sanity check: what can be said at once
@@ -63,50 +57,23 @@ class FusedOptimizerStep(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refuse(trainer, pl_module)  # again: AutoFit sets the accumulation in on_fit_start
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Hook the optimizers and parameters this backward trains. Checked at every backward, as late as
-        possible: `OptimizerSwap` installs its choice at the first batch, and a parameter unfrozen later
+    def installed_for(self, trainer: pl.Trainer) -> tuple[int, ...]:
+        """The optimizers and the parameters each trains: a parameter unfrozen later
         (``BackboneFinetuning``) or a param group added must be stepped once, by its own hook, not by every
         other parameter's ``step()`` while its gradient waits."""
-        key = _trained(trainer.optimizers)
-        if key != self._installed_for:
-            self._remove()
-            self._fused = fuse_optimizer_step(trainer.optimizers)
-            self._installed_for = key
+        return tuple(
+            id(x)
+            for optimizer in trainer.optimizers
+            for x in (optimizer, *(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad))
+        )
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._remove()  # a backward in validation (under enable_grad) must not step; back at the next one
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._remove()
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self._remove()  # Lightning calls neither on_train_end nor teardown then
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove()
-
-    def _remove(self) -> None:
-        if self._fused is not None:
-            self._fused.remove()
-            self._fused = None
-        self._installed_for = ()
+    def install(self, trainer: pl.Trainer) -> list[FusedStep]:
+        return [fuse_optimizer_step(trainer.optimizers)]
 
     def _refuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         why = refusal(trainer, pl_module)
         if why is not None:
             raise ValueError(f"FusedOptimizerStep cannot run here: {why}")
-
-
-def _trained(optimizers: list[Optimizer]) -> tuple[int, ...]:
-    """What the hooks are for: the optimizers, and the parameters of each that require a gradient."""
-    return tuple(
-        id(x)
-        for optimizer in optimizers
-        for x in (optimizer, *(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad))
-    )
 
 
 def refusal(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
