@@ -61,7 +61,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor, nn
 
 from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
@@ -77,8 +76,8 @@ from lightning_memkit._lightning import (
     is_lightning,
 )
 from lightning_memkit._measure import model_device
-from lightning_memkit._optimizers import COMPENSATED, lighter_candidates
-from lightning_memkit._simulate import PRECISION_DTYPES, estimate_memory
+from lightning_memkit._optimizers import COMPENSATED, KAHAN, lighter_candidates
+from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
 
 __all__ = ["grid", "plan_fit"]
 
@@ -550,18 +549,13 @@ def _pairs(
     optimizer, not in the catalogue) is kept as is. With the ``fused`` step the Kahan entries are left
     out: torch-optimi's optimizers count steps per group, and `fuse_optimizer_step` takes them only built
     with ``gradient_release=True``."""
-    kahan = set(COMPENSATED.values())
     pairs: list[tuple[str | None, str]] = []
     for opt in candidates:
         for prec in precisions:  # in the order of preference given
             candidate = opt
-            if (
-                compensate
-                and opt is not None
-                and PRECISION_DTYPES[prec][0] in (torch.bfloat16, torch.float16)
-            ):
+            if compensate and opt is not None and sixteen_bit_weights(prec):
                 candidate = COMPENSATED.get(opt)  # a Kahan entry is its own twin
-            if (candidate is None and opt is not None) or (fused and candidate in kahan):
+            if (candidate is None and opt is not None) or (fused and candidate in KAHAN):
                 continue
             pairs.append((candidate, prec))
     return list(dict.fromkeys(pairs))

@@ -46,9 +46,8 @@ class FusedStep:
     """The hooks `fuse_optimizer_step` installed; ``remove()`` (or leaving a ``with`` block) takes them
     off, and the optimizers step after backward again."""
 
-    def __init__(self, handles: list[RemovableHandle], optimizers: list[Optimizer]) -> None:
+    def __init__(self, handles: list[RemovableHandle]) -> None:
         self.handles = handles
-        self.optimizers = optimizers
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -84,7 +83,7 @@ def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedSte
         fused.remove()
     """
     optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-    owners: dict[int, Optimizer] = {}
+    owners: dict[int, tuple[Optimizer, dict]] = {}  # each parameter's optimizer and param group
     params: list[Tensor] = []
     for optimizer in optimizers:
         if needs_closure(optimizer):
@@ -103,7 +102,7 @@ def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedSte
             )
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if owners.setdefault(id(p), optimizer) is not optimizer:
+                if owners.setdefault(id(p), (optimizer, group))[0] is not optimizer:
                     raise ValueError(
                         f"A parameter of shape {tuple(p.shape)} is in two optimizers; each parameter's "
                         "update must come from one optimizer to be fused into backward."
@@ -111,16 +110,11 @@ def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedSte
                 if p.requires_grad:
                     params.append(p)
         optimizer.zero_grad(set_to_none=True)
-    groups = {
-        id(p): group for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
-    }
     handles = [
-        p.register_post_accumulate_grad_hook(
-            functools.partial(_step_one, optimizer=owners[id(p)], group=groups[id(p)])
-        )
+        p.register_post_accumulate_grad_hook(functools.partial(_step_one, owner=owners[id(p)]))
         for p in params
     ]
-    return FusedStep(handles, optimizers)
+    return FusedStep(handles)
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
@@ -133,7 +127,8 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def _step_one(param: Tensor, optimizer: Optimizer, group: dict) -> None:
+def _step_one(param: Tensor, owner: tuple[Optimizer, dict]) -> None:
+    optimizer, group = owner
     gradient_consumed(param)  # a tracker watching the step counts it as a gradient before it goes
     if isinstance(optimizer, OptimiOptimizer):
         # Its per-parameter path (gradient_release=True) reads the hyperparameters from

@@ -39,13 +39,14 @@ from lightning_memkit._optimizers import (
     CATALOGUE,
     COMPENSATED,
     DEFAULT_CANDIDATES,
+    KAHAN,
     available_candidates,
     identify,
     lr_factor,
     rebind_scheduler,
     swap_optimizer,
 )
-from lightning_memkit._simulate import PRECISION_DTYPES, estimate_memory
+from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
 
 __all__ = [
     "Estimator",
@@ -311,9 +312,7 @@ def compensated_candidates(
     """``candidates`` for optimizers that keep a compensated update (torch-optimi's Kahan summation) on
     16-bit weights: each as its Kahan twin (`COMPENSATED`), the others left out, so that a swap never
     trades the compensation for an update that rounds the small steps away. Otherwise unchanged."""
-    sixteen = PRECISION_DTYPES.get(precision, (torch.float32,))[0] in (torch.bfloat16, torch.float16)
-    kahan = set(COMPENSATED.values())
-    if not sixteen or not any(identify(o) in kahan for o in optimizers):
+    if not sixteen_bit_weights(precision) or not any(identify(o) in KAHAN for o in optimizers):
         return tuple(candidates)
     return tuple(dict.fromkeys(COMPENSATED[c] for c in candidates if c in COMPENSATED))
 

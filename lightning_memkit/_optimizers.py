@@ -270,6 +270,8 @@ COMPENSATED = {
     "adamw_kahan": "adamw_kahan",
     "sgd_kahan": "sgd_kahan",
 }
+#: The Kahan-summed entries themselves.
+KAHAN = frozenset(COMPENSATED.values())
 
 #: What `OptimizerSwap` and `fit_optimizer` try by default, in order. ``paged_adamw8bit`` is left out:
 #: it holds as many bytes as ``adamw8bit``, so it never fits where that does not; name it to use it.

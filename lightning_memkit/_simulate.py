@@ -72,7 +72,7 @@ from lightning_memkit._measure import Tracker, allocation_rounding
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import load_bitsandbytes
 
-__all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory"]
+__all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory", "sixteen_bit_weights"]
 
 #: Lightning precision string -> (dtype the parameters are converted to, dtype autocast computes in).
 #: ``None`` means "leave as it is" / "no autocast".
@@ -85,6 +85,13 @@ PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     "bf16-true": (torch.bfloat16, None),
 }
 DEVICES = ("cuda", "cpu")
+
+
+def sixteen_bit_weights(precision: str) -> bool:
+    """Whether ``precision`` converts the weights to 16 bits (``"bf16-true"``, ``"16-true"``), where an
+    update below the weight's resolution rounds away."""
+    return PRECISION_DTYPES.get(precision, (None, None))[0] in (torch.bfloat16, torch.float16)
+
 
 _SIM_DEVICE = torch.device("cpu")  # where the fake tensors live; see the module docstring for why
 # Left out of the timeline: metadata queries (fake tensors answer ``.device`` through dispatch) and the

@@ -23,7 +23,7 @@ from lightning_memkit._budget import GPUS
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._optimizer_state import OPTIMIZERS
-from lightning_memkit._optimizers import COMPENSATED, DEFAULT_CANDIDATES, own_optimizer
+from lightning_memkit._optimizers import COMPENSATED, DEFAULT_CANDIDATES, KAHAN, own_optimizer
 from lightning_memkit._simulate import PRECISION_DTYPES
 from lightning_memkit.cli._args import UsageError, gpu, margin, names, one_of, positive_int, usage_error
 from lightning_memkit.cli._models import (
@@ -35,9 +35,6 @@ from lightning_memkit.cli._models import (
     load_model,
     step_errors,
 )
-
-#: The Kahan-summed catalogue entries (`COMPENSATED`), which AutoFit plans only when named.
-KAHAN = frozenset(COMPENSATED.values())
 
 
 def add_plan(subparsers: Any) -> None:
@@ -148,7 +145,7 @@ def plan_code(
     autofit = {"budget": json.dumps(budget.source) if named else f"{budget.usable:_}"}
     if plan.margin != 0.1:
         autofit["margin"] = repr(plan.margin)
-    if plan.optimizer in KAHAN:  # AutoFit keeps the Trainer's optimizer at its precision: name the twins
+    if plan.optimizer in KAHAN:  # AutoFit plans them only when named (it keeps the Trainer's optimizer)
         kahan = dict.fromkeys(COMPENSATED.get(o) for o in (optimizers or DEFAULT_CANDIDATES))
         autofit["optimizers"] = json.dumps([o for o in kahan if o is not None])
     elif optimizers is not None:
