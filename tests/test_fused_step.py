@@ -54,9 +54,12 @@ def _gpt(batch_size=B):
     return GPTLightningModule("tiny", max_steps=4), data, (x, x.roll(-1, 1))
 
 
-def _qwen2():
-    torch.manual_seed(0)
-    return ZooModule("qwen2", batch_size=4, seq_len=64, n_batches=4), None, zoo_batch("qwen2", 4, 64)
+def _zoo(name: str):
+    def make():
+        torch.manual_seed(0)
+        return ZooModule(name, batch_size=4, seq_len=64, n_batches=4), None, zoo_batch(name, 4, 64)
+
+    return make
 
 
 def _run(make, fused: bool, tmp_path):
@@ -70,9 +73,10 @@ def _run(make, fused: bool, tmp_path):
     return module, batch, peaks.peaks, losses.losses
 
 
-@pytest.mark.parametrize("make", [_gpt, _qwen2], ids=["gpt", "qwen2"])
+@pytest.mark.parametrize("make", [_gpt, _zoo("qwen2"), _zoo("resnet")], ids=["gpt", "qwen2", "resnet"])
 def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
-    """The unchanged LightningModule with and without FusedOptimizerStep: the same losses and parameters;
+    """The unchanged LightningModule with and without FusedOptimizerStep: the same losses, parameters and
+    buffers (the CNN's BatchNorm statistics);
     every fused step's allocator peak as the monitor reports it, and the first and steady steps' peaks as
     estimated. No gradient is whole at the peak (the unfused step's peak is checked against the allocator
     in ``test_gradient_release.py`` and ``test_zoo.py``)."""
@@ -80,7 +84,7 @@ def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
     fused, _, fused_peaks, fused_losses = _run(make, True, tmp_path)
     assert len(fused_peaks) == 3
     assert torch.equal(torch.stack(fused_losses), torch.stack(plain_losses))
-    for a, b in zip(fused.parameters(), plain.parameters(), strict=True):
+    for a, b in zip(fused.state_dict().values(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
     first = estimate_memory(fused, batch, device="cpu", fused_step=True, first_step=True)
