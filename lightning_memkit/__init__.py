@@ -12,10 +12,14 @@ Public surface (everything else lives in private modules):
   (step each parameter inside backward: no step holds all the gradients).
 - The plain functions behind them: `plan_checkpointing` / `apply_checkpointing`, `fit_optimizer` /
   `swap_optimizer`, `plan_fit`, `release_gradients`, `fuse_optimizer_step`.
+- `advise`: the memory a step holds at its peak that it need not, each finding with the bytes its fix
+  saves and the fix (`Advice`, `Finding`); `chunked_cross_entropy`: a loss that never holds the whole
+  batch's logits.
 - `parse_bytes`, `parse_budget`: read a memory size (``"24GB"``) or a budget (``"A100-40GB"``, ``0.9``).
 - `lightning_memkit.demos.gpt`: the bundled nanoGPT-style example.
 """
 
+from lightning_memkit._advise import Advice, Finding, advise
 from lightning_memkit._autofit import plan_fit
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
@@ -28,6 +32,7 @@ from lightning_memkit._checkpointing import (
     CheckpointPlan,
     apply_checkpointing,
 )
+from lightning_memkit._chunked_loss import chunked_cross_entropy
 from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
 from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
 from lightning_memkit._gradient_release import release_gradients
@@ -52,12 +57,14 @@ __all__ = [
     "CHECKPOINT_MODES",
     "GPUS",
     "ActivationCheckpointing",
+    "Advice",
     "Alternative",
     "AutoFit",
     "BlockPlan",
     "Budget",
     "CheckpointMode",
     "CheckpointPlan",
+    "Finding",
     "FitPlan",
     "FusedOptimizerStep",
     "FusedStep",
@@ -70,7 +77,9 @@ __all__ = [
     "StepCost",
     "TimelineEvent",
     "__version__",
+    "advise",
     "apply_checkpointing",
+    "chunked_cross_entropy",
     "estimate_memory",
     "find_blocks",
     "fit_optimizer",

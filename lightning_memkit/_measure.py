@@ -87,7 +87,12 @@ def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[T
     """Every tensor held in the optimizers' ``state`` (moments, 8-bit states, scales, step counters)."""
     for optimizer in optimizers:
         for state in optimizer.state.values():
-            yield from _iter_tensors(state)
+            yield from state_tensors(state)
+
+
+def state_tensors(state: Any) -> Iterator[Tensor]:
+    """The tensors of one parameter's optimizer state (a dict of tensors, numbers, nested containers)."""
+    yield from _iter_tensors(state)
 
 
 def model_tensors(model: nn.Module) -> Iterator[Tensor]:
@@ -123,10 +128,11 @@ def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None)
 class Storage:
     """One storage's life inside the measured step. ``clock`` values are op counts."""
 
-    __slots__ = ("__weakref__", "category", "grad_at", "nbytes", "saved_at")
+    __slots__ = ("__weakref__", "category", "grad_at", "nbytes", "origin", "saved_at")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.origin: Any = None  # what created it, when a tracer asks (`_simulate.trace_step`)
         self.category: str | None = None  # "parameters" / "optimizer_state", fixed by identity
         self.grad_at: int | None = None  # clock when it became some parameter's .grad
         self.saved_at: int | None = None  # clock when autograd first saved it for backward

@@ -68,9 +68,10 @@ from lightning_memkit._lightning import (
     loss_of,
     optimizers_from,
 )
-from lightning_memkit._measure import Tracker, allocation_rounding
+from lightning_memkit._measure import Storage, Tracker, allocation_rounding
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import load_bitsandbytes
+from lightning_memkit._trace import Tracer
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory", "sixteen_bit_weights"]
 
@@ -139,7 +140,13 @@ class _SimTracker(Tracker):
 
     counts_fakes = True
 
-    def __init__(self, target: torch.device, timeline: bool, shadows: _shadow.Shadows) -> None:
+    def __init__(
+        self,
+        target: torch.device,
+        timeline: bool,
+        shadows: _shadow.Shadows,
+        tracer: Tracer | None = None,
+    ) -> None:
         super().__init__(_SIM_DEVICE)
         self.rounding = allocation_rounding(target)
         # Checkpointing's RNG states are real CPU tensors, and CPU kernels' own buffers (`_kernels`) are
@@ -148,6 +155,9 @@ class _SimTracker(Tracker):
         self.shadows = shadows  # the real values the batch gives (see _shadow)
         self.phase = "forward"
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
+        self.tracer = tracer
+        #: ids of the parameters a gradient reached in the step
+        self.reached: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         value = self.shadows.value(func, args, kwargs)  # .item() and the like, from the batch's real values
@@ -158,10 +168,32 @@ class _SimTracker(Tracker):
         dispatch = (
             super().__torch_dispatch__
         )  # the same dispatch, with the real values of the outputs followed
+        if self.tracer is not None:
+            self.tracer.before_op(func, args, kwargs, self.live)
         out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
+        if self.tracer is not None:
+            self.tracer.after_op(self)
         if self.timeline is not None and func.namespace not in _UNTIMED:
             self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
         return out
+
+    def record(self, t: Tensor, *, preexisting: bool = False) -> Storage | None:
+        known = len(self.live)
+        rec = super().record(t, preexisting=preexisting)
+        if self.tracer is not None and not preexisting and len(self.live) > known:  # a new storage
+            assert rec is not None
+            self.tracer.created(rec, t, self.phase)
+        return rec
+
+    def _free(self, key: int) -> None:
+        entry = self.live.get(key)
+        super()._free(key)
+        if entry is not None and self.tracer is not None:
+            self.tracer.freed(entry[1])
+
+    def on_grad(self, param: Tensor) -> None:
+        self.reached.add(id(param))  # even when a fused step has consumed the gradient already
+        super().on_grad(param)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,9 +336,10 @@ def _track(
     device: torch.device,
     timeline: bool,
     shadows: _shadow.Shadows,
+    tracer: Tracer | None = None,
 ) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
-    tracker = _SimTracker(device, timeline, shadows)
+    tracker = _SimTracker(device, timeline, shadows, tracer)
     if device.type == "cuda":
         # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
         for optimizer in step.optimizers:
@@ -318,7 +351,8 @@ def _track(
                     if isinstance(counter, Tensor):
                         tracker.ignore(counter)
     tracker.adopt(model, step.optimizers)
-    with tracker.watching(model):
+    modules = tracer.watching_modules() if tracer is not None else contextlib.nullcontext()
+    with tracker.watching(model), modules:
         step.run(tracker)
     # State born during a first step is known to be optimizer state only now.
     tracker.claim_optimizer_state(step.optimizers)
@@ -449,6 +483,44 @@ def estimate_memory(
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
     """
+    tracker = _simulate(
+        model,
+        batch,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        precision=precision,
+        checkpointing=checkpointing,
+        device=device,
+        first_step=first_step,
+        accumulating=accumulating,
+        release_gradients=release_gradients,
+        fused_step=fused_step,
+        timeline=return_timeline,
+    )
+    breakdown = tracker.breakdown()
+    if return_timeline:
+        assert tracker.timeline is not None
+        return breakdown, tracker.timeline
+    return breakdown
+
+
+def _simulate(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: OptimizerLike | None,
+    loss_fn: Callable[[Any, Any], Tensor] | None,
+    precision: str,
+    checkpointing: str | CheckpointPlan | None,
+    device: str | torch.device,
+    first_step: bool,
+    accumulating: bool,
+    release_gradients: bool,
+    fused_step: bool,
+    timeline: bool = False,
+    tracer: Tracer | None = None,
+) -> _SimTracker:
+    """`estimate_memory`'s step, returning its tracker (``tracer``: also what created each storage)."""
     precision = valid_name("precision", precision, PRECISION_DTYPES)
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     target = torch.device(device)
@@ -507,12 +579,34 @@ def estimate_memory(
         if not first_step or accumulating:
             with _Placeholders():
                 step.warm_up(model, state=not first_step)
-        tracker = _track(step, model, target, return_timeline, shadows)
-        breakdown = tracker.breakdown()
-    if return_timeline:
-        assert tracker.timeline is not None
-        return breakdown, tracker.timeline
-    return breakdown
+        had_gradients = {id(p) for p in model.parameters() if p.grad is not None}
+        tracker = _track(step, model, target, timeline, shadows, tracer)
+        if _forget_unreached(model, step.optimizers, tracker.reached, had_gradients):
+            # The warm-up gave every trainable parameter a gradient and state; those the loss never reaches
+            # have neither in a real run. The step again, from the steady state it left.
+            if tracer is not None:
+                tracer.restart()
+            tracker = _track(step, model, target, timeline, shadows, tracer)
+        if tracer is not None:
+            tracer.finish(model, step.optimizers, tracker)
+    return tracker
+
+
+def _forget_unreached(
+    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], reached: set[int], had_gradients: set[int]
+) -> bool:
+    """Drop the gradients and optimizer state of trainable parameters no gradient reached in the step;
+    whether there were any."""
+    forgot = False
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in reached:
+            continue
+        if id(p) in had_gradients or p.grad is not None or any(o.state.get(p) for o in optimizers):
+            forgot = True
+        p.grad = None
+        for optimizer in optimizers:
+            optimizer.state.pop(p, None)
+    return forgot
 
 
 def _forward_fn(

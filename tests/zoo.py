@@ -178,3 +178,16 @@ class ZooModule(pl.LightningModule):
         h = self.hparams
         data = _Batches(h.name, h.n_batches, h.batch_size, h.seq_len)
         return DataLoader(data, batch_size=None)  # each item is already a batch
+
+
+class ChunkedLossModule(ZooModule):
+    """A zoo causal LM whose step computes the loss itself, `chunked_cross_entropy` over the base model's
+    last hidden states and the output head: the Hugging Face model is unchanged, its logits never built."""
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        from lightning_memkit import chunked_cross_entropy
+
+        ids, labels = batch["input_ids"], batch["labels"]
+        hidden = self.model.base_model(input_ids=ids, attention_mask=batch["attention_mask"])[0]
+        head = self.model.get_output_embeddings()
+        return chunked_cross_entropy(hidden[:, :-1], head, labels[:, 1:], chunks=8)

@@ -190,3 +190,15 @@ def fsdp_checkpointing(strategy: Any, classes: set[type[nn.Module]] | None = Non
 
         strategy._activation_checkpointing_kwargs = _activation_checkpointing_kwargs(None, classes)
     return bool(getattr(strategy, "_activation_checkpointing_kwargs", None))
+
+
+def into_gradients(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether the batch's backward adds to gradients already there (`estimate_memory`'s ``accumulating``):
+    with gradient accumulation, every micro-batch but a cycle's first, after which Lightning zeroes them."""
+    return trainer.accumulate_grad_batches > 1 and batch_idx % trainer.accumulate_grad_batches != 0
+
+
+def the_optimizer(trainer: pl.Trainer) -> torch.optim.Optimizer | None:
+    """The run's optimizer when it has one, for a simulation to copy; ``None`` with several (the simulation
+    then calls ``configure_optimizers``)."""
+    return trainer.optimizers[0] if len(trainer.optimizers) == 1 else None

@@ -36,7 +36,9 @@ attempt held, switches to `FitPlan.leaner` (stronger checkpointing first, then h
 runs the same batch again, cut into slices of the new micro-batch, without counting any gradient twice:
 the batch is not lost and the global batch is unchanged. This needs one device (``SingleDeviceStrategy``),
 a precision plugin that calls the module's ``backward`` hook and automatic optimization; an OOM in the
-optimizer step is not recovered from (a warning says what to change).
+optimizer step is not recovered from. An OOM that ends the run is explained before the traceback, while the
+plan is still applied: the phase, what the step needed by category and the plans that fit the budget, as
+code (`report_oom`; a `MemoryMonitor` in the Trainer says it, with its measurements, and only once).
 
 The batch size. During the fit the batch size attribute (on the module, its hparams, the datamodule and
 its hparams: wherever it is) holds the plan's micro-batch, and the Trainer's ``accumulate_grad_batches`` the
@@ -80,6 +82,8 @@ from lightning_memkit._budget import Budget, parse_budget, reads_device
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._isolate import isolated
+from lightning_memkit._oom import StepInFlight
+from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
     fit_data_source,
@@ -88,6 +92,7 @@ from lightning_memkit.callbacks._trainer import (
     sharding,
     step_levers,
 )
+from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
 
 __all__ = ["AutoFit"]
 
@@ -136,6 +141,8 @@ class AutoFit(Callback):
         # (module, hparams, datamodule, its hparams), and the Trainer's accumulate_grad_batches.
         self._batch_sizes: list[tuple[Any, Any]] = []
         self._accumulate: tuple[pl.Trainer, int] | None = None
+        #: the batch in flight and its phase, for explaining an OOM
+        self._step = StepInFlight()
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -250,9 +257,23 @@ class AutoFit(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step.start(batch, batch_idx)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._step.enter("backward")
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self._step.enter("optimizer step")
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._step.end()
         steps = trainer.global_step - self._first_step
         if self.plan is None or steps > self.verify_steps:
             return
@@ -275,14 +296,17 @@ class AutoFit(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self.plan is not None and isinstance(exception, torch.OutOfMemoryError):
-            rank_zero_warn(
-                f"AutoFit: out of memory with the plan {self.plan.summary()}. Outside the first "
-                f"{self.verify_steps} steps' forward and backward an OOM is not recovered from; if it came "
-                "from the optimizer step or a later, larger batch, lower the budget given to AutoFit (a "
-                "lighter optimizer and a smaller micro-batch follow) or raise margin=."
-            )
+        """Explain an out-of-memory error while the plan is still applied (`report_oom`, against the plan's
+        budget): a `MemoryMonitor` in the Trainer does it, with its measurements, else AutoFit. Then the
+        module gets its own back."""
         self._release()
+        if isinstance(exception, torch.OutOfMemoryError):
+            monitor = next((c for c in trainer.callbacks if isinstance(c, MemoryMonitor)), None)
+            if monitor is not None:
+                monitor.on_exception(trainer, pl_module, exception)  # explains once, whichever asks first
+            elif trainer.is_global_zero:
+                report_oom(trainer, pl_module, self._step, None, who="AutoFit")
+        self._step.end()
         self._unapply()
         self._restore()
 
@@ -295,6 +319,7 @@ class AutoFit(Callback):
             self._release()
             self._unapply()
             self._restore()
+            self._step.end()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

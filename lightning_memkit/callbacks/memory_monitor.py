@@ -35,11 +35,20 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_memkit._advise import Advice, advise
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
 from lightning_memkit._budget import parse_budget, reads_device
 from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
+from lightning_memkit._oom import StepInFlight, on_cpu
 from lightning_memkit._report import plot_history, render_summary
-from lightning_memkit.callbacks._trainer import accumulating_now, optimizer_steps_done
+from lightning_memkit.callbacks._oom_report import report_oom
+from lightning_memkit.callbacks._trainer import (
+    accumulating_now,
+    optimizer_steps_done,
+    precision,
+    step_levers,
+    the_optimizer,
+)
 
 _MAX_SIGNATURES = 64
 #: Objects a batch signature walks at most; a larger batch is measured every step rather than guessed at.
@@ -73,6 +82,19 @@ class MemoryMonitor(Callback):
     the categories over steps, in the logger's directory (and logs it as an image where the logger takes
     images: TensorBoard, W&B, MLflow).
 
+    When a training step runs out of memory (``torch.OutOfMemoryError``), it warns, on rank 0 and before
+    the traceback: the phase the step died in (forward, backward, optimizer step); what the step needs, by
+    category, measured on an earlier step of the same signature if there was one, else simulated for
+    that batch (`estimate_memory`); the memory there was (``budget``, else AutoFit's, else the CUDA
+    device's less the context and reserve; on the CPU without any it is unknown and nothing is planned);
+    and the fastest plans (at most 3) that fit it (`plan_fit` for the global batch, the Trainer's
+    precision and the run's optimizer, with a 10 % margin or AutoFit's), each with its simulated peak, its
+    time relative to the fastest and the code that sets it, then the ``AutoFit`` line that makes the
+    first. Where the need fits the memory by these figures, it says so (fragmentation, another process)
+    and plans for the need. With `AutoFit` in the Trainer it is said once, while AutoFit's plan is still
+    applied. The error itself propagates unchanged; a failure to explain it is one line. Nothing is added
+    to a step that does not fail; see the README's "When a run runs out of memory".
+
     Args:
         budget: the memory you want the step to fit: bytes or a size (``"24GB"``, ``"6GiB"``), a GPU name
             (``"A100-40GB"``, ``"H200"``: the card less the CUDA context and a fragmentation reserve), a
@@ -85,6 +107,11 @@ class MemoryMonitor(Callback):
             an already measured one. 0 never re-measures steps alike.
         plot: save (and log) the stacked-area plot at the end of fit.
         summary: print the peak step's table at the end of fit.
+        advise: at the end of fit (rank 0), run `lightning_memkit.advise` on the first training batch (a CPU
+            copy kept for it) with the Trainer's precision, optimizer and step levers: print what the step's
+            peak holds that it need not, each finding with the bytes its fix saves and the fix, and log
+            ``memory/advice/{kind}`` (MiB, e.g. ``memory/advice/gradients``); the `Advice` is kept in
+            ``advice``. It simulates a few steps (seconds for a small model, about a minute for 7B).
 
     Example::
 
@@ -101,6 +128,7 @@ class MemoryMonitor(Callback):
         remeasure_every_n_steps: int = 100,
         plot: bool = True,
         summary: bool = True,
+        advise: bool = False,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"`log_every_n_steps` must be >= 1, got {log_every_n_steps}")
@@ -112,12 +140,14 @@ class MemoryMonitor(Callback):
         if remeasure_every_n_steps < 0:
             raise ValueError(f"`remeasure_every_n_steps` must be >= 0, got {remeasure_every_n_steps}")
         self._budget_spec = budget
+        self._budget = None if budget is None or reads_device(budget) else parse_budget(budget)
         #: the budget in bytes (``None`` without one, or until ``setup`` for a device-relative one)
-        self.budget = None if budget is None or reads_device(budget) else parse_budget(budget).usable
+        self.budget = None if self._budget is None else self._budget.usable
         self.log_every_n_steps = log_every_n_steps
         self.remeasure_every_n_steps = remeasure_every_n_steps
         self.plot = plot
         self.summary = summary
+        self.advise = advise
         self._reset()
 
     def _reset(self) -> None:
@@ -141,6 +171,12 @@ class MemoryMonitor(Callback):
         self._failure: Exception | None = None
         #: whether on_train_batch_start ran for the batch now in flight (Lightning skips it for a None batch)
         self._in_step = False
+        #: the batch in flight and its phase, for explaining an OOM
+        self._step = StepInFlight()
+        self._explained = False
+        #: what `advise` found at the end of fit (with ``advise=True``)
+        self.advice: Advice | None = None
+        self._advice_batch: Any = None
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
@@ -156,11 +192,15 @@ class MemoryMonitor(Callback):
         self._reset()  # a resumed fit gets its history back in load_state_dict, which comes after
         self._device = trainer.strategy.root_device
         if self._budget_spec is not None and reads_device(self._budget_spec):
-            self.budget = parse_budget(self._budget_spec).usable
+            self._budget = parse_budget(self._budget_spec)
+            self.budget = self._budget.usable
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._step.start(batch, batch_idx)
+        if self.advise and self._advice_batch is None and trainer.is_global_zero:
+            self._advice_batch = on_cpu(batch, copy=True)
         if self._disabled or self._failure is not None:
             return
         self._in_step = True
@@ -177,9 +217,18 @@ class MemoryMonitor(Callback):
         except Exception as err:
             self._fail(trainer, err)
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._step.enter("backward")
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self._step.enter("optimizer step")
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._step.end()
         if self._disabled:
             return
         if self._in_step and self._failure is None:
@@ -203,13 +252,23 @@ class MemoryMonitor(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A LightningModule whose on_train_batch_start returns -1 skips the rest of the epoch after the
-        # callbacks' on_train_batch_start: a measurement opened there has no step to measure.
+        # callbacks' on_train_batch_start: a measurement opened there has no step to measure, and the batch
+        # kept for explaining an OOM no step to explain.
         self._close_measurement()
+        self._step.end()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._close_measurement()
+        """Explain an out-of-memory error (once: `AutoFit` calls this too, before it undoes its plan)."""
+        self._close_measurement_quietly()  # its dispatch mode must not see the simulations
+        if isinstance(exception, torch.OutOfMemoryError) and not self._explained and trainer.is_global_zero:
+            self._explained = True
+            measured = None
+            if self._in_step and not self._disabled and self._failure is None and self._signature is not None:
+                measured = self._twins.get(self._signature)
+            report_oom(trainer, pl_module, self._step, self._budget, who="MemoryMonitor", measured=measured)
+        self._step.end()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_measurement_quietly()
@@ -219,6 +278,12 @@ class MemoryMonitor(Callback):
             self._report(trainer, _run_dir(trainer))
         except Exception as err:
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report: {err!r}")
+        if self.advise and self._advice_batch is not None:
+            try:
+                self._advise(trainer, pl_module)
+            except Exception as err:
+                self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
+            self._advice_batch = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [[step, *(getattr(b, c) for c in CATEGORIES)] for step, b in self.history]}
@@ -355,6 +420,23 @@ class MemoryMonitor(Callback):
         rank_zero_info(f"MemoryMonitor: memory plot saved to {path}")
         for logger in trainer.loggers:
             self._safely(logger, "log_image", lambda lg=logger: _log_image(lg, figure, path, step))
+
+    def _advise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
+        optimizer = the_optimizer(trainer)
+        self.advice = advise(
+            pl_module,
+            self._advice_batch,
+            optimizer=optimizer,
+            precision=precision(trainer),
+            device=self._device.type,
+            **step_levers(trainer),
+        )
+        rank_zero_info(f"MemoryMonitor: memory advice for the first batch's step\n{self.advice}")
+        metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}
+        for logger in trainer.loggers:
+            log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
+            self._safely(logger, "log_metrics", log)
 
     # --- never crash the run we observe -------------------------------------------------------
 

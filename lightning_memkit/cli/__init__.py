@@ -12,6 +12,11 @@ same as one JSON object; ``--gpus N --strategy S`` shows one rank's share under 
 prints the plan that fits, every configuration simulated, and the plan as Python to paste: the Trainer
 with ``AutoFit``, which makes the plan as the fit starts, and the same set by hand.
 
+    memkit advise --model gpt2 --batch-size 8 --seq-len 1024
+
+prints what the step's peak holds that it need not, largest first, each with the bytes its fix saves and
+the fix (`lightning_memkit.advise`).
+
 ``--model`` is a GPT preset (``tiny``, ``gpt2``, ... ``llama-7b``) or ``package.module:factory``, a
 callable taking no arguments, called under the meta device; the batch is ``(x, y)``, token ids of shape
 ``(batch_size, seq_len)``, unless the module defines ``example_batch(batch_size, seq_len)``.
@@ -30,6 +35,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_memkit.cli._advise import add_advise
 from lightning_memkit.cli._args import UsageError
 from lightning_memkit.cli._estimate import add_estimate
 from lightning_memkit.cli._plan import add_plan
@@ -37,7 +43,11 @@ from lightning_memkit.cli._plan import add_plan
 __all__ = ["SUBCOMMANDS", "UsageError", "main"]
 
 #: subcommand name -> the function that adds its parser (see the module docstring).
-SUBCOMMANDS: dict[str, Callable[[Any], None]] = {"estimate": add_estimate, "plan": add_plan}
+SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
+    "estimate": add_estimate,
+    "plan": add_plan,
+    "advise": add_advise,
+}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -6,7 +6,8 @@ parameter; otherwise a note says why not), the ``simulated`` one the step run on
 (`lightning_memkit.estimate_memory`), and ``difference`` is simulated minus analytic. Two lines under the
 table say which to plan with (the simulated one: the model's own code ran) and why they differ, from the
 figures: the categories that differ most and what the analytic model leaves out there (the logits and the
-loss's buffers, gradients not yet made at the simulated peak).
+loss's buffers, gradients not yet made at the simulated peak). With ``--gpu`` a line says whether the
+simulated step fits the card and, when it does not, the fastest plans that do follow, as code.
 """
 
 from __future__ import annotations
@@ -27,13 +28,12 @@ from lightning_memkit._analytic import (
     shard,
 )
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
-from lightning_memkit._checkpointing import CHECKPOINT_MODES
-from lightning_memkit._optimizer_state import OPTIMIZERS
+from lightning_memkit._oom import plans_section, run_candidates
 from lightning_memkit._report import render_table
-from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES, TimelineEvent, estimate_memory
-from lightning_memkit.cli._args import one_of, positive_int
+from lightning_memkit._simulate import TimelineEvent, estimate_memory
+from lightning_memkit.cli._args import gpu, one_of, positive_int
 from lightning_memkit.cli._models import (
-    add_model_argument,
+    add_step_arguments,
     analytic_shape,
     check_seq_len,
     example_batch,
@@ -61,33 +61,7 @@ def add_estimate(subparsers: Any) -> None:
             "allocated: the model is built on the meta device and the step runs on fake tensors."
         ),
     )
-    add_model_argument(p)
-    p.add_argument(
-        "--batch-size", type=positive_int, required=True, metavar="B", help="micro-batch per device"
-    )
-    p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
-    p.add_argument(
-        "--precision",
-        type=one_of("precision", list(PRECISION_DTYPES)),
-        default="32-true",
-        metavar="P",
-        help=f"a Lightning precision: {', '.join(PRECISION_DTYPES)} (default: 32-true)",
-    )
-    p.add_argument(
-        "--optimizer",
-        type=one_of("optimizer", list(OPTIMIZERS)),
-        default=None,
-        metavar="O",
-        help=f"{', '.join(OPTIMIZERS)} (default: a LightningModule's configure_optimizers, else adamw)",
-    )
-    p.add_argument(
-        "--checkpointing",
-        type=one_of("checkpointing", CHECKPOINT_MODES),
-        default="none",
-        metavar=f"{{{','.join(CHECKPOINT_MODES)}}}",
-        help="none, selective (matmul and attention outputs kept, the rest recomputed), selective_half "
-        "(every second matmul recomputed too) or full (every repeated block recomputed)",
-    )
+    add_step_arguments(p)
     p.add_argument(
         "--accumulate",
         type=positive_int,
@@ -107,12 +81,12 @@ def add_estimate(subparsers: Any) -> None:
         help=f"{', '.join(STRATEGIES)} (default: ddp); what it shards is divided by --gpus",
     )
     p.add_argument(
-        "--device",
-        type=one_of("device", DEVICES),
-        default="cuda",
-        metavar="{cuda,cpu}",
-        help="the device to plan for: cuda (512-byte allocator blocks, foreach optimizers) or cpu "
-        "(default: cuda; no GPU is needed)",
+        "--gpu",
+        type=gpu,
+        default=None,
+        metavar="GPU|SIZE",
+        help="a GPU name (A100-40GB) or a card size (24GB) the step should fit: when it does not, the "
+        "fastest plans that do (micro-batch, accumulation, checkpointing, optimizer), as code",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_estimate)
@@ -155,11 +129,44 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"{', '.join(sharded) or 'nothing'} by {args.gpus}{buckets if not sharded else ''}"
         )
     explanation = _explain(args, shape, analytic, simulated, at_peak) if analytic is not None else []
+    fit = _fit(model, args, simulated) if args.gpu is not None else []
     if args.json:
-        print(json.dumps(_report(args, analytic, simulated, seconds, [*explanation, *notes]), indent=2))
+        report = _report(args, analytic, simulated, seconds, [*explanation, *notes])
+        if args.gpu is not None:
+            report |= {"gpu": args.gpu.source, "fits": simulated.peak <= args.gpu.usable, "fit": fit}
+        print(json.dumps(report, indent=2))
     else:
-        print(_table(args, analytic, simulated, [*explanation, *notes]))
+        print("\n".join([_table(args, analytic, simulated, [*explanation, *notes]), *fit]))
     return 0
+
+
+def _fit(model: nn.Module, args: argparse.Namespace, simulated: MemoryBreakdown) -> list[str]:
+    """With ``--gpu``: whether one rank's step fits the card (what it leaves after the CUDA context and
+    reserve) and, when it does not, the fastest plans that do for the same global batch (batch size x
+    accumulation x GPUs), precision and strategy: the plans an OOM's explanation gives (`plans_section`)."""
+    budget = args.gpu
+    usable = f"{format_bytes(budget.usable)} usable on {budget.source}"
+    if simulated.peak <= budget.usable:
+        return [f"Fits: {format_bytes(simulated.peak)} of the {usable}."]
+    lightning = isinstance(model, LightningModule)
+    global_batch = args.batch_size * args.accumulate * args.gpus
+    with step_errors(model, args.model, global_batch, args.seq_len):
+        batch = example_batch(model, args.model, global_batch, args.seq_len)
+    over = format_bytes(simulated.peak - budget.usable)
+    return [
+        f"Does not fit: {format_bytes(simulated.peak)}, {over} more than the {usable}.",
+        *plans_section(
+            model,
+            batch,
+            budget,
+            optimizers=run_candidates(model, args.optimizer),
+            precision=args.precision,
+            strategy=args.strategy,
+            n_gpus=args.gpus,
+            device=args.device,
+            loss_fn=None if lightning else lm_loss,
+        ),
+    ]
 
 
 def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdown, TimelineEvent | None]:
@@ -246,7 +253,9 @@ def _report(
 ) -> dict[str, Any]:
     """The ``--json`` object. Byte counts are integers; ``difference`` is simulated minus analytic per
     category (negative where analytic is higher); ``analytic``/``difference`` are null when there is no
-    analytic column. ``notes`` starts with `_explain`'s two lines when there is."""
+    analytic column. ``notes`` starts with `_explain`'s two lines when there is. With ``--gpu``,
+    `run_estimate` adds ``gpu`` (its name or size), ``fits`` (the simulated peak within what the card
+    leaves) and ``fit`` (the lines printed under the table: `_fit`'s)."""
     return {
         "model": args.model,
         "batch_size": args.batch_size,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_memkit import _analytic
+from lightning_memkit._chunked_loss import chunked_cross_entropy
 from lightning_memkit._optimizers import swap_optimizer
 from lightning_memkit.demos._data import GPTDataModule, decode, encode
 
@@ -200,9 +201,12 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() yields shared tensors once
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T, vocab_size) for token ids idx (B, T), and the mean cross-entropy if targets given."""
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits (B, T, vocab_size) for token ids idx (B, T), and the mean cross-entropy if targets given.
+
+        With ``loss_chunks > 1`` and targets, the loss is `chunked_cross_entropy` over that many slices of the
+        tokens and no logits are returned (``None``): they never exist for the whole batch at once."""
         t = idx.size(1)
         if t > self.config.block_size:
             raise ValueError(
@@ -215,6 +219,8 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x)
+        if targets is not None and loss_chunks > 1:
+            return None, chunked_cross_entropy(self.ln_f(x), self.lm_head, targets, chunks=loss_chunks)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         if targets is None:
             return logits, None
@@ -270,6 +276,8 @@ class GPTLightningModule(L.LightningModule):
         min_lr_ratio: the final learning rate as a fraction of the peak.
         optimizer: a catalogue name (`lightning_memkit.CATALOGUE`): AdamW's hyperparameters carried over
             by `swap_optimizer`; ``"adamw_kahan"`` is the compensated update for ``precision="bf16-true"``.
+        loss_chunks: compute the training loss over this many slices of the tokens
+            (`lightning_memkit.chunked_cross_entropy`): the whole batch's logits never exist at once.
 
     Logs ``train_loss`` (each step) and ``val_loss`` (each validation epoch), in nats per byte.
     """
@@ -284,6 +292,7 @@ class GPTLightningModule(L.LightningModule):
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         optimizer: str = "adamw",
+        loss_chunks: int = 1,
     ) -> None:
         super().__init__()
         if isinstance(config, str):
@@ -300,7 +309,7 @@ class GPTLightningModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T) token ids, y shifted by one
-        _, loss = self.model(x, y)
+        _, loss = self.model(x, y, loss_chunks=self.hparams.get("loss_chunks", 1))
         self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
         return loss
 

@@ -1,0 +1,414 @@
+"""The memory advisor: where a step's peak goes that it need not, in bytes, each with its fix.
+
+`advise` simulates the step as configured (the same fake-tensor step as `estimate_memory`, with a `Tracer`
+recording what created each storage), reads what is live at the peak, and prices each fix by simulating
+the step again with the fix applied. A finding's ``saved`` is therefore the drop of the whole step's
+peak, not the size of the waste: a fix that removes bytes from a moment other than the peak saves less
+than it removes, and says so.
+
+Findings (each only where it saves something):
+
+- ``gradients``: the previous step's gradients alive through the forward (Lightning's order: the next
+  step's ``zero_grad`` comes after ``training_step``), or every gradient alive at the optimizer step.
+  Fix: `GradientRelease` or `FusedOptimizerStep`.
+- ``untrained_gradients``: parameters that get a gradient no optimizer steps. Fix: ``requires_grad_(False)``.
+- ``unused_parameters``: trainable parameters the loss never reaches (no gradient). Fix: remove them.
+- ``stale_optimizer_state``: optimizer state kept for parameters that no longer train.
+- ``logits``: the logits, their float32 copies and their gradients at the peak. Fix: a chunked loss
+  (`chunked_cross_entropy`).
+- ``activations``: what is saved for backward at the peak, by block and by op, with the checkpointing plan
+  that removes it and its recompute cost.
+- ``fragmentation`` (CUDA): memory the caching allocator reserved beyond the peak allocated, and retries.
+  Fix: ``expandable_segments``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memkit._blocks import find_blocks
+from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
+from lightning_memkit._checkpoint_planner import CheckpointPlanner
+from lightning_memkit._checkpointing import CheckpointPlan
+from lightning_memkit._measure import state_tensors, storage_bytes
+from lightning_memkit._report import render_table
+from lightning_memkit._simulate import OptimizerLike, _simulate, estimate_memory
+from lightning_memkit._trace import Tracer
+
+__all__ = ["Advice", "Finding", "advise"]
+
+#: Slices of the tokens the chunked loss is priced at.
+LOSS_CHUNKS = 8
+#: A caching allocator holding this share of its reserve beyond the peak is called fragmented.
+FRAGMENTED = 0.05
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One way the step holds memory it need not.
+
+    Attributes:
+        kind: what sort of waste (see the module docstring): ``"gradients"``, ``"logits"``, ...
+        what: what holds the memory, with its size.
+        saved: bytes the step's peak drops by with the fix (simulated with the fix applied), except
+            ``fragmentation``'s: the reserved bytes beyond the allocated peak.
+        fix: the code or setting that applies it, and what it costs.
+    """
+
+    kind: str
+    what: str
+    saved: int
+    fix: str
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What `advise` found: the step's breakdown and the findings, largest saving first."""
+
+    breakdown: MemoryBreakdown
+    #: the phase the peak is reached in: ``"forward"``, ``"zero_grad"``, ``"backward"`` or ``"optimizer"``
+    peak_phase: str
+    findings: tuple[Finding, ...] = field(default=())
+
+    def __iter__(self) -> Iterator[Finding]:
+        return iter(self.findings)
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def __getitem__(self, kind: str) -> Finding:
+        """The finding of that kind: ``advice["gradients"]``."""
+        for finding in self.findings:
+            if finding.kind == kind:
+                return finding
+        raise KeyError(f"no {kind!r} finding; found: {', '.join(f.kind for f in self.findings) or 'none'}")
+
+    def __contains__(self, kind: object) -> bool:
+        return any(f.kind == kind for f in self.findings)
+
+    def __str__(self) -> str:
+        head = (
+            f"Step peak {format_bytes(self.breakdown.peak)}, reached in the {self.peak_phase} "
+            f"(parameters {format_bytes(self.breakdown.parameters)}, gradients "
+            f"{format_bytes(self.breakdown.gradients)}, optimizer state "
+            f"{format_bytes(self.breakdown.optimizer_state)}, activations "
+            f"{format_bytes(self.breakdown.activations)}, temporary "
+            f"{format_bytes(self.breakdown.temporary)})."
+        )
+        if not self.findings:
+            return f"{head}\nNo waste found: every byte at the peak is needed by the step as configured."
+        rows = []
+        for i, f in enumerate(self.findings, 1):
+            share = 100 * f.saved / max(self.breakdown.peak, 1)
+            rows.append((str(i), format_bytes(f.saved), f"{share:.1f}%", f"{f.what}\nfix: {f.fix}"))
+        table = render_table(("#", "saves", "of peak", "finding"), rows, left=("finding",), width=120)
+        return f"{head}\n{table}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain types, for JSON: the breakdown (bytes), the peak's phase and the findings."""
+        return {
+            "breakdown": self.breakdown.as_dict(),
+            "peak_phase": self.peak_phase,
+            "findings": [
+                {"kind": f.kind, "what": f.what, "saved": f.saved, "fix": f.fix} for f in self.findings
+            ],
+        }
+
+
+def advise(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: OptimizerLike | None = None,
+    loss_fn: Any = None,
+    precision: str = "32-true",
+    checkpointing: str | CheckpointPlan | None = None,
+    device: str | torch.device = "cuda",
+    accumulating: bool = False,
+    release_gradients: bool = False,
+    fused_step: bool = False,
+    memory_stats: Mapping[str, Any] | None = None,
+) -> Advice:
+    """Name the memory a training step holds at its peak that it need not, with the bytes each fix saves.
+
+    The step is simulated on fake tensors, as `estimate_memory` runs it (the same arguments, the same side
+    effects: none), then again once per fix to price it: nothing is allocated and no GPU is needed.
+
+    Args:
+        model, batch, optimizer, loss_fn, precision, checkpointing, device, accumulating, release_gradients,
+            fused_step: the step as `estimate_memory` takes it. An optimizer instance is also read for
+            state it keeps for parameters that no longer train.
+        memory_stats: ``torch.cuda.memory_stats()`` of a run, for the ``fragmentation`` finding (default:
+            the current CUDA device's when ``device`` is CUDA and one is present).
+
+    Returns:
+        An `Advice`: ``print(advice)`` shows a table; ``advice.findings`` are largest saving first.
+    """
+    kwargs: dict[str, Any] = dict(
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        precision=precision,
+        checkpointing=checkpointing,
+        device=device,
+        accumulating=accumulating,
+        release_gradients=release_gradients,
+        fused_step=fused_step,
+    )
+    tracer = Tracer(model)
+    tracker = _simulate(model, batch, first_step=False, tracer=tracer, **kwargs)
+    breakdown = tracker.breakdown()
+    peak = breakdown.peak
+
+    def peak_with(**changes: Any) -> int:
+        return estimate_memory(model, batch, **{**kwargs, **changes}).peak
+
+    findings = [
+        *_gradients(breakdown, tracer.peak_phase, kwargs, peak_with),
+        *_untrained(model, tracer, peak, peak_with),
+        *_unused(tracer),
+        *_stale_state(model, optimizer),
+        *_logits(tracker.peak_live, tracer, peak),
+        *_activations(model, batch, tracker.peak_live, breakdown, kwargs),
+        *_fragmentation(memory_stats, torch.device(device)),
+    ]
+    findings = [f for f in findings if f.saved > 0]
+    findings.sort(key=lambda f: -f.saved)
+    return Advice(breakdown, tracer.peak_phase, tuple(findings))
+
+
+# --------------------------------------------------------------------------------------------------
+# The findings
+# --------------------------------------------------------------------------------------------------
+
+
+def _gradients(
+    breakdown: MemoryBreakdown, phase: str, kwargs: Mapping[str, Any], peak_with: Any
+) -> list[Finding]:
+    """The gradients alive where they need not be: through the next forward, or all at the step."""
+    if kwargs["accumulating"] or kwargs["fused_step"] or not breakdown.gradients:
+        return []
+    peak = breakdown.peak
+    released = 0 if kwargs["release_gradients"] else peak - peak_with(release_gradients=True)
+    try:
+        fused = peak - peak_with(fused_step=True, release_gradients=False)
+    except (ValueError, NotImplementedError, TypeError):  # an optimizer the fused step refuses (LBFGS)
+        fused = 0
+    held = format_bytes(breakdown.gradients)
+    release_fix = (
+        "Trainer(callbacks=[GradientRelease()]) frees them once the optimizer has stepped "
+        "(lightning_memkit.release_gradients(optimizer) in a plain loop); training is bit-identical"
+    )
+    fused_fix = (
+        "Trainer(callbacks=[FusedOptimizerStep()]) steps each parameter as soon as its gradient is ready, "
+        "so no moment holds them all (not with gradient clipping, accumulation, the fp16 scaler or "
+        "several devices); training is bit-identical"
+    )
+    if released >= fused and released > 0:
+        return [
+            Finding(
+                "gradients",
+                f"the previous step's gradients ({held}) are alive through the forward (the step peaks in "
+                f"the {phase}): Lightning zeroes them in the next step, after training_step",
+                released,
+                release_fix,
+            )
+        ]
+    if fused > 0:
+        other = f"; GradientRelease() saves {format_bytes(released)} without those limits" if released else ""
+        return [
+            Finding(
+                "gradients",
+                f"the step's peak ({phase}) holds every gradient at once ({held})",
+                fused,
+                fused_fix + other,
+            )
+        ]
+    return []
+
+
+def _untrained(model: nn.Module, tracer: Tracer, peak: int, peak_with: Any) -> list[Finding]:
+    """Parameters whose gradient no optimizer uses: priced by simulating them frozen."""
+    if not tracer.untrained:
+        return []
+    names = [name for name, _ in tracer.untrained]
+    with _frozen(model, names):
+        saved = peak - peak_with()
+    grads = sum(nbytes for _, nbytes in tracer.untrained)
+    return [
+        Finding(
+            "untrained_gradients",
+            f"{len(names)} parameter tensor(s) get gradients ({format_bytes(grads)}) that no optimizer "
+            f"steps: {_names(names)}",
+            saved,
+            "freeze them before fit: for each, model.get_parameter(name).requires_grad_(False) (or give "
+            "them to the optimizer if they should train)",
+        )
+    ]
+
+
+@contextlib.contextmanager
+def _frozen(model: nn.Module, names: list[str]) -> Iterator[None]:
+    params = [model.get_parameter(name) for name in names]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def _unused(tracer: Tracer) -> list[Finding]:
+    if not tracer.unused:
+        return []
+    names = [name for name, _ in tracer.unused]
+    nbytes = sum(n for _, n in tracer.unused)
+    return [
+        Finding(
+            "unused_parameters",
+            f"{len(names)} trainable parameter tensor(s) ({format_bytes(nbytes)}) never get a gradient: "
+            f"the loss does not reach them: {_names(names)}",
+            nbytes,
+            "remove the modules that hold them from the model (DDP also needs find_unused_parameters=True "
+            "while they are there), or requires_grad_(False) if they are meant to be used later",
+        )
+    ]
+
+
+def _stale_state(model: nn.Module, optimizer: Any) -> list[Finding]:
+    """State an optimizer instance keeps for parameters that no longer train (frozen after it began)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return []
+    frozen = {id(p): name for name, p in model.named_parameters() if not p.requires_grad}
+    kept = [p for p in optimizer.state if id(p) in frozen and optimizer.state[p]]
+    if not kept:
+        return []
+    nbytes = storage_bytes(t for p in kept for t in state_tensors(optimizer.state[p]))
+    names = [frozen[id(p)] for p in kept]
+    return [
+        Finding(
+            "stale_optimizer_state",
+            f"the optimizer keeps state ({format_bytes(nbytes)}) for {len(kept)} parameter tensor(s) that no "
+            f"longer train: {_names(names)}",
+            nbytes,
+            "drop it when freezing: optimizer.state.pop(param) for each (or rebuild the optimizer over the "
+            "trainable parameters)",
+        )
+    ]
+
+
+def _logits(peak_live: list[Any], tracer: Tracer, peak: int) -> list[Finding]:
+    held = [rec for rec in peak_live if rec.origin is not None and rec.origin.logits]
+    if not held:
+        return []
+    nbytes = sum(rec.nbytes for rec in held)
+    fp32 = sum(rec.nbytes for rec in held if rec.origin.dtype == torch.float32)
+    saved = peak - tracer.peak_without_logits(LOSS_CHUNKS)
+    return [
+        Finding(
+            "logits",
+            f"{len(held)} tensors as wide as the vocabulary ({tracer.vocabulary}) are live at the peak: "
+            f"the logits, their copies and gradients, {format_bytes(nbytes)} ({format_bytes(fp32)} in "
+            "float32)",
+            saved,
+            f"compute the loss over {LOSS_CHUNKS} slices of the tokens, each slice's logits recomputed in "
+            f"backward: loss = lightning_memkit.chunked_cross_entropy(hidden, {tracer.head}, targets, "
+            f"chunks={LOSS_CHUNKS}) from the last hidden states (one more head matmul per token); or a "
+            "smaller micro-batch",
+        )
+    ]
+
+
+def _activations(
+    model: nn.Module, batch: Any, peak_live: list[Any], breakdown: MemoryBreakdown, kwargs: Mapping[str, Any]
+) -> list[Finding]:
+    """What is saved for backward at the peak, by block and op, and the checkpointing that removes it."""
+    if kwargs["checkpointing"] == "full":
+        return []
+    saved_for_backward = [
+        rec for rec in peak_live if rec.category is None and rec.grad_at is None and rec.saved_at is not None
+    ]
+    total = sum(rec.nbytes for rec in saved_for_backward)
+    blocks = [name for name, _ in find_blocks(model)]
+    if not total or not blocks:
+        return []
+    by_block: Counter[str] = Counter()
+    by_op: Counter[str] = Counter()
+    scores = 0
+    for rec in saved_for_backward:
+        origin = rec.origin
+        where = origin.where if origin is not None else ""
+        block = next((b for b in blocks if where == b or where.startswith(b + ".")), None)
+        by_block["in blocks" if block else "outside blocks"] += rec.nbytes
+        by_op[origin.op if origin is not None else "input"] += rec.nbytes
+        if origin is not None and "softmax" in origin.op and len(origin.shape) >= 2:
+            scores += rec.nbytes if origin.shape[-1] == origin.shape[-2] else 0
+    estimate_kwargs = {k: v for k, v in kwargs.items() if k not in ("checkpointing", "device")}
+    planner = CheckpointPlanner(model, batch, cost="flops", device=kwargs["device"], **estimate_kwargs)
+    if kwargs["checkpointing"] in (None, "none"):
+        planner.remember(planner.uniform("none"), breakdown)  # the step advised: no need to simulate it again
+    full, selective = (planner.plan_for(planner.uniform(policy)) for policy in ("full", "selective"))
+    assert full.peak is not None and selective.peak is not None
+    peak = breakdown.peak
+    saved = peak - full.peak
+    ops = ", ".join(f"{op} {100 * n / total:.0f}%" for op, n in by_op.most_common(4))
+    what = (
+        f"activations saved for backward: {format_bytes(total)} at the peak, "
+        f"{format_bytes(by_block['in blocks'])} in {len(blocks)} blocks ({blocks[0]}, ...); by op: {ops}"
+    )
+    fp32 = sum(rec.nbytes for rec in saved_for_backward if rec.origin and rec.origin.dtype == torch.float32)
+    if kwargs["precision"].endswith("-mixed") and fp32:
+        what += f"; {format_bytes(fp32)} of them in float32 under {kwargs['precision']}"
+    if scores:
+        what += (
+            f"; {format_bytes(scores)} are materialised attention scores (T x T softmax): "
+            "F.scaled_dot_product_attention (attn_implementation='sdpa') does not keep them"
+        )
+    fix = (
+        f"Trainer(callbacks=[ActivationCheckpointing(policy='full')]) recomputes every block's forward in "
+        f"backward (+{100 * (full.overhead or 0):.1f}% of the blocks' compute)"
+    )
+    if 0 < peak - selective.peak < saved:
+        fix += (
+            f"; policy='selective' saves {format_bytes(peak - selective.peak)} for "
+            f"+{100 * (selective.overhead or 0):.1f}%; ActivationCheckpointing(budget=...) plans the "
+            "cheapest mix for a budget"
+        )
+    return [Finding("activations", what, saved, fix)]
+
+
+def _fragmentation(stats: Mapping[str, Any] | None, device: torch.device) -> list[Finding]:
+    """The caching allocator's reserve beyond the peak allocated (CUDA), and its retries."""
+    if stats is None and device.type == "cuda" and torch.cuda.is_available():
+        stats = torch.cuda.memory_stats(device if device.index is not None else None)
+    if not stats:
+        return []
+    reserved = int(stats.get("reserved_bytes.all.peak", 0))
+    allocated = int(stats.get("allocated_bytes.all.peak", 0))
+    retries = int(stats.get("num_alloc_retries", 0))
+    spare = reserved - allocated
+    if spare <= 0 or (retries == 0 and spare < FRAGMENTED * reserved):
+        return []
+    return [
+        Finding(
+            "fragmentation",
+            f"the caching allocator reserved {format_bytes(reserved)} for a peak of "
+            f"{format_bytes(allocated)} allocated: {format_bytes(spare)} in blocks too fragmented to reuse"
+            + (f", and it freed its cache {retries} time(s) to retry an allocation" if retries else ""),
+            spare,
+            "start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow "
+            "instead of being split)",
+        )
+    ]
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -1,0 +1,441 @@
+"""When a step does not fit: what it needs, by category, and the plans that would fit, as code to paste.
+
+A run that dies of ``torch.OutOfMemoryError`` ends with a traceback that says where, not why nor what to
+change. `explain_oom` writes what `MemoryMonitor` and `AutoFit` print before it: the memory the step had,
+what it needs by category (`step_need`: measured on an earlier step of the same signature, else simulated
+for this very batch), the phase it died in, and the fastest plans that fit (`plans_section`: `plan_fit` at
+that size), each with its simulated peak and the code that sets it (`plan_code`, which ``memkit plan``
+prints whole). ``memkit estimate --gpu`` prints the same plans for a step that does not fit a card.
+
+Nothing here allocates on the device that ran out: the need and the plans are simulated on fake tensors
+(from a CPU copy of the batch), and the plans are ranked by counted FLOPs, never timed. Planning stops
+after `PLAN_SECONDS`: a large model's step takes seconds to simulate, and a plan dozens of them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+from lightning_memkit._analytic import model_static, shard
+from lightning_memkit._autofit import plan_fit
+from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
+from lightning_memkit._budget import GPUS, Budget
+from lightning_memkit._checkpointing import CHECKPOINT_MODES, apply_plan
+from lightning_memkit._fitplan import FitPlan
+from lightning_memkit._lightning import batch_size
+from lightning_memkit._optimizers import (
+    COMPENSATED,
+    DEFAULT_CANDIDATES,
+    KAHAN,
+    lighter_candidates,
+    own_optimizer,
+)
+from lightning_memkit._simulate import estimate_memory
+
+__all__ = [
+    "MAX_PLANS",
+    "PHASES",
+    "PLAN_SECONDS",
+    "StepInFlight",
+    "autofit_code",
+    "by_hand_code",
+    "explain_oom",
+    "fastest_plans",
+    "on_cpu",
+    "plan_code",
+    "plans_section",
+    "run_candidates",
+    "step_need",
+]
+
+#: The phases of a training step, as the callbacks' hooks tell them apart.
+PHASES = ("forward", "backward", "optimizer step")
+#: Plans an explanation shows at most.
+MAX_PLANS = 3
+#: Seconds an explanation may spend planning; past them it gives the AutoFit line alone.
+PLAN_SECONDS = 60.0
+
+
+class _OutOfTime(Exception):
+    """Planning took more than `PLAN_SECONDS`."""
+
+
+class StepInFlight:
+    """The training step running now, as a callback's hooks see it: its batch, index and phase.
+
+    What an OOM explanation needs, kept only while the step runs: ``start`` in ``on_train_batch_start``,
+    ``enter("backward")`` in ``on_before_backward``, ``enter("optimizer step")`` in
+    ``on_before_optimizer_step`` (Lightning calls it after the closure's backward, before the optimizer's
+    update) and ``end`` in ``on_train_batch_end`` or once the OOM is explained, which drops the batch.
+    """
+
+    def __init__(self) -> None:
+        self.batch: Any = None
+        self.batch_idx = -1
+        #: one of `PHASES`; ``None`` between steps
+        self.phase: str | None = None
+
+    def start(self, batch: Any, batch_idx: int) -> None:
+        self.batch, self.batch_idx, self.phase = batch, batch_idx, PHASES[0]
+
+    def enter(self, phase: str) -> None:
+        if self.phase is not None:
+            self.phase = phase
+
+    def end(self) -> None:
+        self.batch, self.phase = None, None
+
+
+def step_need(
+    model: nn.Module,
+    batch: Any,
+    *,
+    measured: MemoryBreakdown | None = None,
+    strategy: str = "ddp",
+    n_gpus: int = 1,
+    **simulate: Any,
+) -> tuple[MemoryBreakdown, str]:
+    """What one rank's training step of ``model`` on ``batch`` needs, by category, and how that is known.
+
+    ``measured`` (the breakdown of an earlier step of the same signature) when there is one, else
+    `estimate_memory` with ``simulate`` (its keywords: ``precision``, ``optimizer``, ``device``,
+    ``first_step``, ...) on a CPU copy of the batch, divided as ``strategy`` shards it over ``n_gpus``.
+    """
+    if measured is not None:
+        return measured, "measured on an earlier step of the same shapes"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        need = estimate_memory(model, on_cpu(batch), **simulate)
+    if n_gpus > 1:
+        grads = model_static(model, simulate.get("precision", "32-true")).gradients
+        need = shard(need, strategy, n_gpus, gradient_bytes=grads)
+    return need, "simulated for this batch"
+
+
+def run_candidates(model: nn.Module, optimizer: str | None) -> tuple[str | None, ...] | None:
+    """The optimizers to plan a run with, in quality order: the catalogue name of the one it runs and the
+    lighter ones after it (`lighter_candidates`); ``None`` where that is `plan_fit`'s default (the
+    module's own ``configure_optimizers`` one) or the optimizer is not known."""
+    default = lighter_candidates(model)
+    if optimizer is None or (default and default[0] == optimizer):
+        return None
+    return default[default.index(optimizer) :] if optimizer in default else (optimizer,)
+
+
+def explain_oom(
+    model: nn.Module,
+    batch: Any,
+    budget: Budget | None,
+    *,
+    title: str,
+    need: MemoryBreakdown,
+    source: str,
+    accumulate: int = 1,
+    **plan_options: Any,
+) -> str:
+    """The message for a training step that ran out of memory.
+
+    ``title``, then the memory ``budget`` gives the step and what the step ``need``\\ s by category (known as
+    ``source`` says: `step_need`), then the fastest plans for the global batch (``batch``, one rank's
+    micro-batch, times ``accumulate`` and the ranks) that fit ``budget`` (`plans_section`, given
+    ``plan_options``). Without a budget (a CPU run) no plan is made. When the need fits the budget by these
+    figures, what ran out is memory they do not see, and the plans are made for the need itself: leaner
+    than the step that ran out.
+    """
+    lines = [title]
+    table = [f"    {line}" for line in str(need).splitlines()]
+    if budget is None:
+        lines += [
+            f"The step needs {format_bytes(need.peak)} ({source}); the memory available is unknown here "
+            '(no budget, not CUDA), so no plan is made: give one, e.g. MemoryMonitor(budget="8GB").',
+            *table,
+        ]
+        return "\n".join(lines)
+    available = _describe(budget)
+    if need.peak > budget.usable:
+        lines.append(
+            f"The step needs {format_bytes(need.peak)} ({source}), {format_bytes(need.peak - budget.usable)} "
+            f"more than the {available} there is:"
+        )
+    else:
+        lines.append(
+            f"The step needs {format_bytes(need.peak)} ({source}) of the {available} there is: by these "
+            "figures it fits, so what ran out is memory they do not see (the caching allocator's "
+            "fragmentation: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; another process on the "
+            "device). The plans below are for the step's own figure, so they are leaner than this step:"
+        )
+        budget = Budget(need.peak, need.peak, f"{format_bytes(need.peak)}, this step's need")
+    copies = accumulate * plan_options.get("n_gpus", 1)  # (micro, ...) -> (micro * copies, ...)
+    whole = apply_to_collection(
+        on_cpu(batch), Tensor, lambda t: t.repeat(copies, *[1] * (t.dim() - 1)) if t.dim() else t
+    )
+    lines += [*table, *plans_section(model, whole, budget, **plan_options)]
+    return "\n".join(lines)
+
+
+def plans_section(
+    model: nn.Module,
+    batch: Any,
+    budget: Budget,
+    *,
+    margin: float = 0.1,
+    optimizers: Sequence[str | None] | None = None,
+    **plan_options: Any,
+) -> list[str]:
+    """Lines that give the fastest plans (at most `MAX_PLANS`) that fit ``budget``, each with its simulated
+    peak, its time relative to the fastest and its code, then the ``AutoFit`` line that makes the first
+    as the fit starts.
+
+    ``batch`` is the global batch (all ranks); ``plan_options`` are `plan_fit`'s keywords. The model is
+    planned as written: checkpointing a callback applied is set aside while planning. When nothing fits,
+    the lines give `plan_fit`'s reason (the floor and what would fit); a plan that fails otherwise, or
+    takes more than `PLAN_SECONDS`, is one line.
+    """
+    deadline = time.monotonic() + PLAN_SECONDS
+
+    def progress(_: str) -> None:  # called before each simulation, once planning takes 2 s
+        if time.monotonic() > deadline:
+            raise _OutOfTime
+
+    options = {"cost": "flops", "progress": progress, **plan_options}
+    try:
+        with apply_plan(model, "none", announce=False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_fit(model, batch, budget, margin=margin, optimizers=optimizers, **options)
+    except ValueError as err:  # nothing fits: plan_fit says the floor and what would
+        return [f"  {err}"]
+    except _OutOfTime:
+        call = _call("trainer = Trainer", {"callbacks": f"[AutoFit(budget={_budget_argument(budget)})]"})
+        return [
+            f"  No plan within {PLAN_SECONDS:.0f} s of simulation; AutoFit plans as the fit starts: {call}"
+        ]
+    except Exception as err:
+        return [f"  No plan: {err!r}."]
+    lever = _lever(plan_options)
+    ranked = fastest_plans(plan)
+    lines = [
+        f"Plans that fit in {format_bytes(plan.limit)} (the {format_bytes(budget.usable)} less a "
+        f"{margin:.0%} margin), fastest first, each with its simulated peak and its time per global batch:"
+    ]
+    names = {"AutoFit"}
+    for i, (option, relative) in enumerate(ranked, 1):
+        lines.append(
+            f"  {i}. {_brief(option)}: peak {format_bytes(option.estimated_peak)}, time {relative:.2f}x"
+        )
+        lines += [
+            f"       {line}"
+            for code in by_hand_code(option, model, lever=lever)
+            for line in code.splitlines()
+        ]
+        names.update(c.split("(")[0] for c in _levers(option, lever))
+    per_gpu = batch_size(batch) // plan.n_gpus
+    lines += [
+        f"  Or add AutoFit, which makes plan 1 as the fit starts, with batch_size = {per_gpu} (the global "
+        "batch per GPU):",
+        *(f"       {line}" for line in autofit_code(plan, optimizers=optimizers, lever=lever).splitlines()),
+        f"  (from lightning_memkit import {', '.join(sorted(names))})",
+    ]
+    return lines
+
+
+def fastest_plans(plan: FitPlan, n: int = MAX_PLANS) -> list[tuple[FitPlan, float]]:
+    """``plan`` and its alternatives that fit, with their times relative to it, fastest first: at most ``n``.
+
+    Only alternatives with a known time count (the plan's optimizer and precision); each is a `FitPlan` of
+    its own, whose checkpointing is the alternative's mode (a per-block one other than the plan's is left to
+    ``ActivationCheckpointing``'s budget, as `plan_code` writes it)."""
+    chosen = (plan.micro_batch_size, plan.checkpointing, plan.optimizer, plan.precision)
+    ranked: dict[tuple, tuple[FitPlan, float]] = {chosen: (plan, 1.0)}
+    rows = sorted(
+        (a for a in plan.alternatives if a.fits and a.time is not None), key=lambda a: (a.time, a.peak)
+    )
+    for a in rows:
+        key = (a.micro_batch_size, a.checkpointing, a.optimizer, a.precision)
+        if key not in ranked:
+            option = replace(
+                plan,
+                micro_batch_size=a.micro_batch_size,
+                accumulate_grad_batches=a.accumulate_grad_batches,
+                checkpointing=a.checkpointing,
+                optimizer=a.optimizer,
+                precision=a.precision,
+                estimated_peak=a.peak,
+                alternatives=(),
+                checkpoint_plan=None,
+            )
+            ranked[key] = (option, a.time)
+    return list(ranked.values())[:n]
+
+
+# --- the plan as code -----------------------------------------------------------------------------
+
+
+def plan_code(
+    plan: FitPlan,
+    model: nn.Module,
+    *,
+    global_batch: int,
+    optimizers: Sequence[str | None] | None,
+    lever: str | None = None,
+) -> str:
+    """The plan as Python a user pastes: the Trainer with ``AutoFit``, which makes this plan as the fit
+    starts (`autofit_code`), then the same set by hand (`by_hand_code`). ``optimizers`` are the candidates
+    planned, if given (``--optimizer``); ``lever`` the callback that changes the step the plan was made for
+    (``"FusedOptimizerStep"``), in both Trainers."""
+    named = plan.budget.source in GPUS
+    imports = sorted({"AutoFit", *(c.split("(")[0] for c in _levers(plan, lever))})
+    card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
+    per_gpu = global_batch // plan.n_gpus
+    return "\n".join(
+        [
+            "from lightning.pytorch import Trainer",
+            f"from lightning_memkit import {', '.join(imports)}",
+            "",
+            "# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the",
+            f"#    global batch per GPU, here {per_gpu}; it sets micro-batch and accumulation itself.",
+            *([] if named else [card]),
+            autofit_code(plan, optimizers=optimizers, lever=lever),
+            "",
+            "# 2. Or by hand: batch_size is the micro-batch, the DataLoader's batch size.",
+            *by_hand_code(plan, model, lever=lever),
+        ]
+    )
+
+
+def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None, lever: str | None = None) -> str:
+    """``trainer = Trainer(...)`` with the ``AutoFit`` that makes ``plan``: its budget (a GPU by name; a
+    size as the step's limit, which is what AutoFit reads it as), margin and optimizer candidates."""
+    autofit = {"budget": _budget_argument(plan.budget)}
+    if plan.margin != 0.1:
+        autofit["margin"] = repr(plan.margin)
+    if plan.optimizer in KAHAN:  # AutoFit plans them only when named (it keeps the Trainer's optimizer)
+        kahan = dict.fromkeys(COMPENSATED.get(o) for o in (optimizers or DEFAULT_CANDIDATES))
+        autofit["optimizers"] = json.dumps([o for o in kahan if o is not None])
+    elif optimizers is not None:
+        autofit["optimizers"] = json.dumps(list(optimizers))
+    callbacks = [f"AutoFit({_arguments(autofit)})", *([f"{lever}()"] if lever else [])]
+    return _call("trainer = Trainer", {**_trainer_arguments(plan), "callbacks": f"[{', '.join(callbacks)}]"})
+
+
+def by_hand_code(plan: FitPlan, model: nn.Module, *, lever: str | None = None) -> list[str]:
+    """``plan`` set by hand, as lines: the micro-batch (the DataLoader's batch size), the Trainer's
+    arguments, checkpointing as a callback (its policy, or the step's limit when the blocks' modes differ:
+    ActivationCheckpointing then plans the split) and an optimizer swap as a comment (it goes in
+    ``configure_optimizers``)."""
+    by_hand = {"accumulate_grad_batches": str(plan.accumulate_grad_batches), **_trainer_arguments(plan)}
+    levers = _levers(plan, lever)
+    if levers:
+        by_hand["callbacks"] = f"[{', '.join(levers)}]"
+    lines = [f"batch_size = {plan.micro_batch_size}", _call("trainer = Trainer", by_hand)]
+    if plan.checkpointing not in CHECKPOINT_MODES and _sharded(plan):
+        lines.append(
+            f"#    The plan checkpoints block by block ({plan.checkpointing}); under {plan.strategy} "
+            f"every block gets {_strongest(plan)}: it fits too, for more recompute."
+        )
+    elif plan.checkpointing not in CHECKPOINT_MODES:
+        lines.append(
+            f"#    Checkpointing block by block ({plan.checkpointing}), planned for the step's limit."
+        )
+    own = own_optimizer(model) if isinstance(model, LightningModule) else None
+    if plan.optimizer is not None and plan.optimizer != own:
+        name = json.dumps(plan.optimizer)
+        if isinstance(model, LightningModule):
+            lines += [
+                f"#    Optimizer {plan.optimizer} in place of {own or 'the configured one'}: in "
+                "configure_optimizers,",
+                f"#    return lightning_memkit.swap_optimizer(optimizer, {name})",
+            ]
+        else:
+            lines.append(f"#    Optimizer: {plan.optimizer}, lightning_memkit.CATALOGUE[{name}].")
+    return lines
+
+
+def _levers(plan: FitPlan, lever: str | None) -> list[str]:
+    """The callbacks that set ``plan``'s step by hand: ``lever``, then checkpointing. ActivationCheckpointing
+    plans a budget on the unsharded step (and refuses to under FSDP): with a sharded strategy a per-block
+    plan is written as its strongest mode on every block, which fits too."""
+    levers = [f"{lever}()"] if lever else []
+    if plan.checkpointing not in CHECKPOINT_MODES and not _sharded(plan):  # no one policy names it
+        levers.append(f"ActivationCheckpointing(budget={plan.limit:_})")
+    elif plan.checkpointing != "none":
+        levers.append(f"ActivationCheckpointing(policy={json.dumps(_strongest(plan))})")
+    return levers
+
+
+def _budget_argument(budget: Budget) -> str:
+    """``budget`` as AutoFit takes it: a GPU by name, else the step's limit in bytes (AutoFit reads a size
+    as that, not as a card's)."""
+    return json.dumps(budget.source) if budget.source in GPUS else f"{budget.usable:_}"
+
+
+def _strongest(plan: FitPlan) -> str:
+    """The strongest checkpointing mode ``plan`` gives a block (a per-block label, "2 selective, 2 full",
+    is read when the plan has no `CheckpointPlan`)."""
+    if plan.checkpoint_plan is not None:
+        modes = list(plan.checkpoint_plan.policies.values())
+    else:
+        modes = [part.split()[-1] for part in plan.checkpointing.split(", ")]
+    return max(modes, key=CHECKPOINT_MODES.index)
+
+
+def _sharded(plan: FitPlan) -> bool:
+    return plan.n_gpus > 1 and plan.strategy != "ddp"
+
+
+def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
+    trainer = {"precision": json.dumps(plan.precision)}
+    if plan.n_gpus > 1:
+        trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.n_gpus)}
+    return trainer
+
+
+def _arguments(kwargs: Mapping[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+def _call(head: str, kwargs: Mapping[str, str]) -> str:
+    """``head(k=v, ...)`` on one line, or one argument a line when that is over 100 characters."""
+    one_line = f"{head}({_arguments(kwargs)})"
+    if len(one_line) <= 100:
+        return one_line
+    return "\n".join([f"{head}(", *(f"    {k}={v}," for k, v in kwargs.items()), ")"])
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def _brief(plan: FitPlan) -> str:
+    gpus = f" x {plan.n_gpus} GPUs ({plan.strategy})" if plan.n_gpus > 1 else ""
+    return (
+        f"micro-batch {plan.micro_batch_size} x accumulate {plan.accumulate_grad_batches}{gpus}, "
+        f"checkpointing {plan.checkpointing}, {plan.optimizer or 'configured optimizer'}, {plan.precision}"
+    )
+
+
+def _describe(budget: Budget) -> str:
+    """``"3.81 MiB (4000000 bytes)"``; a device's with its size: ``"35.18 GiB usable of A100-40GB"``."""
+    if budget.total == budget.usable:
+        return f"{format_bytes(budget.usable)} ({budget.source})"
+    return f"{format_bytes(budget.usable)} usable of {budget.source} ({format_bytes(budget.total)})"
+
+
+def _lever(plan_options: Mapping[str, Any]) -> str | None:
+    """The callback that makes the step the plans are for, as `plan_code` names it."""
+    if plan_options.get("fused_step"):
+        return "FusedOptimizerStep"
+    return "GradientRelease" if plan_options.get("release_gradients") else None
+
+
+def on_cpu(batch: Any, *, copy: bool = False) -> Any:
+    """``batch`` with its tensors on the CPU: a copy of what is elsewhere (the device is full); ``copy``:
+    of CPU tensors too (a batch kept for later)."""
+    return apply_to_collection(batch, Tensor, lambda t: t.detach().to("cpu", copy=copy))

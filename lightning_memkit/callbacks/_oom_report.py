@@ -1,0 +1,126 @@
+"""What `MemoryMonitor` and `AutoFit` print when a training step runs out of memory: the run read from the
+Trainer (its budget or plan, precision, sharding, step levers, optimizer), explained by `_oom.explain_oom`."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._budget import Budget
+from lightning_memkit._checkpointing import CHECKPOINT_MODES
+from lightning_memkit._fitplan import FitPlan
+from lightning_memkit._lightning import batch_size
+from lightning_memkit._oom import StepInFlight, explain_oom, run_candidates, step_need
+from lightning_memkit._optimizers import identify
+from lightning_memkit.callbacks._step_guard import StepGuard
+from lightning_memkit.callbacks._trainer import (
+    into_gradients,
+    precision,
+    sharding,
+    step_levers,
+    the_optimizer,
+)
+
+
+def report_oom(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    step: StepInFlight,
+    budget: Budget | None,
+    *,
+    who: str,
+    measured: MemoryBreakdown | None = None,
+) -> None:
+    """Warn (rank 0) what `explain_run_oom` says of an OOM in ``step``. Never raises: the OOM, not an error
+    of explaining it, is what the run dies of; such an error is one line."""
+    try:
+        message = explain_run_oom(trainer, pl_module, step, budget, who=who, measured=measured)
+    except Exception as err:
+        message = f"{who}: out of memory; explaining it failed ({err!r}). The error follows."
+    try:
+        rank_zero_warn(message)
+    except Exception:  # warnings turned into errors (-W error): say it as information instead
+        rank_zero_info(message)
+
+
+def explain_run_oom(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    step: StepInFlight,
+    budget: Budget | None,
+    *,
+    who: str,
+    measured: MemoryBreakdown | None = None,
+) -> str:
+    """`explain_oom` for an OOM in the training ``step`` in flight, the run read from the Trainer.
+
+    The memory is ``budget``, else the budget of a callback that planned the run (AutoFit's `FitPlan`, with
+    its margin and checkpointing modes), else a CUDA device's memory less the context and reserve. The
+    plans keep the Trainer's precision, strategy, step levers and global batch (the batch times
+    ``accumulate_grad_batches``), and start from the optimizer the run has. ``measured`` is the breakdown of
+    an earlier step like this one. AutoFit's `StepGuard`, if still on the module, is removed first: it serves
+    the run, which is ending, and the step simulated is the module's own.
+    """
+    if step.phase is None:
+        return (
+            f"{who}: out of memory outside a training step (in validation, a hook or between steps); only "
+            "training steps are explained."
+        )
+    guard = getattr(pl_module.__dict__.get("training_step"), "__self__", None)
+    if isinstance(guard, StepGuard):
+        guard.remove()
+    plan = next((c.plan for c in trainer.callbacks if isinstance(getattr(c, "plan", None), FitPlan)), None)
+    device = trainer.strategy.root_device
+    if budget is None and plan is not None:
+        budget = plan.budget
+    elif budget is None and device.type == "cuda":
+        budget = Budget.for_device(torch.cuda.get_device_properties(device).total_memory, str(device))
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    strategy, ranks = sharding(trainer)
+    levers = step_levers(trainer)
+    optimizer = the_optimizer(trainer)
+    need, source = step_need(
+        pl_module,
+        step.batch,
+        measured=measured,
+        strategy=strategy,
+        n_gpus=ranks,
+        optimizer=optimizer,
+        precision=precision(trainer),
+        device=kind,
+        first_step=not any(o.state for o in trainer.optimizers),
+        accumulating=into_gradients(trainer, step.batch_idx),
+        **levers,
+    )
+    try:
+        samples = f", {batch_size(step.batch)} samples"
+    except ValueError:  # tensors of several sizes along dim 0
+        samples = ""
+    where = f"the {step.phase} of step {trainer.global_step} (batch {step.batch_idx}{samples})"
+    title = f"{who}: out of memory in {where}."
+    if plan is not None:
+        title += f"\nThe run had AutoFit's plan: {plan.summary()}."
+    # The plans start from the run's optimizer; read only where something is planned (it loads bitsandbytes).
+    candidates = None
+    if budget is not None:
+        candidates = run_candidates(pl_module, identify(optimizer) if optimizer is not None else None)
+    return explain_oom(
+        pl_module,
+        step.batch,
+        budget,
+        title=title,
+        need=need,
+        source=source,
+        accumulate=trainer.accumulate_grad_batches,
+        margin=plan.margin if plan is not None else 0.1,
+        optimizers=candidates,
+        precision=precision(trainer),
+        checkpointing=plan.levels if plan is not None else CHECKPOINT_MODES,
+        strategy=strategy,
+        n_gpus=ranks,
+        device=kind,
+        compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
+        **levers,
+    )

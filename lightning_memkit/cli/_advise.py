@@ -1,0 +1,66 @@
+"""``memkit advise``: where a step's peak holds memory it need not, each finding with its bytes and fix.
+
+The step is simulated as ``memkit estimate`` simulates it (`lightning_memkit.advise`), then once more per
+fix to price it; nothing is allocated and no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from lightning.pytorch import LightningModule
+
+from lightning_memkit._advise import advise
+from lightning_memkit.cli._models import (
+    add_step_arguments,
+    analytic_shape,
+    check_seq_len,
+    example_batch,
+    lm_loss,
+    load_model,
+    step_errors,
+)
+
+
+def add_advise(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "advise",
+        help="the memory one training step holds at its peak that it need not, with the bytes each fix saves",
+        description=(
+            "Simulate one training step, name what its peak holds that it need not (the previous step's "
+            "gradients, logits, activations a checkpointing plan would drop, gradients no optimizer uses, "
+            "parameters the loss never reaches), and price each fix by simulating the step with it."
+        ),
+    )
+    add_step_arguments(p, checkpointing="the checkpointing the run already uses")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run_advise)
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    check_seq_len(model, analytic_shape(model)[0], args.seq_len)
+    lightning = isinstance(model, LightningModule)
+    start = time.perf_counter()
+    with step_errors(model, args.model, args.batch_size, args.seq_len):
+        advice = advise(
+            model,
+            example_batch(model, args.model, args.batch_size, args.seq_len),
+            optimizer=args.optimizer if lightning else args.optimizer or "adamw",
+            loss_fn=None if lightning else lm_loss,
+            precision=args.precision,
+            checkpointing=None if args.checkpointing == "none" else args.checkpointing,
+            device=args.device,
+        )
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"model": args.model, **advice.as_dict(), "seconds": seconds}, indent=2))
+    else:
+        step = f"micro-batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.device}"
+        print(f"{args.model}, {step}:")
+        print(advice)
+        print(f"advised in {seconds:.1f} s (simulated steps; nothing allocated)")
+    return 0

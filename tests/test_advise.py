@@ -1,0 +1,233 @@
+"""advise (issue 16): each finding's bytes are what applying its fix saves, for real.
+
+The advisor prices a fix by simulating the step with it; these tests apply the fix to the real run and
+measure the allocator's steady-step peak again: it falls by the finding's bytes (±5 %), on the GPT example
+and on a Hugging Face model. Findings the tests cannot make real on a CPU (CUDA fragmentation) are checked
+on the statistics they read.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from zoo import ChunkedLossModule, ZooModule, zoo_batch
+
+from lightning_memkit import (
+    ActivationCheckpointing,
+    GradientRelease,
+    MemoryMonitor,
+    advise,
+    chunked_cross_entropy,
+)
+from lightning_memkit.cli import main
+from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
+from lightning_memkit.testing import AllocatorPeaks
+
+B, T = 8, 64
+
+
+def _steady_peak(module: pl.LightningModule, data, callbacks=(), steps: int = 2) -> int:
+    """The allocator's highest peak from the second training step on (the first has no gradients yet)."""
+    peaks = AllocatorPeaks()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
+        callbacks=[*callbacks, *peaks.around()], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    return max(peaks.peaks[1:])
+
+
+def _gpt(**kwargs):
+    torch.manual_seed(0)
+    data = GPTDataModule(batch_size=B, seq_len=T, num_sentences=300)
+    x = torch.randint(0, 256, (B, T))
+    return GPTLightningModule("tiny", max_steps=3, **kwargs), data, (x, x.roll(-1, 1))
+
+
+@pytest.fixture(scope="module")
+def gpt_advice():
+    module, data, batch = _gpt()
+    return advise(module, batch, device="cpu"), _steady_peak(module, data)
+
+
+@pytest.mark.xdist_group("gpt_advice")  # one worker computes the fixture
+def test_gpt_example_findings_are_what_their_fixes_save(gpt_advice):
+    advice, plain = gpt_advice
+    assert advice.breakdown.peak == pytest.approx(plain, rel=0.01)  # the advisor's step is the real one
+    assert [f.kind for f in advice] == ["activations", "gradients", "logits"]
+    assert [f.saved for f in advice] == sorted((f.saved for f in advice), reverse=True)
+    fixes = {
+        "gradients": ({}, [GradientRelease()]),
+        "activations": ({}, [ActivationCheckpointing(policy="full")]),
+        "logits": ({"loss_chunks": 8}, []),
+    }
+    for kind, (module_kwargs, callbacks) in fixes.items():
+        module, data, _ = _gpt(**module_kwargs)
+        saved = plain - _steady_peak(module, data, callbacks)
+        assert saved == pytest.approx(advice[kind].saved, rel=0.05), kind
+
+
+@pytest.mark.xdist_group("gpt_advice")  # one worker computes the fixture
+def test_gpt_example_findings_say_what_and_how(gpt_advice):
+    advice, _ = gpt_advice
+    assert "GradientRelease()" in advice["gradients"].fix
+    assert "through the forward" in advice["gradients"].what
+    assert "ActivationCheckpointing(policy='full')" in advice["activations"].fix
+    assert "4 blocks" in advice["activations"].what and "addmm" in advice["activations"].what
+    assert "chunked_cross_entropy(hidden, model.lm_head," in advice["logits"].fix
+    assert "(256)" in advice["logits"].what
+    text = str(advice)
+    assert "reached in the forward" in text and all(f.fix[:20] in text for f in advice)
+    assert json.loads(json.dumps(advice.as_dict()))["findings"][0]["kind"] == "activations"
+
+
+@pytest.mark.xdist_group("gpt_advice")  # one worker computes the fixture
+def test_memory_monitor_advises_at_the_end_of_fit_and_changes_nothing(gpt_advice, tmp_path):
+    """``MemoryMonitor(advise=True)``: the advice on the first batch (the figures `advise` gives for that
+    step), printed and logged as ``memory/advice/{kind}`` in MiB; the run is the run without it."""
+    runs = {}
+    for advising in (False, True):
+        module, data, _ = _gpt()
+        monitor = MemoryMonitor(plot=False, summary=False, advise=advising)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, callbacks=[monitor],
+            logger=CSVLogger(tmp_path / str(advising)), enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(module, data)
+        runs[advising] = [p.detach().clone() for p in module.parameters()], torch.get_rng_state(), monitor
+    for a, b in zip(runs[False][0], runs[True][0], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(runs[False][1], runs[True][1])
+    advice = runs[True][2].advice
+    assert runs[False][2].advice is None and advice is not None
+    assert [(f.kind, f.saved) for f in advice] == [(f.kind, f.saved) for f in gpt_advice[0]]
+    with open(next((tmp_path / "True").rglob("metrics.csv"))) as f:
+        logged = [row["memory/advice/gradients"] for row in csv.DictReader(f)]
+    assert float(next(v for v in logged if v)) == pytest.approx(advice["gradients"].saved / 2**20)
+
+
+def _zoo(name: str, *, untrained: str | None = None, unused: bool = False, chunked: bool = False):
+    """A zoo model whose optimizer leaves ``untrained`` parameters (by name prefix) out, with an ``unused``
+    linear layer run in each step whose output the loss never reaches; ``chunked``: its loss computed by
+    `chunked_cross_entropy`."""
+    torch.manual_seed(0)
+    module = (ChunkedLossModule if chunked else ZooModule)(name, batch_size=4, seq_len=32, n_batches=4)
+    if unused:
+        module.spare = nn.Linear(32, 512)  # 66 KiB of weights (the CPU profiler sees them once touched)
+        step = module.training_step
+
+        def training_step(batch, batch_idx):
+            module.spare(torch.zeros(1, 32))  # computed, and thrown away
+            return step(batch, batch_idx)
+
+        module.training_step = training_step
+    if untrained is not None:
+        trained = lambda: [p for n, p in module.named_parameters() if not n.startswith(untrained)]  # noqa: E731
+        module.configure_optimizers = lambda: torch.optim.AdamW(trained(), lr=1e-3)
+    return module, zoo_batch(name, 4, 32)
+
+
+def test_hugging_face_findings_are_what_their_fixes_save():
+    """GPT-NeoX at its default config: the previous step's gradients, the activations, the logits, the
+    gradients of the (untied) output head its optimizer leaves out, and a layer the loss never reaches;
+    each fixed and measured again. The advisor leaves the model as it was (it froze the head only to price
+    freezing it)."""
+    module, batch = _zoo("gpt_neox", untrained="model.lm_head", unused=True)
+    before = {n: (p.detach().clone(), p.requires_grad) for n, p in module.named_parameters()}
+    rng = torch.get_rng_state()
+    advice = advise(module, batch, device="cpu")
+    assert torch.equal(torch.get_rng_state(), rng)
+    for n, p in module.named_parameters():
+        assert torch.equal(p, before[n][0]) and p.requires_grad == before[n][1] and p.grad is None, n
+    plain = _steady_peak(module, None)
+    assert advice.breakdown.peak == pytest.approx(plain, rel=0.01)
+    kinds = {f.kind for f in advice}
+    assert kinds == {"gradients", "activations", "logits", "untrained_gradients", "unused_parameters"}
+    assert "model.lm_head.weight" in advice["untrained_gradients"].what
+    assert "spare.weight" in advice["unused_parameters"].what
+
+    def saving(callbacks=(), frozen_head=False, **changes):  # a fresh module each (checkpointing stays)
+        fixed, _ = _zoo("gpt_neox", **{"untrained": "model.lm_head", "unused": True, **changes})
+        fixed.model.lm_head.weight.requires_grad_(not frozen_head)
+        return plain - _steady_peak(fixed, None, callbacks)
+
+    assert saving([GradientRelease()]) == pytest.approx(advice["gradients"].saved, rel=0.05)
+    checkpointed = saving([ActivationCheckpointing(policy="full")])
+    assert checkpointed == pytest.approx(advice["activations"].saved, rel=0.05)
+    assert saving(chunked=True) == pytest.approx(advice["logits"].saved, rel=0.05)
+    assert saving(frozen_head=True) == pytest.approx(advice["untrained_gradients"].saved, rel=0.05)
+    assert saving(unused=False) == pytest.approx(advice["unused_parameters"].saved, rel=0.05)
+
+
+def _tiny_lm():
+    """A plain two-layer language model (no repeated blocks: no checkpointing to price), and its batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 100))
+    x = torch.randint(0, 100, (4, 16))
+    return model, (x, x.roll(-1, 1))
+
+
+def _lm_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_state_kept_for_frozen_parameters():
+    model, batch = _tiny_lm()
+    optimizer = torch.optim.AdamW(model.parameters())
+    _lm_loss(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+    model[0].weight.requires_grad_(False)  # frozen after training began
+    model.zero_grad(set_to_none=True)
+    advice = advise(model, batch, optimizer=optimizer, loss_fn=_lm_loss, device="cpu")
+    finding = advice["stale_optimizer_state"]
+    assert finding.saved == 2 * model[0].weight.numel() * 4 + 4  # exp_avg, exp_avg_sq and the step counter
+    assert "0.weight" in finding.what and "optimizer.state.pop" in finding.fix
+    optimizer.state.pop(model[0].weight)
+    assert "stale_optimizer_state" not in advise(
+        model, batch, optimizer=optimizer, loss_fn=_lm_loss, device="cpu"
+    )
+
+
+def test_fragmentation_is_read_from_the_allocator_statistics():
+    model, batch = _tiny_lm()
+    stats = {"reserved_bytes.all.peak": 10 << 30, "allocated_bytes.all.peak": 7 << 30, "num_alloc_retries": 3}
+    kwargs = dict(optimizer="sgd", loss_fn=_lm_loss, device="cpu")
+    finding = advise(model, batch, memory_stats=stats, **kwargs)["fragmentation"]
+    assert finding.saved == 3 << 30 and "3 time(s)" in finding.what
+    assert "expandable_segments:True" in finding.fix
+    tidy = {**stats, "reserved_bytes.all.peak": (7 << 30) + (1 << 20), "num_alloc_retries": 0}
+    assert "fragmentation" not in advise(model, batch, memory_stats=tidy, **kwargs)
+
+
+def test_chunked_cross_entropy_is_the_cross_entropy():
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 7, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 7))
+    targets[0, :3] = -100
+    full = nn.functional.cross_entropy(head(hidden).flatten(0, 1), targets.flatten())
+    full.backward()
+    expected = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad = head.weight.grad = None
+    chunked = chunked_cross_entropy(hidden, head, targets, chunks=4)
+    chunked.backward()
+    torch.testing.assert_close(chunked, full)
+    torch.testing.assert_close(hidden.grad, expected[0])
+    torch.testing.assert_close(head.weight.grad, expected[1])
+
+
+def test_memkit_advise_prints_the_findings(capsys):
+    assert main(["advise", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    fixes = {f["kind"]: f["fix"] for f in advice["findings"]}
+    assert "GradientRelease()" in fixes["gradients"]
+    assert "ActivationCheckpointing(policy='full')" in fixes["activations"]
+    assert advice["breakdown"]["peak"] > sum(f["saved"] for f in advice["findings"]) > 0
