@@ -12,7 +12,8 @@ Findings (each only where it saves something):
   step's ``zero_grad`` comes after ``training_step``), or every gradient alive at the optimizer step.
   Fix: `GradientRelease` or `FusedOptimizerStep`.
 - ``untrained_gradients``: parameters that get a gradient no optimizer steps. Fix: ``requires_grad_(False)``.
-- ``unused_parameters``: trainable parameters the loss never reaches (no gradient). Fix: remove them.
+- ``unused_parameters``: trainable parameters this batch's loss does not reach (no gradient). Fix: remove
+  them, if no batch reaches them.
 - ``stale_optimizer_state``: optimizer state kept for parameters that no longer train.
 - ``logits``: the logits, their float32 copies and their gradients at the peak. Fix: a chunked loss
   (`chunked_cross_entropy`).
@@ -225,7 +226,8 @@ def _gradients(
         return [
             Finding(
                 "gradients",
-                f"the step's peak ({phase}) holds every gradient at once ({held})",
+                f"gradients ({held} at the peak, in the {phase}) are alive at once; stepping each parameter "
+                "as its gradient is ready frees them as backward goes",
                 fused,
                 fused_fix + other,
             )
@@ -266,6 +268,10 @@ def _frozen(model: nn.Module, names: list[str]) -> Iterator[None]:
 
 
 def _unused(tracer: Tracer) -> list[Finding]:
+    """Trainable parameters the step's loss does not reach. ``saved`` is their weights' bytes: what removing
+    them saves if no batch reaches them. The step as simulated (and `estimate_memory`) also counts
+    gradients and optimizer state for them, as another batch that reached them would leave (a task's head,
+    an expert routed elsewhere), which a parameter no batch reaches never gets."""
     if not tracer.unused:
         return []
     names = [name for name, _ in tracer.unused]
@@ -273,11 +279,12 @@ def _unused(tracer: Tracer) -> list[Finding]:
     return [
         Finding(
             "unused_parameters",
-            f"{len(names)} trainable parameter tensor(s) ({format_bytes(nbytes)}) never get a gradient: "
-            f"the loss does not reach them: {_names(names)}",
+            f"{len(names)} trainable parameter tensor(s) ({format_bytes(nbytes)}) get no gradient from this "
+            f"batch's loss: {_names(names)}",
             nbytes,
-            "remove the modules that hold them from the model (DDP also needs find_unused_parameters=True "
-            "while they are there), or requires_grad_(False) if they are meant to be used later",
+            "if no batch reaches them, remove the modules that hold them (DDP also needs "
+            "find_unused_parameters=True while they are there); a head for another task or an expert that "
+            "other batches reach is not waste",
         )
     ]
 
@@ -368,8 +375,9 @@ def _activations(
         what += f"; {format_bytes(fp32)} of them in float32 under {kwargs['precision']}"
     if scores:
         what += (
-            f"; {format_bytes(scores)} are materialised attention scores (T x T softmax): "
-            "F.scaled_dot_product_attention (attn_implementation='sdpa') does not keep them"
+            f"; {format_bytes(scores)} are materialised attention scores (T x T softmax: eager attention, "
+            "or scaled_dot_product_attention's math fallback here; its flash and memory-efficient kernels "
+            "do not keep them)"
         )
     fix = (
         f"Trainer(callbacks=[ActivationCheckpointing(policy='full')]) recomputes every block's forward in "

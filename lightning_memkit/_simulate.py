@@ -579,34 +579,10 @@ def _simulate(
         if not first_step or accumulating:
             with _Placeholders():
                 step.warm_up(model, state=not first_step)
-        had_gradients = {id(p) for p in model.parameters() if p.grad is not None}
         tracker = _track(step, model, target, timeline, shadows, tracer)
-        if _forget_unreached(model, step.optimizers, tracker.reached, had_gradients):
-            # The warm-up gave every trainable parameter a gradient and state; those the loss never reaches
-            # have neither in a real run. The step again, from the steady state it left.
-            if tracer is not None:
-                tracer.restart()
-            tracker = _track(step, model, target, timeline, shadows, tracer)
         if tracer is not None:
             tracer.finish(model, step.optimizers, tracker)
     return tracker
-
-
-def _forget_unreached(
-    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], reached: set[int], had_gradients: set[int]
-) -> bool:
-    """Drop the gradients and optimizer state of trainable parameters no gradient reached in the step;
-    whether there were any."""
-    forgot = False
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in reached:
-            continue
-        if id(p) in had_gradients or p.grad is not None or any(o.state.get(p) for o in optimizers):
-            forgot = True
-        p.grad = None
-        for optimizer in optimizers:
-            optimizer.state.pop(p, None)
-    return forgot
 
 
 def _forward_fn(

@@ -43,10 +43,6 @@ class Tracer:
         self.names = {id(m): name for name, m in model.named_modules()}
         #: the output head's name and width (`output_head`); ``None``: no storage counts as logits
         self.head, self.vocabulary = output_head(model)
-        self.restart()
-
-    def restart(self) -> None:
-        """Forget what a run of the step recorded: it runs again (`_simulate._forget_unreached`)."""
         self.op = ""
         self._from_logits = False
         self._modules: list[str] = []

@@ -55,7 +55,7 @@ def _zoo(name: str, batch_size: int, seq_len: int):
 # The GPT example; T5 at its default use_cache=True, whose step still peaks in the forward without the
 # gradients, so it saves all of them; the CNN with BatchNorm, whose step peaks in its backward, so it saves
 # nothing (benchmarks/bench_step_levers.py: the rest of the zoo).
-MODELS = {"gpt": _gpt, "t5": _zoo("t5", 4, 64), "resnet": _zoo("resnet", 4, 64)}
+MODELS = {"gpt": _gpt, "t5": _zoo("t5", 2, 32), "resnet": _zoo("resnet", 4, 64)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -90,7 +90,7 @@ def explain_run_oom(
         optimizer=optimizer,
         precision=precision(trainer),
         device=kind,
-        first_step=not any(o.state for o in trainer.optimizers),
+        first_step=trainer.global_step == 0,  # not `not optimizer.state`: SGD keeps none
         accumulating=into_gradients(trainer, step.batch_idx),
         **levers,
     )

@@ -111,7 +111,9 @@ class MemoryMonitor(Callback):
             copy kept for it) with the Trainer's precision, optimizer and step levers: print what the step's
             peak holds that it need not, each finding with the bytes its fix saves and the fix, and log
             ``memory/advice/{kind}`` (MiB, e.g. ``memory/advice/gradients``); the `Advice` is kept in
-            ``advice``. It simulates a few steps (seconds for a small model, about a minute for 7B).
+            ``advice``. With gradient accumulation, the micro-batch that adds to the gradients is advised.
+            It simulates a few steps (seconds for a small model, about a minute for 7B); a module with
+            manual optimization gets a warning instead.
 
     Example::
 
@@ -430,6 +432,8 @@ class MemoryMonitor(Callback):
             optimizer=optimizer,
             precision=precision(trainer),
             device=self._device.type,
+            accumulating=trainer.accumulate_grad_batches
+            > 1,  # a micro-batch adding to gradients: the highest
             **step_levers(trainer),
         )
         rank_zero_info(f"MemoryMonitor: memory advice for the first batch's step\n{self.advice}")
