@@ -46,6 +46,9 @@ class Tracer:
         self.op = ""
         self._from_logits = False
         self._modules: list[str] = []
+        #: ids of the autograd nodes of the head's own backward (its input's and weight's gradients)
+        self._head_nodes: set[int] = set()
+        self._head_inputs: set[int] = set()
         #: bytes of logits-sized storages live now
         self.logits_live = 0
         #: (live bytes, of which logits-sized) after every op, and at every CPU kernel's hidden high point
@@ -82,6 +85,7 @@ class Tracer:
             and len(shape) >= 2
             and shape[-1] == self.vocabulary
             and (self._from_logits or (self.head is not None and where == self.head))
+            and (node is None or id(node) not in self._head_nodes)  # the head's input gradient, not logits
         )
         rec.origin = Origin(self.op, where, phase, t.dtype, shape, logits)
         if logits:
@@ -105,11 +109,16 @@ class Tracer:
         """Keep the name of the module running (global hooks, only while the simulated step runs)."""
 
         def enter(module: nn.Module, args: Any) -> None:
-            self._modules.append(self.names.get(id(module), type(module).__name__))
+            name = self.names.get(id(module), type(module).__name__)
+            self._modules.append(name)
+            if name == self.head:
+                self._head_inputs = {id(t.grad_fn) for t in tree_leaves(args) if isinstance(t, Tensor)}
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
             if self._modules:
                 self._modules.pop()
+            if self.names.get(id(module)) == self.head and isinstance(output, Tensor):
+                self._head_nodes |= _nodes_between(output.grad_fn, self._head_inputs)
 
         pre = nn.modules.module.register_module_forward_pre_hook(enter)
         post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
@@ -138,6 +147,22 @@ class Tracer:
     def peak_without_logits(self, chunks: int) -> int:
         """The step's peak if only ``1 / chunks`` of the logits-sized bytes were live at any time."""
         return max((live - held + -(-held // chunks) for live, held in self.series), default=0)
+
+
+def _nodes_between(node: Any, stop: set[int]) -> set[int]:
+    """Ids of the autograd nodes from ``node`` back to (not into) the ``stop`` nodes and the leaves: the
+    backward of one module's forward."""
+    found: set[int] = set()
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in found or id(node) in stop or not hasattr(node, "next_functions"):
+            continue
+        if type(node).__name__ == "AccumulateGrad":
+            continue
+        found.add(id(node))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def output_head(model: nn.Module) -> tuple[str | None, int | None]:
