@@ -40,7 +40,7 @@ from lightning_memkit._checkpoint_planner import CheckpointPlanner
 from lightning_memkit._checkpointing import CheckpointPlan
 from lightning_memkit._measure import state_tensors, storage_bytes
 from lightning_memkit._report import render_table
-from lightning_memkit._simulate import OptimizerLike, _simulate, estimate_memory
+from lightning_memkit._simulate import OptimizerLike, estimate_memory, simulate_step
 from lightning_memkit._trace import Tracer
 
 __all__ = ["Advice", "Finding", "advise"]
@@ -163,7 +163,7 @@ def advise(
         fused_step=fused_step,
     )
     tracer = Tracer(model)
-    tracker = _simulate(model, batch, first_step=False, tracer=tracer, **kwargs)
+    tracker = simulate_step(model, batch, first_step=False, tracer=tracer, **kwargs)
     breakdown = tracker.breakdown()
     peak = breakdown.peak
 

@@ -156,8 +156,6 @@ class _SimTracker(Tracker):
         self.phase = "forward"
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
         self.tracer = tracer
-        #: ids of the parameters a gradient reached in the step
-        self.reached: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         value = self.shadows.value(func, args, kwargs)  # .item() and the like, from the batch's real values
@@ -177,22 +175,30 @@ class _SimTracker(Tracker):
             self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
         return out
 
+    # What the tracer (`advise`'s) is told; without one, the tracker's own methods run unchanged.
+
     def record(self, t: Tensor, *, preexisting: bool = False) -> Storage | None:
+        if self.tracer is None or preexisting:
+            return super().record(t, preexisting=preexisting)
         known = len(self.live)
-        rec = super().record(t, preexisting=preexisting)
-        if self.tracer is not None and not preexisting and len(self.live) > known:  # a new storage
+        rec = super().record(t)
+        if len(self.live) > known:  # a new storage
             assert rec is not None
             self.tracer.created(rec, t, self.phase)
         return rec
 
     def _free(self, key: int) -> None:
+        if self.tracer is None:
+            super()._free(key)
+            return
         entry = self.live.get(key)
         super()._free(key)
-        if entry is not None and self.tracer is not None:
+        if entry is not None:
             self.tracer.freed(entry[1])
 
     def on_grad(self, param: Tensor) -> None:
-        self.reached.add(id(param))  # even when a fused step has consumed the gradient already
+        if self.tracer is not None:
+            self.tracer.reached(param)  # even when a fused step has consumed the gradient already
         super().on_grad(param)
 
 
@@ -483,7 +489,7 @@ def estimate_memory(
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
     """
-    tracker = _simulate(
+    tracker = simulate_step(
         model,
         batch,
         optimizer=optimizer,
@@ -504,7 +510,7 @@ def estimate_memory(
     return breakdown
 
 
-def _simulate(
+def simulate_step(
     model: nn.Module,
     batch: Any,
     *,

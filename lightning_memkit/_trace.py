@@ -3,7 +3,7 @@
 `estimate_memory` only needs how many bytes of each category are live at the peak. To name the waste, the
 advisor also needs *what* is live there: the op and the module that created each storage, the phase it
 ran in, its dtype and shape, and which storages are the size of the logits. A `Tracer` handed to the
-simulation (`_simulate._simulate`) records that; it costs a few attribute writes per op and is never on
+simulation (`_simulate.simulate_step`) records that; it costs a few attribute writes per op and is never on
 the path of `estimate_memory` or `MemoryMonitor`.
 """
 
@@ -59,6 +59,7 @@ class Tracer:
         self.untrained: list[tuple[str, int]] = []
         #: (name, bytes) of trainable parameters that got no gradient at all
         self.unused: list[tuple[str, int]] = []
+        self._reached: set[int] = set()
 
     # --- called by the tracker -------------------------------------------------------------------
 
@@ -94,6 +95,10 @@ class Tracer:
     def freed(self, rec: Storage) -> None:
         if rec.origin is not None and rec.origin.logits:
             self.logits_live -= rec.nbytes
+
+    def reached(self, param: Tensor) -> None:
+        """A gradient reached ``param`` (its post-accumulate-grad hook ran)."""
+        self._reached.add(id(param))
 
     def after_op(self, tracker: Any) -> None:
         self.series.append((tracker.current, self.logits_live))
@@ -139,7 +144,7 @@ class Tracer:
             if not p.requires_grad:
                 continue
             nbytes = rounded(p.untyped_storage().nbytes(), tracker.rounding)
-            if id(p) not in tracker.reached:
+            if id(p) not in self._reached:
                 self.unused.append((name, nbytes))
             elif id(p) not in stepped:
                 self.untrained.append((name, nbytes))
