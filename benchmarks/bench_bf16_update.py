@@ -7,10 +7,14 @@ The GPT example (tiny, 8 × 64, its warm-up/cosine schedule) trained for ``--ste
 - bf16-true with torch's AdamW: bf16 weights and bf16 moments, each update rounded to bf16;
 - bf16-true with torch-optimi's AdamW, Kahan-summed (``"adamw_kahan"``, what `plan_fit` plans for
   bf16-true): a bf16 compensation buffer keeps the low bits the rounding loses;
-- bf16-true with ``"adamw_kahan"`` and `FusedOptimizerStep` (lever 2 on top).
+- bf16-true with ``"adamw_kahan"`` and `FusedOptimizerStep` (lever 2 on top);
+- bf16-true with torch's AdamW offloaded (`OptimizerOffload`, lever 4): the update on fp32 master weights,
+  with AdamW's state and the gradients' sum, in host memory.
 
 For each: the allocator's steady-step peak (torch.profiler's memory timeline, MiB) and the estimate's
-error against it (3 profiled steps), the step time over fp32 AdamW's (median of per-step times of the
+error against it (3 profiled steps; on the CPU the host is the device, so an offloaded optimizer's masters
+and state are in that peak), what `estimate_memory` gives for the same step on a CUDA device (MiB: there
+the host's bytes are not the device's), the step time over fp32 AdamW's (median of per-step times of the
 unprofiled run, all runs in one process),
 and the validation loss after the same steps (nats per byte, the example's 4 validation batches).
 
@@ -31,7 +35,7 @@ import lightning.pytorch as pl
 import optimi
 import torch
 
-from lightning_memkit import FusedOptimizerStep, estimate_memory
+from lightning_memkit import FusedOptimizerStep, OptimizerOffload, estimate_memory
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -64,6 +68,7 @@ RUNS = {
         [],
     ),
     "bf16-true AdamW, Kahan, fused step": (_CompensatedFused, "bf16-true", [FusedOptimizerStep]),
+    "bf16-true AdamW, offloaded": (GPTLightningModule, "bf16-true", [OptimizerOffload]),
 }
 
 
@@ -97,7 +102,9 @@ def run(name: str, steps: int) -> dict[str, float]:
     peaks = AllocatorPeaks()
     module, _ = _fit(name, 3, peaks.around())
     x = torch.randint(0, 256, (B, T))
-    estimate = estimate_memory(module, (x, x), device="cpu", precision=precision, fused_step=bool(extra))
+    levers = {"fused_step": FusedOptimizerStep in extra, "offload": OptimizerOffload in extra}
+    estimate = estimate_memory(module, (x, x), device="cpu", precision=precision, **levers)
+    cuda = estimate_memory(module, (x, x), device="cuda", precision=precision, **levers)
     clock = _Clock()
     _, trainer = _fit(name, steps, [clock])
     gaps = [b - a for a, b in zip(clock.starts[3:], clock.starts[4:], strict=False)]
@@ -105,6 +112,7 @@ def run(name: str, steps: int) -> dict[str, float]:
     return {
         "peak": peak,
         "estimate": estimate.peak / peak - 1,
+        "cuda": cuda.peak,
         "step": statistics.median(gaps),
         "val_loss": float(trainer.callback_metrics["val_loss"]),
     }
@@ -122,12 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = {name: run(name, args.steps) for name in RUNS}
     reference = rows["fp32 AdamW"]
     print(f"GPT example (tiny, {B} x {T}), {args.steps} steps, CPU")
-    print("| run | peak (MiB) | saved vs fp32 AdamW | estimate | step time | val loss |")
-    print("|---|---|---|---|---|---|")
+    print("| run | peak (MiB) | saved vs fp32 AdamW | estimate | on CUDA (MiB) | step time | val loss |")
+    print("|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         saved = 1 - row["peak"] / reference["peak"]
         print(
             f"| {name} | {row['peak'] / MiB:.2f} | {saved:.1%} | {row['estimate']:+.2%} | "
+            f"{row['cuda'] / MiB:.2f} | "
             f"{row['step'] / reference['step']:.2f} | {row['val_loss']:.3f} |"
         )
 

@@ -9,9 +9,10 @@ Public surface (everything else lives in private modules):
   checkpointing plan that fits a budget), `OptimizerSwap` (the best optimizer that fits), `AutoFit`
   (micro-batch, accumulation, checkpointing and optimizer for a GPU size), `GradientRelease` (free the
   gradients once the optimizer has stepped: the next forward runs without them), `FusedOptimizerStep`
-  (step each parameter inside backward: no step holds all the gradients).
+  (step each parameter inside backward: no step holds all the gradients), `OptimizerOffload` (the
+  optimizer's state, fp32 master weights and gradient accumulation in host memory).
 - The plain functions behind them: `plan_checkpointing` / `apply_checkpointing`, `fit_optimizer` /
-  `swap_optimizer`, `plan_fit`, `release_gradients`, `fuse_optimizer_step`.
+  `swap_optimizer`, `plan_fit`, `release_gradients`, `fuse_optimizer_step`, `offload_optimizer`.
 - `advise`: the memory a step holds at its peak that it need not, each finding with the bytes its fix
   saves and the fix (`Advice`, `Finding`); `chunked_cross_entropy`: a loss that never holds the whole
   batch's logits.
@@ -37,6 +38,7 @@ from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
 from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
 from lightning_memkit._gradient_release import release_gradients
 from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
+from lightning_memkit._offload import Offload, offload_optimizer
 from lightning_memkit._optim import OptimizerChoice, fit_optimizer
 from lightning_memkit._optimizers import CATALOGUE, swap_optimizer
 from lightning_memkit._simulate import TimelineEvent, estimate_memory
@@ -46,6 +48,7 @@ from lightning_memkit.callbacks import (
     FusedOptimizerStep,
     GradientRelease,
     MemoryMonitor,
+    OptimizerOffload,
     OptimizerSwap,
 )
 
@@ -72,7 +75,9 @@ __all__ = [
     "MemoryBreakdown",
     "MemoryMeasurement",
     "MemoryMonitor",
+    "Offload",
     "OptimizerChoice",
+    "OptimizerOffload",
     "OptimizerSwap",
     "StepCost",
     "TimelineEvent",
@@ -86,6 +91,7 @@ __all__ = [
     "format_bytes",
     "fuse_optimizer_step",
     "measure",
+    "offload_optimizer",
     "parse_budget",
     "parse_bytes",
     "plan_checkpointing",

@@ -135,6 +135,7 @@ def advise(
     accumulating: bool = False,
     release_gradients: bool = False,
     fused_step: bool = False,
+    offload: bool = False,
     memory_stats: Mapping[str, Any] | None = None,
 ) -> Advice:
     """Name the memory a training step holds at its peak that it need not, with the bytes each fix saves.
@@ -144,8 +145,8 @@ def advise(
 
     Args:
         model, batch, optimizer, loss_fn, precision, checkpointing, device, accumulating, release_gradients,
-            fused_step: the step as `estimate_memory` takes it. An optimizer instance is also read for
-            state it keeps for parameters that no longer train.
+            fused_step, offload: the step as `estimate_memory` takes it. An optimizer instance is also read
+            for state it keeps for parameters that no longer train.
         memory_stats: ``torch.cuda.memory_stats()`` of a run, for the ``fragmentation`` finding (default:
             the current CUDA device's when ``device`` is CUDA and one is present).
 
@@ -161,6 +162,7 @@ def advise(
         accumulating=accumulating,
         release_gradients=release_gradients,
         fused_step=fused_step,
+        offload=offload,
     )
     tracer = Tracer(model)
     tracker = simulate_step(model, batch, first_step=False, tracer=tracer, **kwargs)
@@ -193,7 +195,7 @@ def _gradients(
     breakdown: MemoryBreakdown, phase: str, kwargs: Mapping[str, Any], peak_with: Any
 ) -> list[Finding]:
     """The gradients alive where they need not be: through the next forward, or all at the step."""
-    if kwargs["accumulating"] or kwargs["fused_step"] or not breakdown.gradients:
+    if kwargs["accumulating"] or kwargs["fused_step"] or kwargs["offload"] or not breakdown.gradients:
         return []
     peak = breakdown.peak
     released = 0 if kwargs["release_gradients"] else peak - peak_with(release_gradients=True)

@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
 from lightning_memkit._blocks import find_blocks
@@ -76,10 +77,11 @@ from lightning_memkit._lightning import (
     is_lightning,
 )
 from lightning_memkit._measure import model_device
+from lightning_memkit._offload import transfer_seconds
 from lightning_memkit._optimizers import COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
 
-__all__ = ["grid", "plan_fit"]
+__all__ = ["grid", "plan_fit", "static_floor"]
 
 #: Lightning's strategy name for each sharding scheme `shard` knows.
 LIGHTNING_STRATEGY: dict[str, str] = {
@@ -93,6 +95,14 @@ LIGHTNING_STRATEGY: dict[str, str] = {
     "deepspeed_stage_3": "deepspeed_stage_3",
 }
 _SUGGESTED_GPUS = (2, 4, 8, 16, 32, 64)
+#: How far over the limit the checkpointing planner's peak model must put a uniform mode for its simulation
+#: to be skipped (the model is calibrated to the simulated peak at no checkpointing and at the floor).
+MODEL_SLACK = 0.05
+#: Full checkpointing's recompute as a share of forward + backward, where no planner measured it: the
+#: forward again, a third of the FLOPs (a bound for the other modes).
+FULL_RECOMPUTE = 1 / 3
+#: Seconds per simulated step above which the checkpointing planner refines a micro-batch's plan once.
+SLOW_SIMULATION_S = 2.0
 #: Seconds of planning after which each further simulation is reported to ``plan_fit(progress=...)``.
 PROGRESS_AFTER_S = 2.0
 
@@ -110,6 +120,7 @@ class _Search:
         self.levers: dict[str, bool] = dict(levers or {})
         self.strategy, self.n_gpus = strategy, n_gpus
         self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
+        self.counts: dict[tuple, tuple[int, int]] = {}  # FLOPs and ops of the steps `counted`
         self.whole: dict[tuple, MemoryBreakdown] = {}  # the same steps, unsharded
         #: the checkpointing planner of each (micro-batch, optimizer, precision) asked for
         self.planners: dict[tuple, CheckpointPlanner] = {}
@@ -120,6 +131,15 @@ class _Search:
         self.seconds = 0.0
         self.progress = progress
         self.started = time.perf_counter()
+        #: planning seconds after which no checkpointing planner is started (`plan_fit`'s refine_seconds)
+        self.refine_seconds: float | None = None
+        self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
+
+    def refining(self) -> bool:
+        """Whether there is time left to plan checkpointing block by block."""
+        late = self.refine_seconds is not None and time.perf_counter() - self.started > self.refine_seconds
+        self.unrefined |= late
+        return not late
 
     def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", return_timeline=False):
         start = time.perf_counter()
@@ -140,6 +160,22 @@ class _Search:
                 )
         finally:
             self.seconds += time.perf_counter() - start
+
+    def counted(self, m: int, optimizer: str | None, precision: str) -> tuple[int, int]:
+        """The FLOPs and the forward and backward ops of micro-batch ``m`` without checkpointing, from one
+        simulated step, whose peak is known from then on (the step that tells which micro-batches run)."""
+        key = (m, "none", optimizer, precision)
+        if key not in self.counts:
+            self._report(f"simulating micro-batch {m}, checkpointing none, counting its FLOPs")
+            with FlopCounterMode(display=False) as counter:
+                breakdown, timeline = self.estimate(
+                    m, "none", optimizer=optimizer, precision=precision, return_timeline=True
+                )
+            self.whole[key] = breakdown
+            self.cache[key] = self.per_rank(breakdown, precision)
+            ops = sum(event.phase in ("forward", "backward") for event in timeline)
+            self.counts[key] = (counter.get_total_flops(), ops)
+        return self.counts[key]
 
     def peak(self, m: int, checkpointing: str, optimizer: str | None, precision: str) -> MemoryBreakdown:
         key = (m, checkpointing, optimizer, precision)
@@ -179,8 +215,10 @@ class _Search:
                         loss_fn=self.loss_fn,
                         precision=precision,
                         accumulating=m < batch_size(self.batch),
-                        max_rounds=3,
-                        **self.levers,  # a few plans per micro-batch: uniform modes are candidates too
+                        # a few plans per micro-batch (uniform modes are candidates too); one where each
+                        # simulation takes seconds (a 7B model's)
+                        max_rounds=1 if self.seconds / max(len(self.cache), 1) > SLOW_SIMULATION_S else 3,
+                        **self.levers,
                     )
             finally:
                 self.seconds += time.perf_counter() - start
@@ -214,6 +252,9 @@ class _Search:
             uniform = planner.uniform(level)
             if planner.overhead(uniform) >= cheapest:
                 continue  # not cheaper than the planner's plan: not worth a simulation
+            modeled = planner.modeled_peak(uniform)
+            if modeled is not None and modeled > (limit + offset) * (1 + MODEL_SLACK):
+                continue  # the planner's peak model puts it clearly over: not worth a simulation
             if self.per_rank(planner.simulate(uniform), precision).peak <= limit:
                 options.append((planner.overhead(uniform), planner.plan_for(uniform)))
         for _, option in sorted(options, key=lambda o: o[0]):
@@ -256,19 +297,43 @@ class _Search:
 
     def _static(self, optimizer: str | None, precision: str) -> MemoryBreakdown:
         static = model_static(self.model, precision, optimizer or "sgd")
+        if self.levers.get("offload"):  # the state on the host, a parameter's gradient at a time
+            return dataclasses.replace(static, gradients=0, optimizer_state=0)
         if self.levers.get("fused_step"):  # never all at once: a parameter's gradient at a time
             return dataclasses.replace(static, gradients=0)
         return static
 
 
-def _runnable(
-    search: _Search, sizes: list[int], level: str, optimizer: str | None, precision: str
-) -> list[int]:
+def static_floor(
+    model: nn.Module,
+    optimizers: Sequence[str | None] | None,
+    precision: str | Sequence[str],
+    *,
+    strategy: str = "ddp",
+    n_gpus: int = 1,
+    compensate: bool = True,
+    release_gradients: bool = False,
+    fused_step: bool = False,
+    offload: bool = False,
+) -> int | None:
+    """The least static memory per GPU (parameters, gradients and optimizer state, as the step levers keep
+    them on the device, sharded) of the optimizer and precision pairs `plan_fit` would plan with these
+    arguments: no plan fits a limit below it. No simulation; ``None`` when no pair would be planned."""
+    precisions = (precision,) if isinstance(precision, str) else tuple(precision)
+    levers = {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload}
+    search = _Search(model, None, None, "cuda", strategy if n_gpus > 1 else "ddp", n_gpus, levers=levers)
+    candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
+    pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)
+    return min((search.static(o, p) for o, p in pairs), default=None)
+
+
+def _runnable(search: _Search, sizes: list[int], optimizer: str | None, precision: str) -> list[int]:
     """``sizes`` from the smallest micro-batch the model's step accepts: BatchNorm refuses one sample per
-    channel in training ("Expected more than 1 value per channel"), so such a model's plans start at 2."""
+    channel in training ("Expected more than 1 value per channel"), so such a model's plans start at 2.
+    The step tried is counted too (`_Search.counted`): the offline cost is read from it."""
     for i, m in enumerate(sizes):
         try:
-            search.peak(m, level, optimizer, precision)
+            search.counted(m, optimizer, precision)
         except ValueError as err:
             refused = err
             continue
@@ -306,7 +371,9 @@ def plan_fit(
     progress: Callable[[str], None] | None = None,
     release_gradients: bool = False,
     fused_step: bool = False,
+    offload: bool = False,
     compensate: bool = True,
+    refine_seconds: float | None = None,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -335,11 +402,20 @@ def plan_fit(
         fused_step: plan for a run that steps each parameter inside backward (`fuse_optimizer_step`,
             `FusedOptimizerStep`): no gradient is whole at once, and no accumulation (the micro-batch is
             the global batch per GPU); one process only.
+        offload: plan for a run whose optimizer lives in host memory (`offload_optimizer`,
+            `OptimizerOffload`): no optimizer state and no whole gradient on the device, the update on fp32
+            masters (so 16-bit weights need no Kahan twin), accumulation allowed; one process only. The plan
+            gives the host memory it needs (`FitPlan.host_bytes`) and, on CUDA, the time its transfers and
+            host update add (`transfer_seconds`, in the ranking too).
         compensate: plan 16-bit weights (``"bf16-true"``, ``"16-true"``) only with an update that keeps the
             small steps a 16-bit weight would round away: AdamW and SGD become their Kahan-summed
             ``"adamw_kahan"``, ``"sgd_kahan"`` (torch-optimi; `COMPENSATED`) there, and the other
             optimizers are not planned there. ``False`` plans every optimizer at every precision (AutoFit:
             the Trainer's precision and optimizer are the user's).
+        refine_seconds: seconds of planning after which no micro-batch gets its block-by-block
+            checkpointing plan (a planner costs several simulated steps, seconds each for a 7B model): the
+            micro-batches left are planned with every block fully checkpointed, where that was simulated
+            already, and `FitPlan.note` says so. ``None``: no limit.
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -385,6 +461,11 @@ def plan_fit(
                 "release_gradients=True instead."
             )
         sizes = sizes[-1:]  # it steps at every backward: no accumulation
+    if offload and (fused_step or n_gpus > 1):
+        raise ValueError(
+            "The offloaded optimizer runs on one process, its step after backward: plan it with n_gpus=1 "
+            "and without fused_step."
+        )
     search = _Search(
         model,
         per_rank,
@@ -393,10 +474,10 @@ def plan_fit(
         strategy if n_gpus > 1 else "ddp",
         n_gpus,
         progress,
-        {"release_gradients": release_gradients, "fused_step": fused_step},
+        {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload},
     )
     candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
-    pairs = _pairs(candidates, precisions, compensate, fused_step)
+    pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)  # masters are fp32
     if not pairs and fused_step:
         raise ValueError(
             f"With 16-bit weights ({', '.join(precisions)}) only the Kahan-summed optimizers keep the small "
@@ -410,29 +491,32 @@ def plan_fit(
             f"weights ({', '.join(precisions)}): allow adamw or sgd (planned as their Kahan-summed "
             "adamw_kahan, sgd_kahan), or a precision with fp32 weights (32-true, bf16-mixed)."
         )
+    search.refine_seconds = refine_seconds
     candidates = tuple(dict.fromkeys(o for o, _ in pairs))  # with the Kahan twins, in quality order
-    sizes = _runnable(search, sizes, levels[-1], *pairs[0])
-
-    chosen: tuple[str | None, str] | None = None
-    for opt in candidates:
-        for prec in precisions:
-            if (opt, prec) not in pairs:
-                continue
-            if search.static(opt, prec) > limit:
-                continue
-            if search.peak(sizes[0], levels[-1], opt, prec).peak <= limit:
-                chosen = (opt, prec)
-                break
-        if chosen:
-            break
+    # The pairs in order of preference whose static memory alone is not over the limit (no simulation).
+    viable = [pair for pair in pairs if search.static(*pair) <= limit]
+    sizes = _runnable(search, sizes, *(viable or pairs)[0])
+    chosen = next((p for p in viable if search.peak(sizes[0], levels[-1], *p).peak <= limit), None)
     if chosen is None:
         raise ValueError(_infeasible(search, pairs, precisions, levels, limit, budget, margin, total))
 
     opt, prec = chosen
     step_cost = _cost(cost, model, per_rank, loss_fn, device, search, prec, opt)
     G = total // n_gpus
+    host, micro, per_step = 0, 0.0, 0.0
+    if offload:
+        static = model_static(model, prec)
+        state = model_static(model, "32-true", opt or "sgd").optimizer_state  # on the fp32 masters
+        host = 2 * model_static(model, "32-true").parameters + state  # the masters and their gradients
+        if device == "cuda":  # on the CPU the host is the device: nothing travels
+            per_step = transfer_seconds(static.parameters, static.gradients, state, 0)
+            micro = transfer_seconds(static.parameters, static.gradients, state, 1) - per_step
+            step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + micro, per_step=per_step)
     options = _fastest(search, step_cost, sizes, levels, opt, prec, limit, G)
     best = min(options)
+    if search.unrefined:
+        late = f"block-by-block checkpointing not searched at every micro-batch (past {refine_seconds:g} s)"
+        note = f"{note}; {late}" if note else late
     return FitPlan(
         micro_batch_size=best.m,
         accumulate_grad_batches=G // best.m,
@@ -449,7 +533,19 @@ def plan_fit(
         levels=levels,
         note=note,
         checkpoint_plan=best.plan,
+        lever=_lever(release_gradients, fused_step, offload),
+        host_bytes=host,
+        offload_seconds=per_step + micro * (G // best.m),
     )
+
+
+def _lever(release_gradients: bool, fused_step: bool, offload: bool) -> str | None:
+    """The callback that makes the step planned."""
+    if offload:
+        return "OptimizerOffload"
+    if fused_step:
+        return "FusedOptimizerStep"
+    return "GradientRelease" if release_gradients else None
 
 
 class _Option(NamedTuple):
@@ -475,7 +571,8 @@ def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Opt
     and larger ones up to the largest the strongest mode fits, each with the planner's cheapest plan."""
     options: list[_Option] = []
     reached = 0
-    if levels[0] == "none":
+    known = search.cache.get((sizes[0], "none", opt, prec))  # the FLOP count's step, if it was simulated
+    if levels[0] == "none" and (known is None or known.peak <= limit):  # else no micro-batch fits without
         m = _largest_fitting(lambda m: search.peak(m, "none", opt, prec).peak <= limit, sizes)
         if m is not None:
             reached = m
@@ -488,6 +585,12 @@ def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Opt
         # beats one's time without any recompute, that micro-batch needs no planner.
         for m in reversed([m for m in above if top is not None and m <= top]):
             if options and step_cost.time(m, G // m) >= min(options).time:
+                continue
+            if not search.refining():  # no time for a planner: the strongest mode, if simulated and fits
+                strongest = search.cache.get((m, levels[-1], opt, prec))
+                if strongest is not None and strongest.peak <= limit:
+                    slowest = step_cost.time(m, G // m, FULL_RECOMPUTE)  # at most full's recompute
+                    options.append(_Option(slowest, m, levels[-1], strongest.peak, None))
                 continue
             found = search.checkpoint_plan(m, levels, opt, prec, limit)
             if found is None:
@@ -585,11 +688,8 @@ def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> 
         size = batch_size(batch)
         small = search.smallest
         return measured_cost(model, batch, loss_fn=loss_fn, sizes=(small, max(small, min(4 * small, size))))
-    return flops_cost(
-        lambda m, ck, **kw: search.estimate(m, ck, optimizer=optimizer, precision=precision, **kw),
-        device,
-        search.smallest,
-    )
+    flops, ops = search.counted(search.smallest, optimizer, precision)
+    return flops_cost(flops, ops, search.smallest, device)
 
 
 def _infeasible(search, pairs, precisions, levels, limit, budget, margin, total) -> str:

@@ -238,6 +238,7 @@ class CheckpointPlanner:
         self.levels = levels
         self.estimate_kwargs = {**estimate_kwargs, "device": target.type}
         self._simulated: dict[tuple[str, ...], MemoryBreakdown] = {}
+        self._model: tuple[int, int] | None = None  # the peak model's (offset, tail), once calibrated
 
         # Profile every distinct block inside one simulated step (the step's own result is not used), with
         # Hugging Face's key/value cache off: every plan that checkpoints a block runs so (apply_checkpointing
@@ -326,6 +327,14 @@ class CheckpointPlanner:
             choice = self._fit(limit, peak_none, levels)
         return self.plan_for(choice, limit)
 
+    def modeled_peak(self, choice: Sequence[str]) -> int | None:
+        """The peak model's figure for ``choice`` (module docstring), once a plan for a budget has
+        calibrated it; ``None`` before."""
+        if self._model is None:
+            return None
+        offset, tail = self._model
+        return offset + _activation_peak(self.blocks, tuple(choice), tail)
+
     def plan_for(self, choice: Sequence[str], budget: int | None = None) -> CheckpointPlan:
         """``choice`` (one policy per block, in `names` order) as a `CheckpointPlan`, with its simulated
         peak and the blocks' measured figures; ``budget``: the limit it was chosen for, in bytes."""
@@ -381,6 +390,7 @@ class CheckpointPlanner:
         floor = self.uniform(levels[-1])
         peak_floor = self.simulate(floor).peak
         offset, tail = self._calibrate(self._peak_none_without_cache(peak_none), peak_floor, levels[-1])
+        self._model = (offset, tail)
         solved: dict[float, tuple[str, ...]] = {}
 
         def plan_at(cap: float) -> tuple[str, ...]:

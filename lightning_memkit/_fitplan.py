@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget
@@ -44,7 +43,8 @@ DEVICE_FLOPS: dict[str, float] = {"cuda": 150e12, "cpu": 50e9}
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of one micro-step: ``fixed + per_sample * m * (1 + recompute)``.
+    """Seconds of one micro-step: ``fixed + per_sample * m * (1 + recompute)``, and ``per_step`` once per
+    global batch.
 
     ``recompute`` is what checkpointing adds: the recomputed ops' cost as a fraction of the checkpointed
     blocks' forward + backward, as the checkpointing planner measures it for the plan
@@ -54,25 +54,27 @@ class StepCost:
         fixed: per-micro-step overhead in seconds (launches, Python, the loss).
         per_sample: seconds per sample of forward + backward without checkpointing.
         source: ``"measured"`` (timed on the device) or ``"flops"`` (counted, offline).
+        per_step: seconds added once per global batch: an offloaded optimizer's transfers and host update
+            (`transfer_seconds`; its per-micro-batch share is in ``fixed``); the optimizer's own step on the
+            device is the same for every plan and left out.
     """
 
     fixed: float
     per_sample: float
     source: str = "flops"
+    per_step: float = 0.0
 
     def time(self, micro_batch_size: int, accumulate: int, recompute: float = 0.0) -> float:
         """Seconds of one global batch (per rank)."""
-        return accumulate * (self.fixed + self.per_sample * micro_batch_size * (1 + recompute))
+        micro = self.fixed + self.per_sample * micro_batch_size * (1 + recompute)
+        return accumulate * micro + self.per_step
 
 
-def flops_cost(estimate: Callable[..., Any], device: str, m: int = 1) -> StepCost:
-    """`StepCost` from a simulated step of ``m`` samples: FLOPs / `DEVICE_FLOPS` per sample, ops x
-    `LAUNCH_SECONDS` per micro-step."""
-    with FlopCounterMode(display=False) as counter:
-        _, timeline = estimate(m, "none", return_timeline=True)
-    ops = sum(event.phase in ("forward", "backward") for event in timeline)
-    per_sample = counter.get_total_flops() / m / DEVICE_FLOPS[device]
-    return StepCost(ops * LAUNCH_SECONDS[device], per_sample, "flops")
+def flops_cost(flops: int, ops: int, m: int, device: str) -> StepCost:
+    """`StepCost` from a simulated step of ``m`` samples without checkpointing, its ``flops`` counted by
+    ``torch.utils.flop_counter`` and its forward and backward ``ops``: FLOPs / `DEVICE_FLOPS` per sample,
+    ops x `LAUNCH_SECONDS` per micro-step."""
+    return StepCost(ops * LAUNCH_SECONDS[device], flops / m / DEVICE_FLOPS[device], "flops")
 
 
 def measured_cost(
@@ -162,6 +164,12 @@ class FitPlan:
         note: why some modes asked for were not candidates (``""`` when all were); `summary` shows it.
         checkpoint_plan: the checkpointing planner's plan, block by block, with its measured savings and
             recompute cost (`CheckpointPlan`); ``None`` where every block has the mode `checkpointing` names.
+        lever: the callback that changes the step the plan was made for (``"GradientRelease"``,
+            ``"FusedOptimizerStep"``, ``"OptimizerOffload"``), or ``None``.
+        host_bytes: host memory the plan needs besides the device's: an offloaded optimizer's fp32
+            masters, their gradients and its state (0 without offloading).
+        offload_seconds: of the time per global batch, what the offloaded optimizer adds (transfers and
+            the host's update, `transfer_seconds`).
     """
 
     micro_batch_size: int
@@ -179,6 +187,9 @@ class FitPlan:
     levels: tuple[str, ...] = field(default=CHECKPOINT_MODES, compare=False)
     note: str = field(default="", compare=False)
     checkpoint_plan: CheckpointPlan | None = None
+    lever: str | None = None
+    host_bytes: int = 0
+    offload_seconds: float = 0.0
 
     @property
     def limit(self) -> int:
@@ -257,6 +268,9 @@ class FitPlan:
             levels=tuple(data.get("levels", CHECKPOINT_MODES)),
             note=data.get("note", ""),
             checkpoint_plan=CheckpointPlan.from_dict(checkpoints) if checkpoints else None,
+            lever=data.get("lever"),
+            host_bytes=data.get("host_bytes", 0),
+            offload_seconds=data.get("offload_seconds", 0.0),
         )
 
     def summary(self) -> str:
@@ -267,6 +281,14 @@ class FitPlan:
             f"checkpointing {self.checkpointing}, optimizer {self.optimizer or 'as configured'}, "
             f"{self.precision}: estimated peak {format_bytes(self.estimated_peak)} of "
             f"{format_bytes(self.limit)} ({self.budget.source} less {self.margin:.0%} margin)"
+            + (f"; with {self.lever}" if self.lever else "")
+            + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
+            + (
+                f"; transfers and the host's update add about {self.offload_seconds:.1f} s per global batch"
+                if self.offload_seconds
+                else ""
+            )
+            + (")" if self.host_bytes else "")
             + (f"; {self.note}" if self.note else "")
         )
 

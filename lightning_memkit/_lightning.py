@@ -26,6 +26,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_memkit._fused_step import fuse_optimizer_step, needs_closure
+from lightning_memkit._offload import Offload
 
 __all__ = [
     "TrainingStep",
@@ -127,8 +128,9 @@ def optimizers_from(config: Any) -> list[torch.optim.Optimizer]:
 class TrainingStep:
     """What runs in one simulated step; ``lightning`` selects Lightning's order of the phases,
     ``release_gradients`` frees the gradients once the optimizers have stepped (`release_gradients`), so
-    that Lightning's next forward runs without them, and ``fused_step`` steps each parameter inside backward
-    (`fuse_optimizer_step`)."""
+    that Lightning's next forward runs without them, ``fused_step`` steps each parameter inside backward
+    (`fuse_optimizer_step`), and ``offload`` is the optimizers' `offload_optimizer`, already installed: the
+    gradients leave for the host as they complete and accumulate there."""
 
     forward: Callable[[], Tensor]
     optimizers: list[torch.optim.Optimizer]
@@ -136,6 +138,7 @@ class TrainingStep:
     accumulating: bool = False
     release_gradients: bool = False
     fused_step: bool = False
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
         if self.fused_step and self.accumulating:
@@ -149,7 +152,7 @@ class TrainingStep:
         """Whether the gradients are gone once the optimizers have stepped: a plain loop's ``zero_grad``
         after the step, released, or consumed inside backward; Lightning's own ``zero_grad`` comes after
         the next forward."""
-        return not self.lightning or self.release_gradients or self.fused_step
+        return not self.lightning or self.release_gradients or self.fused_step or self.offload is not None
 
     @property
     def with_closure(self) -> bool:
@@ -222,9 +225,7 @@ class TrainingStep:
     def warm_up(self, model: nn.Module, *, state: bool = True) -> None:
         """Create the optimizer state a real first step would (``state``), without running forward or
         backward, and leave the gradients the measured step starts with."""
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
+        self._zero_gradients(model)
         if state:
             # An optimizer that wants a closure gets one returning a loss; the gradients are the zeros above.
             self.step(_zero_loss if self.with_closure else None)
@@ -234,6 +235,15 @@ class TrainingStep:
         # micro-batch finds the earlier micro-batches' gradients.
         if self.frees_after_step and not self.accumulating:
             self.zero_grad()
+        elif self.offload is not None:  # the step freed them on the host: the cycle's earlier ones, there
+            self._zero_gradients(model)
+
+    def _zero_gradients(self, model: nn.Module) -> None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        if self.offload is not None:
+            self.offload.take_gradients()
 
 
 def _zero_loss() -> Tensor:

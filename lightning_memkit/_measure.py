@@ -39,6 +39,7 @@ Watching must not change the step. Three things the tracker's mode and hooks wou
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -280,8 +281,12 @@ class Tracker(TorchDispatchMode):
     def claim_optimizer_state(
         self, optimizers: Iterable[torch.optim.Optimizer], *, preexisting: bool = False
     ) -> None:
-        """Mark the optimizers' tensors; after the step this also catches state born inside it."""
-        for t in optimizer_tensors(optimizers):
+        """Mark the optimizers' tensors; after the step this also catches state born inside it. The
+        weights an optimizer holds that are not the model's (an offloaded optimizer's host masters) are
+        its state too."""
+        optimizers = list(optimizers)
+        held = (p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"])
+        for t in itertools.chain(optimizer_tensors(optimizers), held):
             rec = self.record(t, preexisting=preexisting)
             if rec is not None and rec.category is None:
                 rec.category = "optimizer_state"

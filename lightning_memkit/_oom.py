@@ -220,7 +220,6 @@ def plans_section(
         ]
     except Exception as err:
         return [f"  No plan: {err!r}."]
-    lever = _lever(plan_options)
     ranked = fastest_plans(plan)
     lines = [
         f"Plans that fit in {format_bytes(plan.limit)} (the {format_bytes(budget.usable)} less a "
@@ -231,17 +230,13 @@ def plans_section(
         lines.append(
             f"  {i}. {_brief(option)}: peak {format_bytes(option.estimated_peak)}, time {relative:.2f}x"
         )
-        lines += [
-            f"       {line}"
-            for code in by_hand_code(option, model, lever=lever)
-            for line in code.splitlines()
-        ]
-        names.update(c.split("(")[0] for c in _levers(option, lever))
+        lines += [f"       {line}" for code in by_hand_code(option, model) for line in code.splitlines()]
+        names.update(c.split("(")[0] for c in _levers(option))
     per_gpu = batch_size(batch) // plan.n_gpus
     lines += [
         f"  Or add AutoFit, which makes plan 1 as the fit starts, with batch_size = {per_gpu} (the global "
         "batch per GPU):",
-        *(f"       {line}" for line in autofit_code(plan, optimizers=optimizers, lever=lever).splitlines()),
+        *(f"       {line}" for line in autofit_code(plan, optimizers=optimizers).splitlines()),
         f"  (from lightning_memkit import {', '.join(sorted(names))})",
     ]
     return lines
@@ -285,14 +280,13 @@ def plan_code(
     *,
     global_batch: int,
     optimizers: Sequence[str | None] | None,
-    lever: str | None = None,
 ) -> str:
     """The plan as Python a user pastes: the Trainer with ``AutoFit``, which makes this plan as the fit
     starts (`autofit_code`), then the same set by hand (`by_hand_code`). ``optimizers`` are the candidates
-    planned, if given (``--optimizer``); ``lever`` the callback that changes the step the plan was made for
-    (``"FusedOptimizerStep"``), in both Trainers."""
+    planned, if given (``--optimizer``). The callback that changes the step the plan was made for
+    (`FitPlan.lever`, ``"FusedOptimizerStep"``) is in both Trainers."""
     named = plan.budget.source in GPUS
-    imports = sorted({"AutoFit", *(c.split("(")[0] for c in _levers(plan, lever))})
+    imports = sorted({"AutoFit", *(c.split("(")[0] for c in _levers(plan))})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
     per_gpu = global_batch // plan.n_gpus
     return "\n".join(
@@ -303,15 +297,15 @@ def plan_code(
             "# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the",
             f"#    global batch per GPU, here {per_gpu}; it sets micro-batch and accumulation itself.",
             *([] if named else [card]),
-            autofit_code(plan, optimizers=optimizers, lever=lever),
+            autofit_code(plan, optimizers=optimizers),
             "",
             "# 2. Or by hand: batch_size is the micro-batch, the DataLoader's batch size.",
-            *by_hand_code(plan, model, lever=lever),
+            *by_hand_code(plan, model),
         ]
     )
 
 
-def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None, lever: str | None = None) -> str:
+def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> str:
     """``trainer = Trainer(...)`` with the ``AutoFit`` that makes ``plan``: its budget (a GPU by name; a
     size as the step's limit, which is what AutoFit reads it as), margin and optimizer candidates."""
     autofit = {"budget": _budget_argument(plan.budget)}
@@ -322,17 +316,17 @@ def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None, leve
         autofit["optimizers"] = json.dumps([o for o in kahan if o is not None])
     elif optimizers is not None:
         autofit["optimizers"] = json.dumps(list(optimizers))
-    callbacks = [f"AutoFit({_arguments(autofit)})", *([f"{lever}()"] if lever else [])]
+    callbacks = [f"AutoFit({_arguments(autofit)})", *([f"{plan.lever}()"] if plan.lever else [])]
     return _call("trainer = Trainer", {**_trainer_arguments(plan), "callbacks": f"[{', '.join(callbacks)}]"})
 
 
-def by_hand_code(plan: FitPlan, model: nn.Module, *, lever: str | None = None) -> list[str]:
+def by_hand_code(plan: FitPlan, model: nn.Module) -> list[str]:
     """``plan`` set by hand, as lines: the micro-batch (the DataLoader's batch size), the Trainer's
     arguments, checkpointing as a callback (its policy, or the step's limit when the blocks' modes differ:
     ActivationCheckpointing then plans the split) and an optimizer swap as a comment (it goes in
     ``configure_optimizers``)."""
     by_hand = {"accumulate_grad_batches": str(plan.accumulate_grad_batches), **_trainer_arguments(plan)}
-    levers = _levers(plan, lever)
+    levers = _levers(plan)
     if levers:
         by_hand["callbacks"] = f"[{', '.join(levers)}]"
     lines = [f"batch_size = {plan.micro_batch_size}", _call("trainer = Trainer", by_hand)]
@@ -359,11 +353,11 @@ def by_hand_code(plan: FitPlan, model: nn.Module, *, lever: str | None = None) -
     return lines
 
 
-def _levers(plan: FitPlan, lever: str | None) -> list[str]:
-    """The callbacks that set ``plan``'s step by hand: ``lever``, then checkpointing. ActivationCheckpointing
+def _levers(plan: FitPlan) -> list[str]:
+    """The callbacks that set ``plan``'s step by hand: its lever, then checkpointing. ActivationCheckpointing
     plans a budget on the unsharded step (and refuses to under FSDP): with a sharded strategy a per-block
     plan is written as its strongest mode on every block, which fits too."""
-    levers = [f"{lever}()"] if lever else []
+    levers = [f"{plan.lever}()"] if plan.lever else []
     if plan.checkpointing not in CHECKPOINT_MODES and not _sharded(plan):  # no one policy names it
         levers.append(f"ActivationCheckpointing(budget={plan.limit:_})")
     elif plan.checkpointing != "none":
@@ -426,13 +420,6 @@ def _describe(budget: Budget) -> str:
     if budget.total == budget.usable:
         return f"{format_bytes(budget.usable)} ({budget.source})"
     return f"{format_bytes(budget.usable)} usable of {budget.source} ({format_bytes(budget.total)})"
-
-
-def _lever(plan_options: Mapping[str, Any]) -> str | None:
-    """The callback that makes the step the plans are for, as `plan_code` names it."""
-    if plan_options.get("fused_step"):
-        return "FusedOptimizerStep"
-    return "GradientRelease" if plan_options.get("release_gradients") else None
 
 
 def on_cpu(batch: Any, *, copy: bool = False) -> Any:

@@ -156,11 +156,12 @@ def simulated_estimator(
     accumulating: bool = False,
     release_gradients: bool = False,
     fused_step: bool = False,
+    offload: bool = False,
 ) -> Estimator:
     """The whole step on fake tensors (`estimate_memory`), with one optimizer; ``accumulating``: the last
     micro-batch of a gradient accumulation cycle; ``release_gradients``: the gradients freed after the
     optimizer's step (`release_gradients`); ``fused_step``: the step inside backward
-    (`fuse_optimizer_step`)."""
+    (`fuse_optimizer_step`); ``offload``: the optimizer in host memory (`offload_optimizer`)."""
     device = torch.device(device or model_device(model).type)
     run = functools.partial(
         estimate_memory,
@@ -172,6 +173,7 @@ def simulated_estimator(
         accumulating=accumulating,
         release_gradients=release_gradients,
         fused_step=fused_step,
+        offload=offload,
     )
 
     def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
@@ -478,6 +480,7 @@ def fit_optimizer(
     accumulating: bool = False,
     release_gradients: bool = False,
     fused_step: bool = False,
+    offload: bool = False,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -509,6 +512,8 @@ def fit_optimizer(
             a LightningModule's forward then runs without the previous step's gradients.
         fused_step: the loop steps each parameter inside backward (`fuse_optimizer_step`): no gradient
             is whole at once (the static estimate leaves them out).
+        offload: the loop keeps the optimizer in host memory (`offload_optimizer`): its state and the
+            gradients are not the device's (the static estimate still counts the state: safe side).
 
     Returns:
         An `OptimizerChoice`: the name chosen, the optimizers, the estimated breakdown and every estimate
@@ -538,10 +543,12 @@ def fit_optimizer(
             accumulating=accumulating,
             release_gradients=release_gradients,
             fused_step=fused_step,
+            offload=offload,
         )
         method = "simulated"
     else:
-        estimate, method = static_estimator(model, device=device, gradients=not fused_step), "static"
+        gradients = not (fused_step or offload)
+        estimate, method = static_estimator(model, device=device, gradients=gradients), "static"
     candidates = compensated_candidates(candidates, optimizers, precision)
     return choose_optimizer(
         optimizers, budget, estimate, candidates=candidates, allow_unknown=allow_unknown, method=method

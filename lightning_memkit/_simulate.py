@@ -69,6 +69,7 @@ from lightning_memkit._lightning import (
     optimizers_from,
 )
 from lightning_memkit._measure import Storage, Tracker, allocation_rounding
+from lightning_memkit._offload import offload_optimizer
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import load_bitsandbytes
 from lightning_memkit._trace import Tracer
@@ -98,6 +99,8 @@ _SIM_DEVICE = torch.device("cpu")  # where the fake tensors live; see the module
 # Left out of the timeline: metadata queries (fake tensors answer ``.device`` through dispatch) and the
 # profiler's record_function markers. They allocate nothing.
 _UNTIMED = frozenset({"prim", "profiler"})
+# A fake tensor's ``.device``, asked through dispatch: three in five of a simulated step's dispatches.
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class TimelineEvent(NamedTuple):
@@ -158,6 +161,8 @@ class _SimTracker(Tracker):
         self.tracer = tracer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func is _DEVICE_QUERY:  # most dispatches of a step, and nothing to follow: straight to the fakes
+            return func(*args, **(kwargs or {}))
         value = self.shadows.value(func, args, kwargs)  # .item() and the like, from the batch's real values
         if value is _shadow.NO_VALUE:
             value = _placeholder_scalar(func, args)
@@ -379,6 +384,7 @@ def estimate_memory(
     accumulating: bool = ...,
     release_gradients: bool = ...,
     fused_step: bool = ...,
+    offload: bool = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -397,6 +403,7 @@ def estimate_memory(
     accumulating: bool = ...,
     release_gradients: bool = ...,
     fused_step: bool = ...,
+    offload: bool = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -414,6 +421,7 @@ def estimate_memory(
     accumulating: bool = False,
     release_gradients: bool = False,
     fused_step: bool = False,
+    offload: bool = False,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -475,6 +483,10 @@ def estimate_memory(
             the gradient freed (`fuse_optimizer_step`, `FusedOptimizerStep`): no step holds all the
             gradients. Not with ``accumulating`` (it steps at every backward), nor with an optimizer that
             needs a closure.
+        offload: the optimizers keep their state, fp32 master weights and the gradients' accumulation in
+            host memory (`offload_optimizer`, `OptimizerOffload`): each gradient leaves the device as it
+            completes. On ``device="cuda"`` the host's bytes are not counted; on ``"cpu"`` they are the
+            same memory, and are.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -501,6 +513,7 @@ def estimate_memory(
         accumulating=accumulating,
         release_gradients=release_gradients,
         fused_step=fused_step,
+        offload=offload,
         timeline=return_timeline,
     )
     breakdown = tracker.breakdown()
@@ -523,6 +536,7 @@ def simulate_step(
     accumulating: bool,
     release_gradients: bool,
     fused_step: bool,
+    offload: bool = False,
     timeline: bool = False,
     tracer: Tracer | None = None,
 ) -> _SimTracker:
@@ -540,6 +554,10 @@ def simulate_step(
         raise NotImplementedError(
             f"{type(model).__name__} uses manual optimization, which needs a running Trainer; estimate a "
             "step of the underlying nn.Module with loss_fn= and optimizer= instead."
+        )
+    if fused_step and offload:
+        raise ValueError(
+            "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
         )
     if not lightning and optimizer is None:
         raise TypeError(
@@ -582,6 +600,9 @@ def simulate_step(
         forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
         step = TrainingStep(forward, optimizers, lightning, accumulating, release_gradients, fused_step)
         stack.enter_context(mode)
+        if offload:  # the host's memory is not the device's: its fakes are on the meta device, uncounted
+            host = "cpu" if target.type == "cpu" else "meta"
+            step.offload = stack.enter_context(offload_optimizer(optimizers, host=host))
         if not first_step or accumulating:
             with _Placeholders():
                 step.warm_up(model, state=not first_step)

@@ -3,9 +3,7 @@ the table and the two lines under it show them, and the printed plan is code tha
 installed console script (each process imports torch and Lightning: seconds)."""
 
 import ast
-import contextlib
 import inspect
-import io
 import json
 import re
 import sys
@@ -14,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_cli
 from torch import nn
 
 from lightning_memkit import (
@@ -27,7 +26,6 @@ from lightning_memkit import (
 from lightning_memkit._analytic import TransformerShape, estimate_analytic, shard
 from lightning_memkit._checkpointing import CheckpointPlan
 from lightning_memkit._fitplan import FitPlan
-from lightning_memkit.cli import main
 from lightning_memkit.cli._plan import plan_code
 from lightning_memkit.demos.gpt import GPTConfig, GPTLightningModule
 
@@ -35,12 +33,7 @@ TINY = ["estimate", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "
 BF16 = ["estimate", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--precision", "bf16-mixed"]
 
 
-def _run(argv):
-    """``main(argv)`` in-process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(argv)
-    return status, out.getvalue(), err.getvalue()
+_run = run_cli
 
 
 def _json(argv):

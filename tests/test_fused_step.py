@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import optimi
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers import B, Losses, T, cpu_trainer, tiny_gpt
 from lightning.pytorch.plugins import MixedPrecision
 from zoo import ZooModule, zoo_batch
 
@@ -28,30 +28,13 @@ from lightning_memkit._analytic import model_static
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 
-B, T = 8, 64
-
 
 def _trainer(tmp_path, callbacks, max_steps=4, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
-        logger=CSVLogger(tmp_path), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, **kwargs,
-    )  # fmt: skip
+    return cpu_trainer(tmp_path, callbacks, max_steps, **kwargs)
 
 
-class _Losses(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[torch.Tensor] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(outputs["loss"].detach().clone())
-
-
-def _gpt(batch_size=B):
-    torch.manual_seed(0)
-    data = GPTDataModule(batch_size=batch_size, seq_len=T, num_sentences=300)
-    x = torch.randint(0, 256, (batch_size, T))
-    return GPTLightningModule("tiny", max_steps=4), data, (x, x.roll(-1, 1))
+_Losses = Losses
+_gpt = tiny_gpt
 
 
 def _zoo(name: str):

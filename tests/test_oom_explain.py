@@ -4,8 +4,6 @@ and plans that really fit (their code is run and the allocator's peak checked), 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import warnings
 
@@ -13,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_cli
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,7 +29,6 @@ from lightning_memkit import (
 )
 from lightning_memkit._lightning import batch_slice
 from lightning_memkit.callbacks import _oom_report
-from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks, PretendOOM
 
@@ -251,11 +249,7 @@ def _lm():
     return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256))
 
 
-def _run(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(argv)
-    return status, out.getvalue(), err.getvalue()
+_run = run_cli
 
 
 def test_estimate_on_a_gpu_it_does_not_fit_prints_plans_that_do():

@@ -5,6 +5,7 @@ from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
 from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
+from lightning_memkit.callbacks.offload import OptimizerOffload
 from lightning_memkit.callbacks.optimizer_swap import OptimizerSwap
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "FusedOptimizerStep",
     "GradientRelease",
     "MemoryMonitor",
+    "OptimizerOffload",
     "OptimizerSwap",
 ]

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_memkit._analytic import model_static, scheme
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
+from lightning_memkit.callbacks.offload import OptimizerOffload
 
 __all__ = [
     "accumulates",
@@ -102,10 +103,12 @@ def accumulates(trainer: pl.Trainer) -> bool:
 def step_levers(trainer: pl.Trainer) -> dict[str, bool]:
     """How the fit's callbacks change the step, as `estimate_memory`'s keywords: ``release_gradients``
     (a `GradientRelease`: no previous step's gradients in the forward) and ``fused_step`` (a
-    `FusedOptimizerStep`: each parameter stepped inside backward). The budget callbacks plan that step."""
+    `FusedOptimizerStep`: each parameter stepped inside backward) and ``offload`` (an `OptimizerOffload`:
+    the optimizer in host memory). The budget callbacks plan that step."""
     return {
         "release_gradients": any(isinstance(c, GradientRelease) for c in trainer.callbacks),
         "fused_step": any(isinstance(c, FusedOptimizerStep) for c in trainer.callbacks),
+        "offload": any(isinstance(c, OptimizerOffload) for c in trainer.callbacks),
     }
 
 

@@ -18,12 +18,14 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._analytic import STRATEGIES, model_static, shard
-from lightning_memkit._autofit import plan_fit
+from lightning_memkit._autofit import plan_fit, static_floor
 from lightning_memkit._blocks import find_blocks
+from lightning_memkit._breakdown import format_bytes
+from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._lightning import batch_slice
 from lightning_memkit._oom import plan_code
 from lightning_memkit._optimizer_state import OPTIMIZERS
-from lightning_memkit._optimizers import COMPENSATED, lighter_candidates
+from lightning_memkit._optimizers import COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit._simulate import PRECISION_DTYPES, estimate_memory, sixteen_bit_weights
 from lightning_memkit.cli._args import UsageError, gpu, margin, names, one_of, positive_int, usage_error
 from lightning_memkit.cli._models import (
@@ -37,6 +39,10 @@ from lightning_memkit.cli._models import (
 )
 
 __all__ = ["add_plan", "plan_code", "run_plan"]
+
+#: ``--refine-seconds``' default: a 7B model's plan, whose steps take seconds each to simulate, answers in
+#: under a minute on two cores.
+REFINE_SECONDS = 30.0
 
 
 def add_plan(subparsers: Any) -> None:
@@ -66,9 +72,10 @@ def add_plan(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument("--margin", type=margin, default=0.1, help="share of the budget kept free (default: 0.1)")
     p.add_argument(
-        "--precision", type=names("precision", list(PRECISION_DTYPES)), default="32-true",
+        "--precision", type=names("precision", list(PRECISION_DTYPES)), default=None,
         metavar="P[,P...]",
-        help="allowed precisions, in order of preference (default: 32-true)",
+        help="allowed precisions, in order of preference (default: 32-true; where nothing fits, "
+        f"{', '.join(RELAXED_PRECISIONS)})",
     )  # fmt: skip
     p.add_argument(
         "--optimizer", type=names("optimizer", list(OPTIMIZERS)), default=None, metavar="O[,O...]",
@@ -83,6 +90,16 @@ def add_plan(subparsers: Any) -> None:
         "--fused-step", action="store_true",
         help="plan with FusedOptimizerStep: each parameter stepped inside backward (no accumulation, 1 GPU)",
     )  # fmt: skip
+    lever.add_argument(
+        "--offload", action="store_true",
+        help="plan with OptimizerOffload: the optimizer's state, fp32 masters and gradients in host memory "
+        "(1 GPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--refine-seconds", type=float, default=REFINE_SECONDS, metavar="S",
+        help="seconds of planning after which no block-by-block checkpointing plan is sought: the rest "
+        f"is planned with full checkpointing (default: {REFINE_SECONDS:g})",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(run=run_plan)
 
@@ -96,54 +113,174 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     lightning = isinstance(model, LightningModule)
     start = time.perf_counter()
+    attempts = _attempts(args)
+    limit = int(args.gpu.usable * (1 - args.margin))
     # The library's ValueErrors (nothing fits, a batch it cannot cut) say what to change; what else the
     # step raises is the user's model failing.
     with step_errors(model, args.model, args.global_batch, args.seq_len), usage_error(ValueError):
         batch = example_batch(model, args.model, args.global_batch, args.seq_len)
-        try:
-            plan = plan_fit(
+
+        def plan(attempt: argparse.Namespace) -> FitPlan:
+            return plan_fit(
                 model,
                 batch,
                 args.gpu,
                 margin=args.margin,
                 optimizers=args.optimizer,
-                precision=args.precision,
+                precision=attempt.precision,
                 strategy=args.strategy,
                 n_gpus=args.gpus,
                 device="cuda",
                 loss_fn=None if lightning else lm_loss,
                 cost="flops",
                 progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
-                release_gradients=args.release_gradients,
-                fused_step=args.fused_step,
+                release_gradients=attempt.release_gradients,
+                fused_step=attempt.fused_step,
+                offload=attempt.offload,
+                refine_seconds=args.refine_seconds,
             )
-        except ValueError as err:
-            needs = _smallest_step(model, batch, args) if str(err).startswith("No plan fits") else ""
-            if needs:
-                print(needs, file=sys.stderr)
-            raise
+
+        # As asked first; where nothing fits that way, every relaxed set-up, the best plan kept: the
+        # optimizer first (AdamW offloaded beats SGD fused), then the precision, then the lever.
+        plans: list[FitPlan] = []
+        tried: list[str] = []
+        first_error: ValueError | None = None
+        for i, attempt in enumerate(attempts):
+            floor = static_floor(
+                model, args.optimizer, attempt.precision, strategy=args.strategy, n_gpus=args.gpus,
+                **_levers(attempt),
+            )  # fmt: skip
+            if len(attempts) > 1 and floor is not None and floor > limit:  # known without a simulation
+                tried.append(f"{_describe(attempt)}: static floor {format_bytes(floor)}")
+                continue
+            try:
+                plans.append(plan(attempt))
+            except ValueError as err:
+                if not str(err).startswith("No plan fits"):
+                    raise
+                first_error = first_error or (err if i == 0 else None)
+                tried.append(f"{_describe(attempt)}: no plan fits")
+                continue
+            if i == 0:
+                break
+        relaxed = bool(plans) and i > 0
+        if not plans:  # the answer for the run as asked, with its floor and what would fit
+            if len(attempts) > 1:
+                print("memkit plan: also tried, none fits:", *tried, sep="\n  ", file=sys.stderr)
+            if first_error is None:
+                try:
+                    plan(attempts[0])
+                except ValueError as err:
+                    first_error = err
+            assert first_error is not None, "the run as asked fits on a second try"
+            if str(first_error).startswith("No plan fits"):
+                needs = _smallest_step(model, batch, args, attempts[0])
+                if needs:
+                    print(needs, file=sys.stderr)
+            raise first_error
+        found = min(plans, key=lambda p: _rank(p, model, args))
     seconds = time.perf_counter() - start
-    lever = "GradientRelease" if args.release_gradients else "FusedOptimizerStep" if args.fused_step else None
-    code = plan_code(plan, model, global_batch=args.global_batch, optimizers=args.optimizer, lever=lever)
+    code = plan_code(found, model, global_batch=args.global_batch, optimizers=args.optimizer)
+    given_up = _given_up(found, model, args, attempts[0]) if relaxed else []
     if args.json:
-        print(json.dumps({"model": args.model, **plan.as_dict(), "code": code, "seconds": seconds}, indent=2))
+        data = {"model": args.model, **found.as_dict(), "code": code, "seconds": seconds}
+        print(json.dumps({**data, "gives_up": given_up}, indent=2))
     else:
         print(f"{args.model} on {args.gpu.source}, global batch {args.global_batch} x {args.seq_len}:")
-        print(plan)
+        print(found)
+        if given_up:
+            print(f"Nothing fits {_describe(attempts[0])}; this plan gives up:", *given_up, sep="\n  - ")
         print(f"The plan as code (Python):\n{code}")
-        print(f"planned in {seconds:.1f} s ({len(plan.alternatives)} simulated steps)")
+        print(f"planned in {seconds:.1f} s ({len(found.alternatives)} simulated steps)")
     return 0
 
 
-def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace) -> str:
+#: What `memkit plan` relaxes, in order, when nothing fits as asked: precisions (unless ``--precision``
+#: names them), then the levers that change the step (unless one is named), cheapest first.
+RELAXED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+_LEVERS = ("release_gradients", "fused_step", "offload")
+_LEVER_NAMES = {
+    "release_gradients": "GradientRelease",
+    "fused_step": "FusedOptimizerStep",
+    "offload": "OptimizerOffload",
+}
+
+
+def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The set-ups to plan, in order: as asked first, then with what the user left open relaxed."""
+    asked = [lever for lever in _LEVERS if getattr(args, lever)]
+    first = argparse.Namespace(precision=args.precision or ["32-true"], **{k: k in asked for k in _LEVERS})
+    precisions = [args.precision] if args.precision else [list(RELAXED_PRECISIONS)]
+    levers = [asked] if asked else [[], *([lever] for lever in _LEVERS)]
+    relaxed = [
+        argparse.Namespace(precision=precision, **{k: k in chosen for k in _LEVERS})
+        for chosen in levers
+        for precision in precisions
+    ]
+    return [first, *(a for a in relaxed if vars(a) != vars(first))]
+
+
+def _rank(plan: FitPlan, model: nn.Module, args: argparse.Namespace) -> tuple[int, int, int]:
+    """``plan``'s place among the relaxed ones: its optimizer's in the candidates (a Kahan twin in its
+    original's), its precision's, its lever's (none, then the cheapest in time)."""
+    candidates = list(args.optimizer or lighter_candidates(model))
+    original = {twin: base for base, twin in COMPENSATED.items() if twin != base}
+    optimizer = original.get(plan.optimizer or "", plan.optimizer)
+    levers = [None, *_LEVER_NAMES.values()]
+    return (
+        candidates.index(optimizer) if optimizer in candidates else len(candidates),
+        RELAXED_PRECISIONS.index(plan.precision) if plan.precision in RELAXED_PRECISIONS else 0,
+        levers.index(plan.lever),
+    )
+
+
+def _levers(attempt: argparse.Namespace) -> dict[str, bool]:
+    return {lever: getattr(attempt, lever) for lever in _LEVERS}
+
+
+def _describe(attempt: argparse.Namespace) -> str:
+    levers = [_LEVER_NAMES[k] for k, on in _levers(attempt).items() if on]
+    how = f"with {', '.join(levers)}" if levers else "without a step lever"
+    return f"at {'/'.join(attempt.precision)} {how}"
+
+
+def _given_up(
+    plan: FitPlan, model: nn.Module, args: argparse.Namespace, asked: argparse.Namespace
+) -> list[str]:
+    """What ``plan`` gives up against the run as asked: precision, optimizer, time (empty: nothing)."""
+    lines = []
+    if plan.precision not in asked.precision:
+        how = (
+            "the update runs on fp32 master weights in host memory, so no small step is lost"
+            if plan.lever == "OptimizerOffload" and sixteen_bit_weights(plan.precision)
+            else "Kahan-summed, so no small step is lost"
+            if plan.optimizer in KAHAN
+            else "the weights stay fp32"
+        )
+        lines.append(f"precision: {plan.precision} instead of {asked.precision[0]} ({how})")
+    wanted = args.optimizer[0] if args.optimizer else lighter_candidates(model)[0]
+    if plan.optimizer != wanted and COMPENSATED.get(wanted or "") != plan.optimizer:
+        lines.append(f"optimizer: {plan.optimizer} instead of {wanted}")
+    if plan.lever == "OptimizerOffload" and not asked.offload:
+        lines.append(
+            f"time: about {plan.offload_seconds:.2g} s per global batch of transfers to and from the host "
+            "and the host's update (PCIe 4.0 x16, a few cores), and "
+            f"{format_bytes(plan.host_bytes)} of host memory"
+        )
+    elif plan.lever == "FusedOptimizerStep" and not asked.fused_step:
+        lines.append("gradient accumulation and clipping (the step runs inside backward); no time")
+    return lines
+
+
+def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked: argparse.Namespace) -> str:
     """What the smallest step `plan_fit` tried needs per GPU, by category, when nothing fits: micro-batch
     1 (with the fused step, all of a GPU's batch), the strongest checkpointing, the first optimizer and
     precision allowed; its peak is the error's figure "with <optimizer> at micro-batch 1". One more
     simulation; nothing is said when it fails (a model whose step refuses one sample)."""
     per_gpu = args.global_batch // args.gpus
-    m = per_gpu if args.fused_step else 1
+    m = per_gpu if asked.fused_step else 1
     level = "full" if find_blocks(model) else "none"
-    prec = args.precision[0]
+    prec = asked.precision[0]
     optimizer = args.optimizer[0] if args.optimizer else lighter_candidates(model)[0]
     if optimizer is not None and sixteen_bit_weights(prec):
         optimizer = COMPENSATED.get(optimizer, optimizer)  # as plan_fit plans 16-bit weights
@@ -158,8 +295,9 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace) -> st
             checkpointing=level,
             device="cuda",
             accumulating=m < per_gpu,
-            release_gradients=args.release_gradients,
-            fused_step=args.fused_step,
+            release_gradients=asked.release_gradients,
+            fused_step=asked.fused_step,
+            offload=asked.offload,
         )
     except Exception:
         return ""

@@ -1,0 +1,51 @@
+"""What several test files share: a CPU Trainer that saves nothing, a callback keeping the losses, the tiny
+GPT example with its data and a batch, and ``memkit`` run in-process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_memkit.cli import main
+from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
+
+B, T = 8, 64
+
+
+def cpu_trainer(tmp_path, callbacks, max_steps=4, **kwargs) -> pl.Trainer:
+    """A one-CPU Trainer without validation, progress bar, summary or checkpoints, logging to CSV."""
+    return pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
+        logger=CSVLogger(tmp_path), callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, **kwargs,
+    )  # fmt: skip
+
+
+class Losses(pl.Callback):
+    """Every training batch's loss, in order."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+def tiny_gpt(batch_size: int = B, max_steps: int = 4):
+    """The GPT example (tiny), its data and a batch of ``batch_size`` x `T`, seeded."""
+    torch.manual_seed(0)
+    data = GPTDataModule(batch_size=batch_size, seq_len=T, num_sentences=300)
+    x = torch.randint(0, 256, (batch_size, T))
+    return GPTLightningModule("tiny", max_steps=max_steps), data, (x, x.roll(-1, 1))
+
+
+def run_cli(argv):
+    """``memkit`` with ``argv``, in-process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
