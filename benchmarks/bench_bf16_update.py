@@ -32,7 +32,6 @@ import time
 import warnings
 
 import lightning.pytorch as pl
-import optimi
 import torch
 
 from lightning_memkit import FusedOptimizerStep, OptimizerOffload, estimate_memory
@@ -44,14 +43,20 @@ B, T = 8, 64
 
 
 class _CompensatedFused(GPTLightningModule):
-    """The example on the Kahan-summed AdamW built with optimi's ``gradient_release=True``: its
-    per-parameter step, which `FusedOptimizerStep` requires of torch-optimi's optimizers (they count
-    steps per param group)."""
+    """The example on the catalogue's Kahan-summed AdamW (``optimizer="adamw_kahan"``), rebuilt with
+    optimi's ``gradient_release=True``: its per-parameter step, which `FusedOptimizerStep` requires of
+    torch-optimi's optimizers (they count steps per param group). Same hyperparameters as the unfused
+    row's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, optimizer="adamw_kahan", **kwargs)
 
     def configure_optimizers(self):
         config = super().configure_optimizers()
-        groups = [dict(group, gradient_release=True) for group in config["optimizer"].param_groups]
-        config["optimizer"] = optimi.AdamW(groups, lr=groups[0]["lr"], kahan_sum=True, gradient_release=True)
+        kahan = config["optimizer"]
+        groups = [dict(group, gradient_release=True) for group in kahan.param_groups]
+        # Every hyperparameter is in the groups, copied; the constructor's are only defaults.
+        config["optimizer"] = type(kahan)(groups, lr=groups[0]["lr"], kahan_sum=True, gradient_release=True)
         config["lr_scheduler"]["scheduler"].optimizer = config["optimizer"]
         return config
 

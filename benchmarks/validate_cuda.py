@@ -19,6 +19,8 @@ One table, a row per figure, each with its bar and whether it is met:
 7. `MemoryMonitor`'s overhead: step time with it over without, interleaved runs (bar 1 %).
 8. `plan_fit` (what ``memkit plan`` runs) for the LLaMA model at the capped size: its estimate against the
    real run's peak (bar 2 %).
+9. `OptimizerOffload` on the GPT example with bf16 weights: the device's steady peak against
+   `estimate_memory(offload=True)` (bar 2 %), and no optimizer state left on the device.
 
 The truth is ``torch.cuda.max_memory_allocated`` reset at each step's start on CUDA; with ``--dry-run``,
 torch.profiler's memory timeline (`lightning_memkit.testing.AllocatorPeaks`), the device is capped only
@@ -52,6 +54,7 @@ from lightning_memkit import (
     ActivationCheckpointing,
     AutoFit,
     MemoryMonitor,
+    OptimizerOffload,
     OptimizerSwap,
     estimate_memory,
     plan_checkpointing,
@@ -478,6 +481,28 @@ def monitor_overhead(bench: Bench) -> None:
     )
 
 
+def offload(bench: Bench) -> None:
+    """Row 9: the optimizer in host memory, bf16 weights: the device's peak as estimated, no state there."""
+    module = bench.gpt()
+    precision, bench.precision = bench.precision, "bf16-true"
+    try:
+        batch = example_batch(module)
+        estimate = estimate_memory(module, batch, precision="bf16-true", device=bench.device, offload=True)
+        run = bench.fit(module, [OptimizerOffload()])
+    finally:
+        bench.precision = precision
+    error = _error(estimate.peak, run.steady)
+    on_device = storage_bytes(optimizer_tensors(run.trainer.optimizers), torch.device(bench.device))
+    bench.add(
+        "9. OptimizerOffload, bf16 weights",
+        f"{error:+.2%} ({estimate.peak / MiB:,.1f} vs {run.steady / MiB:,.1f} MiB); state on the device "
+        f"{on_device:,} B",
+        "≤ 2 %; state 0 B",
+        abs(error) <= 0.02 and (on_device == 0 or not bench.cuda),
+        "" if bench.cuda else "(CPU: the host is the device)",
+    )
+
+
 ROWS = (
     gpt_monitor_and_estimate,
     llama_monitor_and_estimate,
@@ -486,6 +511,7 @@ ROWS = (
     autofit_and_plan,
     oom_recovery,
     monitor_overhead,
+    offload,
 )
 
 

@@ -13,7 +13,15 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, GradientRelease, MemoryMonitor, OptimizerSwap
+from lightning_memkit import (
+    ActivationCheckpointing,
+    AutoFit,
+    FusedOptimizerStep,
+    GradientRelease,
+    MemoryMonitor,
+    OptimizerOffload,
+    OptimizerSwap,
+)
 from lightning_memkit.demos._data import decode, encode, make_corpus
 from lightning_memkit.demos.gpt import (
     GPT,
@@ -303,6 +311,16 @@ def test_train_script_single_levers(tmp_path, monkeypatch, train):
     # OptimizerSwap's estimate of the step with the checkpointing applied (and the gradients released) is
     # the step the Trainer ran.
     assert swap.choice.tried[-1][1] == pytest.approx(monitor.history[-1][1].peak, rel=0.01)
+
+
+def test_train_script_step_lever_flags(train):
+    """Each step lever is one flag, and only one at a time."""
+    levers = (GradientRelease, FusedOptimizerStep, OptimizerOffload)
+    for flag, lever in zip(("--release-gradients", "--fused-step", "--offload"), levers, strict=True):
+        chosen = train.callbacks(train.parse_args([flag]))
+        assert [type(c) for c in chosen if isinstance(c, levers)] == [lever]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--offload", "--fused-step"])
 
 
 def test_train_script_lightning_cli(tmp_path, monkeypatch, capsys, train):

@@ -18,6 +18,8 @@ OptimizerSwap). Budgets are sizes ("24GB", "6GiB") or, for --autofit, GPU names 
 ``--release-gradients`` frees the gradients after each optimizer step (GradientRelease): the next
 forward runs without them, and the budget callbacks plan for that. ``--fused-step`` steps each parameter
 inside backward instead (FusedOptimizerStep): no step holds all the gradients; no gradient accumulation.
+``--offload`` keeps the optimizer's state, fp32 master weights and the gradients' sum in host memory
+(OptimizerOffload): on a GPU the device holds the weights and the activations, little else.
 """
 
 import argparse
@@ -36,6 +38,7 @@ from lightning_memkit import (
     FusedOptimizerStep,
     GradientRelease,
     MemoryMonitor,
+    OptimizerOffload,
     OptimizerSwap,
 )
 from lightning_memkit.demos.gpt import PRESETS, GPTDataModule, GPTLightningModule
@@ -92,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="FusedOptimizerStep: step each parameter inside backward (same training, no gradients held)",
     )
+    step.add_argument(
+        "--offload",
+        action="store_true",
+        help="OptimizerOffload: the optimizer's state, fp32 masters and gradients in host memory",
+    )
     args = parser.parse_args(argv)
     if args.autofit and (args.checkpointing_budget or args.optimizer_budget):
         parser.error("--autofit already chooses the checkpointing and the optimizer; give it alone")
@@ -136,6 +144,8 @@ def callbacks(args: argparse.Namespace) -> list[L.Callback]:
     chosen: list[L.Callback] = [GradientRelease()] if args.release_gradients else []
     if args.fused_step:
         chosen.append(FusedOptimizerStep())
+    if args.offload:
+        chosen.append(OptimizerOffload())
     if args.autofit:
         chosen.append(AutoFit(budget=args.autofit))
     if args.checkpointing_budget:

@@ -211,7 +211,9 @@ def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
     asked = [lever for lever in _LEVERS if getattr(args, lever)]
     first = argparse.Namespace(precision=args.precision or ["32-true"], **{k: k in asked for k in _LEVERS})
     precisions = [args.precision] if args.precision else [list(RELAXED_PRECISIONS)]
-    levers = [asked] if asked else [[], *([lever] for lever in _LEVERS)]
+    single = ("fused_step", "offload")  # one process only
+    open_levers = [lever for lever in _LEVERS if args.gpus == 1 or lever not in single]
+    levers = [asked] if asked else [[], *([lever] for lever in open_levers)]
     relaxed = [
         argparse.Namespace(precision=precision, **{k: k in chosen for k in _LEVERS})
         for chosen in levers
