@@ -9,7 +9,9 @@ The GPT example (tiny, 8 × 64, its warm-up/cosine schedule) trained for ``--ste
   bf16-true): a bf16 compensation buffer keeps the low bits the rounding loses;
 - bf16-true with ``"adamw_kahan"`` and `FusedOptimizerStep` (lever 2 on top);
 - bf16-true with torch's AdamW offloaded (`OptimizerOffload`, lever 4): the update on fp32 master weights,
-  with AdamW's state and the gradients' sum, in host memory.
+  with AdamW's state and the gradients' sum, in host memory;
+- fp32 AdamW with the loss over 8 slices of the tokens (``loss_chunks=8``, `chunked_cross_entropy`,
+  lever 5): the whole batch's logits never exist.
 
 For each: the allocator's steady-step peak (torch.profiler's memory timeline, MiB) and the estimate's
 error against it (3 profiled steps; on the CPU the host is the device, so an offloaded optimizer's masters
@@ -74,6 +76,7 @@ RUNS = {
     ),
     "bf16-true AdamW, Kahan, fused step": (_CompensatedFused, "bf16-true", [FusedOptimizerStep]),
     "bf16-true AdamW, offloaded": (GPTLightningModule, "bf16-true", [OptimizerOffload]),
+    "fp32 AdamW, chunked loss": (functools.partial(GPTLightningModule, loss_chunks=8), "32-true", []),
 }
 
 

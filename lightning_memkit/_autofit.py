@@ -103,6 +103,8 @@ MODEL_SLACK = 0.05
 FULL_RECOMPUTE = 1 / 3
 #: Seconds per simulated step above which the checkpointing planner refines a micro-batch's plan once.
 SLOW_SIMULATION_S = 2.0
+#: The end of the no-fit message where no 16-bit weights were allowed.
+LOWER_PRECISION_HINT = "; or allow a lower precision (bf16-true)"
 #: Seconds of planning after which each further simulation is reported to ``plan_fit(progress=...)``.
 PROGRESS_AFTER_S = 2.0
 
@@ -729,7 +731,7 @@ def _infeasible(search, pairs, precisions, levels, limit, budget, margin, total)
         if fused
         else ("parameters + gradients + optimizer state")
     )
-    lower = "" if {"bf16-true", "16-true"} & set(precisions) else "; or allow a lower precision (bf16-true)"
+    lower = "" if {"bf16-true", "16-true"} & set(precisions) else LOWER_PRECISION_HINT
     return (
         f"No plan fits {format_bytes(limit)} ({budget.source}, usable {format_bytes(budget.usable)} less the "
         f"{margin:.0%} margin){ranks}. Static floor ({static_parts}) with "

@@ -284,7 +284,7 @@ class FitPlan:
             + (f"; with {self.lever}" if self.lever else "")
             + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + (
-                f"; transfers and the host's update add about {self.offload_seconds:.1f} s per global batch"
+                f"; transfers and the host's update add about {self.offload_seconds:.2g} s per global batch"
                 if self.offload_seconds
                 else ""
             )

@@ -12,6 +12,9 @@ the run's precision, bf16 with ``"bf16-true"``); everything else of the optimize
 - after ``optimizer.step()`` (a step post-hook) the updated masters are copied back into the device's
   weights, rounded to their dtype, and the masters' gradients are freed.
 
+A weight changed in place outside the optimizer (weight clipping, a callback, ``load_state_dict``) is
+taken into its master before the next update: its version counter has moved since the master set it.
+
 The optimizer object stays the user's: its learning-rate scheduler, ``param_groups`` and gradient
 clipping (which reads the masters' gradients) work as before, and its ``state_dict`` has the same layout
 (state by parameter position). The update is computed on fp32 masters, so 16-bit weights lose no small
@@ -143,6 +146,9 @@ def offload_optimizer(
             if state is not None:
                 optimizer.state[master] = {k: _on(v, offload.host) for k, v in state.items()}
         offload.pairs.extend(pairs)
+        offload.handles.append(
+            optimizer.register_step_pre_hook(functools.partial(_follow_weights, pairs=pairs))
+        )
         offload.handles.append(optimizer.register_step_post_hook(functools.partial(_copy_back, pairs=pairs)))
     offload.take_gradients()
     offload.handles.extend(
@@ -169,8 +175,32 @@ def _master(p: Tensor, masters: WeakIdKeyDictionary, host: torch.device) -> Tens
         master = torch.empty(p.shape, dtype=master_dtype(p.dtype), device=host, pin_memory=pinned)
         with torch.no_grad():
             master.copy_(p.detach())  # converted on the host: no device temporary
+        master._offload_version = p._version  # type: ignore[attr-defined]
         masters[p] = master
+    else:
+        _follow(p, master)
     return master
+
+
+@torch.no_grad()
+def _follow(p: Tensor, master: Tensor) -> None:
+    """Take into the master what changed the weight since the master last set it (weight clipping, a
+    callback, ``load_state_dict``): an in-place change moves the weight's version counter. A 16-bit
+    weight that is still its master rounded keeps the master's low bits."""
+    if getattr(master, "_offload_version", None) == p._version:
+        return
+    if master.device.type != "meta":  # a simulation's master has no values to keep
+        weight = p.detach().to(master.device)
+        if master.dtype == weight.dtype or not torch.equal(master.to(weight.dtype), weight):
+            master.copy_(weight)
+    master._offload_version = p._version  # type: ignore[attr-defined]
+
+
+def _follow_weights(
+    optimizer: Optimizer, args: Any, kwargs: Any, *, pairs: list[tuple[Tensor, Tensor]]
+) -> None:
+    for p, master in pairs:
+        _follow(p, master)
 
 
 def _on(value: Any, host: torch.device) -> Any:
@@ -195,4 +225,5 @@ def _copy_back(optimizer: Optimizer, args: Any, kwargs: Any, *, pairs: list[tupl
         if master.grad is None:
             continue  # not stepped (frozen, or no gradient reached it)
         p.copy_(master if master.dtype == p.dtype else master.to(p.dtype))  # rounded on the host
+        master._offload_version = p._version  # type: ignore[attr-defined]
         master.grad = None

@@ -59,6 +59,7 @@ class OptimizerOffload(StepHooks):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._refuse(trainer, pl_module)
+            self._loaded_masters = self._loaded_states = None  # a checkpoint of an earlier fit's
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refuse(trainer, pl_module)
@@ -97,7 +98,10 @@ class OptimizerOffload(StepHooks):
 
     def state_dict(self) -> dict[str, Any]:
         """The fp32 masters of 16-bit weights (in the optimizers' parameter order), which the weights in the
-        checkpoint hold only rounded; nothing when the weights are the masters' dtype."""
+        checkpoint hold only rounded; nothing when the weights are the masters' dtype. Masters loaded from
+        a checkpoint and not yet installed (a resumed fit that trained nothing) are given back as loaded."""
+        if self._loaded_masters is not None:
+            return {"masters": self._loaded_masters}
         trainer = getattr(self, "_trainer", None)
         if trainer is None:
             return {}
@@ -112,6 +116,15 @@ class OptimizerOffload(StepHooks):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded_masters = state_dict.get("masters")
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._loaded_states is not None:  # loaded, not installed yet: the state is still ours to keep
+            for saved, state in zip(
+                checkpoint.get("optimizer_states", []), self._loaded_states, strict=False
+            ):
+                saved["state"] = state
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._analytic import STRATEGIES, model_static, shard
-from lightning_memkit._autofit import plan_fit, static_floor
+from lightning_memkit._autofit import LOWER_PRECISION_HINT, plan_fit, static_floor
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._fitplan import FitPlan
@@ -156,10 +156,11 @@ def run_plan(args: argparse.Namespace) -> int:
             try:
                 plans.append(plan(attempt))
             except ValueError as err:
-                if not str(err).startswith("No plan fits"):
-                    raise
+                if i == 0 and not str(err).startswith("No plan fits"):
+                    raise  # as asked, and not for lack of memory: the user's to fix
                 first_error = first_error or (err if i == 0 else None)
-                tried.append(f"{_describe(attempt)}: no plan fits")
+                why = "no plan fits" if str(err).startswith("No plan fits") else str(err).split(":")[0]
+                tried.append(f"{_describe(attempt)}: {why}")
                 continue
             if i == 0:
                 break
@@ -177,6 +178,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 needs = _smallest_step(model, batch, args, attempts[0])
                 if needs:
                     print(needs, file=sys.stderr)
+            if any(len(a.precision) > len(attempts[0].precision) for a in attempts):
+                # The lower precisions were tried already: no advice to allow them.
+                raise ValueError(str(first_error).replace(LOWER_PRECISION_HINT, "")) from first_error
             raise first_error
         found = min(plans, key=lambda p: _rank(p, model, args))
     seconds = time.perf_counter() - start
@@ -224,14 +228,16 @@ def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
 
 def _rank(plan: FitPlan, model: nn.Module, args: argparse.Namespace) -> tuple[int, int, int]:
     """``plan``'s place among the relaxed ones: its optimizer's in the candidates (a Kahan twin in its
-    original's), its precision's, its lever's (none, then the cheapest in time)."""
+    original's), its precision's (in the order given, else `RELAXED_PRECISIONS`), its lever's (none, then
+    the cheapest in time)."""
     candidates = list(args.optimizer or lighter_candidates(model))
+    precisions = list(args.precision or RELAXED_PRECISIONS)
     original = {twin: base for base, twin in COMPENSATED.items() if twin != base}
     optimizer = original.get(plan.optimizer or "", plan.optimizer)
     levers = [None, *_LEVER_NAMES.values()]
     return (
         candidates.index(optimizer) if optimizer in candidates else len(candidates),
-        RELAXED_PRECISIONS.index(plan.precision) if plan.precision in RELAXED_PRECISIONS else 0,
+        precisions.index(plan.precision) if plan.precision in precisions else len(precisions),
         levers.index(plan.lever),
     )
 
