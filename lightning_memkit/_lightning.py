@@ -139,6 +139,8 @@ class TrainingStep:
     release_gradients: bool = False
     fused_step: bool = False
     offload: Offload | None = None
+    #: installs ``offload`` when the first backward starts (a first step: the masters are made there)
+    offload_at_backward: Callable[[], Offload] | None = None
 
     def __post_init__(self) -> None:
         if self.fused_step and self.accumulating:
@@ -200,6 +202,8 @@ class TrainingStep:
             phase("zero_grad")
             self.zero_grad()
         phase("backward")
+        if self.offload_at_backward is not None:
+            self.offload, self.offload_at_backward = self.offload_at_backward(), None
         loss.backward()
         return loss.detach()
 

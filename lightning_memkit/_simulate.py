@@ -602,7 +602,11 @@ def simulate_step(
         stack.enter_context(mode)
         if offload:  # the host's memory is not the device's: its fakes are on the meta device, uncounted
             host = "cpu" if target.type == "cpu" else "meta"
-            step.offload = stack.enter_context(offload_optimizer(optimizers, host=host))
+            install = functools.partial(_entered, stack, offload_optimizer, optimizers, host=host)
+            if first_step and lightning and not accumulating:  # as OptimizerOffload does: at the backward
+                step.offload_at_backward = install
+            else:
+                step.offload = install()
         if not first_step or accumulating:
             with _Placeholders():
                 step.warm_up(model, state=not first_step)
@@ -610,6 +614,11 @@ def simulate_step(
         if tracer is not None:
             tracer.finish(model, step.optimizers, tracker)
     return tracker
+
+
+def _entered(stack: contextlib.ExitStack, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``make(*args, **kwargs)`` entered on ``stack``: undone when the stack closes."""
+    return stack.enter_context(make(*args, **kwargs))
 
 
 def _forward_fn(
