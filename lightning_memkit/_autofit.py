@@ -103,6 +103,12 @@ MODEL_SLACK = 0.05
 FULL_RECOMPUTE = 1 / 3
 #: Seconds per simulated step above which the checkpointing planner refines a micro-batch's plan once.
 SLOW_SIMULATION_S = 2.0
+#: The step levers, `plan_fit`'s keywords, cheapest first, and the callback that makes each in a Trainer.
+LEVER_CALLBACKS = {
+    "release_gradients": "GradientRelease",
+    "fused_step": "FusedOptimizerStep",
+    "offload": "OptimizerOffload",
+}
 #: The end of the no-fit message where no 16-bit weights were allowed.
 LOWER_PRECISION_HINT = "; or allow a lower precision (bf16-true)"
 #: Seconds of planning after which each further simulation is reported to ``plan_fit(progress=...)``.
@@ -511,8 +517,7 @@ def plan_fit(
         state = model_static(model, "32-true", opt or "sgd").optimizer_state  # on the fp32 masters
         host = 2 * model_static(model, "32-true").parameters + state  # the masters and their gradients
         if device == "cuda":  # on the CPU the host is the device: nothing travels
-            per_step = transfer_seconds(static.parameters, static.gradients, state, 0)
-            micro = transfer_seconds(static.parameters, static.gradients, state, 1) - per_step
+            micro, per_step = transfer_seconds(static.parameters, static.gradients, state)
             step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + micro, per_step=per_step)
     options = _fastest(search, step_cost, sizes, levels, opt, prec, limit, G)
     best = min(options)
@@ -542,12 +547,9 @@ def plan_fit(
 
 
 def _lever(release_gradients: bool, fused_step: bool, offload: bool) -> str | None:
-    """The callback that makes the step planned."""
-    if offload:
-        return "OptimizerOffload"
-    if fused_step:
-        return "FusedOptimizerStep"
-    return "GradientRelease" if release_gradients else None
+    """The callback that makes the step planned (at most one lever is on)."""
+    on = {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload}
+    return next((LEVER_CALLBACKS[lever] for lever in LEVER_CALLBACKS if on[lever]), None)
 
 
 class _Option(NamedTuple):

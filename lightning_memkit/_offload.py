@@ -67,17 +67,12 @@ class Offload:
         #: (device parameter, master) of every parameter the optimizers hold, in their order
         self.pairs: list[tuple[Tensor, Tensor]] = []
         self.handles: list[RemovableHandle] = []
-        self._by_master: dict[int, Tensor] = {}
+        #: id of each master -> its device parameter (made with `pairs`, emptied with it)
+        self.by_master: dict[int, Tensor] = {}
 
     def device_param(self, t: Tensor) -> Tensor:
         """The device parameter whose master ``t`` is (``t`` itself if it is none's)."""
-        return self._device.get(id(t), t)
-
-    @property
-    def _device(self) -> dict[int, Tensor]:
-        if len(self._by_master) != len(self.pairs):
-            self._by_master = {id(m): p for p, m in self.pairs}
-        return self._by_master
+        return self.by_master.get(id(t), t)
 
     def take_gradients(self) -> None:
         """Move the gradients the device parameters hold to their masters (as the hooks do)."""
@@ -101,7 +96,7 @@ class Offload:
             if master.grad is not None:
                 p.grad = master.grad.to(p.device, p.dtype)
                 master.grad = None
-        self.pairs = []
+        self.pairs, self.by_master = [], {}
 
     def __enter__(self) -> Offload:
         return self
@@ -146,6 +141,7 @@ def offload_optimizer(
             if state is not None:
                 optimizer.state[master] = {k: _on(v, offload.host) for k, v in state.items()}
         offload.pairs.extend(pairs)
+        offload.by_master.update((id(m), p) for p, m in pairs)
         offload.handles.append(
             optimizer.register_step_pre_hook(functools.partial(_follow_weights, pairs=pairs))
         )
@@ -159,13 +155,13 @@ def offload_optimizer(
     return offload
 
 
-def transfer_seconds(param_bytes: int, grad_bytes: int, state_bytes: int, accumulate: int) -> float:
-    """Seconds an offloaded step adds per global batch: each micro-batch's gradients to the host and their
-    fp32 sum there, the weights back once, and the host's update (masters, gradients and state read and
-    written)."""
+def transfer_seconds(param_bytes: int, grad_bytes: int, state_bytes: int) -> tuple[float, float]:
+    """Seconds an offloaded step adds, ``(per micro-batch, per global batch)``: each micro-batch's
+    gradients to the host and their fp32 sum there; the weights back once, and the host's update
+    (masters, gradients and state read and written)."""
     per_micro = grad_bytes / PCIE_BYTES_PER_S + 2 * grad_bytes / HOST_BYTES_PER_S
     per_step = param_bytes / PCIE_BYTES_PER_S + 2 * (state_bytes + 2 * grad_bytes) / HOST_BYTES_PER_S
-    return accumulate * per_micro + per_step
+    return per_micro, per_step
 
 
 def _master(p: Tensor, masters: WeakIdKeyDictionary, host: torch.device) -> Tensor:

@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._analytic import STRATEGIES, model_static, shard
-from lightning_memkit._autofit import LOWER_PRECISION_HINT, plan_fit, static_floor
+from lightning_memkit._autofit import LEVER_CALLBACKS, LOWER_PRECISION_HINT, plan_fit, static_floor
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._fitplan import FitPlan
@@ -202,12 +202,7 @@ def run_plan(args: argparse.Namespace) -> int:
 #: What `memkit plan` relaxes, in order, when nothing fits as asked: precisions (unless ``--precision``
 #: names them), then the levers that change the step (unless one is named), cheapest first.
 RELAXED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-_LEVERS = ("release_gradients", "fused_step", "offload")
-_LEVER_NAMES = {
-    "release_gradients": "GradientRelease",
-    "fused_step": "FusedOptimizerStep",
-    "offload": "OptimizerOffload",
-}
+_LEVERS = tuple(LEVER_CALLBACKS)
 
 
 def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
@@ -234,7 +229,7 @@ def _rank(plan: FitPlan, model: nn.Module, args: argparse.Namespace) -> tuple[in
     precisions = list(args.precision or RELAXED_PRECISIONS)
     original = {twin: base for base, twin in COMPENSATED.items() if twin != base}
     optimizer = original.get(plan.optimizer or "", plan.optimizer)
-    levers = [None, *_LEVER_NAMES.values()]
+    levers = [None, *LEVER_CALLBACKS.values()]
     return (
         candidates.index(optimizer) if optimizer in candidates else len(candidates),
         precisions.index(plan.precision) if plan.precision in precisions else len(precisions),
@@ -247,7 +242,7 @@ def _levers(attempt: argparse.Namespace) -> dict[str, bool]:
 
 
 def _describe(attempt: argparse.Namespace) -> str:
-    levers = [_LEVER_NAMES[k] for k, on in _levers(attempt).items() if on]
+    levers = [LEVER_CALLBACKS[k] for k, on in _levers(attempt).items() if on]
     how = f"with {', '.join(levers)}" if levers else "without a step lever"
     return f"at {'/'.join(attempt.precision)} {how}"
 
