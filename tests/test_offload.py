@@ -33,9 +33,12 @@ def _gpt():
     return tiny_gpt(max_steps=6)
 
 
-def _qwen2():
-    torch.manual_seed(0)
-    return ZooModule("qwen2", batch_size=4, seq_len=64, n_batches=6), None, zoo_batch("qwen2", 4, 64)
+def _zoo(name: str):
+    def make():
+        torch.manual_seed(0)
+        return ZooModule(name, batch_size=4, seq_len=64, n_batches=6), None, zoo_batch(name, 4, 64)
+
+    return make
 
 
 def _fit(make, offload: bool, tmp_path, watch: bool = False, **kwargs):
@@ -53,10 +56,10 @@ def _fit(make, offload: bool, tmp_path, watch: bool = False, **kwargs):
     return module, batch, peaks.peaks, torch.stack(losses.losses)
 
 
-@pytest.mark.parametrize("make", [_gpt, _qwen2], ids=["gpt", "qwen2"])
+@pytest.mark.parametrize("make", [_gpt, _zoo("qwen2"), _zoo("resnet")], ids=["gpt", "qwen2", "resnet"])
 def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
-    """fp32 weights, two micro-batches per step and gradient clipping: the same losses and parameters with
-    the optimizer offloaded as without. One micro-batch per step, measured: every step's allocator peak as
+    """fp32 weights, two micro-batches per step and gradient clipping: the same losses, parameters and
+    buffers (the CNN's BatchNorm statistics) with the optimizer offloaded as without. One micro-batch per step, measured: every step's allocator peak as
     the monitor reports it, the first and steady ones as estimated (on the CPU the host is the device: the
     masters and state count, and the peak is above the plain step's)."""
     kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "max_steps": 2}
