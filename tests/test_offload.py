@@ -59,9 +59,10 @@ def _fit(make, offload: bool, tmp_path, watch: bool = False, **kwargs):
 @pytest.mark.parametrize("make", [_gpt, _zoo("qwen2"), _zoo("resnet")], ids=["gpt", "qwen2", "resnet"])
 def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
     """fp32 weights, two micro-batches per step and gradient clipping: the same losses, parameters and
-    buffers (the CNN's BatchNorm statistics) with the optimizer offloaded as without. One micro-batch per step, measured: every step's allocator peak as
-    the monitor reports it, the first and steady ones as estimated (on the CPU the host is the device: the
-    masters and state count, and the peak is above the plain step's)."""
+    buffers (the CNN's BatchNorm statistics) with the optimizer offloaded as without. One micro-batch per
+    step, measured: every step's allocator peak as the monitor reports it, the first and steady ones as
+    estimated (on the CPU the host is the device: the masters and state count, and the peak is above the
+    plain step's)."""
     kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "max_steps": 2}
     plain, _, _, plain_losses = _fit(make, False, tmp_path, **kwargs)
     offloaded, _, _, offloaded_losses = _fit(make, True, tmp_path, **kwargs)
