@@ -17,14 +17,17 @@ One table, a row per figure, each with its bar and whether it is met:
    peak within the budget, and its step time against no checkpointing and full, side by side.
 4. `OptimizerSwap` to bitsandbytes' 8-bit AdamW: the real state bytes against the estimate's.
 5. `AutoFit` with the device capped (``torch.cuda.set_per_process_memory_fraction``) below what the
-   default run needs (70 % of it, or halfway to the leanest plan where that is closer): OOMs, the real peak against the budget, and throughput against the best cell of a
-   small grid of micro-batch x checkpointing (bar 0.95).
+   default run needs (70 % of it, or halfway to the leanest plan where that is closer): OOMs, the real
+   peak against the budget, and throughput against the best cell of a small grid of micro-batch x
+   checkpointing (bar 0.95).
 6. An OOM in the first steps, recovered by AutoFit's guard: every step done, none lost.
 7. `MemoryMonitor`'s overhead: step time with it over without, interleaved runs (bar 1 %).
 8. `plan_fit` (what ``memkit plan`` runs) for the LLaMA model at the capped size: its estimate against the
    real run's peak (bar 2 %).
 9. `OptimizerOffload` on the GPT example with bf16 weights: the device's steady peak against
    `estimate_memory(offload=True)` (bar 2 %), and no optimizer state left on the device.
+10. `MemoryMonitor` under FSDP2 (``fully_shard`` on each LLaMA layer and the model, ModelParallelStrategy
+   over one device) against the allocator on every step (bar 0.1 %).
 
 The truth is ``torch.cuda.max_memory_allocated`` reset at each step's start on CUDA; with ``--dry-run``,
 torch.profiler's memory timeline (`lightning_memkit.testing.AllocatorPeaks`), the device is capped only
@@ -38,6 +41,7 @@ import contextlib
 import gc
 import logging
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -63,6 +67,7 @@ from lightning_memkit import (
     estimate_memory,
     plan_checkpointing,
 )
+from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._measure import optimizer_tensors, storage_bytes
 from lightning_memkit.demos.gpt import GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks, PretendOOM
@@ -168,6 +173,20 @@ class Llama(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         data = Tokens(self.batch_size * (self.steps + 1), self.seq_len, self.model.config.vocab_size)
         return DataLoader(data, batch_size=self.batch_size)
+
+
+class ShardedLlama(Llama):
+    """`Llama` sharded as Lightning documents FSDP2: ``fully_shard`` on each decoder layer, then the whole
+    model, over the data-parallel mesh (of one device here). The root is the Hugging Face model, which
+    ``training_step`` calls: a root whose own forward never runs never gathers its parameters."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
 
 class Gpt(GPTLightningModule):
@@ -499,6 +518,37 @@ def monitor_overhead(bench: Bench) -> None:
     )
 
 
+def fsdp2(bench: Bench) -> None:
+    """Row 10: MemoryMonitor under FSDP2 (``fully_shard`` under ModelParallelStrategy, a world of one
+    device) against the allocator, every step: the sharded parameters, the unsharded copies FSDP2 makes
+    with ``storage.resize_`` and the collectives' buffers, followed."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    b, t = bench.sizes.llama_batch
+    with torch.device(bench.device):
+        module = ShardedLlama(bench.sizes.llama, b, t, bench.sizes.timed_steps)
+    monitor = MemoryMonitor(plot=False, summary=False, log_every_n_steps=1)
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    environ = dict(os.environ)  # the process group's variables, which Lightning sets, go with it
+    try:
+        run = bench.fit(module, around=[monitor], logger=True, strategy=strategy)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # the next fits run without a process group
+        os.environ.clear()
+        os.environ.update(environ)
+    measured = [b.peak for _, b in monitor.history]
+    worst = max(abs(_error(m, p)) for m, p in zip(measured, run.peaks, strict=True))
+    split = monitor.sharded_history[-1][1] if monitor.sharded_history else {}
+    bench.add(
+        "10. MemoryMonitor under FSDP2 vs allocator, LLaMA",
+        f"{worst:.3%} worst of {len(measured)} steps; unsharded copies at the peak "
+        f"{format_bytes(split.get('unsharded_parameters', 0))}",
+        "≤ 0.1 %",
+        worst <= 0.001 and not monitor._disabled,
+    )
+
+
 def offload(bench: Bench) -> None:
     """Row 9: the optimizer in host memory, bf16 weights: the device's peak as estimated, no state there."""
     module = bench.gpt()
@@ -530,6 +580,7 @@ ROWS = (
     oom_recovery,
     monitor_overhead,
     offload,
+    fsdp2,
 )
 
 

@@ -39,6 +39,7 @@ Watching must not change the step. Three things the tracker's mode and hooks wou
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -47,12 +48,45 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass_type,
+)
 
+from lightning_memkit import _fsdp2
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._kernels import hides_memory, kernel_peak
 
 __all__ = ["MemoryMeasurement", "gradient_consumed", "measure", "storage_bytes"]
+
+#: What a sharded (FSDP2) step's peak holds, each part of one of the five categories: the sharded
+#: parameters and the unsharded copies in flight (parameters), the sharded gradients after their
+#: reduce-scatter and the unsharded ones before it (gradients), and the collectives' buffers (temporary).
+SHARDED_KINDS = (
+    "sharded_parameters",
+    "unsharded_parameters",
+    "sharded_gradients",
+    "unsharded_gradients",
+    "communication",
+)
+#: Op namespaces of collectives and FSDP2's copies in and out of them.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "fsdp"})
+
+
+@functools.cache
+def _collective(func: Any) -> bool:
+    return getattr(func, "namespace", None) in _COLLECTIVES
+
+
+def _reduce_scatters() -> frozenset:
+    """The in-place reduce-scatter ops (their first argument is the output), where torch has them."""
+    c10d = getattr(torch.ops, "c10d", None)
+    names = ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_")
+    return frozenset(getattr(c10d, n).default for n in names if c10d is not None and hasattr(c10d, n))
+
+
+_REDUCE_SCATTERS = _reduce_scatters()
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes; max_memory_allocated counts
 # the rounded sizes, so the tracker must too. The CPU allocator counts the bytes asked for.
@@ -107,14 +141,35 @@ def gradient_tensors(model: nn.Module) -> Iterator[Tensor]:
             yield p.grad
 
 
+@functools.cache
+def _wraps(cls: type) -> bool:
+    """Whether tensors of class ``cls`` wrap others (DTensor); asked once per class, on the per-op path."""
+    return is_traceable_wrapper_subclass_type(cls)
+
+
+def leaves(t: Tensor) -> Iterator[Tensor]:
+    """The plain tensors that hold ``t``'s memory: ``t`` itself, or the inner tensors of a tensor subclass
+    that wraps others (a DTensor's local shard, a quantized tensor's data and scales), read through its
+    ``__tensor_flatten__``. A wrapper's own storage is its global size with no data: not memory here."""
+    if not _wraps(type(t)):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, Tensor):  # DTensor names its device mesh too
+            yield from leaves(inner)
+
+
 def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and tied weights counted once).
+    """Bytes of the distinct storages behind ``tensors`` (views and tied weights counted once; a sharded
+    DTensor by its local shard).
 
     With ``device``, only tensors on that device count, in the allocator's rounding for it.
     """
     seen: set[int] = set()
     total = 0
-    for t in tensors:
+    for t in (leaf for tensor in tensors for leaf in leaves(tensor)):
         if device is not None and t.device != device:
             continue
         storage = t.untyped_storage()
@@ -129,10 +184,12 @@ def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None)
 class Storage:
     """One storage's life inside the measured step. ``clock`` values are op counts."""
 
-    __slots__ = ("__weakref__", "category", "grad_at", "nbytes", "origin", "saved_at")
+    __slots__ = ("__weakref__", "category", "grad_at", "kind", "nbytes", "origin", "saved_at")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        #: what a sharded step holds it as (`SHARDED_KINDS`), where FSDP2 runs; ``None`` elsewhere
+        self.kind: str | None = None
         self.origin: Any = None  # what created it, when a tracer asks (`_simulate.trace_step`)
         self.category: str | None = None  # "parameters" / "optimizer_state", fixed by identity
         self.grad_at: int | None = None  # clock when it became some parameter's .grad
@@ -170,20 +227,45 @@ class Tracker(TorchDispatchMode):
         self._hooks: tuple[Any, Any] | None = None
         #: whether what CPU kernels allocate outside the dispatcher (`_kernels`) is this device's memory
         self.counts_cpu_kernels = device.type == "cpu"
+        #: the sizes of `peak_live`'s storages at the peak, once a storage has been resized in the step
+        #: (FSDP2's unsharded parameters): a record's ``nbytes`` is its size now, not then
+        self.peak_nbytes: list[int] | None = None
+        self._waiting = 0  # inside a collective's Work.wait() (see `_wait`)
 
     # --- bookkeeping --------------------------------------------------------------------------
 
     def record(self, t: Tensor, *, preexisting: bool = False) -> Storage | None:
-        """The record of ``t``'s storage, registering it if this is the first sight of it."""
+        """The record of ``t``'s storage, registering it if this is the first sight of it. A tensor
+        subclass wrapping others (DTensor) is its inner tensors: the record of the last is returned."""
         if t.device != self.device or t.is_sparse:
             return None
+        if _wraps(type(t)):
+            rec = None
+            for leaf in leaves(t):
+                rec = self.record(leaf, preexisting=preexisting)
+            return rec
         if not self.counts_fakes and _is_fake(t):  # a simulation run inside a measured step
             return None
         storage = t.untyped_storage()
         entry = self.live.get(id(storage))
         if entry is not None:
             return entry[1]
-        nbytes = rounded(storage.nbytes(), self.rounding)
+        if self._waiting and preexisting:
+            # A collective's own buffer (gloo allocates it in its worker thread, where no op is seen), first
+            # seen as its Work finishes: born in the step, not live since its start.
+            rec = self._register(storage, rounded(storage.nbytes(), self.rounding), preexisting=False)
+            rec.kind = "communication"
+            return rec
+        return self._register(storage, rounded(storage.nbytes(), self.rounding), preexisting=preexisting)
+
+    def records(self, t: Tensor, *, preexisting: bool = False) -> Iterator[Storage]:
+        """The records of every storage holding ``t`` (several for some tensor subclasses)."""
+        for leaf in leaves(t):
+            rec = self.record(leaf, preexisting=preexisting)
+            if rec is not None:
+                yield rec
+
+    def _register(self, storage: torch.UntypedStorage, nbytes: int, *, preexisting: bool) -> Storage:
         rec = Storage(nbytes)
         key = id(storage)
         self.live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), rec)
@@ -192,7 +274,29 @@ class Tracker(TorchDispatchMode):
             # It was live since the step began, so it was live at the highest point seen so far too.
             self.peak += nbytes
             self.peak_live.append(rec)
+            if self.peak_nbytes is not None:
+                self.peak_nbytes.append(nbytes)
         return rec
+
+    def on_resize(self, storage: torch.UntypedStorage, before: int) -> None:
+        """``storage.resize_`` ran, from ``before`` bytes: how FSDP2 allocates and frees the unsharded
+        parameters, which no dispatch mode sees."""
+        if storage.device != self.device:
+            return
+        entry = self.live.get(id(storage))
+        if entry is None:
+            if before == 0 and storage.nbytes() == 0:
+                return
+            rec = self._register(storage, rounded(before, self.rounding), preexisting=before > 0)
+        else:
+            rec = entry[1]
+        if self.peak_nbytes is None:  # from now on the sizes at the peak are kept as well
+            self.peak_nbytes = [r.nbytes for r in self.peak_live]
+        nbytes = rounded(storage.nbytes(), self.rounding)
+        self.current += nbytes - rec.nbytes
+        rec.nbytes = nbytes
+        self.clock += 1
+        self._check_peak()
 
     def ignore(self, t: Tensor) -> None:
         """Count ``t``'s storage as zero bytes (a simulation's tensor that the real run keeps on another
@@ -211,10 +315,15 @@ class Tracker(TorchDispatchMode):
             self.peak = self.current
             self.peak_clock = self.clock
             self.peak_live = [rec for _, rec in self.live.values()]
+            if self.peak_nbytes is not None:
+                self.peak_nbytes = [rec.nbytes for rec in self.peak_live]
 
     # --- hooks --------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if any(map(_wraps, types)):
+            # A tensor subclass wrapping others (DTensor): it runs its local ops, which come back here.
+            return NotImplemented
         kwargs = kwargs or {}
         for t in _iter_tensors(args):
             self.record(t, preexisting=True)
@@ -225,10 +334,24 @@ class Tracker(TorchDispatchMode):
         self.clock += 1
         for t in _iter_tensors(out):
             self.record(t)
+        if _collective(func):
+            self._communicated(func, args, out)
         self._check_peak()
         if self.counts_cpu_kernels and hides_memory(func, args):
             self._unseen(before, func, args, kwargs)
         return out
+
+    def _communicated(self, func: Any, args: tuple, out: Any) -> None:
+        """Buffers a collective reads or writes are communication buffers, unless they are more; what a
+        reduce-scatter writes becomes the sharded gradients (FSDP2's, viewed or cast from it)."""
+        for t in itertools.chain(_iter_tensors(args), _iter_tensors(out)):
+            rec = self.record(t)
+            if rec is not None and rec.kind is None:
+                rec.kind = "communication"
+        if func in _REDUCE_SCATTERS and args and isinstance(args[0], Tensor):
+            rec = self.record(args[0])
+            if rec is not None and rec.grad_at is None:
+                rec.grad_at, rec.kind = self.clock, "sharded_gradients"
 
     def _unseen(self, before: int, func: Any, args: tuple, kwargs: dict) -> None:
         """Count what ``func``'s CPU kernel allocated where no op shows it (see `_kernels`) at its highest:
@@ -244,11 +367,13 @@ class Tracker(TorchDispatchMode):
             self.peak_clock = self.clock
             self.peak_live = [rec for _, rec in self.live.values()]
             self.peak_live.append(Storage(unseen))  # owned by no one: temporary
+            if self.peak_nbytes is not None:
+                self.peak_nbytes = [rec.nbytes for rec in self.peak_live]
 
     def pack(self, t: Tensor) -> Tensor:
-        rec = self.record(t, preexisting=True)
-        if rec is not None and rec.saved_at is None:
-            rec.saved_at = self.clock
+        for rec in self.records(t, preexisting=True):
+            if rec.saved_at is None:
+                rec.saved_at = self.clock
         return t
 
     def kept(self, packed: Any) -> None:
@@ -260,23 +385,47 @@ class Tracker(TorchDispatchMode):
     def on_grad(self, param: Tensor) -> None:
         if param.grad is None:
             return
-        rec = self.record(param.grad, preexisting=True)
-        if rec is not None and rec.grad_at is None:
-            rec.grad_at = self.clock
+        for rec in self.records(param.grad, preexisting=True):
+            if rec.grad_at is None:
+                rec.grad_at = self.clock
+
+    def on_unsharded_grad(self, param: Tensor) -> None:
+        """A gradient FSDP2's backward accumulated into an unsharded parameter, before its reduce-scatter."""
+        self.on_grad(param)
+        for rec in () if param.grad is None else self.records(param.grad):
+            rec.kind = rec.kind or "unsharded_gradients"
 
     # --- a step's set-up -----------------------------------------------------------------------
 
     def adopt(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Register what is live when the step begins, with the categories their owners give them."""
         for t in model_tensors(model):
-            rec = self.record(t, preexisting=True)
-            if rec is not None:
+            for rec in self.records(t, preexisting=True):
                 rec.category = "parameters"
         self.claim_optimizer_state(optimizers, preexisting=True)
         for t in gradient_tensors(model):
-            rec = self.record(t, preexisting=True)
-            if rec is not None and rec.category is None:
-                rec.grad_at = 0
+            for rec in self.records(t, preexisting=True):
+                if rec.category is None:
+                    rec.grad_at = 0
+        self.claim_sharded(model, preexisting=True)
+
+    def claim_sharded(self, model: nn.Module, *, preexisting: bool = False) -> None:
+        """Name what FSDP2 holds (`SHARDED_KINDS`): the sharded parameters and their gradients, and the
+        unsharded copies, which are parameters too (their storage is empty while sharded). At the step's
+        start and again at its end, when the first step's copies exist and its gradients are reduced."""
+        for fsdp_param in _fsdp2.fsdp_params(model):
+            sharded = _fsdp2.sharded_param(fsdp_param)
+            unsharded = _fsdp2.unsharded_param(fsdp_param)
+            for t, kind in ((sharded, "sharded_parameters"), (unsharded, "unsharded_parameters")):
+                for rec in () if t is None else self.records(t, preexisting=preexisting):
+                    rec.category, rec.kind = "parameters", kind
+            for t, kind in ((sharded, "sharded_gradients"), (unsharded, "unsharded_gradients")):
+                grad = None if t is None else t.grad
+                for rec in () if grad is None else self.records(grad, preexisting=preexisting):
+                    if rec.category is None:
+                        rec.kind = kind
+                        if rec.grad_at is None:  # held as a gradient since it was made (see _communicated)
+                            rec.grad_at = 0
 
     def claim_optimizer_state(
         self, optimizers: Iterable[torch.optim.Optimizer], *, preexisting: bool = False
@@ -287,16 +436,21 @@ class Tracker(TorchDispatchMode):
         optimizers = list(optimizers)
         held = (p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"])
         for t in itertools.chain(optimizer_tensors(optimizers), held):
-            rec = self.record(t, preexisting=preexisting)
-            if rec is not None and rec.category is None:
-                rec.category = "optimizer_state"
+            for rec in self.records(t, preexisting=preexisting):
+                if rec.category is None:
+                    rec.category = "optimizer_state"
 
     @contextlib.contextmanager
     def watching(self, model: nn.Module) -> Iterator[Tracker]:
-        """Follow the ops, saved tensors and gradient accumulations of the step run inside."""
+        """Follow the ops, saved tensors and gradient accumulations of the step run inside (FSDP2's
+        unsharded parameters too, where they exist: backward accumulates into them)."""
         handles = [
             p.register_post_accumulate_grad_hook(self.on_grad) for p in model.parameters() if p.requires_grad
         ]
+        for fsdp_param in _fsdp2.fsdp_params(model):
+            p = _fsdp2.unsharded_param(fsdp_param)
+            if p is not None and p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(self.on_unsharded_grad))
         try:
             with self._saved_tensors_hooks(), _watched_elsewhere(self), self:
                 yield self
@@ -342,18 +496,44 @@ class Tracker(TorchDispatchMode):
 
     # --- result -------------------------------------------------------------------------------
 
+    def _at_peak(self) -> Iterable[tuple[Storage, int]]:
+        """`peak_live`'s storages with their sizes at the peak."""
+        if self.peak_nbytes is None:
+            return ((rec, rec.nbytes) for rec in self.peak_live)
+        return zip(self.peak_live, self.peak_nbytes, strict=True)
+
+    def _category(self, rec: Storage) -> str:
+        if rec.category is not None:
+            return rec.category
+        if rec.grad_at is not None and rec.grad_at <= self.peak_clock:
+            return "gradients"
+        if rec.saved_at is not None and rec.saved_at <= self.peak_clock:
+            return "activations"
+        return "temporary"
+
     def breakdown(self, peak: int | None = None) -> MemoryBreakdown:
         """Bytes by category at the highest point; ``peak`` (the allocator's, on CUDA) sets the total."""
         sums = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations"), 0)
-        for rec in self.peak_live:
-            if rec.category is not None:
-                sums[rec.category] += rec.nbytes
-            elif rec.grad_at is not None and rec.grad_at <= self.peak_clock:
-                sums["gradients"] += rec.nbytes
-            elif rec.saved_at is not None and rec.saved_at <= self.peak_clock:
-                sums["activations"] += rec.nbytes
+        for rec, nbytes in self._at_peak():
+            category = self._category(rec)
+            if category != "temporary":
+                sums[category] += nbytes
         total = self.peak if peak is None else peak
         return MemoryBreakdown(**sums, temporary=max(total - sum(sums.values()), 0))
+
+    def sharded_breakdown(self) -> dict[str, int]:
+        """FSDP2's part of the peak by `SHARDED_KINDS` (bytes): the sharded and unsharded parameters and
+        gradients, and the collectives' buffers (temporary). Each is part of one of the five categories."""
+        sums = dict.fromkeys(SHARDED_KINDS, 0)
+        for rec, nbytes in self._at_peak():
+            kind = rec.kind
+            if kind == "communication" and self._category(rec) != "temporary":
+                continue  # a buffer that is more than that (a gradient, say) counts as what it is
+            if kind in ("sharded_gradients", "unsharded_gradients") and self._category(rec) != "gradients":
+                kind = "communication" if self._category(rec) == "temporary" else None
+            if kind is not None:
+                sums[kind] += nbytes
+        return sums
 
 
 class MemoryMeasurement:
@@ -387,6 +567,8 @@ class MemoryMeasurement:
         #: why the step could not be followed in full, or ``None``: a torch.func transform ran in it,
         #: and what it saved is missing from `breakdown`
         self.unfollowed: str | None = None
+        #: under FSDP2 (``fully_shard``), the peak's FSDP2 part by `SHARDED_KINDS` (bytes); else ``None``
+        self.sharded: dict[str, int] | None = None
         self._tracker: Tracker | None = None
         self._watching: contextlib.AbstractContextManager | None = None
 
@@ -416,14 +598,16 @@ class MemoryMeasurement:
         assert tracker is not None and watching is not None, "measure() exited without entering"
         self._tracker = self._watching = None
         watching.__exit__(None, None, None)
-        # Optimizer state born during this step (the first step of a lazily initialised optimizer)
-        # is known to be optimizer state only now.
+        # Optimizer state born during this step (the first step of a lazily initialised optimizer),
+        # and FSDP2's first unsharded copies and this step's sharded gradients, are known only now.
         tracker.claim_optimizer_state(self.optimizers)
+        tracker.claim_sharded(self.model)
         allocator_peak = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             allocator_peak = torch.cuda.max_memory_allocated(self.device)
         self._breakdown = tracker.breakdown(allocator_peak)
+        self.sharded = tracker.sharded_breakdown() if _fsdp2.is_sharded(self.model) else None
         self.unfollowed = tracker.unfollowed
 
 
@@ -455,6 +639,9 @@ def _is_fake(t: Tensor) -> bool:
 # private ``torch.utils.checkpoint._VersionWrapper`` (without that class they count as temporary; the peak is
 # the same, and tests/test_measure.py says so). And saved-tensor hooks the step pushes itself
 # (``save_on_cpu``) replace the tracker's while they are in force: what they pack is reported all the same.
+# FSDP2 allocates and frees its unsharded parameters with ``UntypedStorage.resize_``, which no dispatch mode
+# sees, and gloo's collectives allocate buffers in their worker threads that the calling thread first meets
+# while the collective's ``Work.wait()`` finishes it: both are reported too.
 # These functions are patched once, while any tracker watches, and report to the innermost tracker of the
 # calling thread only.
 _WATCHING = threading.local()
@@ -481,6 +668,32 @@ def _version_wrapper_init(cached: Any, *args: Any, **kwargs: Any) -> None:
     tracker, value = _innermost(), getattr(cached, "val", None)
     if tracker is not None and isinstance(value, Tensor):
         tracker.pack(value)
+
+
+def _resize(storage: torch.UntypedStorage, size: int) -> Any:
+    before = storage.nbytes()
+    out = _patched["UntypedStorage.resize_"](storage, size)
+    tracker = _innermost()
+    if tracker is not None:
+        tracker.on_resize(storage, before)
+    return out
+
+
+def _wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+    tracker = _innermost()
+    if tracker is None:
+        return _patched["Work.wait"](work, *args, **kwargs)
+    tracker._waiting += 1
+    try:
+        return _patched["Work.wait"](work, *args, **kwargs)
+    finally:
+        tracker._waiting -= 1
+
+
+def _work_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    return getattr(torch.distributed, "Work", None)
 
 
 def _hooks_enter(hooks: torch.autograd.graph.saved_tensors_hooks) -> None:
@@ -534,6 +747,11 @@ def _patch() -> None:
     wrapper = getattr(checkpoint, "_VersionWrapper", None)
     if wrapper is not None:
         _patched["_VersionWrapper.__init__"], wrapper.__init__ = wrapper.__init__, _version_wrapper_init
+    storage = torch.UntypedStorage
+    _patched["UntypedStorage.resize_"], storage.resize_ = storage.resize_, _resize
+    work = _work_class()
+    if work is not None:
+        _patched["Work.wait"], work.wait = work.wait, _wait
 
 
 def _unpatch() -> None:
@@ -544,6 +762,9 @@ def _unpatch() -> None:
     torch.autograd.graph.saved_tensors_hooks.__enter__ = _patched.pop("saved_tensors_hooks.__enter__")
     if "_VersionWrapper.__init__" in _patched:
         checkpoint._VersionWrapper.__init__ = _patched.pop("_VersionWrapper.__init__")
+    torch.UntypedStorage.resize_ = _patched.pop("UntypedStorage.resize_")
+    if "Work.wait" in _patched:
+        _work_class().wait = _patched.pop("Work.wait")
 
 
 @contextlib.contextmanager

@@ -7,12 +7,18 @@ time, and a monitor built on it would break users' own profiling.
 * CPU: the allocations in torch.profiler's memory timeline (``profile_memory=True``). It replays every
   allocation and free the CPU allocator reported; tensors allocated before the profile began count
   from its start once the step touches or frees them.
+* CPU, every thread (``AllocatorPeaks(all_threads=True)``, `counting_allocator`): the profiler reports only
+  what the threads it profiles allocate and free, and a collective's worker thread (gloo's, under DDP and
+  FSDP) frees blocks the step allocated: the profile then keeps them live to its end (a rank's "peak"
+  grew step after step). A small C++ wrapper around the CPU allocator, compiled on first use, counts every
+  allocation and free in every thread, as the CUDA caching allocator does for ``max_memory_allocated``.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,7 +28,15 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action, MemoryProfile
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AllocatorPeaks", "PretendOOM", "allocator_peak", "cpu_profiler", "profile_peak"]
+__all__ = [
+    "AllocatorPeaks",
+    "PretendOOM",
+    "allocator_peak",
+    "build_counting_allocator",
+    "counting_allocator",
+    "cpu_profiler",
+    "profile_peak",
+]
 
 
 def cpu_profiler() -> profile:
@@ -63,6 +77,28 @@ def allocator_peak(step: Callable[[], object], device: str | torch.device = "cpu
     return profile_peak(prof, device)
 
 
+def counting_allocator() -> Any:
+    """The CPU allocator's count of live bytes in every thread, installed in this process on first call
+    (the extension ``lightning_memkit/csrc/counting_allocator.cpp``, compiled once into torch's extension
+    cache: about half a minute). Its functions: ``live_bytes()``, ``peak_bytes()``, ``reset_peak()``.
+
+    Only what is allocated after the first call is counted, and the wrapper stays for the process's life:
+    call it when a process starts (a test's rank), before the model is built.
+    """
+    counter = build_counting_allocator()
+    counter.install()
+    return counter
+
+
+def build_counting_allocator() -> Any:
+    """`counting_allocator`'s extension, compiled if it is not yet and loaded, without installing it: a
+    parent process compiles it once before starting the ranks that install it."""
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).with_name("csrc") / "counting_allocator.cpp"
+    return load("lightning_memkit_counting_allocator", [str(source)], extra_cflags=["-O2"])
+
+
 class AllocatorPeaks:
     """The allocator's peak of every training batch of a ``Trainer.fit``, step by step.
 
@@ -70,19 +106,25 @@ class AllocatorPeaks:
     and ``stop`` closes it in ``on_train_batch_end``; ``around(*callbacks)`` puts them on either side.
     Every batch is profiled, from the first: the CPU allocator reports a free's size only for blocks
     allocated while profiling, so a window opened late would miss the previous step's gradients that
-    ``zero_grad`` frees.
+    ``zero_grad`` frees. With ``all_threads`` (CPU), the peak is `counting_allocator`'s instead, which
+    sees the collectives' worker threads too (install it before the model is built). It counts what was
+    live when the step began as the profile does: the step's own tensors (the module's parameters,
+    buffers and gradients, the optimizers' state, the batch); the rest of the process's memory (the data
+    set, what the loggers keep) is not the step's and is taken off.
     """
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device = "cpu", *, all_threads: bool = False) -> None:
         self.device = torch.device(device)
         self.peaks: list[int] = []
         self._prof: profile | None = None
+        self._counter = counting_allocator() if all_threads and self.device.type == "cpu" else None
+        self._not_the_steps = 0  # with the counter: bytes live at the step's start that are not the step's
         self.start, self.stop = _Open(self), _Close(self)
 
     def around(self, *callbacks: object) -> list:
         return [self.start, *callbacks, self.stop]
 
-    def _open(self) -> None:
+    def _open(self, step_tensors: Callable[[], Iterable[Tensor]] = tuple) -> None:
         # Garbage of earlier work (a reference cycle holding tensors) collected inside the window would
         # count as live from its start: the profile knows a freed block allocated before it began only by
         # its free. When the collector runs depends on every thread's allocations (pytest-xdist's own).
@@ -90,6 +132,11 @@ class AllocatorPeaks:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._counter is not None:
+            from lightning_memkit._measure import storage_bytes
+
+            self._counter.reset_peak()
+            self._not_the_steps = self._counter.live_bytes() - storage_bytes(step_tensors(), self.device)
         else:
             self._prof = cpu_profiler()
             self._prof.start()
@@ -98,6 +145,8 @@ class AllocatorPeaks:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peaks.append(torch.cuda.max_memory_allocated(self.device))
+        elif self._counter is not None:
+            self.peaks.append(self._counter.peak_bytes() - self._not_the_steps)
         else:
             assert self._prof is not None
             self._prof.stop()
@@ -109,8 +158,18 @@ class _Open(pl.Callback):  # module level, so that ddp_spawn can pickle it
     def __init__(self, peaks: AllocatorPeaks) -> None:
         self.peaks = peaks
 
-    def on_train_batch_start(self, *args: object) -> None:
-        self.peaks._open()
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        from lightning_memkit._measure import gradient_tensors, model_tensors, optimizer_tensors
+
+        def step_tensors() -> Iterable[Tensor]:
+            yield from model_tensors(pl_module)
+            yield from gradient_tensors(pl_module)
+            yield from optimizer_tensors(trainer.optimizers)
+            yield from (t for t in tree_leaves(batch) if isinstance(t, Tensor))
+
+        self.peaks._open(step_tensors)
 
 
 class _Close(pl.Callback):

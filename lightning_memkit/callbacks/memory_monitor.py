@@ -13,7 +13,9 @@ optimizer whose step allocates by value (LBFGS) have no twins: every such step i
 ``remeasure_every_n_steps`` steps it is measured again anyway, for models whose allocations depend on
 the data. On CUDA the caching allocator also gives the peak of every single step
 (``torch.cuda.max_memory_allocated``), so ``memory/peak`` is read fresh each step there and the
-difference from the twin lands in ``memory/temporary``.
+difference from the twin lands in ``memory/temporary``. FSDP2 on the CPU measures every step: gloo's
+worker threads time when a collective's buffers are freed, so steps alike there differ by up to a
+layer's buffers.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_memkit._advise import Advice, advise
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
 from lightning_memkit._budget import parse_budget, reads_device
+from lightning_memkit._fsdp2 import explain_mixed_tensors, is_sharded
 from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
 from lightning_memkit._oom import StepInFlight, on_cpu
 from lightning_memkit._report import plot_history, render_summary
@@ -75,8 +78,14 @@ class MemoryMonitor(Callback):
       ``peak / total device memory``.
     - CUDA only: ``memory/reserved`` (MiB, the caching allocator's reserved high-water mark),
       ``memory/alloc_retries`` and ``memory/ooms`` (cumulative counts: retries mean fragmentation).
-    - Several processes (DDP): ``memory/rank_{r}/peak`` (MiB) for every rank ``r``; the keys above are
-      rank 0's.
+    - Several processes (DDP, FSDP2): ``memory/rank_{r}/peak`` (MiB) for every rank ``r``; the keys above
+      are rank 0's, and each rank measures its own step.
+    - FSDP2 (``fully_shard``, e.g. under ``ModelParallelStrategy``), in MiB, each a part of a category
+      above: ``memory/fsdp/sharded_parameters`` (this rank's shards) and
+      ``memory/fsdp/unsharded_parameters`` (the all-gathered copies in flight), both in
+      ``memory/parameters``; ``memory/fsdp/sharded_gradients`` (after their reduce-scatter) and
+      ``memory/fsdp/unsharded_gradients`` (before it), in ``memory/gradients``;
+      ``memory/fsdp/communication`` (the collectives' buffers), in ``memory/temporary``.
 
     At the end of fit it prints a table of the peak step and saves ``memory.png``, a stacked-area plot of
     the categories over steps, in the logger's directory (and logs it as an image where the logger takes
@@ -156,6 +165,14 @@ class MemoryMonitor(Callback):
         """What one fit learns: a second fit (another model, another batch) starts from nothing."""
         #: (step, breakdown) of every optimizer step so far, in bytes.
         self.history: list[tuple[int, MemoryBreakdown]] = []
+        #: under FSDP2, (step, FSDP2's part of the peak by `SHARDED_KINDS`) for every step of `history`
+        self.sharded_history: list[tuple[int, dict[str, int]]] = []
+        self._sharded_twins: dict[tuple, dict[str, int]] = {}
+        self._last_sharded: dict[str, int] | None = None
+        self._pending_sharded: dict[str, int] | None = None
+        #: whether steps alike allocate alike: not for FSDP2 on the CPU, where gloo's worker threads time
+        #: when a collective's buffers are freed (the same step peaked up to a layer's buffers higher)
+        self._twins_alike: bool | None = None
         #: How many steps were measured from scratch (the rest reused a twin's breakdown).
         self.measured_steps = 0
         self._twins: OrderedDict[tuple, MemoryBreakdown | None] = OrderedDict()  # None: unmeasurable
@@ -211,7 +228,9 @@ class MemoryMonitor(Callback):
             signature = self._step_signature(trainer, pl_module, batch)
             self._signature = signature
             due = self.remeasure_every_n_steps and self._since_measured + 1 >= self.remeasure_every_n_steps
-            if signature is None or signature not in self._twins or due:
+            if self._twins_alike is None:
+                self._twins_alike = not (self._device.type == "cpu" and is_sharded(pl_module))
+            if signature is None or signature not in self._twins or due or not self._twins_alike:
                 self._measurement = measure(pl_module, trainer.optimizers, device=self._device)
                 self._measurement.__enter__()
             elif self._device.type == "cuda":
@@ -239,6 +258,7 @@ class MemoryMonitor(Callback):
                 if breakdown is not None and (self._pending is None or breakdown.peak >= self._pending.peak):
                     self._pending = breakdown
                     self._pending_extras = self._cuda_stats()
+                    self._pending_sharded = self._sharded_twins.get(self._signature, self._last_sharded)
             except Exception as err:
                 self._fail(trainer, err)
         self._in_step = False
@@ -262,8 +282,12 @@ class MemoryMonitor(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Explain an out-of-memory error (once: `AutoFit` calls this too, before it undoes its plan)."""
+        """Explain an out-of-memory error (once: `AutoFit` calls this too, before it undoes its plan), or a
+        sharded step that met parameters FSDP2 had not gathered."""
         self._close_measurement_quietly()  # its dispatch mode must not see the simulations
+        hint = explain_mixed_tensors(exception, pl_module)
+        if hint is not None:
+            self._warn_once("mixed", f"MemoryMonitor: {hint}")
         if isinstance(exception, torch.OutOfMemoryError) and not self._explained and trainer.is_global_zero:
             self._explained = True
             measured = None
@@ -328,7 +352,9 @@ class MemoryMonitor(Callback):
                 self._twins[signature] = breakdown
                 self._twins.move_to_end(signature)
                 while len(self._twins) > _MAX_SIGNATURES:
-                    self._twins.popitem(last=False)
+                    self._sharded_twins.pop(self._twins.popitem(last=False)[0], None)
+                if self._last_sharded is not None:
+                    self._sharded_twins[signature] = self._last_sharded
             self.measured_steps += breakdown is not None
             self._since_measured = 0
             return breakdown
@@ -353,7 +379,7 @@ class MemoryMonitor(Callback):
             return None
         measurement, self._measurement = self._measurement, None
         measurement.__exit__(None, None, None)
-        self._last_measured = measurement.breakdown
+        self._last_measured, self._last_sharded = measurement.breakdown, measurement.sharded
         return measurement.unfollowed
 
     def _cuda_stats(self) -> dict[str, float]:
@@ -370,13 +396,16 @@ class MemoryMonitor(Callback):
 
     def _flush(self, trainer: pl.Trainer, peaks: list[int]) -> None:
         """Close one optimizer step: keep it in the history and log it, with every rank's peak."""
-        breakdown, extras = self._pending, self._pending_extras
-        self._pending, self._pending_extras = None, {}
+        breakdown, extras, sharded = self._pending, self._pending_extras, self._pending_sharded
+        self._pending, self._pending_extras, self._pending_sharded = None, {}, None
         assert breakdown is not None
         step = optimizer_steps_done(trainer)
         self.history.append((step, breakdown))
         metrics = {f"memory/{key}": value / MiB for key, value in breakdown.as_dict().items()}
         metrics.update(extras)
+        if sharded is not None:
+            self.sharded_history.append((step, sharded))
+            metrics.update({f"memory/fsdp/{kind}": value / MiB for kind, value in sharded.items()})
         fraction = self._fraction(breakdown.peak)
         if fraction is not None:
             metrics["memory/peak_fraction"] = fraction

@@ -1,0 +1,61 @@
+"""FSDP2 (torch's ``fully_shard`` under Lightning's ModelParallelStrategy) on 2 and 4 gloo CPU ranks: per
+configuration, the worst error over every rank and step of MemoryMonitor against the allocator (the CPU
+allocator's own count in every thread, `lightning_memkit.testing.counting_allocator`), the estimate's FSDP
+division (`shard(estimate_memory(...), "fsdp", N)`, as ``memkit estimate --gpus N --strategy fsdp``)
+against the steady step, and what FSDP2 holds at rank 0's peak.
+
+The ranks and configurations are tests/test_fsdp.py's (a Hugging Face LLaMA, uneven shards, AdamW).
+
+    python benchmarks/bench_sharded.py
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_fsdp import BATCH, SCENARIOS, SEQ, STEPS, ShardedLlama, per_step_truth, read, run_ranks
+from zoo import zoo_batch
+
+from lightning_memkit import estimate_memory
+from lightning_memkit._analytic import shard
+from lightning_memkit._breakdown import format_bytes
+from lightning_memkit._report import render_table
+
+
+def main() -> None:
+    rows = []
+    for world in (2, 4):
+        module = ShardedLlama(world)
+        whole = estimate_memory(module, zoo_batch("qwen2", BATCH, SEQ), optimizer="adamw", device="cpu")
+        grads = 4 * sum(p.numel() for p in module.parameters())
+        divided = shard(whole, "fsdp", world, gradient_bytes=grads).peak
+        with tempfile.TemporaryDirectory() as tmp:
+            run_ranks(Path(tmp), world)
+            for name, config in SCENARIOS.items():
+                records = [read(Path(tmp), name, rank) for rank in range(world)]
+                accumulate = config.get("accumulate_grad_batches", 1)
+                errors = [
+                    m["peak"] / t - 1
+                    for r in records
+                    for m, t in zip(r["monitor"], per_step_truth(r, accumulate), strict=True)
+                ]
+                steady = per_step_truth(records[0], accumulate)[-1]
+                split = records[0]["sharded"][-1]
+                estimate = f"{divided / steady - 1:+.1%}" if name == "default" else "—"
+                rows.append(
+                    (str(world), name, format_bytes(steady), f"{max(errors, key=abs):+.3%}", estimate,
+                     format_bytes(split["sharded_parameters"]), format_bytes(split["unsharded_parameters"]),
+                     format_bytes(split["sharded_gradients"] + split["unsharded_gradients"]),
+                     format_bytes(split["communication"]))
+                )  # fmt: skip
+    print(f"LLaMA (tiny, vocabulary 131), AdamW, fp32 weights, {BATCH} x {SEQ} tokens a rank, {STEPS} steps")
+    header = (
+        "ranks", "configuration", "rank 0 steady", "monitor worst err", "fsdp/N estimate err",
+        "sharded params", "unsharded params", "gradients (FSDP2)", "communication",
+    )  # fmt: skip
+    print(render_table(header, rows, left=("ranks", "configuration")))
+
+
+if __name__ == "__main__":
+    main()
