@@ -1,20 +1,34 @@
-"""What an FSDP2 (``fully_shard``) model holds, read from torch's FSDP2 state: the one module that reads it.
+"""FSDP2 (``fully_shard``) as the project reads and simulates it: the one module that touches its internals.
 
 FSDP2 keeps each parameter twice: the sharded DTensor the module and optimizer hold between steps, and an
 unsharded copy whose storage it grows (``UntypedStorage.resize_``) to all-gather into and shrinks to zero
 to free. Which tensor is which is not public API (``FSDPParam`` and its fields are private to
 ``torch.distributed.fsdp._fully_shard``); read here only, with a fallback: on a torch whose FSDP2 state
 looks otherwise, no unit is found, the totals stay exact and the sharded split is not given.
+
+A sharded step is simulated on fake tensors over torch's fake process group (`fake_mesh`), on a copy of
+the model sharded as Lightning documents FSDP2 (`sharded_copy`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from copy import deepcopy
 from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["explain_mixed_tensors", "fsdp_params", "is_sharded", "sharded_param", "unsharded_param"]
+__all__ = [
+    "explain_mixed_tensors",
+    "fake_mesh",
+    "fsdp_params",
+    "is_sharded",
+    "sharded_copy",
+    "sharded_param",
+    "unsharded_param",
+]
 
 
 def _state(module: nn.Module) -> Any:
@@ -76,3 +90,66 @@ def explain_mixed_tensors(error: BaseException, model: nn.Module) -> str | None:
         "forward. Apply the last fully_shard to the module the step calls (e.g. fully_shard(self.model) "
         "instead of fully_shard(self) when training_step calls self.model(...)), or call self(...)."
     )
+
+
+@contextlib.contextmanager
+def fake_mesh(world_size: int) -> Iterator[Any]:
+    """A one-dimensional device mesh of ``world_size`` ranks, this process rank 0, over torch's fake process
+    group (collectives that move nothing): where a sharded step is simulated on fake tensors, as
+    torchtitan's memory estimator runs FSDP2. Private torch API (``torch.testing._internal``), read here
+    only. Raises `RuntimeError` where it cannot be had: a process group already exists, or torch has no
+    fake process group."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a process group is already initialized in this process, and the simulated sharded step needs "
+            "its own (a fake one): estimate before torch.distributed.init_process_group, or in another "
+            "process (memkit estimate --gpus N)"
+        )
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as error:  # a torch without them
+        raise RuntimeError(f"this torch has no fake process group to simulate on ({error})") from error
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> nn.Module:
+    """A copy of ``model`` (its modules and tensors; every other attribute shared, not copied: a data set
+    held by a LightningModule is not duplicated) with ``fully_shard`` on each of ``blocks`` (qualified
+    names) and then on the copy itself, over ``mesh``: the layout Lightning documents for FSDP2. The
+    original is untouched. ``options`` go to every ``fully_shard`` call."""
+    from torch.distributed.fsdp import fully_shard
+
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key in _COPIED or isinstance(value, nn.Module):
+                continue
+            memo[id(value)] = value  # shared with the original
+    with warnings.catch_warnings():  # torch's Tensor.__deepcopy__ asks a fake tensor for its data pointer
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        copy = deepcopy(model, memo)
+    for name in blocks:
+        fully_shard(copy.get_submodule(name), mesh=mesh, **options)
+    fully_shard(copy, mesh=mesh, **options)
+    return copy
+
+
+#: What a module's copy gets its own of: its tensors and children, and the hook tables fully_shard adds to.
+_COPIED = frozenset(
+    {
+        "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+        "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+        "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)  # fmt: skip

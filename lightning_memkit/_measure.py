@@ -281,11 +281,11 @@ class Tracker(TorchDispatchMode):
     def on_resize(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_`` ran, from ``before`` bytes: how FSDP2 allocates and frees the unsharded
         parameters, which no dispatch mode sees."""
-        if storage.device != self.device:
-            return
         entry = self.live.get(id(storage))
         if entry is None:
-            if before == 0 and storage.nbytes() == 0:
+            # A fake tensor's storage is on the meta device: the simulator's (counts_fakes) are its own.
+            mine = storage.device == self.device or (self.counts_fakes and storage.device.type == "meta")
+            if not mine or (before == 0 and storage.nbytes() == 0):
                 return
             rec = self._register(storage, rounded(before, self.rounding), preexisting=before > 0)
         else:

@@ -56,8 +56,9 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memkit import _shadow
+from lightning_memkit import _fsdp2, _shadow
 from lightning_memkit._analytic import valid_name
+from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._isolate import isolated
@@ -365,8 +366,9 @@ def _track(
     modules = tracer.watching_modules() if tracer is not None else contextlib.nullcontext()
     with tracker.watching(model), modules:
         step.run(tracker)
-    # State born during a first step is known to be optimizer state only now.
+    # State born during a first step, and FSDP2's first unsharded copies, are known only now.
     tracker.claim_optimizer_state(step.optimizers)
+    tracker.claim_sharded(model)
     return tracker
 
 
@@ -385,6 +387,8 @@ def estimate_memory(
     release_gradients: bool = ...,
     fused_step: bool = ...,
     offload: bool = ...,
+    strategy: str | None = ...,
+    world_size: int = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -404,6 +408,8 @@ def estimate_memory(
     release_gradients: bool = ...,
     fused_step: bool = ...,
     offload: bool = ...,
+    strategy: str | None = ...,
+    world_size: int = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -422,6 +428,8 @@ def estimate_memory(
     release_gradients: bool = False,
     fused_step: bool = False,
     offload: bool = False,
+    strategy: str | None = None,
+    world_size: int = 1,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -487,6 +495,15 @@ def estimate_memory(
             host memory (`offload_optimizer`, `OptimizerOffload`): each gradient leaves the device as it
             completes. On ``device="cuda"`` the host's bytes are not counted; on ``"cpu"`` they are the
             same memory, and are.
+        strategy: ``"fsdp2"``: one rank's step under FSDP2, ``fully_shard`` on each block `find_blocks`
+            finds and then on the whole model (the layout Lightning documents), over ``world_size`` ranks:
+            the real FSDP2 step runs on a copy of the model, on fake tensors over torch's fake process
+            group (in this process; it must have no process group of its own), so the root's and the
+            running layer's unsharded parameters, a layer's unsharded gradient before its reduce-scatter
+            and the padding of uneven shards are all counted. ``batch`` is one rank's micro-batch. The
+            CPU's FSDP2 step is simulated: on CUDA, prefetching on a second stream can keep one more
+            layer's parameters unsharded than counted here. ``None`` (default): one device.
+        world_size: the number of ranks the model is sharded over, with ``strategy``.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -514,6 +531,8 @@ def estimate_memory(
         release_gradients=release_gradients,
         fused_step=fused_step,
         offload=offload,
+        strategy=strategy,
+        world_size=world_size,
         timeline=return_timeline,
     )
     breakdown = tracker.breakdown()
@@ -537,6 +556,8 @@ def simulate_step(
     release_gradients: bool,
     fused_step: bool,
     offload: bool = False,
+    strategy: str | None = None,
+    world_size: int = 1,
     timeline: bool = False,
     tracer: Tracer | None = None,
 ) -> _SimTracker:
@@ -559,6 +580,15 @@ def simulate_step(
         raise ValueError(
             "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
         )
+    if strategy is not None:
+        valid_name("strategy", strategy, ("fsdp2",))
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a whole number of ranks, at least 1; got {world_size!r}")
+        if release_gradients or fused_step or offload:
+            raise NotImplementedError(
+                "The FSDP2 step is simulated with the optimizer stepping after backward: gradient release, "
+                "the fused step and the offloaded optimizer act on sharded gradients and are not simulated."
+            )
     if not lightning and optimizer is None:
         raise TypeError(
             f"A plain {type(model).__name__} needs optimizer= (a name, a factory or an optimizer)."
@@ -584,20 +614,25 @@ def simulate_step(
         shadows = _shadow.Shadows()
         fake_batch = _fake_batch(batch, mode, param_dtype, shadows)
         stack.enter_context(_shadow.not_tracing(mode))  # transformers: our fakes are not a trace
+        stepped = model  # what steps: the model, or its sharded copy
+        if strategy == "fsdp2":
+            mesh = stack.enter_context(_fsdp2.fake_mesh(world_size))
+            with mode:
+                stepped = _fsdp2.sharded_copy(model, mesh, [name for name, _ in find_blocks(model)])
 
         # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
         # from real values when constructed. The parameters they hold are already fake.
         if optimizer is None:
-            optimizers = optimizers_from(model.configure_optimizers())
+            optimizers = optimizers_from(stepped.configure_optimizers())
         elif isinstance(optimizer, str):
-            optimizers = [_named_optimizer(optimizer)(p for p in model.parameters() if p.requires_grad)]
+            optimizers = [_named_optimizer(optimizer)(p for p in stepped.parameters() if p.requires_grad)]
         elif isinstance(optimizer, torch.optim.Optimizer):
-            optimizers = [_rebuild(optimizer, real_params, list(model.parameters()))]
+            optimizers = [_rebuild(optimizer, real_params, list(stepped.parameters()))]
         else:
-            optimizers = [optimizer(p for p in model.parameters() if p.requires_grad)]
+            optimizers = [optimizer(p for p in stepped.parameters() if p.requires_grad)]
         _use_device_defaults(optimizers, target)
 
-        forward = _forward_fn(model, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
+        forward = _forward_fn(stepped, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
         step = TrainingStep(forward, optimizers, lightning, accumulating, release_gradients, fused_step)
         stack.enter_context(mode)
         if offload:  # the host's memory is not the device's: its fakes are on the meta device, uncounted
@@ -609,10 +644,10 @@ def simulate_step(
                 step.offload = install()
         if not first_step or accumulating:
             with _Placeholders():
-                step.warm_up(model, state=not first_step)
-        tracker = _track(step, model, target, timeline, shadows, tracer)
+                step.warm_up(stepped, state=not first_step)
+        tracker = _track(step, stepped, target, timeline, shadows, tracer)
         if tracer is not None:
-            tracer.finish(model, step.optimizers, tracker)
+            tracer.finish(stepped, step.optimizers, tracker)
     return tracker
 
 
