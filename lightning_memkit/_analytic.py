@@ -128,6 +128,7 @@ class TransformerShape:
             d_model=config.n_embd,
             n_layer=config.n_layer,
             n_head=config.n_head,
+            n_kv_head=getattr(config, "n_kv_head", None),
             d_ff=getattr(config, "d_ff", None),
             mlp=getattr(config, "mlp", "gelu"),
             tie_weights=getattr(config, "tie_weights", True),
@@ -217,6 +218,12 @@ PRESETS: dict[str, TransformerShape] = {
     "llama-7b": TransformerShape(
         32000, 4096, 32, 32, d_ff=11008, mlp="swiglu", tie_weights=False, bias=False,
         norm="rmsnorm", position="none", block_size=2048, fused_qkv=False,
+    ),
+    # LLaMA-2-70B (Touvron et al. 2023b): 68,976,648,192 parameters; LLaMA-7B's layout with grouped-query
+    # attention (8 key/value heads for 64 query heads) and a 4096-token context.
+    "llama-70b": TransformerShape(
+        32000, 8192, 80, 64, n_kv_head=8, d_ff=28672, mlp="swiglu", tie_weights=False, bias=False,
+        norm="rmsnorm", position="none", block_size=4096, fused_qkv=False,
     ),
 }  # fmt: skip
 

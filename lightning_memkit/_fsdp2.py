@@ -124,8 +124,10 @@ def fake_mesh(world_size: int) -> Iterator[Any]:
 def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> nn.Module:
     """A copy of ``model`` (its modules and tensors; every other attribute shared, not copied: a data set
     held by a LightningModule is not duplicated) with ``fully_shard`` on each of ``blocks`` (qualified
-    names) and then on the copy itself, over ``mesh``: the layout Lightning documents for FSDP2. The
-    original is untouched. ``options`` go to every ``fully_shard`` call."""
+    names) and then on the root, over ``mesh``: the layout Lightning documents for FSDP2. The root is the
+    smallest module holding every parameter (a LightningModule's ``self.model`` when it holds them all):
+    a unit gathers its own parameters in its forward, and a ``training_step`` calling ``self.model(...)``
+    never runs the LightningModule's. The original is untouched. ``options`` go to every ``fully_shard``."""
     from torch.distributed.fsdp import fully_shard
 
     memo: dict[int, Any] = {}
@@ -137,10 +139,26 @@ def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: 
     with warnings.catch_warnings():  # torch's Tensor.__deepcopy__ asks a fake tensor for its data pointer
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         copy = deepcopy(model, memo)
+    for original, twin in zip(model.modules(), copy.modules(), strict=True):
+        for key, value in vars(original).items():  # what a __getstate__ leaves out (Lightning's trainer)
+            if key not in _COPIED and not isinstance(value, nn.Module):
+                twin.__dict__[key] = value
     for name in blocks:
         fully_shard(copy.get_submodule(name), mesh=mesh, **options)
-    fully_shard(copy, mesh=mesh, **options)
+    fully_shard(_root(copy), mesh=mesh, **options)
     return copy
+
+
+def _root(model: nn.Module) -> nn.Module:
+    """The smallest module holding all of ``model``'s parameters: down through modules without parameters
+    of their own and a single child with parameters."""
+    module = model
+    while not any(True for _ in module.parameters(recurse=False)):
+        holders = [child for child in module.children() if any(True for _ in child.parameters())]
+        if len(holders) != 1:
+            break
+        module = holders[0]
+    return module
 
 
 #: What a module's copy gets its own of: its tensors and children, and the hook tables fully_shard adds to.

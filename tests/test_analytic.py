@@ -52,6 +52,7 @@ LLAMA_7B = TransformerShape.from_name("llama-7b")
         ("gpt2-large", 774_030_080),
         ("gpt2-xl", 1_557_611_200),
         ("llama-7b", 6_738_415_616),
+        ("llama-70b", 68_976_648_192),  # LLaMA-2-70B: grouped-query attention, 8 key/value heads
     ],
 )
 def test_count_parameters_matches_published_checkpoints(name, expected):
@@ -60,7 +61,7 @@ def test_count_parameters_matches_published_checkpoints(name, expected):
 
 def test_the_gpt_demo_builds_the_same_presets():
     """One table: the demo's ``GPTConfig`` presets are the analytic presets (the demo fuses Q, K and V)."""
-    assert list(PRESETS) == ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-7b"]
+    assert list(PRESETS) == ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-7b", "llama-70b"]
     for name in PRESETS:
         shape = TransformerShape.from_name(name)
         assert TransformerShape.from_config(GPTConfig.from_name(name)) == replace(shape, fused_qkv=True)

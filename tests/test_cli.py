@@ -96,6 +96,19 @@ def test_sharding_applies_to_both_columns_per_rank():
     assert any("fsdp over 4 GPU(s)" in note for note in report["notes"])
 
 
+def test_fsdp2_simulates_one_ranks_sharded_step():
+    """``--strategy fsdp2``: the simulated column is one rank's FSDP2 step (estimate_memory's), above the
+    one-device step divided, which leaves out the unsharded units."""
+    report = _json([*TINY, "--optimizer", "adamw", "--gpus", "4", "--strategy", "fsdp2"])
+    simulated = estimate_memory(
+        _tiny(), _tokens(2, 32), optimizer="adamw", device="cpu", strategy="fsdp2", world_size=4
+    )
+    assert report["simulated"] == simulated.as_dict()
+    divided = shard(estimate_memory(_tiny(), _tokens(2, 32), optimizer="adamw", device="cpu"), "fsdp", 4)
+    assert simulated.parameters > divided.parameters
+    assert any("FSDP2's step over 4 rank(s) simulated" in note for note in report["notes"])
+
+
 def test_selective_half_checkpointing_in_both_columns():
     report = _json([*TINY, "--checkpointing", "selective_half"])
     simulated = estimate_memory(_tiny(), _tokens(2, 32), device="cpu", checkpointing="selective_half")

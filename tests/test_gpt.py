@@ -45,6 +45,7 @@ PARAMETER_COUNTS = {
     "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200,
     "llama-7b": 6_738_415_616,
+    "llama-70b": 68_976_648_192,
 }
 
 # A small LLaMA-style model: every option the GPT-2 presets leave off.
@@ -57,6 +58,34 @@ def small_config(**overrides) -> GPTConfig:
 
 def test_every_preset_has_a_tested_count():
     assert set(PRESETS) == set(PARAMETER_COUNTS)
+
+
+def test_grouped_query_attention_is_attention_with_shared_key_value_heads():
+    """n_kv_head=2 of 4: each key/value head serves two query heads; the same as full attention whose
+    key/value projections repeat the grouped ones, and counted as the analytic shape counts it."""
+    from lightning_memkit._analytic import TransformerShape, count_parameters
+
+    torch.manual_seed(0)
+    grouped = GPT(small_config(n_head=4, n_kv_head=2, **LLAMA_LIKE))
+    assert sum(p.numel() for p in grouped.parameters()) == count_parameters(
+        TransformerShape.from_config(grouped.config)
+    )
+    full = GPT(small_config(n_head=4, **LLAMA_LIKE))
+    C, hs = 64, 16  # width and head size
+
+    def repeated(w: torch.Tensor) -> torch.Tensor:  # (2 * hs, C) -> (4 * hs, C): heads 0, 0, 1, 1
+        return w.view(2, 1, hs, C).expand(2, 2, hs, C).reshape(C, C)
+
+    weights = dict(grouped.named_parameters())
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if name.endswith("c_attn.weight"):
+                q, k, v = weights[name].split([C, 2 * hs, 2 * hs])
+                p.copy_(torch.cat([q, repeated(k), repeated(v)]))
+            else:
+                p.copy_(weights[name])
+    x = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(grouped(x)[0], full(x)[0])
 
 
 @pytest.mark.parametrize(("name", "expected"), PARAMETER_COUNTS.items())

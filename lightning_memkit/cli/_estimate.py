@@ -75,10 +75,11 @@ def add_estimate(subparsers: Any) -> None:
     )
     p.add_argument(
         "--strategy",
-        type=one_of("strategy", list(STRATEGIES)),
+        type=one_of("strategy", [*STRATEGIES, "fsdp2"]),
         default="ddp",
         metavar="S",
-        help=f"{', '.join(STRATEGIES)} (default: ddp); what it shards is divided by --gpus",
+        help=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus; fsdp2: one "
+        "rank's FSDP2 step simulated (fully_shard on each block, then the model)",
     )
     p.add_argument(
         "--gpu",
@@ -118,7 +119,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         simulated, at_peak = _simulate(model, args)
     seconds = time.perf_counter() - start
     notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
-    if args.gpus > 1 or args.strategy != "ddp":
+    if args.strategy == "fsdp2":
+        analytic = shard(analytic, "fsdp", args.gpus) if analytic is not None else None
+        notes.append(
+            f"per rank: FSDP2's step over {args.gpus} rank(s) simulated, fully_shard on each block and "
+            "then the model (analytic: the one-device step's parameters, gradients and state divided)"
+        )
+    elif args.gpus > 1 or args.strategy != "ddp":
         sharded = STRATEGIES[args.strategy]
         analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
         grads = model_static(model, args.precision).gradients
@@ -181,6 +188,8 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdo
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,
         accumulating=args.accumulate > 1,
+        strategy="fsdp2" if args.strategy == "fsdp2" else None,
+        world_size=args.gpus,
         return_timeline=True,
     )
     return breakdown, max(timeline, key=lambda event: event.live, default=None)

@@ -36,6 +36,7 @@ class GPTConfig:
     block_size: int = 128  # longest sequence the model accepts; rows of the learned position table
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads per block; must divide n_embd
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention, LLaMA-2-70B); None: n_head
     n_embd: int = 128  # width of the residual stream
     d_ff: int | None = None  # hidden width of the MLP; None means 4 * n_embd
     mlp: str = "gelu"  # "gelu" (GPT-2, two matrices) or "swiglu" (LLaMA, three matrices)
@@ -55,6 +56,8 @@ class GPTConfig:
                 raise ValueError(f"Unknown {field} {value!r}; choose one of {', '.join(map(repr, choices))}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         if self.pos_embedding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(
                 f"RoPE needs an even head size, got n_embd / n_head = {self.n_embd // self.n_head}"
@@ -76,6 +79,7 @@ def _config_fields(shape: _analytic.TransformerShape) -> dict:
         block_size=shape.block_size,
         n_layer=shape.n_layer,
         n_head=shape.n_head,
+        n_kv_head=shape.n_kv_head,
         n_embd=shape.d_model,
         d_ff=None if shape.d_ff == 4 * shape.d_model else shape.d_ff,
         mlp=shape.mlp,
@@ -114,24 +118,28 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head or config.n_head  # fewer: grouped-query attention
+        kv_width = config.n_embd // config.n_head * self.n_kv_head
         # query, key and value projections for all heads in one matrix
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
         self.dropout = config.dropout
         self.rope = config.pos_embedding == "rope"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()  # batch, sequence length, embedding width (n_embd)
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        hs, kv = C // self.n_head, self.n_kv_head
+        q, k, v = self.c_attn(x).split([C, kv * hs, kv * hs], dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, kv, hs).transpose(1, 2)  # (B, n_kv, T, hs)
+        v = v.view(B, T, kv, hs).transpose(1, 2)  # (B, n_kv, T, hs)
         if self.rope:
             q, k = _rotate(q), _rotate(k)
         dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hs)
+        grouped = {"enable_gqa": True} if kv != self.n_head else {}  # each K/V head serves nh / n_kv queries
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **grouped)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
