@@ -378,6 +378,7 @@ def _encoder():
 @pytest.mark.parametrize(
     ("model", "budget"), [(_gpt, 20_000_000), (_encoder, 8_000_000)], ids=["gpt", "torch"]
 )
+@pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
 def test_plan_and_monitor_match_the_allocator_in_the_trainer(tmp_path, model, budget):
     """With AutoFit's guard on the first steps and the plan applied, MemoryMonitor's figure for every
     step is the allocator's, and the plan's estimated peak is within 1 % of it."""

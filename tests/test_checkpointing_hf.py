@@ -133,6 +133,7 @@ def test_zoo_policy_trains_as_without(name, policy):
     _assert_same_run(run, name, checkpointed=policy != "none")
 
 
+@pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
 @pytest.mark.parametrize("name", NAMES)
 def test_zoo_budget_plan_fits_and_trains_as_without(name):
     """A budget halfway between the simulated peaks with full checkpointing and without: the planner

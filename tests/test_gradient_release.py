@@ -58,6 +58,7 @@ def _zoo(name: str, batch_size: int, seq_len: int):
 MODELS = {"gpt": _gpt, "t5": _zoo("t5", 2, 32), "resnet": _zoo("resnet", 4, 64)}
 
 
+@pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_peak_falls_as_estimated_and_the_monitor_matches_the_allocator(name, tmp_path):
     """The unchanged LightningModule, with and without GradientRelease: every step's allocator peak, the

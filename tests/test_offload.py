@@ -302,6 +302,7 @@ def test_refuses_what_it_cannot_serve(tmp_path):
     }
 
 
+@pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
 def test_autofit_plans_the_offloaded_step_with_accumulation(tmp_path):
     """AutoFit beside OptimizerOffload plans the offloaded step, which may accumulate (the gradients sum on
     the host): every micro-batch's real peak is within the budget and the highest at the estimate (on
@@ -320,6 +321,7 @@ def test_autofit_plans_the_offloaded_step_with_accumulation(tmp_path):
     assert plan.host_bytes > 0 and plan.offload_seconds == 0  # nothing travels on the CPU
 
 
+@pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
 def test_memkit_plan_relaxes_what_was_left_open_and_offloads_where_nothing_else_fits():
     """The tiny GPT with AdamW on a card nothing fits without a lever at any precision (static floors
     13.4 MiB at 32-true, 8.4 MiB with bf16 weights and the Kahan-summed AdamW, 10.0 MiB fused): memkit plan

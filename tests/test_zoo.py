@@ -31,6 +31,7 @@ def _fit(
     return trainer
 
 
+@pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
 @pytest.mark.parametrize("name", NAMES)
 def test_monitor_and_estimate_match_the_allocator(name, tmp_path):
     """MemoryMonitor within 0.1 % of the allocator on every Trainer step, estimate_memory within 1 % of the
@@ -56,6 +57,7 @@ AUTOFIT = [
 ]
 
 
+@pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
 @pytest.mark.parametrize(("name", "precision"), AUTOFIT)
 def test_autofit_at_a_tight_budget_keeps_the_global_batch_and_fits(name, precision, tmp_path):
     """A budget 45 % of the way from the static memory to the naive peak: AutoFit plans (micro-batch,
