@@ -161,10 +161,11 @@ def _root(model: nn.Module) -> nn.Module:
     return module
 
 
-#: What a module's copy gets its own of: its tensors and children, and the hook tables fully_shard adds to.
+#: What a module's copy gets its own of: its tensors and children, the hook tables fully_shard adds to,
+#: and an instance ``forward`` (activation checkpointing's wrapper holds the module it runs).
 _COPIED = frozenset(
     {
-        "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+        "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "forward",
         "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
         "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
         "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",

@@ -288,13 +288,15 @@ def simulated_rank(world: int, **kwargs) -> int:
 
 @pytest.mark.slow
 @needs_distributed
-def test_the_simulated_sharded_step_is_every_ranks_step(fsdp):
+@pytest.mark.parametrize(("scenario", "checkpointing"), [("default", None), ("full_checkpointing", "full")])
+def test_the_simulated_sharded_step_is_every_ranks_step(fsdp, scenario, checkpointing):
     """``estimate_memory(strategy="fsdp2", world_size=N)``, in this one process, against every real rank's
     allocator: the first step (no optimizer state yet) and the steady one, within 1 %."""
     world, out = fsdp
-    first, steady = simulated_rank(world, first_step=True), simulated_rank(world)
+    first = simulated_rank(world, first_step=True, checkpointing=checkpointing)
+    steady = simulated_rank(world, checkpointing=checkpointing)
     for rank in range(world):
-        truth = per_step_truth(read(out, "default", rank), 1)
+        truth = per_step_truth(read(out, scenario, rank), 1)
         assert first == pytest.approx(truth[0], rel=0.01)
         assert steady == pytest.approx(truth[-1], rel=0.01)
 
