@@ -90,6 +90,7 @@ LIGHTNING_STRATEGY: dict[str, str] = {
     "zero2": "deepspeed_stage_2",
     "zero3": "deepspeed_stage_3",
     "fsdp": "fsdp",
+    "fsdp2": "fsdp2",  # ModelParallelStrategy with fully_shard in configure_model: see plan_code
     "deepspeed_stage_1": "deepspeed_stage_1",
     "deepspeed_stage_2": "deepspeed_stage_2",
     "deepspeed_stage_3": "deepspeed_stage_3",
@@ -127,6 +128,8 @@ class _Search:
         #: how the step runs: `estimate_memory`'s ``release_gradients`` and ``fused_step``
         self.levers: dict[str, bool] = dict(levers or {})
         self.strategy, self.n_gpus = strategy, n_gpus
+        #: FSDP2's step is simulated sharded (one rank's); the other strategies divide the whole step
+        self.sharding = {"strategy": "fsdp2", "world_size": n_gpus} if strategy == "fsdp2" else {}
         self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
         self.counts: dict[tuple, tuple[int, int]] = {}  # FLOPs and ops of the steps `counted`
         self.whole: dict[tuple, MemoryBreakdown] = {}  # the same steps, unsharded
@@ -144,7 +147,10 @@ class _Search:
         self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
 
     def refining(self) -> bool:
-        """Whether there is time left to plan checkpointing block by block."""
+        """Whether there is time left to plan checkpointing block by block (never on the sharded FSDP2
+        step: the planner measures its blocks on one device; uniform modes are simulated sharded)."""
+        if self.strategy == "fsdp2":
+            return False
         late = self.refine_seconds is not None and time.perf_counter() - self.started > self.refine_seconds
         self.unrefined |= late
         return not late
@@ -165,6 +171,7 @@ class _Search:
                     device=self.device,
                     return_timeline=return_timeline,
                     **self.levers,
+                    **self.sharding,
                 )
         finally:
             self.seconds += time.perf_counter() - start
@@ -197,7 +204,9 @@ class _Search:
         return self.cache[key]
 
     def per_rank(self, breakdown: MemoryBreakdown, precision: str) -> MemoryBreakdown:
-        """One rank's share of a whole step's ``breakdown`` (`shard`)."""
+        """One rank's share of a whole step's ``breakdown`` (`shard`); FSDP2's is simulated as one rank's."""
+        if self.sharding:
+            return breakdown
         grads = self._static(None, precision).gradients
         return shard(breakdown, self.strategy, self.n_gpus, gradient_bytes=grads)
 
@@ -299,7 +308,8 @@ class _Search:
         if optimizer is None:
             return 0
         try:
-            return shard(self._static(optimizer, precision), self.strategy, self.n_gpus).static
+            scheme = "fsdp" if self.strategy == "fsdp2" else self.strategy  # its sharded floor
+            return shard(self._static(optimizer, precision), scheme, self.n_gpus).static
         except ValueError:
             return 0
 
@@ -399,7 +409,9 @@ def plan_fit(
         checkpointing: the checkpointing modes a block may get (`CHECKPOINT_MODES`: ``"none"``,
             ``"selective"``, ``"selective_half"``, ``"full"``); the plan chooses block by block.
         strategy, n_gpus: shard one rank's step (``"ddp"``, ``"fsdp"``, ``"zero1"`` to ``"zero3"``,
-            ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``); the batch is split across ranks.
+            ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``: the whole step divided); the batch is split
+            across ranks. ``"fsdp2"``: one rank's FSDP2 step simulated (`estimate_memory`'s
+            ``strategy="fsdp2"``), every block given the same checkpointing mode.
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.
@@ -455,7 +467,7 @@ def plan_fit(
     if not levels or len(levels) != len(set(checkpointing)):
         raise ValueError(f"checkpointing must be a subset of {CHECKPOINT_MODES}, got {tuple(checkpointing)}")
     levels, note = _checkpointable(model, levels)
-    strategy = valid_name("strategy", strategy, STRATEGIES)
+    strategy = valid_name("strategy", strategy, [*STRATEGIES, "fsdp2"])
     total = batch_size(batch)
     if total % n_gpus:
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")

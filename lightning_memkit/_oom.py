@@ -286,23 +286,45 @@ def plan_code(
     planned, if given (``--optimizer``). The callback that changes the step the plan was made for
     (`FitPlan.lever`, ``"FusedOptimizerStep"``) is in both Trainers."""
     named = plan.budget.source in GPUS
-    imports = sorted({"AutoFit", *(c.split("(")[0] for c in _levers(plan))})
+    fsdp2 = plan.n_gpus > 1 and plan.strategy == "fsdp2"
+    imports = sorted({*(() if fsdp2 else ("AutoFit",)), *(c.split("(")[0] for c in _levers(plan))})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
     per_gpu = global_batch // plan.n_gpus
     return "\n".join(
         [
             "from lightning.pytorch import Trainer",
-            f"from lightning_memkit import {', '.join(imports)}",
+            *(["from lightning.pytorch.strategies import ModelParallelStrategy"] if fsdp2 else []),
+            *([f"from lightning_memkit import {', '.join(imports)}"] if imports else []),
             "",
-            "# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the",
-            f"#    global batch per GPU, here {per_gpu}; it sets micro-batch and accumulation itself.",
-            *([] if named else [card]),
-            autofit_code(plan, optimizers=optimizers),
-            "",
-            "# 2. Or by hand: batch_size is the micro-batch, the DataLoader's batch size.",
+            *([FSDP2_LAYOUT, ""] if fsdp2 else []),
+            *(
+                _FSDP2_BY_HAND
+                if fsdp2
+                else _autofit_section(plan, optimizers, per_gpu, [] if named else [card])
+            ),
             *by_hand_code(plan, model),
         ]
     )
+
+
+#: Under FSDP2 the plan is set by hand: AutoFit in a running Trainer does not simulate the sharded step.
+_FSDP2_BY_HAND = [
+    "# AutoFit in a running Trainer plans one device's step divided, not FSDP2's sharded one: set this",
+    "# plan by hand. batch_size is the micro-batch, the DataLoader's batch size.",
+]
+
+
+def _autofit_section(
+    plan: FitPlan, optimizers: Sequence[str | None] | None, per_gpu: int, card: list[str]
+) -> list[str]:
+    return [
+        "# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the",
+        f"#    global batch per GPU, here {per_gpu}; it sets micro-batch and accumulation itself.",
+        *card,
+        autofit_code(plan, optimizers=optimizers),
+        "",
+        "# 2. Or by hand: batch_size is the micro-batch, the DataLoader's batch size.",
+    ]
 
 
 def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> str:
@@ -387,9 +409,23 @@ def _sharded(plan: FitPlan) -> bool:
 
 def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
     trainer = {"precision": json.dumps(plan.precision)}
-    if plan.n_gpus > 1:
+    if plan.n_gpus > 1 and plan.strategy == "fsdp2":
+        strategy = f"ModelParallelStrategy(data_parallel_size={plan.n_gpus}, tensor_parallel_size=1)"
+        trainer |= {"strategy": strategy, "devices": str(plan.n_gpus)}
+    elif plan.n_gpus > 1:
         trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.n_gpus)}
     return trainer
+
+
+#: FSDP2's layout as the plan simulated it, for the LightningModule (plan_code prints it under fsdp2).
+FSDP2_LAYOUT = """\
+# FSDP2 as the plan simulated it, in your LightningModule (each repeated block, then the model):
+#     def configure_model(self):
+#         from torch.distributed.fsdp import fully_shard
+#         mesh = self.device_mesh["data_parallel"]
+#         for layer in self.model.layers:  # your blocks, e.g. a Hugging Face model's model.model.layers
+#             fully_shard(layer, mesh=mesh)
+#         fully_shard(self.model, mesh=mesh)  # the module training_step calls"""
 
 
 def _arguments(kwargs: Mapping[str, str]) -> str:

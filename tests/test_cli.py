@@ -22,6 +22,7 @@ from lightning_memkit import (
     estimate_memory,
     format_bytes,
     parse_budget,
+    plan_fit,
 )
 from lightning_memkit._analytic import TransformerShape, estimate_analytic, shard
 from lightning_memkit._checkpointing import CheckpointPlan
@@ -476,3 +477,26 @@ def test_plan_prints_the_plan_its_alternatives_and_the_code(monkeypatch):
     assert re.search(r"\b4\b.*\b1\b.*none.*adamw.*32-true", chosen), table  # micro-batch 4, accumulate 1
     assert "\nbatch_size = 4\n" in code and "accumulate_grad_batches=1" in code
     assert re.search(r"\nplanned in [\d.]+ s \(\d+ simulated steps\)\n$", code), code
+
+
+@pytest.mark.slow  # planning-heavy: every candidate is a sharded simulation
+def test_plan_for_fsdp2_simulates_the_sharded_step_and_prints_its_set_up():
+    """``--strategy fsdp2``: every candidate is one rank's FSDP2 step simulated (estimate_memory's), and the
+    code is ModelParallelStrategy with the fully_shard layout, set by hand (AutoFit in a running Trainer
+    does not plan the sharded step)."""
+    plan = plan_fit(
+        _tiny(), _tokens(32, 32), 10 * 2**20, optimizers=["adamw"], strategy="fsdp2", n_gpus=4, device="cpu",
+        cost="flops",
+    )  # fmt: skip
+    batch = _tokens(32 // 4, 32)
+    micro = [t[: plan.micro_batch_size] for t in batch]
+    simulated = estimate_memory(
+        _tiny(), micro, optimizer="adamw", device="cpu", strategy="fsdp2", world_size=4,
+        checkpointing=None if plan.checkpointing == "none" else plan.checkpointing,
+        accumulating=plan.accumulate_grad_batches > 1,
+    )  # fmt: skip
+    assert plan.estimated_peak == simulated.peak <= plan.limit
+    code = plan_code(plan, _tiny(), global_batch=32, optimizers=["adamw"])
+    (by_hand,) = _trainer_calls(code)
+    assert by_hand["strategy"] == "ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)"
+    assert "fully_shard(self.model, mesh=mesh)" in code and "AutoFit" not in code.split("# AutoFit")[0]
