@@ -22,6 +22,9 @@ from lightning_memkit import estimate_memory
 from lightning_memkit._analytic import shard
 from lightning_memkit._breakdown import format_bytes
 
+#: The configurations `estimate_memory(strategy="fsdp2")` simulates: the default layout, checkpointed or not.
+SIMULATED = {"default": None, "full_checkpointing": "full", "selective_checkpointing": "selective"}
+
 
 def main() -> None:
     rows = []
@@ -31,7 +34,12 @@ def main() -> None:
         grads = 4 * sum(p.numel() for p in module.parameters())
         divided = shard(whole, "fsdp", world, gradient_bytes=grads).peak
         batch = zoo_batch("qwen2", BATCH, SEQ)
-        simulated = estimate_memory(module, batch, device="cpu", strategy="fsdp2", world_size=world).peak
+        simulated = {
+            name: estimate_memory(
+                module, batch, device="cpu", strategy="fsdp2", world_size=world, checkpointing=checkpointing
+            ).peak
+            for name, checkpointing in SIMULATED.items()
+        }
         with tempfile.TemporaryDirectory() as tmp:
             run_ranks(Path(tmp), world)
             for name, config in SCENARIOS.items():
@@ -47,7 +55,7 @@ def main() -> None:
                 default = name == "default"
                 rows.append(
                     (str(world), name, format_bytes(steady), f"{max(errors, key=abs):+.3%}",
-                     f"{simulated / steady - 1:+.2%}" if default else "—",
+                     f"{simulated[name] / steady - 1:+.2%}" if name in simulated else "—",
                      f"{divided / steady - 1:+.1%}" if default else "—",
                      format_bytes(split["sharded_parameters"]), format_bytes(split["unsharded_parameters"]),
                      format_bytes(split["sharded_gradients"] + split["unsharded_gradients"]),
