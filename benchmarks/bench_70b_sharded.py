@@ -36,8 +36,10 @@ def main() -> None:
         model = GPTLightningModule("llama-70b")
     x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     print(f"LLaMA-2-70B, AdamW, bf16-mixed, 1 x {SEQ} tokens a rank, full checkpointing; per rank (GiB)")
-    print("| GPUs | simulated peak | parameters | gradients | optimizer state | activations | temporary "
-          "| ZeRO-3 model states (formula) | simulated in |")
+    print(
+        "| GPUs | simulated peak | parameters | gradients | optimizer state | activations | temporary "
+        "| ZeRO-3 model states (formula) | simulated in |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for world in (8, 16, 32, 64):
         start = time.perf_counter()
