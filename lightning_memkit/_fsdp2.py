@@ -107,7 +107,7 @@ def fake_mesh(world_size: int) -> Iterator[Any]:
         raise RuntimeError(
             "a process group is already initialized in this process, and the simulated sharded step needs "
             "its own (a fake one): estimate before torch.distributed.init_process_group, or in another "
-            "process (memkit estimate --gpus N)"
+            "process (memkit estimate --gpus N --strategy fsdp2)"
         )
     try:
         from torch.distributed.device_mesh import init_device_mesh
