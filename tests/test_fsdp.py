@@ -331,3 +331,18 @@ def test_a_step_that_bypasses_the_roots_forward_is_told_what_to_shard(fsdp):
         assert len(hints) == (rank == 0), record["warnings"]  # said once, on rank 0
         if rank == 0:
             assert "outermost unit (`self`)" in hints[0]
+
+
+@needs_distributed
+def test_the_simulated_sharded_step_refuses_a_process_with_its_own_group(tmp_path):
+    """The simulation needs a fake process group of its own: in a process that has one, it says so and
+    what to do, and leaves the user's group as it was."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with pytest.raises(RuntimeError, match=r"already initialized.*--strategy fsdp2"):
+            simulated_rank(2)
+        assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+    finally:
+        torch.distributed.destroy_process_group()
