@@ -375,6 +375,9 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     "deepspeed_stage_1": ("optimizer_state",),
     "deepspeed_stage_2": ("optimizer_state", "gradients"),
     "deepspeed_stage_3": ("optimizer_state", "gradients", "parameters"),
+    # FSDP2 (fully_shard): its rank's step is simulated (estimate_memory's strategy="fsdp2"); this share,
+    # FSDP's, is only the analytic fallback, which leaves out the units it holds unsharded.
+    "fsdp2": ("optimizer_state", "gradients", "parameters"),
 }
 
 

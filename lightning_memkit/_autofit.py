@@ -308,8 +308,7 @@ class _Search:
         if optimizer is None:
             return 0
         try:
-            scheme = "fsdp" if self.strategy == "fsdp2" else self.strategy  # its sharded floor
-            return shard(self._static(optimizer, precision), scheme, self.n_gpus).static
+            return shard(self._static(optimizer, precision), self.strategy, self.n_gpus).static
         except ValueError:
             return 0
 
@@ -467,7 +466,7 @@ def plan_fit(
     if not levels or len(levels) != len(set(checkpointing)):
         raise ValueError(f"checkpointing must be a subset of {CHECKPOINT_MODES}, got {tuple(checkpointing)}")
     levels, note = _checkpointable(model, levels)
-    strategy = valid_name("strategy", strategy, [*STRATEGIES, "fsdp2"])
+    strategy = valid_name("strategy", strategy, STRATEGIES)
     total = batch_size(batch)
     if total % n_gpus:
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")

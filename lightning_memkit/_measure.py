@@ -60,16 +60,16 @@ from lightning_memkit._kernels import hides_memory, kernel_peak
 
 __all__ = ["MemoryMeasurement", "gradient_consumed", "measure", "storage_bytes"]
 
-#: What a sharded (FSDP2) step's peak holds, each part of one of the five categories: the sharded
-#: parameters and the unsharded copies in flight (parameters), the sharded gradients after their
-#: reduce-scatter and the unsharded ones before it (gradients), and the collectives' buffers (temporary).
-SHARDED_KINDS = (
-    "sharded_parameters",
-    "unsharded_parameters",
-    "sharded_gradients",
-    "unsharded_gradients",
-    "communication",
-)
+#: What a sharded (FSDP2) step's peak holds, each with the one of the five categories it is part of: the
+#: sharded parameters and the unsharded copies in flight, the sharded gradients after their reduce-scatter
+#: and the unsharded ones before it, and the collectives' buffers.
+SHARDED_KINDS = {
+    "sharded_parameters": "parameters",
+    "unsharded_parameters": "parameters",
+    "sharded_gradients": "gradients",
+    "unsharded_gradients": "gradients",
+    "communication": "temporary",
+}
 #: Op namespaces of collectives and FSDP2's copies in and out of them.
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 
@@ -409,11 +409,14 @@ class Tracker(TorchDispatchMode):
                     rec.grad_at = 0
         self.claim_sharded(model, preexisting=True)
 
-    def claim_sharded(self, model: nn.Module, *, preexisting: bool = False) -> None:
+    def claim_sharded(self, model: nn.Module, *, preexisting: bool = False) -> bool:
         """Name what FSDP2 holds (`SHARDED_KINDS`): the sharded parameters and their gradients, and the
         unsharded copies, which are parameters too (their storage is empty while sharded). At the step's
-        start and again at its end, when the first step's copies exist and its gradients are reduced."""
+        start and again at its end, when the first step's copies exist and its gradients are reduced.
+        Returns whether ``model`` has FSDP2 units."""
+        sharded_model = False
         for fsdp_param in _fsdp2.fsdp_params(model):
+            sharded_model = True
             sharded = _fsdp2.sharded_param(fsdp_param)
             unsharded = _fsdp2.unsharded_param(fsdp_param)
             for t, kind in ((sharded, "sharded_parameters"), (unsharded, "unsharded_parameters")):
@@ -426,6 +429,7 @@ class Tracker(TorchDispatchMode):
                         rec.kind = kind
                         if rec.grad_at is None:  # held as a gradient since it was made (see _communicated)
                             rec.grad_at = 0
+        return sharded_model
 
     def claim_optimizer_state(
         self, optimizers: Iterable[torch.optim.Optimizer], *, preexisting: bool = False
@@ -526,13 +530,13 @@ class Tracker(TorchDispatchMode):
         gradients, and the collectives' buffers (temporary). Each is part of one of the five categories."""
         sums = dict.fromkeys(SHARDED_KINDS, 0)
         for rec, nbytes in self._at_peak():
-            kind = rec.kind
-            if kind == "communication" and self._category(rec) != "temporary":
-                continue  # a buffer that is more than that (a gradient, say) counts as what it is
-            if kind in ("sharded_gradients", "unsharded_gradients") and self._category(rec) != "gradients":
-                kind = "communication" if self._category(rec) == "temporary" else None
-            if kind is not None:
-                sums[kind] += nbytes
+            if rec.kind is None:
+                continue
+            category = self._category(rec)
+            if SHARDED_KINDS[rec.kind] == category:
+                sums[rec.kind] += nbytes
+            elif category == "temporary":  # a gradient still in its reduce-scatter at the peak
+                sums["communication"] += nbytes
         return sums
 
 
@@ -601,13 +605,13 @@ class MemoryMeasurement:
         # Optimizer state born during this step (the first step of a lazily initialised optimizer),
         # and FSDP2's first unsharded copies and this step's sharded gradients, are known only now.
         tracker.claim_optimizer_state(self.optimizers)
-        tracker.claim_sharded(self.model)
+        sharded = tracker.claim_sharded(self.model)
         allocator_peak = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             allocator_peak = torch.cuda.max_memory_allocated(self.device)
         self._breakdown = tracker.breakdown(allocator_peak)
-        self.sharded = tracker.sharded_breakdown() if _fsdp2.is_sharded(self.model) else None
+        self.sharded = tracker.sharded_breakdown() if sharded else None
         self.unfollowed = tracker.unfollowed
 
 

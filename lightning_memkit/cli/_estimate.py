@@ -75,11 +75,11 @@ def add_estimate(subparsers: Any) -> None:
     )
     p.add_argument(
         "--strategy",
-        type=one_of("strategy", [*STRATEGIES, "fsdp2"]),
+        type=one_of("strategy", list(STRATEGIES)),
         default="ddp",
         metavar="S",
-        help=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus; fsdp2: one "
-        "rank's FSDP2 step simulated (fully_shard on each block, then the model)",
+        help=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus, except fsdp2: "
+        "one rank's FSDP2 step simulated (fully_shard on each block, then the model)",
     )
     p.add_argument(
         "--gpu",
@@ -120,7 +120,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
     if args.strategy == "fsdp2":
-        analytic = shard(analytic, "fsdp", args.gpus) if analytic is not None else None
+        analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
         notes.append(
             f"per rank: FSDP2's step over {args.gpus} rank(s) simulated, fully_shard on each block and "
             "then the model (analytic: the one-device step's parameters, gradients and state divided)"

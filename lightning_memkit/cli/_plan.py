@@ -67,9 +67,9 @@ def add_plan(subparsers: Any) -> None:
     p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
     p.add_argument("--gpus", type=positive_int, default=1, metavar="N", help="ranks (default: 1)")
     p.add_argument(
-        "--strategy", type=one_of("strategy", [*STRATEGIES, "fsdp2"]), default="ddp", metavar="S",
-        help=f"{', '.join(STRATEGIES)} (default: ddp): the step divided; fsdp2: one rank's FSDP2 step "
-        "simulated",
+        "--strategy", type=one_of("strategy", list(STRATEGIES)), default="ddp", metavar="S",
+        help=f"{', '.join(STRATEGIES)} (default: ddp): the step divided, except fsdp2: one rank's FSDP2 "
+        "step simulated",
     )  # fmt: skip
     p.add_argument("--margin", type=margin, default=0.1, help="share of the budget kept free (default: 0.1)")
     p.add_argument(
@@ -306,8 +306,7 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
     except Exception:
         return ""
     if args.gpus > 1:
-        scheme = "fsdp" if args.strategy == "fsdp2" else args.strategy  # its analytic share
-        need = shard(need, scheme, args.gpus, gradient_bytes=model_static(model, prec).gradients)
+        need = shard(need, args.strategy, args.gpus, gradient_bytes=model_static(model, prec).gradients)
     return (
         f"memkit plan: the smallest step tried (micro-batch {m}, "
         f"{'no' if level == 'none' else level} checkpointing, {optimizer or 'the configured optimizer'}, "
