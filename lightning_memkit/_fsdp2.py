@@ -97,28 +97,56 @@ def fake_mesh(world_size: int) -> Iterator[Any]:
     """A one-dimensional device mesh of ``world_size`` ranks, this process rank 0, over torch's fake process
     group (collectives that move nothing): where a sharded step is simulated on fake tensors, as
     torchtitan's memory estimator runs FSDP2. Private torch API (``torch.testing._internal``), read here
-    only. Raises `RuntimeError` where it cannot be had: a process group already exists, or torch has no
-    fake process group."""
+    only.
+
+    In a process without a process group the fake one is the default group for the simulation's length.
+    In a running job (a Trainer's rank planning its sharded step) the job's group stays the default, and
+    the fake one is a group beside it, registered as ``torch.distributed.new_group`` registers its groups
+    (that function would ask every rank of the job to take part) and destroyed after. Raises
+    `RuntimeError` where it cannot be had: torch has no fake process group, or its bookkeeping looks
+    otherwise."""
     import torch.distributed as dist
 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a process group is already initialized in this process, and the simulated sharded step needs "
-            "its own (a fake one): estimate before torch.distributed.init_process_group, or in another "
-            "process (memkit estimate --gpus N --strategy fsdp2)"
-        )
     try:
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as error:  # a torch without them
         raise RuntimeError(f"this torch has no fake process group to simulate on ({error})") from error
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield init_device_mesh("cpu", (world_size,))
+        finally:
+            dist.destroy_process_group()
+        return
+    group = _side_group(world_size, FakeStore())
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield DeviceMesh.from_group(group, "cpu", mesh=list(range(world_size)))
     finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group(group)
+
+
+def _side_group(world_size: int, store: Any) -> Any:
+    """A fake process group of ``world_size`` ranks (this process rank 0) beside the job's own."""
+    import torch.distributed.distributed_c10d as c10d
+
+    _side_group.count = getattr(_side_group, "count", 0) + 1
+    try:
+        group, _ = c10d._new_process_group_helper(
+            world_size, 0, list(range(world_size)), "fake", store,
+            group_name=f"lightning_memkit_simulation_{_side_group.count}", timeout=c10d.default_pg_timeout,
+        )  # fmt: skip
+        c10d._world.pg_group_ranks[group] = {rank: rank for rank in range(world_size)}
+    except Exception as error:  # torch's bookkeeping changed: see the docstring
+        raise RuntimeError(
+            "a process group is already initialized in this process, and this torch does not let the "
+            f"simulated sharded step have a fake one beside it ({type(error).__name__}: {error}): estimate "
+            "before torch.distributed.init_process_group, or in another process (memkit estimate --gpus N "
+            "--strategy fsdp2)"
+        ) from error
+    return group
 
 
 def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> nn.Module:

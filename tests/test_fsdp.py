@@ -334,15 +334,18 @@ def test_a_step_that_bypasses_the_roots_forward_is_told_what_to_shard(fsdp):
 
 
 @needs_distributed
-def test_the_simulated_sharded_step_refuses_a_process_with_its_own_group(tmp_path):
-    """The simulation needs a fake process group of its own: in a process that has one, it says so and
-    what to do, and leaves the user's group as it was."""
+def test_the_simulated_sharded_step_runs_beside_the_jobs_own_group(tmp_path):
+    """A Trainer's rank plans its sharded step with its own process group up: the simulation's fake group
+    is one beside it, the figure is the one a process without a group gets, and the job's group is left
+    as it was (still the default, its world size unchanged, no group of the simulation's left behind)."""
+    alone = simulated_rank(4)
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
-        with pytest.raises(RuntimeError, match=r"already initialized.*--strategy fsdp2"):
-            simulated_rank(2)
+        groups = len(torch.distributed.distributed_c10d._world.pg_map)
+        assert simulated_rank(4) == alone
         assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+        assert len(torch.distributed.distributed_c10d._world.pg_map) == groups
     finally:
         torch.distributed.destroy_process_group()
