@@ -51,6 +51,7 @@ from lightning_memkit.callbacks import (
     OptimizerOffload,
     OptimizerSwap,
 )
+from lightning_memkit.strategies import AutoFitStrategy
 
 __version__ = "0.1.0"
 
@@ -63,6 +64,7 @@ __all__ = [
     "Advice",
     "Alternative",
     "AutoFit",
+    "AutoFitStrategy",
     "BlockPlan",
     "Budget",
     "CheckpointMode",

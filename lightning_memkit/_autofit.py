@@ -78,7 +78,7 @@ from lightning_memkit._lightning import (
 )
 from lightning_memkit._measure import model_device
 from lightning_memkit._offload import transfer_seconds
-from lightning_memkit._optimizers import COMPENSATED, KAHAN, lighter_candidates
+from lightning_memkit._optimizers import CATALOGUE, COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
 
 __all__ = ["grid", "plan_fit", "static_floor"]
@@ -155,7 +155,9 @@ class _Search:
         self.unrefined |= late
         return not late
 
-    def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", return_timeline=False):
+    def estimate(
+        self, m, checkpointing, *, optimizer=None, precision="32-true", return_timeline=False, **sharding
+    ):
         start = time.perf_counter()
         ctx = apply_checkpointing(self.model, checkpointing) if checkpointing != "none" else None
         try:
@@ -172,6 +174,7 @@ class _Search:
                     return_timeline=return_timeline,
                     **self.levers,
                     **self.sharding,
+                    **sharding,
                 )
         finally:
             self.seconds += time.perf_counter() - start
@@ -339,7 +342,7 @@ def static_floor(
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
     levers = {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload}
     search = _Search(model, None, None, "cuda", strategy if n_gpus > 1 else "ddp", n_gpus, levers=levers)
-    candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
+    candidates, _ = _candidates(model, optimizers, strategy, n_gpus)
     pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)
     return min((search.static(o, p) for o, p in pairs), default=None)
 
@@ -495,7 +498,11 @@ def plan_fit(
         progress,
         {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload},
     )
-    candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
+    candidates, unsharded = _candidates(model, optimizers, strategy, n_gpus)
+    if unsharded:
+        note = f"{note}; {unsharded}" if note else unsharded
+    if not candidates:
+        raise ValueError(f"No optimizer to plan: {unsharded}; name a torch or torch-optimi one (adamw, sgd)")
     pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)  # masters are fp32
     if not pairs and fused_step:
         raise ValueError(
@@ -532,6 +539,14 @@ def plan_fit(
             step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + micro, per_step=per_step)
     options = _fastest(search, step_cost, sizes, levels, opt, prec, limit, G)
     best = min(options)
+    reshard = None
+    if search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
+        kept = search.estimate(
+            best.m, best.plan or best.label, optimizer=opt, precision=prec, reshard_after_forward=False
+        )
+        reshard = kept.peak > limit
+        if not reshard:
+            best = best._replace(peak=kept.peak)
     if search.unrefined:
         late = f"block-by-block checkpointing not searched at every micro-batch (past {refine_seconds:g} s)"
         note = f"{note}; {late}" if note else late
@@ -554,7 +569,27 @@ def plan_fit(
         lever=_lever(release_gradients, fused_step, offload),
         host_bytes=host,
         offload_seconds=per_step + micro * (G // best.m),
+        reshard_after_forward=reshard,
     )
+
+
+def _candidates(
+    model: nn.Module, optimizers: Sequence[str | None] | None, strategy: str, n_gpus: int
+) -> tuple[tuple[str | None, ...], str]:
+    """The optimizers to plan, in quality order (the model's own, then lighter, unless named), and a note
+    on those left out: under FSDP2 the bitsandbytes optimizers, whose kernels DTensor cannot shard ("does
+    not have a sharding strategy registered"), and torch's Adafactor, whose step reads a value from a tensor
+    that the simulation's sharded fake tensors cannot give."""
+    candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
+    if strategy != "fsdp2" or n_gpus == 1:
+        return candidates, ""
+    bnb = [o for o in candidates if o in CATALOGUE and CATALOGUE[o].needs_bitsandbytes]
+    notes = [f"{', '.join(bnb)}: bitsandbytes' kernels do not run on FSDP2's DTensors"] if bnb else []
+    if "adafactor" in candidates:
+        notes.append("adafactor: its sharded step is not simulated")
+    left_out = {*bnb, "adafactor"}
+    kept = tuple(o for o in candidates if o not in left_out)
+    return kept, f"not planned under FSDP2: {'; '.join(notes)}" if notes else ""
 
 
 def _lever(release_gradients: bool, fused_step: bool, offload: bool) -> str | None:

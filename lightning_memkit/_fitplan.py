@@ -170,6 +170,9 @@ class FitPlan:
             masters, their gradients and its state (0 without offloading).
         offload_seconds: of the time per global batch, what the offloaded optimizer adds (transfers and
             the host's update, `transfer_seconds`).
+        reshard_after_forward: FSDP2's ``fully_shard`` option for every unit (``strategy="fsdp2"``):
+            ``False`` where the step fits keeping each unit's parameters gathered from its forward to its
+            backward (no all-gather in backward); ``None`` for the other strategies.
     """
 
     micro_batch_size: int
@@ -190,6 +193,7 @@ class FitPlan:
     lever: str | None = None
     host_bytes: int = 0
     offload_seconds: float = 0.0
+    reshard_after_forward: bool | None = None
 
     @property
     def limit(self) -> int:
@@ -271,6 +275,7 @@ class FitPlan:
             lever=data.get("lever"),
             host_bytes=data.get("host_bytes", 0),
             offload_seconds=data.get("offload_seconds", 0.0),
+            reshard_after_forward=data.get("reshard_after_forward"),
         )
 
     def summary(self) -> str:
@@ -281,6 +286,11 @@ class FitPlan:
             f"checkpointing {self.checkpointing}, optimizer {self.optimizer or 'as configured'}, "
             f"{self.precision}: estimated peak {format_bytes(self.estimated_peak)} of "
             f"{format_bytes(self.limit)} ({self.budget.source} less {self.margin:.0%} margin)"
+            + (
+                ""
+                if self.reshard_after_forward is None
+                else f", reshard_after_forward={self.reshard_after_forward}"
+            )
             + (f"; with {self.lever}" if self.lever else "")
             + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + (

@@ -25,8 +25,11 @@ __all__ = [
     "fake_mesh",
     "fsdp_params",
     "is_sharded",
+    "root_name",
+    "shard_layout",
     "sharded_copy",
     "sharded_param",
+    "units",
     "unsharded_param",
 ]
 
@@ -156,8 +159,6 @@ def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: 
     smallest module holding every parameter (a LightningModule's ``self.model`` when it holds them all):
     a unit gathers its own parameters in its forward, and a ``training_step`` calling ``self.model(...)``
     never runs the LightningModule's. The original is untouched. ``options`` go to every ``fully_shard``."""
-    from torch.distributed.fsdp import fully_shard
-
     memo: dict[int, Any] = {}
     for module in model.modules():
         for key, value in vars(module).items():
@@ -171,10 +172,33 @@ def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: 
         for key, value in vars(original).items():  # what a __getstate__ leaves out (Lightning's trainer)
             if key not in _COPIED and not isinstance(value, nn.Module):
                 twin.__dict__[key] = value
-    for name in blocks:
-        fully_shard(copy.get_submodule(name), mesh=mesh, **options)
-    fully_shard(_root(copy), mesh=mesh, **options)
+    shard_layout(copy, mesh, blocks, **options)
     return copy
+
+
+def shard_layout(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> list[str]:
+    """``fully_shard`` on each of ``blocks`` (qualified names) and then on the root, the smallest module
+    holding every parameter (see `sharded_copy`), over ``mesh``, with ``options`` for each; returns the
+    units' names, the root's last (``""`` for ``model`` itself)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name in blocks:
+        fully_shard(model.get_submodule(name), mesh=mesh, **options)
+    fully_shard(_root(model), mesh=mesh, **options)
+    return [*blocks, root_name(model)]
+
+
+def root_name(model: nn.Module) -> str:
+    """The qualified name of the smallest module holding every parameter (``""``: ``model`` itself)."""
+    root = _root(model)
+    return next(name for name, module in model.named_modules() if module is root)
+
+
+def units(model: nn.Module) -> list[str]:
+    """The names of the modules ``fully_shard`` was given, parents after their children (as they are
+    sharded)."""
+    names = [name for name, module in model.named_modules() if _state(module) is not None]
+    return sorted(names, key=lambda name: -(name.count(".") + bool(name)))  # the deepest first, stably
 
 
 def _root(model: nn.Module) -> nn.Module:

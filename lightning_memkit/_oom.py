@@ -287,38 +287,35 @@ def plan_code(
     (`FitPlan.lever`, ``"FusedOptimizerStep"``) is in both Trainers."""
     named = plan.budget.source in GPUS
     fsdp2 = plan.n_gpus > 1 and plan.strategy == "fsdp2"
-    imports = sorted({*(() if fsdp2 else ("AutoFit",)), *(c.split("(")[0] for c in _levers(plan))})
+    planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
+    imports = sorted({planner, *(c.split("(")[0] for c in _levers(plan))})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
     per_gpu = global_batch // plan.n_gpus
     return "\n".join(
         [
             "from lightning.pytorch import Trainer",
             *(["from lightning.pytorch.strategies import ModelParallelStrategy"] if fsdp2 else []),
-            *([f"from lightning_memkit import {', '.join(imports)}"] if imports else []),
+            f"from lightning_memkit import {', '.join(imports)}",
             "",
-            *([FSDP2_LAYOUT, ""] if fsdp2 else []),
-            *(
-                _FSDP2_BY_HAND
-                if fsdp2
-                else _autofit_section(plan, optimizers, per_gpu, [] if named else [card])
-            ),
+            *_autofit_section(plan, optimizers, per_gpu, [] if named else [card]),
+            *([fsdp2_layout(plan)] if fsdp2 else []),
             *by_hand_code(plan, model),
         ]
     )
 
 
-#: Under FSDP2 the plan is set by hand: AutoFit in a running Trainer does not simulate the sharded step.
-_FSDP2_BY_HAND = [
-    "# AutoFit in a running Trainer plans one device's step divided, not FSDP2's sharded one: set this",
-    "# plan by hand. batch_size is the micro-batch, the DataLoader's batch size.",
-]
-
-
 def _autofit_section(
     plan: FitPlan, optimizers: Sequence[str | None] | None, per_gpu: int, card: list[str]
 ) -> list[str]:
+    fsdp2 = plan.n_gpus > 1 and plan.strategy == "fsdp2"
+    first = (
+        ["# 1. AutoFitStrategy makes this plan as fit starts (rank 0, broadcast), shards the model as",
+         "#    planned and reads batch_size (module or DataModule) as the"]
+        if fsdp2
+        else ["# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the"]
+    )  # fmt: skip
     return [
-        "# 1. AutoFit makes this plan as fit starts, reading batch_size (module or DataModule) as the",
+        *first,
         f"#    global batch per GPU, here {per_gpu}; it sets micro-batch and accumulation itself.",
         *card,
         autofit_code(plan, optimizers=optimizers),
@@ -338,7 +335,13 @@ def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> s
         autofit["optimizers"] = json.dumps([o for o in kahan if o is not None])
     elif optimizers is not None:
         autofit["optimizers"] = json.dumps(list(optimizers))
-    callbacks = [f"AutoFit({_arguments(autofit)})", *([f"{plan.lever}()"] if plan.lever else [])]
+    levers = [f"{plan.lever}()"] if plan.lever else []
+    if plan.n_gpus > 1 and plan.strategy == "fsdp2":  # the strategy plans: no AutoFit callback
+        arguments = {**_trainer_arguments(plan), "strategy": f"AutoFitStrategy({_arguments(autofit)})"}
+        return _call(
+            "trainer = Trainer", arguments | ({"callbacks": f"[{', '.join(levers)}]"} if levers else {})
+        )
+    callbacks = [f"AutoFit({_arguments(autofit)})", *levers]
     return _call("trainer = Trainer", {**_trainer_arguments(plan), "callbacks": f"[{', '.join(callbacks)}]"})
 
 
@@ -417,15 +420,18 @@ def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
     return trainer
 
 
-#: FSDP2's layout as the plan simulated it, for the LightningModule (plan_code prints it under fsdp2).
-FSDP2_LAYOUT = """\
+def fsdp2_layout(plan: FitPlan) -> str:
+    """FSDP2's layout as ``plan`` simulated it, as a comment for the LightningModule (`plan_code`, by hand:
+    AutoFitStrategy applies it itself)."""
+    option = "" if plan.reshard_after_forward in (None, True) else ", reshard_after_forward=False"
+    return f"""\
 # FSDP2 as the plan simulated it, in your LightningModule (each repeated block, then the model):
 #     def configure_model(self):
 #         from torch.distributed.fsdp import fully_shard
 #         mesh = self.device_mesh["data_parallel"]
 #         for layer in self.model.layers:  # your blocks, e.g. a Hugging Face model's model.model.layers
-#             fully_shard(layer, mesh=mesh)
-#         fully_shard(self.model, mesh=mesh)  # the module training_step calls"""
+#             fully_shard(layer, mesh=mesh{option})
+#         fully_shard(self.model, mesh=mesh{option})  # the module training_step calls"""
 
 
 def _arguments(kwargs: Mapping[str, str]) -> str:

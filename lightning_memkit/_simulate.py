@@ -389,6 +389,7 @@ def estimate_memory(
     offload: bool = ...,
     strategy: str | None = ...,
     world_size: int = ...,
+    reshard_after_forward: bool = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -410,6 +411,7 @@ def estimate_memory(
     offload: bool = ...,
     strategy: str | None = ...,
     world_size: int = ...,
+    reshard_after_forward: bool = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -430,6 +432,7 @@ def estimate_memory(
     offload: bool = False,
     strategy: str | None = None,
     world_size: int = 1,
+    reshard_after_forward: bool = True,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -504,6 +507,8 @@ def estimate_memory(
             CPU's FSDP2 step is simulated: on CUDA, prefetching on a second stream can keep one more
             layer's parameters unsharded than counted here. ``None`` (default): one device.
         world_size: the number of ranks the model is sharded over, with ``strategy``.
+        reshard_after_forward: with ``strategy``, ``fully_shard``'s own: ``False`` keeps every unit's
+            unsharded parameters from its forward to its backward (no all-gather in backward).
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -533,6 +538,7 @@ def estimate_memory(
         offload=offload,
         strategy=strategy,
         world_size=world_size,
+        reshard_after_forward=reshard_after_forward,
         timeline=return_timeline,
     )
     breakdown = tracker.breakdown()
@@ -558,6 +564,7 @@ def simulate_step(
     offload: bool = False,
     strategy: str | None = None,
     world_size: int = 1,
+    reshard_after_forward: bool = True,
     timeline: bool = False,
     tracer: Tracer | None = None,
 ) -> _SimTracker:
@@ -618,7 +625,10 @@ def simulate_step(
         if strategy == "fsdp2":
             mesh = stack.enter_context(_fsdp2.fake_mesh(world_size))
             with mode:
-                stepped = _fsdp2.sharded_copy(model, mesh, [name for name, _ in find_blocks(model)])
+                blocks = [name for name, _ in find_blocks(model)]
+                stepped = _fsdp2.sharded_copy(
+                    model, mesh, blocks, reshard_after_forward=reshard_after_forward
+                )
 
         # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
         # from real values when constructed. The parameters they hold are already fake.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -49,3 +50,19 @@ def run_cli(argv):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(argv)
     return status, out.getvalue(), err.getvalue()
+
+
+def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 600) -> None:
+    """``rank_fn(rank, *args)`` in ``world`` spawned processes, joined; killed, and a ``TimeoutError``
+    naming ``what``, past ``timeout_s`` (a hang); a rank's exception is raised here."""
+    ranks = torch.multiprocessing.start_processes(
+        rank_fn, args, nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise TimeoutError(
+                f"the {world} {what} ranks did not finish in {timeout_s / 60:.0f} minutes: a hang"
+            )

@@ -482,8 +482,8 @@ def test_plan_prints_the_plan_its_alternatives_and_the_code(monkeypatch):
 @pytest.mark.slow  # planning-heavy: every candidate is a sharded simulation
 def test_plan_for_fsdp2_simulates_the_sharded_step_and_prints_its_set_up():
     """``--strategy fsdp2``: every candidate is one rank's FSDP2 step simulated (estimate_memory's), and the
-    code is ModelParallelStrategy with the fully_shard layout, set by hand (AutoFit in a running Trainer
-    does not plan the sharded step)."""
+    code is AutoFitStrategy (which makes the plan and shards), then ModelParallelStrategy with the
+    fully_shard layout set by hand."""
     plan = plan_fit(
         _tiny(), _tokens(32, 32), 10 * 2**20, optimizers=["adamw"], strategy="fsdp2", n_gpus=4, device="cpu",
         cost="flops",
@@ -497,6 +497,10 @@ def test_plan_for_fsdp2_simulates_the_sharded_step_and_prints_its_set_up():
     )  # fmt: skip
     assert plan.estimated_peak == simulated.peak <= plan.limit
     code = plan_code(plan, _tiny(), global_batch=32, optimizers=["adamw"])
-    (by_hand,) = _trainer_calls(code)
+    planned, by_hand = _trainer_calls(code)
+    assert planned["strategy"] == "AutoFitStrategy(budget=10485760, optimizers=['adamw'])"
+    assert planned["devices"] == by_hand["devices"] == 4 and "callbacks" not in planned
     assert by_hand["strategy"] == "ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)"
-    assert "fully_shard(self.model, mesh=mesh)" in code and "AutoFit" not in code.split("# AutoFit")[0]
+    reshard = "" if plan.reshard_after_forward else ", reshard_after_forward=False"
+    assert f"fully_shard(self.model, mesh=mesh{reshard})" in code
+    assert "AutoFit(" not in code

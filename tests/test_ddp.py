@@ -13,7 +13,6 @@ import json
 import os
 import re
 import statistics
-import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -23,6 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch.distributed
 from conftest import EncoderLM
+from helpers import spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn.parallel import DistributedDataParallel
 
@@ -244,13 +244,7 @@ def _rank(rank: int, out: Path) -> None:
 def _spawn_ranks(out: Path) -> None:
     for name in SCENARIOS:
         (out / name).mkdir()
-    ranks = torch.multiprocessing.start_processes(_rank, (out,), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 600
-    while not ranks.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            raise TimeoutError("the two DDP ranks did not finish in 10 minutes: a hang")
+    spawn_ranks(_rank, (out,), 2, "DDP")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ test_ddp's do.
 import hashlib
 import json
 import os
-import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -29,6 +28,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch.distributed
+from helpers import spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
@@ -110,7 +110,7 @@ class _Record(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
 
-    def on_train_end(self, trainer, pl_module):
+    def record(self, trainer, pl_module) -> dict:
         digest = hashlib.sha256()
         for p in pl_module.parameters():
             digest.update(p.to_local().detach().contiguous().numpy().tobytes())
@@ -123,6 +123,10 @@ class _Record(pl.Callback):
                 "disabled": self.monitor._disabled,
                 "buffers": storage_bytes(pl_module.buffers()),
             }
+        return record
+
+    def on_train_end(self, trainer, pl_module):
+        record = self.record(trainer, pl_module)
         (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -186,15 +190,7 @@ def run_ranks(out: Path, world: int) -> None:
     build_counting_allocator()  # compiled here once, not by every rank at the same time
     for name in [*SCENARIOS, "unwatched", "mixed"]:
         (out / name).mkdir(parents=True)
-    ranks = torch.multiprocessing.start_processes(
-        _rank, (out, world), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 600
-    while not ranks.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            raise TimeoutError(f"the {world} FSDP ranks did not finish in 10 minutes: a hang")
+    spawn_ranks(_rank, (out, world), world, "FSDP")
 
 
 def read(out: Path, scenario: str, rank: int) -> dict:
@@ -288,13 +284,20 @@ def simulated_rank(world: int, **kwargs) -> int:
 
 @pytest.mark.slow
 @needs_distributed
-@pytest.mark.parametrize(("scenario", "checkpointing"), [("default", None), ("full_checkpointing", "full")])
-def test_the_simulated_sharded_step_is_every_ranks_step(fsdp, scenario, checkpointing):
+@pytest.mark.parametrize(
+    ("scenario", "options"),
+    [
+        ("default", {}),
+        ("full_checkpointing", {"checkpointing": "full"}),
+        ("no_reshard", {"reshard_after_forward": False}),
+    ],
+)
+def test_the_simulated_sharded_step_is_every_ranks_step(fsdp, scenario, options):
     """``estimate_memory(strategy="fsdp2", world_size=N)``, in this one process, against every real rank's
     allocator: the first step (no optimizer state yet) and the steady one, within 1 %."""
     world, out = fsdp
-    first = simulated_rank(world, first_step=True, checkpointing=checkpointing)
-    steady = simulated_rank(world, checkpointing=checkpointing)
+    first = simulated_rank(world, first_step=True, **options)
+    steady = simulated_rank(world, **options)
     for rank in range(world):
         truth = per_step_truth(read(out, scenario, rank), 1)
         assert first == pytest.approx(truth[0], rel=0.01)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
@@ -80,6 +80,13 @@ def sharding(trainer: pl.Trainer) -> tuple[str, int]:
         if "HYBRID" in mode or "NO_SHARD" in mode:  # hybrid shards within a node only: read as unsharded
             return "ddp", ranks
         return ("zero2" if "SHARD_GRAD_OP" in mode else "fsdp"), ranks
+    if kind == "ModelParallelStrategy" or isinstance(strategy, ModelParallelStrategy):
+        # FSDP2 when every rank is in the data-parallel dimension (no tensor parallelism): the layout
+        # Lightning documents, fully_shard in configure_model, which runs after the callbacks' setup
+        mesh = getattr(strategy, "_device_mesh", None)
+        names = mesh.mesh_dim_names or () if mesh is not None else ()
+        if "data_parallel" in names and mesh["data_parallel"].size() == ranks:
+            return "fsdp2", ranks
     return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
 
 

@@ -49,8 +49,10 @@ second fit, with the same AutoFit or a module loaded from the checkpoint, plans 
 Resume. The plan is saved with the callback's state; a resumed run installs the saved plan (its optimizer
 among it) before the optimizers are built, so the checkpoint's optimizer state loads into the same optimizer.
 Strategies that restore callbacks after building the optimizers (``restore_checkpoint_after_setup``: FSDP,
-DeepSpeed) must plan the same again; a different plan raises. At the end of the fit the module gets its
-own hooks, blocks and ``configure_optimizers`` back; the plan stays in `plan`.
+DeepSpeed, ModelParallelStrategy) must plan the same again; a different plan raises, except under
+`AutoFitStrategy`, which rebuilds the optimizers for the saved plan before their state is loaded. At the
+end of the fit the module gets its own hooks, blocks and ``configure_optimizers`` back; the plan stays in
+`plan`.
 
 Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit/accumulate_grad_batches``,
 ``autofit/estimated_peak_mib`` (MiB, 2**20 bytes).
@@ -386,7 +388,10 @@ class AutoFit(Callback):
         saved = FitPlan.from_dict(state_dict["plan"]) if state_dict.get("plan") else None
         if saved is None or saved == self.plan:
             return
-        if self._target is not None and self._target[0].strategy.restore_checkpoint_after_setup:
+        late = self._target is not None and self._target[0].strategy.restore_checkpoint_after_setup
+        # AutoFitStrategy installs a saved plan after it built the optimizers: it rebuilds them
+        adopt = getattr(self._target[0].strategy, "_adopt_plan", None) if late else None
+        if late and adopt is None:
             strategy = type(self._target[0].strategy).__name__
             planned = self.plan.summary() if self.plan else "nothing"
             raise RuntimeError(
@@ -397,6 +402,8 @@ class AutoFit(Callback):
         self.plan = saved
         if self._target is not None:
             self._install(saved)
+            if adopt is not None:
+                adopt(saved)
             rank_zero_info(f"AutoFit: resumed with the saved plan: {saved.summary()}")
 
 

@@ -1,0 +1,186 @@
+"""AutoFitStrategy: FSDP2 (Lightning's ``ModelParallelStrategy``) that shards, checkpoints and sizes the run
+so that every rank's step fits a budget.
+
+One planner. The plan is `AutoFit`'s (`plan_fit`), made for one rank's FSDP2 step simulated on fake tensors
+over a fake process group of the run's world size (`estimate_memory`'s ``strategy="fsdp2"``): micro-batch
+and accumulation, checkpointing, the optimizer and, on top, ``reshard_after_forward`` (``False``, no
+all-gather in backward, where that still fits). The strategy adds an `AutoFit` callback to the Trainer (its
+``setup("fit")`` runs after the datamodule's and before ``configure_model``), so the plan is made on global
+rank 0, broadcast, printed, logged and kept in the checkpoint as AutoFit's is; this module then shards the
+model the way the plan simulated it.
+
+The sharding. After ``configure_model``, unless the user's own ``configure_model`` applied ``fully_shard``
+(then their layout is kept, and a warning names where it differs from the one planned): ``fully_shard`` on
+each repeated block `find_blocks` finds, then on the smallest module holding every parameter (a
+LightningModule's ``self.model``), over every rank (``data_parallel_size`` is the world size, no tensor
+parallelism), with the plan's ``reshard_after_forward``. Checkpointing is applied before the sharding, as
+torchtitan orders it. ``configure_model`` need not be overridden.
+
+Resume. The plan is in the checkpoint (AutoFit's state). ``ModelParallelStrategy`` restores callbacks after
+it built the optimizers, so a resumed run plans first; where the saved plan differs (a new budget), the
+saved one is installed over it before the optimizer state is loaded: its batch size, accumulation,
+checkpointing, ``reshard_after_forward`` and optimizer (rebuilt).
+
+Not planned (yet): CPU offload (``CPUOffloadPolicy``) and FSDP2's ``MixedPrecisionPolicy``: with
+``bf16-mixed`` the Trainer's autocast computes in bf16 and FSDP2 communicates in fp32, which is what the
+simulation models. A budget that nothing fits is refused at ``setup`` with AutoFit's figures (the static
+floor, the leanest plan's peak, and the number of FSDP ranks or the GPU that fits).
+
+Registered as ``"autofit"`` (``Trainer(strategy="autofit")``, ``--trainer.strategy autofit`` in LightningCLI,
+once ``lightning_memkit`` is imported), with the budget ``"auto"`` (the current CUDA device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_memkit import _fsdp2
+from lightning_memkit._blocks import find_blocks
+from lightning_memkit._checkpointing import CHECKPOINT_MODES
+from lightning_memkit._fitplan import FitPlan
+from lightning_memkit.callbacks.auto_fit import AutoFit
+
+__all__ = ["AutoFitStrategy"]
+
+
+class AutoFitStrategy(ModelParallelStrategy):
+    """FSDP2 over every rank, with the sharding, checkpointing, micro-batch, accumulation and optimizer
+    planned so that each rank's step fits ``budget``.
+
+    Args:
+        budget: per rank, as `AutoFit`'s: bytes, ``"80GB"``, a GPU name (``"H100-80GB"``), a fraction of
+            the current CUDA device or ``"auto"`` (it). On CPU give a size.
+        margin, batch_size_attr, optimizers, checkpointing: as `AutoFit`'s.
+        cost: the throughput model (`plan_fit`'s); ``"flops"`` by default, so that a resumed run plans what
+            the first one planned.
+        save_distributed_checkpoint, process_group_backend, timeout: ``ModelParallelStrategy``'s.
+    """
+
+    strategy_name = "autofit"
+
+    def __init__(
+        self,
+        budget: int | float | str = "auto",
+        *,
+        margin: float = 0.1,
+        batch_size_attr: str = "batch_size",
+        optimizers: Sequence[str] | None = None,
+        checkpointing: Sequence[str] = CHECKPOINT_MODES,
+        cost: str = "flops",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        #: the planner: added to the Trainer's callbacks when the strategy is connected
+        self.autofit = AutoFit(
+            budget,
+            margin=margin,
+            batch_size_attr=batch_size_attr,
+            optimizers=optimizers,
+            checkpointing=checkpointing,
+            cost=cost,
+        )
+        #: the FSDP2 units, as sharded (parents after their children), once set up
+        self.units: list[str] = []
+
+    @property
+    def plan(self) -> FitPlan | None:
+        """The plan the run trains with (`AutoFit.plan`), once planned."""
+        return self.autofit.plan
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        trainer = model._trainer
+        if trainer is None or any(c is self.autofit for c in trainer.callbacks):
+            return
+        if any(isinstance(c, AutoFit) for c in trainer.callbacks):
+            raise ValueError(
+                "AutoFitStrategy plans what the AutoFit callback plans (micro-batch, accumulation, "
+                "checkpointing, optimizer), on the sharded step: remove AutoFit from the Trainer's "
+                "callbacks, and give its arguments to AutoFitStrategy(...)."
+            )
+        trainer.callbacks.append(self.autofit)
+
+    def setup_environment(self) -> None:
+        # Every rank in the one data-parallel dimension: FSDP2 over the world, no tensor parallelism.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the model as planned, then what ``ModelParallelStrategy.setup`` does (materialize, convert,
+        move, build the optimizers), without asking for a ``configure_model``."""
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._shard(self.lightning_module)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, module: pl.LightningModule) -> None:
+        plan = self.autofit.plan
+        reshard = True if plan is None or plan.reshard_after_forward is None else plan.reshard_after_forward
+        planned = [name for name, _ in find_blocks(module)]
+        if _fsdp2.is_sharded(module):  # the user's own fully_shard in configure_model: kept
+            self.units = _fsdp2.units(module)
+            expected = [*planned, _fsdp2.root_name(module)]
+            if sorted(self.units) != sorted(expected):
+                rank_zero_warn(
+                    f"AutoFitStrategy: configure_model sharded {_names(self.units)}; the plan simulated "
+                    f"fully_shard on {_names(expected)}: its figures are for that layout. Leave the "
+                    "sharding to AutoFitStrategy (remove fully_shard from configure_model) to train as "
+                    "planned."
+                )
+            return
+        mesh = self.device_mesh["data_parallel"]
+        self.units = _fsdp2.shard_layout(module, mesh, planned, reshard_after_forward=reshard)
+        rank_zero_info(
+            f"AutoFitStrategy: fully_shard on {_names(self.units)} over {mesh.size()} ranks, "
+            f"reshard_after_forward={reshard}"
+        )
+
+    def _adopt_plan(self, plan: FitPlan) -> None:
+        """After `AutoFit` installed a saved ``plan`` over the fresh one (a resume): its
+        ``reshard_after_forward`` on every unit, and the optimizers rebuilt (the checkpoint's state is
+        loaded into them next)."""
+        module = self.lightning_module
+        if plan.reshard_after_forward is not None:
+            for name in self.units:
+                module.get_submodule(name).set_reshard_after_forward(plan.reshard_after_forward)
+        trainer = module.trainer
+        self.setup_optimizers(trainer)
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="FSDP2 sharded, checkpointed and sized to fit the CUDA device (lightning_memkit)",
+        )
+
+
+def _names(units: Sequence[str]) -> str:
+    shown = [f"`{name or 'the LightningModule'}`" for name in units]
+    return ", ".join(shown) if len(shown) <= 4 else f"{', '.join(shown[:3])}, ... ({len(shown)} units)"

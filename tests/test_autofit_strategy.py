@@ -1,0 +1,274 @@
+"""AutoFitStrategy on 2 gloo CPU ranks: FSDP2 planned to fit a budget, against each rank's allocator.
+
+The model is test_fsdp's Hugging Face LLaMA (a random tiny config, an unevenly sharded vocabulary) in a
+LightningModule that does not shard itself: the strategy finds the decoder layers, plans on rank 0 (one
+rank's FSDP2 step simulated over a fake process group beside the job's own) and shards. The truth is the CPU
+allocator's count in every thread (`counting_allocator`), as in test_fsdp. The ranks start once per test
+session and run every `RUNS` entry in turn.
+"""
+
+import json
+import os
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import test_fsdp as fsdp_test
+import torch.distributed
+from helpers import spawn_ranks
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from test_ddp import needs_distributed
+from test_fsdp import STEPS, ShardedLlama, llama
+from zoo import ZooModule
+
+from lightning_memkit import AutoFit, AutoFitStrategy, parse_bytes
+from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
+
+pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes at a time
+
+WORLD = 2
+BATCH, SEQ = 4, 32  # the user's batch size a rank: the plan's global batch is BATCH x WORLD
+
+
+class Llama(ZooModule):
+    """The LLaMA in a LightningModule with no ``configure_model``: AutoFitStrategy shards it."""
+
+    def __init__(self, batch_size: int = BATCH):
+        super().__init__("qwen2", batch_size=batch_size, seq_len=SEQ, n_batches=4 * STEPS * WORLD)
+        self.model = llama()
+
+
+class SameSharding(Llama):
+    """Llama sharded by hand as AutoFitStrategy shards it (each decoder layer, then ``self.model``)."""
+
+    def __init__(self, reshard_after_forward: bool):
+        super().__init__()
+        self.reshard_after_forward = reshard_after_forward
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+
+
+class _Record(fsdp_test._Record):
+    """test_fsdp's record (losses, local shards' digest) with the allocator's peaks (per batch), the plan
+    and what it installed."""
+
+    def __init__(self, out: Path, peaks: AllocatorPeaks) -> None:
+        super().__init__(out, peaks, None)
+
+    def record(self, trainer, pl_module) -> dict:
+        strategy = trainer.strategy
+        return super().record(trainer, pl_module) | {
+            "allocator": self.peaks.peaks,
+            "plan": strategy.plan.as_dict() if isinstance(strategy, AutoFitStrategy) else None,
+            "units": getattr(strategy, "units", None),
+            "optimizer": type(trainer.optimizers[0]).__name__,
+            "batch_size": pl_module.hparams.batch_size,
+            "accumulate": trainer.accumulate_grad_batches,
+        }
+
+
+def _fit(out: Path, strategy, module, *, max_steps=STEPS, ckpt_path=None, save=None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    peaks = AllocatorPeaks(all_threads=True)
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=max_steps, log_every_n_steps=1,
+        strategy=strategy, logger=CSVLogger(out, name="autofit"),
+        callbacks=[*peaks.around(), _Record(out, peaks)], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, ckpt_path=ckpt_path)
+    (out / f"warnings_{trainer.global_rank}.json").write_text(json.dumps([str(w.message) for w in caught]))
+    if save is not None:
+        trainer.save_checkpoint(save)
+
+
+def _refused(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = pl.Trainer(
+        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=1, logger=False,
+        strategy=AutoFitStrategy(budget="200KiB"), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(Llama())
+    except ValueError as error:
+        (out / f"error_{trainer.global_rank}.txt").write_text(str(error))
+
+
+def _resume(out: Path) -> None:
+    """Two steps under a roomy budget, saved; resumed under a tight one: the saved plan goes on."""
+    checkpoint = out / "first.ckpt"
+    _fit(out / "first", AutoFitStrategy(budget="1GiB"), Llama(), max_steps=2, save=checkpoint)
+    _fit(out / "resumed", AutoFitStrategy(budget="900KiB"), Llama(), ckpt_path=checkpoint)
+
+
+#: name -> what one rank runs, in this order
+RUNS = {
+    "900KiB": lambda out: _fit(out, AutoFitStrategy(budget="900KiB"), Llama()),
+    "600KiB": lambda out: _fit(out, AutoFitStrategy(budget="600KiB"), Llama()),
+    "roomy": lambda out: _fit(out, AutoFitStrategy(budget="1GiB"), Llama()),
+    "by_hand": lambda out: _fit(
+        out, ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1), SameSharding(False)
+    ),
+    "own_sharding": lambda out: _fit(out, AutoFitStrategy(budget="1GiB"), ShardedLlama(WORLD)),
+    "refused": _refused,
+    "resume": _resume,
+}
+
+
+def _rank(rank: int, out: Path) -> None:
+    counting_allocator()
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD,
+        timeout=timedelta(minutes=3),
+    )  # fmt: skip
+    for name, run in RUNS.items():
+        try:
+            run(out / name)
+        except Exception:
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / f"crash_{rank}.txt").write_text(traceback.format_exc())
+    torch.distributed.destroy_process_group()
+
+
+def run_ranks(out: Path) -> None:
+    build_counting_allocator()
+    spawn_ranks(_rank, (out,), WORLD, "AutoFitStrategy")
+
+
+def read(folder: Path, rank: int) -> dict:
+    crashes = [p.read_text() for p in sorted(folder.glob("crash_*.txt"))]
+    assert not crashes, "\n".join(crashes)
+    return json.loads((folder / f"rank_{rank}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(once):
+    return once("autofit_strategy", run_ranks)
+
+
+# --- the tests ---------------------------------------------------------------------------------------
+
+
+def test_the_strategy_is_registered_by_name():
+    """``Trainer(strategy="autofit")`` (and LightningCLI's ``--trainer.strategy autofit``) reach it."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="autofit", logger=False)
+    assert isinstance(trainer.strategy, AutoFitStrategy)
+    assert trainer.strategy.autofit.budget == "auto"
+
+
+@pytest.mark.slow
+@needs_distributed
+@pytest.mark.parametrize("budget", ["900KiB", "600KiB"])
+def test_every_rank_fits_the_budget_it_was_planned_for(runs, budget):
+    """Every rank's every step within the budget, by the allocator (the plan keeps its estimate under the
+    limit, the budget less the 10 % margin: on gloo an all-gather sometimes stages a copy in its worker
+    thread, unseen by any op, which the margin is for); the steady step is the plan's estimate within 1 %;
+    the plan is the same on every rank, and installed."""
+    limit = int(parse_bytes(budget) * 0.9)
+    plans = []
+    for rank in range(WORLD):
+        record = read(runs / budget, rank)
+        plan = record["plan"]
+        plans.append(plan)
+        assert record["global_step"] == STEPS and plan["n_gpus"] == WORLD and plan["strategy"] == "fsdp2"
+        assert plan["limit"] == limit and plan["estimated_peak"] <= limit
+        assert max(record["allocator"]) <= parse_bytes(budget), f"rank {rank}: {record['allocator']}"
+        assert record["allocator"][-1] == pytest.approx(plan["estimated_peak"], rel=0.01)
+        assert (
+            record["batch_size"] == plan["micro_batch_size"]
+            and record["accumulate"] == (plan["accumulate_grad_batches"])
+        )
+        assert record["units"] == ["model.model.layers.0", "model.model.layers.1", "model"]
+    assert plans[0] == plans[1]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_a_tighter_budget_gets_a_leaner_plan(runs):
+    """What the tighter budget changed (micro-batch or checkpointing), not only the figure."""
+    roomy, tight = read(runs / "900KiB", 0)["plan"], read(runs / "600KiB", 0)["plan"]
+    assert tight["estimated_peak"] < roomy["estimated_peak"]
+    assert (tight["micro_batch_size"], tight["checkpointing"]) != (
+        roomy["micro_batch_size"],
+        roomy["checkpointing"],
+    )
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_a_plan_that_changes_nothing_trains_as_plain_fsdp2(runs):
+    """A roomy budget plans the user's micro-batch, no checkpointing, their optimizer, and no resharding
+    after forward: the run is bit-identical (losses and local shards, every rank) to ModelParallelStrategy
+    with the same fully_shard calls by hand."""
+    for rank in range(WORLD):
+        planned, by_hand = read(runs / "roomy", rank), read(runs / "by_hand", rank)
+        plan = planned["plan"]
+        assert (plan["micro_batch_size"], plan["accumulate_grad_batches"]) == (BATCH, 1)
+        assert plan["checkpointing"] == "none" and plan["reshard_after_forward"] is False
+        assert planned["optimizer"] == by_hand["optimizer"] == "AdamW"
+        assert planned["losses"] == by_hand["losses"] and len(planned["losses"]) == STEPS
+        assert planned["parameters"] == by_hand["parameters"]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_a_users_own_sharding_is_kept_and_the_difference_named(runs):
+    """ShardedLlama applies fully_shard itself (its layers, then the LightningModule): kept, and a warning
+    (rank 0 only) says the plan simulated the layers and ``self.model``."""
+    for rank in range(WORLD):
+        record = read(runs / "own_sharding", rank)
+        assert record["units"] == ["model.model.layers.0", "model.model.layers.1", ""]
+        assert record["global_step"] == STEPS
+        said = [w for w in json.loads((runs / "own_sharding" / f"warnings_{rank}.json").read_text())]
+        hints = [w for w in said if "configure_model sharded" in w]
+        assert len(hints) == (rank == 0), said
+        if rank == 0:
+            assert "`model`" in hints[0] and "`the LightningModule`" in hints[0]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_a_budget_nothing_meets_is_refused_on_every_rank_with_the_figures(runs):
+    for rank in range(WORLD):
+        error = (runs / "refused" / f"error_{rank}.txt").read_text()
+        assert "No plan fits 180.00 KiB" in error and "Static floor" in error and "peaks at" in error
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_a_resumed_run_trains_on_with_the_saved_plan(runs):
+    """The checkpoint keeps the plan: resumed under a tighter budget (whose own plan differs), the run
+    installs the saved one over it (micro-batch, accumulation, reshard_after_forward, the optimizer rebuilt
+    before its state loads) and finishes its steps."""
+    tight = read(runs / "900KiB", 0)["plan"]
+    for rank in range(WORLD):
+        first, resumed = read(runs / "resume" / "first", rank), read(runs / "resume" / "resumed", rank)
+        assert first["global_step"] == 2 and resumed["global_step"] == STEPS
+        assert resumed["plan"] == first["plan"] != tight
+        assert resumed["batch_size"] == first["plan"]["micro_batch_size"]
+        assert len(resumed["losses"]) == STEPS - 2
+
+
+def test_the_strategy_and_the_callback_do_not_plan_twice():
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=AutoFitStrategy(budget="1GiB"), callbacks=[AutoFit("1GiB")],
+        logger=False, max_steps=1, enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="remove AutoFit from the Trainer's callbacks"):
+        trainer.fit(Llama())
