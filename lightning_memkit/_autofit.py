@@ -147,10 +147,7 @@ class _Search:
         self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
 
     def refining(self) -> bool:
-        """Whether there is time left to plan checkpointing block by block (never on the sharded FSDP2
-        step: the planner measures its blocks on one device; uniform modes are simulated sharded)."""
-        if self.strategy == "fsdp2":
-            return False
+        """Whether there is time left to plan checkpointing block by block."""
         late = self.refine_seconds is not None and time.perf_counter() - self.started > self.refine_seconds
         self.unrefined |= late
         return not late
@@ -239,6 +236,7 @@ class _Search:
                         # simulation takes seconds (a 7B model's)
                         max_rounds=1 if self.seconds / max(len(self.cache), 1) > SLOW_SIMULATION_S else 3,
                         **self.levers,
+                        **self.sharding,  # FSDP2: every plan's step simulated sharded
                     )
             finally:
                 self.seconds += time.perf_counter() - start
@@ -413,7 +411,7 @@ def plan_fit(
         strategy, n_gpus: shard one rank's step (``"ddp"``, ``"fsdp"``, ``"zero1"`` to ``"zero3"``,
             ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``: the whole step divided); the batch is split
             across ranks. ``"fsdp2"``: one rank's FSDP2 step simulated (`estimate_memory`'s
-            ``strategy="fsdp2"``), every block given the same checkpointing mode.
+            ``strategy="fsdp2"``), checkpointing planned block by block on it.
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.

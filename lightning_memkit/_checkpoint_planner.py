@@ -185,7 +185,8 @@ def plan_checkpointing(
         device: the device type the run will use, ``"cuda"`` or ``"cpu"`` (default: the model's; ``"cuda"``
             for a model on the meta device).
         estimate_kwargs: passed to `estimate_memory`: ``optimizer``, ``loss_fn``, ``precision``,
-            ``accumulating``.
+            ``accumulating``; ``strategy="fsdp2"`` and ``world_size``: the plan fits one rank's FSDP2 step
+            (the blocks' costs are profiled on one device, every plan's step simulated sharded).
 
     Returns:
         A `CheckpointPlan`; ``print(plan)`` shows it as a table. Apply it with `apply_checkpointing`.
@@ -244,8 +245,12 @@ class CheckpointPlanner:
         # Hugging Face's key/value cache off: every plan that checkpoints a block runs so (apply_checkpointing
         # turns it off), and the block options are only read for such plans.
         profiler = BlockProfiler(found, self.levels, rounding=allocation_rounding(target))
+        # A sharded step (``strategy="fsdp2"``) runs on a sharded copy the profiler's hooks are not on: the
+        # blocks are profiled on one device (their activations are a rank's either way), and every plan's
+        # step is simulated sharded.
+        unsharded = {k: v for k, v in self.estimate_kwargs.items() if k not in ("strategy", "world_size")}
         with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
-            self._estimate()
+            estimate_memory(model, batch, **unsharded)
         if not profiler.order:
             raise ValueError(f"None of the {len(found)} candidate blocks ran in the training step.")
         timer = OpTimer(target) if cost == "time" else None

@@ -25,7 +25,7 @@ from test_ddp import needs_distributed
 from test_fsdp import STEPS, ShardedLlama, llama
 from zoo import ZooModule
 
-from lightning_memkit import AutoFit, AutoFitStrategy, parse_bytes
+from lightning_memkit import ActivationCheckpointing, AutoFit, AutoFitStrategy, parse_bytes
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
 pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes at a time
@@ -70,6 +70,9 @@ class _Record(fsdp_test._Record):
         return super().record(trainer, pl_module) | {
             "allocator": self.peaks.peaks,
             "plan": strategy.plan.as_dict() if isinstance(strategy, AutoFitStrategy) else None,
+            "callback_plans": {
+                type(c).__name__: c.plan.as_dict() for c in trainer.callbacks if getattr(c, "plan", None)
+            },
             "units": getattr(strategy, "units", None),
             "optimizer": type(trainer.optimizers[0]).__name__,
             "batch_size": pl_module.hparams.batch_size,
@@ -77,14 +80,14 @@ class _Record(fsdp_test._Record):
         }
 
 
-def _fit(out: Path, strategy, module, *, max_steps=STEPS, ckpt_path=None, save=None) -> None:
+def _fit(out: Path, strategy, module, *, max_steps=STEPS, ckpt_path=None, save=None, callbacks=()) -> None:
     out.mkdir(parents=True, exist_ok=True)
     peaks = AllocatorPeaks(all_threads=True)
     torch.manual_seed(0)
     trainer = pl.Trainer(
         default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=max_steps, log_every_n_steps=1,
         strategy=strategy, logger=CSVLogger(out, name="autofit"),
-        callbacks=[*peaks.around(), _Record(out, peaks)], enable_progress_bar=False,
+        callbacks=[*callbacks, *peaks.around(), _Record(out, peaks)], enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
@@ -115,15 +118,22 @@ def _resume(out: Path) -> None:
     _fit(out / "resumed", AutoFitStrategy(budget="900KiB"), Llama(), ckpt_path=checkpoint)
 
 
+def _plain() -> ModelParallelStrategy:
+    return ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+
+
 #: name -> what one rank runs, in this order
 RUNS = {
     "900KiB": lambda out: _fit(out, AutoFitStrategy(budget="900KiB"), Llama()),
     "600KiB": lambda out: _fit(out, AutoFitStrategy(budget="600KiB"), Llama()),
     "roomy": lambda out: _fit(out, AutoFitStrategy(budget="1GiB"), Llama()),
-    "by_hand": lambda out: _fit(
-        out, ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1), SameSharding(False)
-    ),
+    "by_hand": lambda out: _fit(out, _plain(), SameSharding(False)),
     "own_sharding": lambda out: _fit(out, AutoFitStrategy(budget="1GiB"), ShardedLlama(WORLD)),
+    # the callbacks in a plain FSDP2 run plan the sharded step too
+    "autofit_callback": lambda out: _fit(out, _plain(), SameSharding(True), callbacks=[AutoFit("900KiB")]),
+    "checkpointing_callback": lambda out: _fit(
+        out, _plain(), SameSharding(True), callbacks=[ActivationCheckpointing(budget="900KiB", cost="flops")]
+    ),
     "refused": _refused,
     "resume": _resume,
 }
@@ -263,6 +273,29 @@ def test_a_resumed_run_trains_on_with_the_saved_plan(runs):
         assert resumed["plan"] == first["plan"] != tight
         assert resumed["batch_size"] == first["plan"]["micro_batch_size"]
         assert len(resumed["losses"]) == STEPS - 2
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_autofit_and_activation_checkpointing_plan_the_sharded_step_under_model_parallel(runs):
+    """Under plain ModelParallelStrategy (the user's fully_shard), AutoFit and ActivationCheckpointing plan
+    one rank's FSDP2 step: every rank within the budget by the allocator, the steady step the plan's
+    figure within 1 %."""
+    budget = parse_bytes("900KiB")
+    for rank in range(WORLD):
+        fit = read(runs / "autofit_callback", rank)
+        plan = fit["callback_plans"]["AutoFit"]
+        assert plan["strategy"] == "fsdp2" and plan["n_gpus"] == WORLD
+        assert max(fit["allocator"]) <= budget
+        assert (fit["batch_size"], fit["accumulate"]) == (
+            plan["micro_batch_size"],
+            plan["accumulate_grad_batches"],
+        )
+        checkpointed = read(runs / "checkpointing_callback", rank)
+        plan = checkpointed["callback_plans"]["ActivationCheckpointing"]
+        assert {block["policy"] for block in plan["blocks"]} - {"none"}, plan  # it had to checkpoint
+        assert max(checkpointed["allocator"]) <= budget
+        assert checkpointed["allocator"][-1] == pytest.approx(plan["peak"], rel=0.01)
 
 
 def test_the_strategy_and_the_callback_do_not_plan_twice():

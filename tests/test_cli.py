@@ -492,7 +492,7 @@ def test_plan_for_fsdp2_simulates_the_sharded_step_and_prints_its_set_up():
     micro = [t[: plan.micro_batch_size] for t in batch]
     simulated = estimate_memory(
         _tiny(), micro, optimizer="adamw", device="cpu", strategy="fsdp2", world_size=4,
-        checkpointing=None if plan.checkpointing == "none" else plan.checkpointing,
+        checkpointing=plan.checkpoint_plan or plan.checkpointing,
         accumulating=plan.accumulate_grad_batches > 1,
     )  # fmt: skip
     assert plan.estimated_peak == simulated.peak <= plan.limit

@@ -32,6 +32,7 @@ from lightning_memkit.callbacks._trainer import (
     fsdp_checkpointing,
     on_rank_zero,
     precision,
+    sharding,
     step_levers,
 )
 
@@ -72,7 +73,10 @@ class ActivationCheckpointing(Callback):
     (Lightning calls ``setup`` before it loads callback states, so a resumed run plans once and then
     switches to the saved plan in ``load_state_dict``, before the optimizer state is restored).
 
-    Strategies: DDP and single-device runs use the in-place wrapping. ``FSDPStrategy`` wraps the model
+    Strategies: DDP and single-device runs use the in-place wrapping. Under FSDP2 (``ModelParallelStrategy``
+    over every rank, ``fully_shard`` in ``configure_model``, which runs after this ``setup``: apply no
+    checkpointing of your own there) the plan fits one rank's sharded step, simulated with each block and
+    then the model sharded (`estimate_memory`'s ``strategy="fsdp2"``). ``FSDPStrategy`` wraps the model
     itself: full checkpointing without a budget is handed to it in its own form (as if it had been built
     with ``activation_checkpointing_policy={BlockClass}``), selective checkpointing is applied in place
     (FSDPStrategy's own form has no selective variant), and a budget is refused, because the simulated
@@ -210,6 +214,9 @@ class ActivationCheckpointing(Callback):
                 "percent of compute) or policy='full' (the least memory, ~+33 % compute)."
             )
         budget = self.budget
+        strategy, ranks = sharding(trainer)
+        # FSDP2 (ModelParallelStrategy): one rank's sharded step, simulated over a fake process group
+        sharded = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
 
         def decide() -> dict[str, Any]:
             # DDP's all-reduce buckets are there all along: what is left is the step's to fit in.
@@ -231,6 +238,7 @@ class ActivationCheckpointing(Callback):
                     precision=precision(trainer),
                     accumulating=accumulates(trainer),
                     **step_levers(trainer),
+                    **sharded,
                 ).as_dict()
 
         return CheckpointPlan.from_dict(on_rank_zero(trainer, decide, "Planning activation checkpointing"))
