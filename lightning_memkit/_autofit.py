@@ -538,7 +538,11 @@ def plan_fit(
     options = _fastest(search, step_cost, sizes, levels, opt, prec, limit, G)
     best = min(options)
     reshard = None
-    if search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
+    out_of_time = refine_seconds is not None and time.perf_counter() - search.started > refine_seconds
+    if search.sharding and out_of_time:  # no time left for one more simulation: FSDP2's default
+        reshard = True
+        note = f"{note}; reshard_after_forward=False not tried (past {refine_seconds:g} s)".lstrip("; ")
+    elif search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
         kept = search.estimate(
             best.m, best.plan or best.label, optimizer=opt, precision=prec, reshard_after_forward=False
         )
