@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_memkit import _fsdp2
 from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
@@ -142,6 +143,8 @@ class _Search:
         self.seconds = 0.0
         self.progress = progress
         self.started = time.perf_counter()
+        #: FSDP2's CPUOffloadPolicy: the sharded parameters and optimizer state on the host (`offloaded`)
+        self.cpu_offload = False
         #: planning seconds after which no checkpointing planner is started (`plan_fit`'s refine_seconds)
         self.refine_seconds: float | None = None
         self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
@@ -204,11 +207,30 @@ class _Search:
         return self.cache[key]
 
     def per_rank(self, breakdown: MemoryBreakdown, precision: str) -> MemoryBreakdown:
-        """One rank's share of a whole step's ``breakdown`` (`shard`); FSDP2's is simulated as one rank's."""
+        """One rank's share of a whole step's ``breakdown`` (`shard`); FSDP2's is simulated as one rank's
+        (with `cpu_offload`, what stays on the device)."""
         if self.sharding:
-            return breakdown
+            return self.offloaded(breakdown, precision) if self.cpu_offload else breakdown
         grads = self._static(None, precision).gradients
         return shard(breakdown, self.strategy, self.n_gpus, gradient_bytes=grads)
+
+    def offloaded(self, breakdown: MemoryBreakdown, precision: str) -> MemoryBreakdown:
+        """What of one rank's FSDP2 step stays on the device under ``CPUOffloadPolicy``: the sharded
+        parameters and the optimizer state live on the host (the optimizer steps there), and a unit's shard
+        is copied to the device before its all-gather (counted as temporary, the largest unit's). An upper
+        bound, not a simulation: the sharded gradients, which the policy moves to the host after their
+        reduce-scatter, are still counted where the simulated step held them."""
+        itemsize = 2 if sixteen_bit_weights(precision) else None
+        world = self.n_gpus
+        shards = _fsdp2.shard_bytes(self.model, world, itemsize)
+        blocks = [name for name, _ in find_blocks(self.model)]
+        in_flight = _fsdp2.largest_unit_shard(self.model, blocks, world, itemsize)
+        return dataclasses.replace(
+            breakdown,
+            parameters=max(breakdown.parameters - shards, 0),
+            optimizer_state=0,
+            temporary=breakdown.temporary + in_flight,
+        )
 
     def planner(
         self, m: int, levels: tuple[str, ...], optimizer: str | None, precision: str
@@ -306,7 +328,7 @@ class _Search:
 
     def static(self, optimizer: str | None, precision: str) -> int:
         """A lower bound of the peak: sharded parameters + gradients + optimizer state, no simulation."""
-        if optimizer is None:
+        if optimizer is None or self.cpu_offload:
             return 0
         try:
             return shard(self._static(optimizer, precision), self.strategy, self.n_gpus).static
@@ -339,7 +361,15 @@ def static_floor(
     arguments: no plan fits a limit below it. No simulation; ``None`` when no pair would be planned."""
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
     levers = {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload}
-    search = _Search(model, None, None, "cuda", strategy if n_gpus > 1 else "ddp", n_gpus, levers=levers)
+    search = _Search(
+        model,
+        None,
+        None,
+        "cuda",
+        strategy if n_gpus > 1 or strategy == "fsdp2" else "ddp",
+        n_gpus,
+        levers=levers,
+    )
     candidates, _ = _candidates(model, optimizers, strategy, n_gpus)
     pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)
     return min((search.static(o, p) for o, p in pairs), default=None)
@@ -392,6 +422,7 @@ def plan_fit(
     offload: bool = False,
     compensate: bool = True,
     refine_seconds: float | None = None,
+    cpu_offload: bool | None = False,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -436,6 +467,11 @@ def plan_fit(
             checkpointing plan (a planner costs several simulated steps, seconds each for a 7B model): the
             micro-batches left are planned with every block fully checkpointed, where that was simulated
             already, and `FitPlan.note` says so. ``None``: no limit.
+        cpu_offload: with ``strategy="fsdp2"``, plan for FSDP2's ``CPUOffloadPolicy`` (the sharded
+            parameters, gradients and optimizer state in host memory; `_Search.offloaded`: an upper bound
+            of what stays on the device, not simulated as such). ``None``: only where nothing fits
+            without it (`AutoFitStrategy`, ``memkit plan``). `FitPlan.cpu_offload` and
+            `FitPlan.host_bytes` say so.
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -491,7 +527,7 @@ def plan_fit(
         per_rank,
         loss_fn,
         device,
-        strategy if n_gpus > 1 else "ddp",
+        strategy if n_gpus > 1 or strategy == "fsdp2" else "ddp",
         n_gpus,
         progress,
         {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload},
@@ -516,18 +552,39 @@ def plan_fit(
             "adamw_kahan, sgd_kahan), or a precision with fp32 weights (32-true, bf16-mixed)."
         )
     search.refine_seconds = refine_seconds
+    if cpu_offload and strategy != "fsdp2":
+        raise ValueError(
+            f"cpu_offload is FSDP2's CPUOffloadPolicy: plan it with strategy='fsdp2', not {strategy!r}"
+        )
+    search.cpu_offload = bool(cpu_offload) and strategy == "fsdp2"
     candidates = tuple(dict.fromkeys(o for o, _ in pairs))  # with the Kahan twins, in quality order
     # The pairs in order of preference whose static memory alone is not over the limit (no simulation).
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
     sizes = _runnable(search, sizes, *(viable or pairs)[0])
     chosen = next((p for p in viable if search.peak(sizes[0], levels[-1], *p).peak <= limit), None)
+    if chosen is None and cpu_offload is None and search.sharding:  # nothing fits: offload to the CPU
+        search.cpu_offload = True
+        search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
+        chosen = next((p for p in pairs if search.peak(sizes[0], levels[-1], *p).peak <= limit), None)
+        search.cpu_offload = chosen is not None
+        search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
     if chosen is None:
-        raise ValueError(_infeasible(search, pairs, precisions, levels, limit, budget, margin, total))
+        message = _infeasible(search, pairs, precisions, levels, limit, budget, margin, total)
+        if cpu_offload is None and search.sharding:
+            leanest = search.whole[(search.smallest, levels[-1], *pairs[-1])]
+            offloaded = search.offloaded(leanest, pairs[-1][1]).peak
+            message += (
+                f" With FSDP2's CPU offload (CPUOffloadPolicy) the leanest plan still needs about "
+                f"{format_bytes(offloaded)} a rank."
+            )
+        raise ValueError(message)
 
     opt, prec = chosen
     step_cost = _cost(cost, model, per_rank, loss_fn, device, search, prec, opt)
     G = total // n_gpus
     host, micro, per_step = 0, 0.0, 0.0
+    if search.cpu_offload:  # FSDP2's CPUOffloadPolicy: a rank's shards, their gradients and the state
+        host = shard(model_static(model, prec, opt or "sgd"), "fsdp", n_gpus).static
     if offload:
         static = model_static(model, prec)
         state = model_static(model, "32-true", opt or "sgd").optimizer_state  # on the fp32 masters
@@ -572,6 +629,7 @@ def plan_fit(
         host_bytes=host,
         offload_seconds=per_step + micro * (G // best.m),
         reshard_after_forward=reshard,
+        cpu_offload=search.cpu_offload,
     )
 
 

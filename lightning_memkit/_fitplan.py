@@ -173,6 +173,9 @@ class FitPlan:
         reshard_after_forward: FSDP2's ``fully_shard`` option for every unit (``strategy="fsdp2"``):
             ``False`` where the step fits keeping each unit's parameters gathered from its forward to its
             backward (no all-gather in backward); ``None`` for the other strategies.
+        cpu_offload: FSDP2's ``CPUOffloadPolicy`` (``strategy="fsdp2"``): the sharded parameters, their
+            gradients and the optimizer state in host memory (`host_bytes`, about), because nothing fit
+            without it; its device peak is an upper bound (see `plan_fit`).
     """
 
     micro_batch_size: int
@@ -194,6 +197,7 @@ class FitPlan:
     host_bytes: int = 0
     offload_seconds: float = 0.0
     reshard_after_forward: bool | None = None
+    cpu_offload: bool = False
 
     @property
     def limit(self) -> int:
@@ -276,6 +280,7 @@ class FitPlan:
             host_bytes=data.get("host_bytes", 0),
             offload_seconds=data.get("offload_seconds", 0.0),
             reshard_after_forward=data.get("reshard_after_forward"),
+            cpu_offload=data.get("cpu_offload", False),
         )
 
     def summary(self) -> str:
@@ -292,6 +297,7 @@ class FitPlan:
                 else f", reshard_after_forward={self.reshard_after_forward}"
             )
             + (f"; with {self.lever}" if self.lever else "")
+            + ("; offloaded to the CPU (CPUOffloadPolicy)" if self.cpu_offload else "")
             + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + (
                 f"; transfers and the host's update add about {self.offload_seconds:.2g} s per global batch"

@@ -25,7 +25,9 @@ __all__ = [
     "fake_mesh",
     "fsdp_params",
     "is_sharded",
+    "largest_unit_shard",
     "root_name",
+    "shard_bytes",
     "shard_layout",
     "sharded_copy",
     "sharded_param",
@@ -192,6 +194,26 @@ def root_name(model: nn.Module) -> str:
     """The qualified name of the smallest module holding every parameter (``""``: ``model`` itself)."""
     root = _root(model)
     return next(name for name, module in model.named_modules() if module is root)
+
+
+def shard_bytes(module: nn.Module, world_size: int, itemsize: int | None = None) -> int:
+    """Bytes of one rank's shards of ``module``'s parameters, as ``fully_shard`` cuts them (dim 0, padded
+    to a multiple of ``world_size``), at ``itemsize`` bytes an element (default: the parameter's own)."""
+    total = 0
+    for p in module.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        total += -(-rows // world_size) * (p.numel() // max(rows, 1)) * (itemsize or p.element_size())
+    return total
+
+
+def largest_unit_shard(
+    model: nn.Module, blocks: Sequence[str], world_size: int, itemsize: int | None = None
+) -> int:
+    """The largest of one rank's shards of a unit of the layout `shard_layout` makes: a block's, or the
+    root's own parameters (those in no block)."""
+    per_block = [shard_bytes(model.get_submodule(name), world_size, itemsize) for name in blocks]
+    root = shard_bytes(model, world_size, itemsize) - sum(per_block)
+    return max([root, *per_block])
 
 
 def units(model: nn.Module) -> list[str]:

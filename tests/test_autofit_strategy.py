@@ -23,9 +23,18 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
 from test_fsdp import STEPS, ShardedLlama, llama
-from zoo import ZooModule
+from zoo import ZooModule, zoo_batch
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, AutoFitStrategy, parse_bytes
+from lightning_memkit import (
+    ActivationCheckpointing,
+    AutoFit,
+    AutoFitStrategy,
+    estimate_memory,
+    parse_bytes,
+    plan_fit,
+)
+from lightning_memkit._fsdp2 import shard_bytes
+from lightning_memkit._oom import plan_code
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
 pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes at a time
@@ -305,3 +314,43 @@ def test_the_strategy_and_the_callback_do_not_plan_twice():
     )  # fmt: skip
     with pytest.raises(ValueError, match="remove AutoFit from the Trainer's callbacks"):
         trainer.fit(Llama())
+
+
+# --- CPU offload: planned where nothing else fits (in this process, no ranks) --------------------------
+
+
+def _offload_plan(budget, **kwargs):
+    return plan_fit(
+        Llama(), zoo_batch("qwen2", BATCH * WORLD, SEQ), budget, strategy="fsdp2", n_gpus=WORLD, device="cpu",
+        cost="flops", optimizers=["adamw"], **kwargs,
+    )  # fmt: skip
+
+
+def test_cpu_offload_is_planned_only_where_nothing_else_fits():
+    """A budget the sharded step fits is planned without offload; one it fits only with the shards and the
+    optimizer state on the host gets FSDP2's CPUOffloadPolicy, its device figure the simulated step less
+    those (an upper bound: the gradients still counted), with the host memory it needs; the code says so."""
+    roomy = _offload_plan("600KiB", cpu_offload=None)
+    assert not roomy.cpu_offload and roomy.host_bytes == 0
+    tight = _offload_plan("400KiB", cpu_offload=None)
+    assert tight.cpu_offload and tight.estimated_peak <= tight.limit
+    model = Llama()
+    plan = tight.checkpoint_plan or tight.checkpointing
+    batch = zoo_batch("qwen2", tight.micro_batch_size, SEQ)
+    on_device = estimate_memory(
+        model, batch, device="cpu", strategy="fsdp2", world_size=WORLD, checkpointing=plan,
+        accumulating=tight.accumulate_grad_batches > 1, reshard_after_forward=tight.reshard_after_forward,
+    )  # fmt: skip
+    shards = shard_bytes(model, WORLD)
+    assert tight.estimated_peak < on_device.peak
+    assert tight.estimated_peak >= on_device.peak - shards - on_device.optimizer_state
+    assert tight.host_bytes >= shards
+    assert "offloaded to the CPU" in tight.summary()
+    code = plan_code(tight, model, global_batch=BATCH * WORLD, optimizers=["adamw"])
+    assert "offload_policy=CPUOffloadPolicy()" in code and "import CPUOffloadPolicy, fully_shard" in code
+    with pytest.raises(ValueError, match="With FSDP2's CPU offload"):
+        _offload_plan("200KiB", cpu_offload=None)
+    with pytest.raises(ValueError, match=r"No plan fits"):  # not offered unless asked
+        _offload_plan("400KiB")
+    with pytest.raises(ValueError, match="plan it with strategy='fsdp2'"):
+        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1GiB", n_gpus=2, device="cpu", cpu_offload=True)

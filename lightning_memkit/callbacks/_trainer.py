@@ -69,9 +69,17 @@ def on_rank_zero(trainer: pl.Trainer, decide: Callable[[], T], what: str) -> T:
 def sharding(trainer: pl.Trainer) -> tuple[str, int]:
     """The Trainer's strategy as `_analytic.STRATEGIES` names it, and its number of ranks."""
     ranks, strategy = trainer.world_size, trainer.strategy
+    kind = type(strategy).__name__
+    if kind == "ModelParallelStrategy" or isinstance(strategy, ModelParallelStrategy):
+        # FSDP2 when every rank is in the data-parallel dimension (no tensor parallelism): the layout
+        # Lightning documents, fully_shard in configure_model, which runs after the callbacks' setup. One
+        # rank too: FSDP2 all-gathers its units into storages of their own all the same.
+        mesh = getattr(strategy, "_device_mesh", None)
+        names = mesh.mesh_dim_names or () if mesh is not None else ()
+        if "data_parallel" in names and mesh["data_parallel"].size() == ranks:
+            return "fsdp2", ranks
     if ranks == 1:
         return "ddp", 1
-    kind = type(strategy).__name__
     if kind == "DeepSpeedStrategy":
         stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage", 0)
         return (f"deepspeed_stage_{stage}" if stage in (1, 2, 3) else "ddp"), ranks
@@ -80,13 +88,6 @@ def sharding(trainer: pl.Trainer) -> tuple[str, int]:
         if "HYBRID" in mode or "NO_SHARD" in mode:  # hybrid shards within a node only: read as unsharded
             return "ddp", ranks
         return ("zero2" if "SHARD_GRAD_OP" in mode else "fsdp"), ranks
-    if kind == "ModelParallelStrategy" or isinstance(strategy, ModelParallelStrategy):
-        # FSDP2 when every rank is in the data-parallel dimension (no tensor parallelism): the layout
-        # Lightning documents, fully_shard in configure_model, which runs after the callbacks' setup
-        mesh = getattr(strategy, "_device_mesh", None)
-        names = mesh.mesh_dim_names or () if mesh is not None else ()
-        if "data_parallel" in names and mesh["data_parallel"].size() == ranks:
-            return "fsdp2", ranks
     return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
 
 

@@ -16,8 +16,11 @@ How. The global batch is the batch size attribute (found as ``BatchSizeFinder`` 
 Trainer's ``accumulate_grad_batches`` times the ranks; the example batch is the train dataloader's first
 batch, repeated to the global size. The plan's micro-batch becomes the attribute and its accumulation the
 Trainer's. The plan is one rank's step under the Trainer's strategy: DDP's all-reduce buckets are
-counted; FSDP and DeepSpeed ZeRO divide what they shard. Precision is the Trainer's: a callback
-cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
+counted; FSDP and DeepSpeed ZeRO divide what they shard; under ``ModelParallelStrategy`` over every rank
+(FSDP2, ``fully_shard`` in ``configure_model``) one rank's sharded step is simulated, each repeated block
+and then the model sharded, over a fake process group beside the job's (`AutoFitStrategy` also applies
+that layout and the plan's ``reshard_after_forward``; a ``configure_model`` of your own keeps its own).
+Precision is the Trainer's: a callback cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
 
 No trace. Planning runs the user's ``training_step`` before the first step: on fake tensors for every
 simulated candidate, and for real to time it (``cost="measured"``, the default for a model on the CPU).
@@ -145,6 +148,9 @@ class AutoFit(Callback):
         self._accumulate: tuple[pl.Trainer, int] | None = None
         #: the batch in flight and its phase, for explaining an OOM
         self._step = StepInFlight()
+        #: FSDP2's CPU offload: never (the user's configure_model shards), or, set by AutoFitStrategy,
+        #: ``None``: where nothing fits without it
+        self._cpu_offload: bool | None = False
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -215,6 +221,7 @@ class AutoFit(Callback):
             cost=self.cost,
             progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
             compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
+            cpu_offload=self._cpu_offload if strategy == "fsdp2" else False,
             **step_levers(trainer),
         )
 

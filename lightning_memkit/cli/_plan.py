@@ -139,6 +139,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 fused_step=attempt.fused_step,
                 offload=attempt.offload,
                 refine_seconds=args.refine_seconds,
+                cpu_offload=None if args.strategy == "fsdp2" else False,  # FSDP2: offload if nothing fits
             )
 
         # As asked first; where nothing fits that way, every relaxed set-up, the best plan kept: the

@@ -21,7 +21,12 @@ it built the optimizers, so a resumed run plans first; where the saved plan diff
 saved one is installed over it before the optimizer state is loaded: its batch size, accumulation,
 checkpointing, ``reshard_after_forward`` and optimizer (rebuilt).
 
-Not planned (yet): CPU offload (``CPUOffloadPolicy``) and FSDP2's ``MixedPrecisionPolicy``: with
+CPU offload. Where no plan fits, the plan is made again with FSDP2's ``CPUOffloadPolicy`` (the shards,
+their gradients and the optimizer state in host memory, the optimizer stepping there): its device peak is
+an upper bound (`plan_fit`'s ``cpu_offload``), the host memory it needs is ``FitPlan.host_bytes``. The
+buffers are moved to the device, the shards left where FSDP2 keeps them.
+
+Not planned (yet): FSDP2's ``MixedPrecisionPolicy``: with
 ``bf16-mixed`` the Trainer's autocast computes in bf16 and FSDP2 communicates in fp32, which is what the
 simulation models. A budget that nothing fits is refused at ``setup`` with AutoFit's figures (the static
 floor, the leanest plan's peak, and the number of FSDP ranks or the GPU that fits).
@@ -61,8 +66,8 @@ class AutoFitStrategy(ModelParallelStrategy):
         budget: per rank, as `AutoFit`'s: bytes, ``"80GB"``, a GPU name (``"H100-80GB"``), a fraction of
             the current CUDA device or ``"auto"`` (it). On CPU give a size.
         margin, batch_size_attr, optimizers, checkpointing: as `AutoFit`'s.
-        cost: the throughput model (`plan_fit`'s); ``"flops"`` by default, so that a resumed run plans what
-            the first one planned.
+        cost: the throughput model (`plan_fit`'s): ``"auto"`` (timed for real on rank 0 for a run on the
+            CPU, FLOPs otherwise), ``"measured"``, ``"flops"``.
         save_distributed_checkpoint, process_group_backend, timeout: ``ModelParallelStrategy``'s.
     """
 
@@ -76,7 +81,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         batch_size_attr: str = "batch_size",
         optimizers: Sequence[str] | None = None,
         checkpointing: Sequence[str] = CHECKPOINT_MODES,
-        cost: str = "flops",
+        cost: str = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -96,6 +101,7 @@ class AutoFitStrategy(ModelParallelStrategy):
             checkpointing=checkpointing,
             cost=cost,
         )
+        self.autofit._cpu_offload = None  # CPUOffloadPolicy where nothing fits without it
         #: the FSDP2 units, as sharded (parents after their children), once set up
         self.units: list[str] = []
 
@@ -115,7 +121,7 @@ class AutoFitStrategy(ModelParallelStrategy):
                 "checkpointing, optimizer), on the sharded step: remove AutoFit from the Trainer's "
                 "callbacks, and give its arguments to AutoFitStrategy(...)."
             )
-        trainer.callbacks.append(self.autofit)
+        trainer.callbacks.insert(0, self.autofit)  # it plans before the other callbacks' setup
 
     def setup_environment(self) -> None:
         # Every rank in the one data-parallel dimension: FSDP2 over the world, no tensor parallelism.
@@ -130,7 +136,13 @@ class AutoFitStrategy(ModelParallelStrategy):
         self._shard(self.lightning_module)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if self._offloading:  # the shards stay on the host, where FSDP2 put them; the buffers go
+            for module in self.model.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(self.root_device)
+        else:
+            self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -154,11 +166,22 @@ class AutoFitStrategy(ModelParallelStrategy):
                 )
             return
         mesh = self.device_mesh["data_parallel"]
-        self.units = _fsdp2.shard_layout(module, mesh, planned, reshard_after_forward=reshard)
+        options: dict[str, Any] = {"reshard_after_forward": reshard}
+        if self._offloading:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+        self.units = _fsdp2.shard_layout(module, mesh, planned, **options)
+        offload = ", offload_policy=CPUOffloadPolicy()" if self._offloading else ""
         rank_zero_info(
             f"AutoFitStrategy: fully_shard on {_names(self.units)} over {mesh.size()} ranks, "
-            f"reshard_after_forward={reshard}"
+            f"reshard_after_forward={reshard}{offload}"
         )
+
+    @property
+    def _offloading(self) -> bool:
+        plan = self.autofit.plan
+        return plan is not None and plan.cpu_offload
 
     def _adopt_plan(self, plan: FitPlan) -> None:
         """After `AutoFit` installed a saved ``plan`` over the fresh one (a resume): its
