@@ -423,6 +423,7 @@ def plan_fit(
     compensate: bool = True,
     refine_seconds: float | None = None,
     cpu_offload: bool | None = False,
+    link: _fsdp2.Link | None = None,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -467,6 +468,9 @@ def plan_fit(
             checkpointing plan (a planner costs several simulated steps, seconds each for a 7B model): the
             micro-batches left are planned with every block fully checkpointed, where that was simulated
             already, and `FitPlan.note` says so. ``None``: no limit.
+        link: with ``strategy="fsdp2"``, how fast the ranks' collectives run (`_fsdp2.Link`; default
+            `_fsdp2.LINKS` for ``device``): each micro-step's all-gathers and reduce-scatters are added to
+            its time (`collective_seconds`), so fewer, larger micro-batches rank higher.
         cpu_offload: with ``strategy="fsdp2"``, plan for FSDP2's ``CPUOffloadPolicy`` (the sharded
             parameters, gradients and optimizer state in host memory; `_Search.offloaded`: an upper bound
             of what stays on the device, not simulated as such). ``None``: only where nothing fits
@@ -561,13 +565,9 @@ def plan_fit(
     # The pairs in order of preference whose static memory alone is not over the limit (no simulation).
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
     sizes = _runnable(search, sizes, *(viable or pairs)[0])
-    chosen = next((p for p in viable if search.peak(sizes[0], levels[-1], *p).peak <= limit), None)
-    if chosen is None and cpu_offload is None and search.sharding:  # nothing fits: offload to the CPU
-        search.cpu_offload = True
-        search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
-        chosen = next((p for p in pairs if search.peak(sizes[0], levels[-1], *p).peak <= limit), None)
-        search.cpu_offload = chosen is not None
-        search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
+    chosen = _first_fitting(
+        search, pairs, viable, sizes[0], levels[-1], limit, offload_too=cpu_offload is None
+    )
     if chosen is None:
         message = _infeasible(search, pairs, precisions, levels, limit, budget, margin, total)
         if cpu_offload is None and search.sharding:
@@ -581,6 +581,13 @@ def plan_fit(
 
     opt, prec = chosen
     step_cost = _cost(cost, model, per_rank, loss_fn, device, search, prec, opt)
+    if search.sharding and n_gpus > 1:  # FSDP2's collectives, every micro-step
+        static = model_static(model, prec)
+        n_units = len(find_blocks(model)) + 1
+        comm = _fsdp2.collective_seconds(
+            static.parameters, static.gradients, n_units, n_gpus, True, link or _fsdp2.LINKS[device]
+        )
+        step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + comm)
     G = total // n_gpus
     host, micro, per_step = 0, 0.0, 0.0
     if search.cpu_offload:  # FSDP2's CPUOffloadPolicy: a rank's shards, their gradients and the state
@@ -631,6 +638,30 @@ def plan_fit(
         reshard_after_forward=reshard,
         cpu_offload=search.cpu_offload,
     )
+
+
+def _first_fitting(search, pairs, viable, m, strongest, limit, *, offload_too: bool):
+    """The first (optimizer, precision) pair in quality order whose leanest step (micro-batch ``m``, the
+    ``strongest`` checkpointing) fits ``limit``: as it is, or, with ``offload_too`` under FSDP2, with the
+    CPU offload (a better optimizer offloaded before a lighter one that is not). Leaves ``search`` at
+    the choice's offloading; ``None`` if nothing fits."""
+
+    def offloading(on: bool) -> None:
+        if search.cpu_offload != on:
+            search.cpu_offload = on
+            search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
+
+    offload_too = offload_too and bool(search.sharding)
+    for pair in pairs:
+        offloading(False)
+        if pair in viable and search.peak(m, strongest, *pair).peak <= limit:
+            return pair
+        if offload_too:
+            offloading(True)
+            if search.peak(m, strongest, *pair).peak <= limit:
+                return pair
+    offloading(False)
+    return None
 
 
 def _candidates(

@@ -16,11 +16,17 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
+#: gloo between 2 processes of this machine (2 cores), timed with `time_link`
+LINK_CPU_LATENCY_S, LINK_CPU_BYTES_PER_S = 1e-3, 1e9
+
 __all__ = [
+    "LINKS",
+    "Link",
+    "collective_seconds",
     "explain_mixed_tensors",
     "fake_mesh",
     "fsdp_params",
@@ -31,6 +37,7 @@ __all__ = [
     "shard_layout",
     "sharded_copy",
     "sharded_param",
+    "time_link",
     "units",
     "unsharded_param",
 ]
@@ -214,6 +221,63 @@ def largest_unit_shard(
     per_block = [shard_bytes(model.get_submodule(name), world_size, itemsize) for name in blocks]
     root = shard_bytes(model, world_size, itemsize) - sum(per_block)
     return max([root, *per_block])
+
+
+class Link(NamedTuple):
+    """How fast a collective runs between the ranks: ``latency_s`` per collective, ``bytes_per_s`` of what
+    each rank sends or receives."""
+
+    latency_s: float
+    bytes_per_s: float
+
+
+#: Links assumed where none was timed: NVLink/InfiniBand-class GPUs (NCCL), and gloo between processes
+#: of one machine (timed here: `time_link` on 2 CPU ranks).
+LINKS = {"cuda": Link(30e-6, 50e9), "cpu": Link(LINK_CPU_LATENCY_S, LINK_CPU_BYTES_PER_S)}
+
+
+def collective_seconds(
+    param_bytes: int, grad_bytes: int, n_units: int, world_size: int, reshard_after_forward: bool, link: Link
+) -> float:
+    """Seconds of FSDP2's collectives in one micro-step: each unit's all-gather in forward, again in
+    backward when it resharded after forward (not the root's, which keeps its parameters), and each unit's
+    reduce-scatter of its gradients; a rank moves ``(N - 1) / N`` of the bytes of each."""
+    share = (world_size - 1) / world_size
+    gathers = n_units + (n_units - 1 if reshard_after_forward else 0)
+    gathered = param_bytes * (2 if reshard_after_forward and n_units > 1 else 1)
+    moved = share * (gathered + grad_bytes)
+    return (gathers + n_units) * link.latency_s + moved / link.bytes_per_s
+
+
+def time_link(group: Any = None, device: Any = "cpu", repeats: int = 5) -> Link:
+    """The `Link` of ``group``, timed: all-gathers of 1 element (the latency) and of 4 MiB a rank (the
+    bandwidth), the median of ``repeats`` each. A collective: every rank of ``group`` calls it."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+
+    def median_seconds(numel: int) -> float:
+        local = torch.zeros(numel, device=device)
+        out = torch.empty(numel * world, device=device)
+        times = []
+        for _ in range(repeats + 1):  # the first warms up
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(out, local, group=group)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    latency = median_seconds(1)
+    numel = 2**20  # 4 MiB of fp32 a rank
+    moved = 4 * numel * (world - 1)
+    return Link(latency, moved / max(median_seconds(numel) - latency, 1e-9))
 
 
 def units(model: nn.Module) -> list[str]:

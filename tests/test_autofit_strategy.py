@@ -33,7 +33,8 @@ from lightning_memkit import (
     parse_bytes,
     plan_fit,
 )
-from lightning_memkit._fsdp2 import shard_bytes
+from lightning_memkit._fitplan import StepCost
+from lightning_memkit._fsdp2 import Link, collective_seconds, shard_bytes
 from lightning_memkit._oom import plan_code
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
@@ -83,10 +84,20 @@ class _Record(fsdp_test._Record):
                 type(c).__name__: c.plan.as_dict() for c in trainer.callbacks if getattr(c, "plan", None)
             },
             "units": getattr(strategy, "units", None),
+            "link": getattr(getattr(strategy, "autofit", None), "_link", None),
+            "offload": [_offloads(pl_module.get_submodule(name)) for name in getattr(strategy, "units", [])],
             "optimizer": type(trainer.optimizers[0]).__name__,
             "batch_size": pl_module.hparams.batch_size,
             "accumulate": trainer.accumulate_grad_batches,
         }
+
+
+def _offloads(unit) -> bool:
+    """Whether an FSDP2 unit offloads its parameters to the CPU (FSDP2's own state, private)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return isinstance(group.offload_policy, CPUOffloadPolicy)
 
 
 def _fit(out: Path, strategy, module, *, max_steps=STEPS, ckpt_path=None, save=None, callbacks=()) -> None:
@@ -143,6 +154,7 @@ RUNS = {
     "checkpointing_callback": lambda out: _fit(
         out, _plain(), SameSharding(True), callbacks=[ActivationCheckpointing(budget="900KiB", cost="flops")]
     ),
+    "offloaded": lambda out: _fit(out, AutoFitStrategy(budget="400KiB"), Llama()),
     "refused": _refused,
     "resume": _resume,
 }
@@ -214,6 +226,8 @@ def test_every_rank_fits_the_budget_it_was_planned_for(runs, budget):
             and record["accumulate"] == (plan["accumulate_grad_batches"])
         )
         assert record["units"] == ["model.model.layers.0", "model.model.layers.1", "model"]
+        latency, bandwidth = record["link"]  # this job's collectives, timed as the processes started
+        assert 0 < latency < 1 and bandwidth > 1e6
     assert plans[0] == plans[1]
 
 
@@ -259,6 +273,17 @@ def test_a_users_own_sharding_is_kept_and_the_difference_named(runs):
         assert len(hints) == (rank == 0), said
         if rank == 0:
             assert "`model`" in hints[0] and "`the LightningModule`" in hints[0]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_a_budget_only_offload_meets_trains_with_cpu_offload(runs):
+    """FSDP2's CPUOffloadPolicy where nothing fits without it: planned, applied to every unit, and the run
+    trains (on the CPU the host is the device: what it saves is not measurable here)."""
+    for rank in range(WORLD):
+        record = read(runs / "offloaded", rank)
+        assert record["plan"]["cpu_offload"] and record["global_step"] == STEPS
+        assert record["offload"] == [True] * 3
 
 
 @pytest.mark.slow
@@ -319,10 +344,10 @@ def test_the_strategy_and_the_callback_do_not_plan_twice():
 # --- CPU offload: planned where nothing else fits (in this process, no ranks) --------------------------
 
 
-def _offload_plan(budget, **kwargs):
+def _offload_plan(budget, cost="flops", **kwargs):
     return plan_fit(
         Llama(), zoo_batch("qwen2", BATCH * WORLD, SEQ), budget, strategy="fsdp2", n_gpus=WORLD, device="cpu",
-        cost="flops", optimizers=["adamw"], **kwargs,
+        cost=cost, optimizers=["adamw"], **kwargs,
     )  # fmt: skip
 
 
@@ -354,3 +379,18 @@ def test_cpu_offload_is_planned_only_where_nothing_else_fits():
         _offload_plan("400KiB")
     with pytest.raises(ValueError, match="plan it with strategy='fsdp2'"):
         plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1GiB", n_gpus=2, device="cpu", cpu_offload=True)
+
+
+def test_a_slow_link_plans_fewer_larger_micro_batches():
+    """Each micro-step all-gathers and reduce-scatters the model: with compute alone (no fixed cost a
+    micro-step) the plan prefers no recompute at a smaller micro-batch; over a slow link it takes the
+    largest micro-batch that fits, checkpointing more."""
+    compute = StepCost(0.0, 1.0, "flops")
+    free = _offload_plan("700KiB", link=Link(0.0, float("inf")), cost=compute)
+    slow = _offload_plan("700KiB", link=Link(0.1, 1e6), cost=compute)
+    assert slow.micro_batch_size > free.micro_batch_size
+    assert slow.micro_batch_size == max(
+        a.micro_batch_size for a in slow.alternatives if a.fits
+    )  # the largest that fits at all
+    seconds = collective_seconds(4000, 4000, 3, 2, True, Link(0.1, 1e6))
+    assert seconds == pytest.approx((3 + 2 + 3) * 0.1 + 0.5 * (8000 + 4000) / 1e6)

@@ -151,6 +151,8 @@ class AutoFit(Callback):
         #: FSDP2's CPU offload: never (the user's configure_model shards), or, set by AutoFitStrategy,
         #: ``None``: where nothing fits without it
         self._cpu_offload: bool | None = False
+        #: the ranks' collectives, timed by AutoFitStrategy (else `_fsdp2.LINKS`' for the device)
+        self._link: Any = None
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -222,6 +224,7 @@ class AutoFit(Callback):
             progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
             compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
             cpu_offload=self._cpu_offload if strategy == "fsdp2" else False,
+            link=self._link,
             **step_levers(trainer),
         )
 

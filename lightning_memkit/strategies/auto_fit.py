@@ -4,10 +4,11 @@ so that every rank's step fits a budget.
 One planner. The plan is `AutoFit`'s (`plan_fit`), made for one rank's FSDP2 step simulated on fake tensors
 over a fake process group of the run's world size (`estimate_memory`'s ``strategy="fsdp2"``): micro-batch
 and accumulation, checkpointing, the optimizer and, on top, ``reshard_after_forward`` (``False``, no
-all-gather in backward, where that still fits). The strategy adds an `AutoFit` callback to the Trainer (its
-``setup("fit")`` runs after the datamodule's and before ``configure_model``), so the plan is made on global
-rank 0, broadcast, printed, logged and kept in the checkpoint as AutoFit's is; this module then shards the
-model the way the plan simulated it.
+all-gather in backward, where that still fits). Its step time counts each micro-step's all-gathers and
+reduce-scatters at the speed this job's collectives were timed at (`time_link`, as the processes start).
+The strategy adds an `AutoFit` callback to the Trainer (its ``setup("fit")`` runs after the datamodule's
+and before ``configure_model``), so the plan is made on global rank 0, broadcast, printed, logged and kept
+in the checkpoint as AutoFit's is; this module then shards the model the way the plan simulated it.
 
 The sharding. After ``configure_model``, unless the user's own ``configure_model`` applied ``fully_shard``
 (then their layout is kept, and a warning names where it differs from the one planned): ``fully_shard`` on
@@ -127,6 +128,9 @@ class AutoFitStrategy(ModelParallelStrategy):
         # Every rank in the one data-parallel dimension: FSDP2 over the world, no tensor parallelism.
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        # How fast this job's collectives are, for the plan's step time (every rank takes part).
+        group = self.device_mesh["data_parallel"].get_group()
+        self.autofit._link = _fsdp2.time_link(group, self.root_device) if self.world_size > 1 else None
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Shard the model as planned, then what ``ModelParallelStrategy.setup`` does (materialize, convert,
