@@ -565,9 +565,9 @@ def plan_fit(
     # The pairs in order of preference whose static memory alone is not over the limit (no simulation).
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
     sizes = _runnable(search, sizes, *(viable or pairs)[0])
-    chosen = _first_fitting(
-        search, pairs, viable, sizes[0], levels[-1], limit, offload_too=cpu_offload is None
-    )
+    # FSDP2's CPU offload: as asked, or (None) where nothing fits without it
+    modes = (False, True) if cpu_offload is None and search.sharding else (search.cpu_offload,)
+    chosen = _first_fitting(search, pairs, viable, sizes[0], levels[-1], limit, modes=modes)
     if chosen is None:
         message = _infeasible(search, pairs, precisions, levels, limit, budget, margin, total)
         if cpu_offload is None and search.sharding:
@@ -591,7 +591,11 @@ def plan_fit(
     G = total // n_gpus
     host, micro, per_step = 0, 0.0, 0.0
     if search.cpu_offload:  # FSDP2's CPUOffloadPolicy: a rank's shards, their gradients and the state
-        host = shard(model_static(model, prec, opt or "sgd"), "fsdp", n_gpus).static
+        on_host = shard(model_static(model, prec, opt or "sgd"), "fsdp", n_gpus)
+        host = on_host.static
+        if device == "cuda":  # the shards up and the gradients down every micro-step, the host's update
+            micro, per_step = transfer_seconds(on_host.parameters, on_host.gradients, on_host.optimizer_state)
+            step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + micro, per_step=per_step)
     if offload:
         static = model_static(model, prec)
         state = model_static(model, "32-true", opt or "sgd").optimizer_state  # on the fp32 masters
@@ -607,9 +611,10 @@ def plan_fit(
         reshard = True
         note = f"{note}; reshard_after_forward=False not tried (past {refine_seconds:g} s)".lstrip("; ")
     elif search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
-        kept = search.estimate(
+        whole = search.estimate(
             best.m, best.plan or best.label, optimizer=opt, precision=prec, reshard_after_forward=False
         )
+        kept = search.per_rank(whole, prec)
         reshard = kept.peak > limit
         if not reshard:
             best = best._replace(peak=kept.peak)
@@ -640,27 +645,23 @@ def plan_fit(
     )
 
 
-def _first_fitting(search, pairs, viable, m, strongest, limit, *, offload_too: bool):
+def _first_fitting(search, pairs, viable, m, strongest, limit, *, modes: Sequence[bool]):
     """The first (optimizer, precision) pair in quality order whose leanest step (micro-batch ``m``, the
-    ``strongest`` checkpointing) fits ``limit``: as it is, or, with ``offload_too`` under FSDP2, with the
-    CPU offload (a better optimizer offloaded before a lighter one that is not). Leaves ``search`` at
-    the choice's offloading; ``None`` if nothing fits."""
+    ``strongest`` checkpointing) fits ``limit`` under one of the CPU-offload ``modes`` tried in turn
+    (``(False, True)``: a better optimizer offloaded before a lighter one that is not). Leaves ``search``
+    at the choice's offloading; ``None`` if nothing fits."""
 
     def offloading(on: bool) -> None:
         if search.cpu_offload != on:
             search.cpu_offload = on
             search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
 
-    offload_too = offload_too and bool(search.sharding)
     for pair in pairs:
-        offloading(False)
-        if pair in viable and search.peak(m, strongest, *pair).peak <= limit:
-            return pair
-        if offload_too:
-            offloading(True)
-            if search.peak(m, strongest, *pair).peak <= limit:
+        for on in modes:
+            offloading(on)
+            if (on or pair in viable) and search.peak(m, strongest, *pair).peak <= limit:
                 return pair
-    offloading(False)
+    offloading(modes[0])
     return None
 
 
@@ -672,7 +673,7 @@ def _candidates(
     not have a sharding strategy registered"), and torch's Adafactor, whose step reads a value from a tensor
     that the simulation's sharded fake tensors cannot give."""
     candidates = tuple(optimizers) if optimizers is not None else lighter_candidates(model)
-    if strategy != "fsdp2" or n_gpus == 1:
+    if strategy != "fsdp2":  # one rank too: its step runs on DTensors all the same
         return candidates, ""
     bnb = [o for o in candidates if o in CATALOGUE and CATALOGUE[o].needs_bitsandbytes]
     notes = [f"{', '.join(bnb)}: bitsandbytes' kernels do not run on FSDP2's DTensors"] if bnb else []

@@ -188,8 +188,13 @@ def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: 
 def shard_layout(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> list[str]:
     """``fully_shard`` on each of ``blocks`` (qualified names) and then on the root, the smallest module
     holding every parameter (see `sharded_copy`), over ``mesh``, with ``options`` for each; returns the
-    units' names, the root's last (``""`` for ``model`` itself)."""
+    units' names, the root's last (``""`` for ``model`` itself). ``reshard_after_forward=True`` is left to
+    FSDP2's default, which is that for every unit but the root (it keeps its parameters gathered to the
+    backward; an explicit ``True`` would free and gather them again), as a plain ``fully_shard`` does."""
     from torch.distributed.fsdp import fully_shard
+
+    if options.get("reshard_after_forward") is True:
+        options = {key: value for key, value in options.items() if key != "reshard_after_forward"}
 
     for name in blocks:
         fully_shard(model.get_submodule(name), mesh=mesh, **options)

@@ -87,6 +87,8 @@ class _Record(fsdp_test._Record):
             "link": getattr(getattr(strategy, "autofit", None), "_link", None),
             "offload": [_offloads(pl_module.get_submodule(name)) for name in getattr(strategy, "units", [])],
             "optimizer": type(trainer.optimizers[0]).__name__,
+            # AdamW's step count: the checkpoint's state continued on resume, not restarted
+            "optimizer_steps": sorted({float(v["step"]) for v in trainer.optimizers[0].state.values()}),
             "batch_size": pl_module.hparams.batch_size,
             "accumulate": trainer.accumulate_grad_batches,
         }
@@ -307,6 +309,7 @@ def test_a_resumed_run_trains_on_with_the_saved_plan(runs):
         assert resumed["plan"] == first["plan"] != tight
         assert resumed["batch_size"] == first["plan"]["micro_batch_size"]
         assert len(resumed["losses"]) == STEPS - 2
+        assert first["optimizer_steps"] == [2.0] and resumed["optimizer_steps"] == [float(STEPS)]
 
 
 @pytest.mark.slow
@@ -377,6 +380,8 @@ def test_cpu_offload_is_planned_only_where_nothing_else_fits():
         _offload_plan("200KiB", cpu_offload=None)
     with pytest.raises(ValueError, match=r"No plan fits"):  # not offered unless asked
         _offload_plan("400KiB")
+    forced = _offload_plan("600KiB", cpu_offload=True)  # asked for: planned even where not needed
+    assert forced.cpu_offload and forced.estimated_peak < roomy.estimated_peak
     with pytest.raises(ValueError, match="plan it with strategy='fsdp2'"):
         plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1GiB", n_gpus=2, device="cpu", cpu_offload=True)
 
@@ -394,3 +399,10 @@ def test_a_slow_link_plans_fewer_larger_micro_batches():
     )  # the largest that fits at all
     seconds = collective_seconds(4000, 4000, 3, 2, True, Link(0.1, 1e6))
     assert seconds == pytest.approx((3 + 2 + 3) * 0.1 + 0.5 * (8000 + 4000) / 1e6)
+
+
+def test_one_rank_of_fsdp2_plans_no_optimizer_dtensor_cannot_run():
+    """On one rank the step still runs on DTensors: the same optimizers are left out as on many."""
+    plan = plan_fit(Llama(), zoo_batch("qwen2", 4, SEQ), "1GiB", strategy="fsdp2", n_gpus=1, device="cpu",
+                    cost="flops", optimizers=["adamw", "adamw8bit", "adafactor"])  # fmt: skip
+    assert plan.optimizer == "adamw" and "adamw8bit" in plan.note and "adafactor" in plan.note

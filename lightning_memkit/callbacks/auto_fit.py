@@ -53,7 +53,8 @@ Resume. The plan is saved with the callback's state; a resumed run installs the 
 among it) before the optimizers are built, so the checkpoint's optimizer state loads into the same optimizer.
 Strategies that restore callbacks after building the optimizers (``restore_checkpoint_after_setup``: FSDP,
 DeepSpeed, ModelParallelStrategy) must plan the same again; a different plan raises, except under
-`AutoFitStrategy`, which rebuilds the optimizers for the saved plan before their state is loaded. At the
+`AutoFitStrategy`, which reads the saved plan as it loads the checkpoint and rebuilds the optimizers for it
+before their state is loaded. At the
 end of the fit the module gets its own hooks, blocks and ``configure_optimizers`` back; the plan stays in
 `plan`.
 
@@ -148,8 +149,8 @@ class AutoFit(Callback):
         self._accumulate: tuple[pl.Trainer, int] | None = None
         #: the batch in flight and its phase, for explaining an OOM
         self._step = StepInFlight()
-        #: FSDP2's CPU offload: never (the user's configure_model shards), or, set by AutoFitStrategy,
-        #: ``None``: where nothing fits without it
+        #: FSDP2's CPU offload: never (a plain ModelParallelStrategy: the user's configure_model shards),
+        #: or, set by AutoFitStrategy, ``None``: where nothing fits without it
         self._cpu_offload: bool | None = False
         #: the ranks' collectives, timed by AutoFitStrategy (else `_fsdp2.LINKS`' for the device)
         self._link: Any = None
@@ -398,10 +399,7 @@ class AutoFit(Callback):
         saved = FitPlan.from_dict(state_dict["plan"]) if state_dict.get("plan") else None
         if saved is None or saved == self.plan:
             return
-        late = self._target is not None and self._target[0].strategy.restore_checkpoint_after_setup
-        # AutoFitStrategy installs a saved plan after it built the optimizers: it rebuilds them
-        adopt = getattr(self._target[0].strategy, "_adopt_plan", None) if late else None
-        if late and adopt is None:
+        if self._target is not None and self._target[0].strategy.restore_checkpoint_after_setup:
             strategy = type(self._target[0].strategy).__name__
             planned = self.plan.summary() if self.plan else "nothing"
             raise RuntimeError(
@@ -409,11 +407,14 @@ class AutoFit(Callback):
                 f"{planned}, and {strategy} restores callbacks only after it built the optimizers. Resume "
                 "with the same budget and margin, so that the same plan is made."
             )
+        self.resume_with(saved)
+
+    def resume_with(self, saved: FitPlan) -> None:
+        """Install ``saved``, a checkpoint's plan, over the one this fit made (`AutoFitStrategy` calls it
+        as it loads the checkpoint, before the optimizer state, and rebuilds the optimizers)."""
         self.plan = saved
         if self._target is not None:
             self._install(saved)
-            if adopt is not None:
-                adopt(saved)
             rank_zero_info(f"AutoFit: resumed with the saved plan: {saved.summary()}")
 
 

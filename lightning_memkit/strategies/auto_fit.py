@@ -10,17 +10,20 @@ The strategy adds an `AutoFit` callback to the Trainer (its ``setup("fit")`` run
 and before ``configure_model``), so the plan is made on global rank 0, broadcast, printed, logged and kept
 in the checkpoint as AutoFit's is; this module then shards the model the way the plan simulated it.
 
-The sharding. After ``configure_model``, unless the user's own ``configure_model`` applied ``fully_shard``
-(then their layout is kept, and a warning names where it differs from the one planned): ``fully_shard`` on
-each repeated block `find_blocks` finds, then on the smallest module holding every parameter (a
-LightningModule's ``self.model``), over every rank (``data_parallel_size`` is the world size, no tensor
-parallelism), with the plan's ``reshard_after_forward``. Checkpointing is applied before the sharding, as
-torchtitan orders it. ``configure_model`` need not be overridden.
+The sharding. Layers a module builds in ``configure_model`` are not planned (the plan is made before it
+runs): build them in ``__init__``, on the meta device for a large model. After ``configure_model``,
+unless the user's own ``configure_model`` applied ``fully_shard`` (then their layout is kept, and a
+warning names where it differs from the one planned): ``fully_shard`` on each repeated block
+`find_blocks` finds, then on the smallest module holding every parameter (a LightningModule's
+``self.model``), over every rank (``data_parallel_size`` is the world size, no tensor parallelism), with
+the plan's ``reshard_after_forward``. Checkpointing is applied before the sharding, as torchtitan orders
+it. ``configure_model`` need not be overridden.
 
-Resume. The plan is in the checkpoint (AutoFit's state). ``ModelParallelStrategy`` restores callbacks after
-it built the optimizers, so a resumed run plans first; where the saved plan differs (a new budget), the
-saved one is installed over it before the optimizer state is loaded: its batch size, accumulation,
-checkpointing, ``reshard_after_forward`` and optimizer (rebuilt).
+Resume. The plan is in the checkpoint (AutoFit's state). ``ModelParallelStrategy`` loads the checkpoint
+after it built the optimizers, so a resumed run plans first; where the saved plan differs (a new budget),
+the saved one is installed over it as the checkpoint is loaded, before the optimizer state: its batch size,
+accumulation, checkpointing, ``reshard_after_forward`` and optimizer (rebuilt). CPU offload cannot change
+once the model is sharded: a checkpoint planned otherwise is refused, with what to do.
 
 CPU offload. Where no plan fits, the plan is made again with FSDP2's ``CPUOffloadPolicy`` (the shards,
 their gradients and the optimizer state in host memory, the optimizer stepping there): its device peak is
@@ -40,9 +43,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -105,6 +110,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         self.autofit._cpu_offload = None  # CPUOffloadPolicy where nothing fits without it
         #: the FSDP2 units, as sharded (parents after their children), once set up
         self.units: list[str] = []
+        self._offloaded = False  # whether this strategy applied CPUOffloadPolicy
 
     @property
     def plan(self) -> FitPlan | None:
@@ -138,9 +144,11 @@ class AutoFitStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self._shard(self.lightning_module)
-        _materialize_distributed_module(self.model, self.root_device)
+        # FSDP2's offloaded shards must be materialized on the host, and stay there; the buffers go.
+        host = torch.device("cpu")
+        _materialize_distributed_module(self.model, host if self._offloaded else self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        if self._offloading:  # the shards stay on the host, where FSDP2 put them; the buffers go
+        if self._offloaded:
             for module in self.model.modules():
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
@@ -156,48 +164,61 @@ class AutoFitStrategy(ModelParallelStrategy):
 
     def _shard(self, module: pl.LightningModule) -> None:
         plan = self.autofit.plan
-        reshard = True if plan is None or plan.reshard_after_forward is None else plan.reshard_after_forward
+        reshard = plan is None or plan.reshard_after_forward is not False
+        offload = plan is not None and plan.cpu_offload
         planned = [name for name, _ in find_blocks(module)]
+        self._offloaded = False
         if _fsdp2.is_sharded(module):  # the user's own fully_shard in configure_model: kept
             self.units = _fsdp2.units(module)
             expected = [*planned, _fsdp2.root_name(module)]
-            if sorted(self.units) != sorted(expected):
+            if sorted(self.units) != sorted(expected) or offload or not reshard:
+                options = ", ".join(
+                    ([] if reshard else ["reshard_after_forward=False"])
+                    + (["offload_policy=CPUOffloadPolicy()"] if offload else [])
+                )
                 rank_zero_warn(
                     f"AutoFitStrategy: configure_model sharded {_names(self.units)}; the plan simulated "
-                    f"fully_shard on {_names(expected)}: its figures are for that layout. Leave the "
-                    "sharding to AutoFitStrategy (remove fully_shard from configure_model) to train as "
-                    "planned."
+                    f"fully_shard on {_names(expected)}{f' with {options}' if options else ''}: its figures "
+                    "are for that. Leave the sharding to AutoFitStrategy (remove fully_shard from "
+                    "configure_model) to train as planned."
                 )
             return
         mesh = self.device_mesh["data_parallel"]
         options: dict[str, Any] = {"reshard_after_forward": reshard}
-        if self._offloading:
+        if offload:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
         self.units = _fsdp2.shard_layout(module, mesh, planned, **options)
-        offload = ", offload_policy=CPUOffloadPolicy()" if self._offloading else ""
+        self._offloaded = offload
+        said = ", offload_policy=CPUOffloadPolicy()" if offload else ""
         rank_zero_info(
             f"AutoFitStrategy: fully_shard on {_names(self.units)} over {mesh.size()} ranks, "
-            f"reshard_after_forward={reshard}{offload}"
+            f"reshard_after_forward={reshard}{said}"
         )
 
-    @property
-    def _offloading(self) -> bool:
-        plan = self.autofit.plan
-        return plan is not None and plan.cpu_offload
-
-    def _adopt_plan(self, plan: FitPlan) -> None:
-        """After `AutoFit` installed a saved ``plan`` over the fresh one (a resume): its
-        ``reshard_after_forward`` on every unit, and the optimizers rebuilt (the checkpoint's state is
-        loaded into them next)."""
-        module = self.lightning_module
-        if plan.reshard_after_forward is not None:
-            for name in self.units:
-                module.get_submodule(name).set_reshard_after_forward(plan.reshard_after_forward)
-        trainer = module.trainer
-        self.setup_optimizers(trainer)
-        _optimizers_to_device(self.optimizers, self.root_device)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Resume: the checkpoint's plan, where it differs from the one this fit made, is installed first
+        (its batch size, accumulation, checkpointing, ``reshard_after_forward``, and its optimizer, rebuilt),
+        so that the checkpoint's optimizer state loads into the optimizer it was saved from."""
+        saved = _saved_plan(Path(self.broadcast(checkpoint_path)), self.autofit.state_key)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if saved is not None and saved != self.autofit.plan and fitting:
+            if saved.cpu_offload != self._offloaded:
+                trained = "with" if saved.cpu_offload else "without"
+                raise RuntimeError(
+                    f"AutoFitStrategy: the checkpoint was trained {trained} CPU offload, and this run's plan "
+                    "shards the model otherwise; FSDP2's offload cannot change once sharded. Resume with the "
+                    "budget and margin the checkpoint was planned with."
+                )
+            self.autofit.resume_with(saved)
+            module = self.lightning_module
+            reshard = saved.reshard_after_forward is not False
+            for name in self.units[:-1] if reshard else self.units:  # the root keeps its own (gathered)
+                module.get_submodule(name).set_reshard_after_forward(reshard)
+            self.setup_optimizers(module.trainer)
+            _optimizers_to_device(self.optimizers, self.root_device)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -206,6 +227,19 @@ class AutoFitStrategy(ModelParallelStrategy):
             cls,
             description="FSDP2 sharded, checkpointed and sized to fit the CUDA device (lightning_memkit)",
         )
+
+
+def _saved_plan(path: Path, state_key: str) -> FitPlan | None:
+    """AutoFit's plan in the checkpoint at ``path`` (a distributed checkpoint's metadata file, or a file),
+    if there is one."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    source = path / _METADATA_FILENAME if path.is_dir() else path
+    if not source.is_file():
+        return None
+    checkpoint = torch.load(source, map_location="cpu", mmap=path.is_file(), weights_only=False)
+    state = checkpoint.get("callbacks", {}).get(state_key) or {}
+    return FitPlan.from_dict(state["plan"]) if state.get("plan") else None
 
 
 def _names(units: Sequence[str]) -> str:
