@@ -135,6 +135,7 @@ def _zoo(name: str, *, untrained: str | None = None, unused: bool = False, chunk
     return module, zoo_batch(name, 4, 32)
 
 
+@pytest.mark.slow  # planning-heavy: the full run's tier
 def test_hugging_face_findings_are_what_their_fixes_save():
     """GPT-NeoX at its default config: the previous step's gradients, the activations, the logits, the
     gradients of the (untied) output head its optimizer leaves out, and a layer the loss never reaches;

@@ -150,6 +150,7 @@ def test_infeasible_budget_names_floor_and_fixes(module, batch):
         plan_fit(module, batch, 8_000_000, device="cpu", cost=COST)
 
 
+@pytest.mark.slow  # planning-heavy: the full run's tier
 def test_lighter_optimizer_when_adamw_cannot_fit(module, batch):
     plan = plan_fit(module, batch, 11_000_000, margin=0.0, device="cpu", cost=COST)
     assert plan.optimizer == "adamw8bit"
@@ -277,6 +278,7 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
 
 
+@pytest.mark.slow  # planning-heavy: the full run's tier
 @on_the_pretend_device
 def test_slices_run_under_the_precision_plugin(tmp_path):
     """bf16-mixed: the slices run from Lightning's backward call are under autocast too."""
@@ -333,6 +335,7 @@ def test_leaner_keeps_to_the_allowed_checkpointing():
     assert plan(1, "full").leaner() is None
 
 
+@pytest.mark.slow  # planning-heavy: the full run's tier
 @on_the_pretend_device
 def test_resume_installs_the_saved_plan(tmp_path):
     """A resumed run trains with the plan its checkpoint was made with (its optimizer, whose state the

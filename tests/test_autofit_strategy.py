@@ -38,7 +38,8 @@ from lightning_memkit._fsdp2 import Link, collective_seconds, shard_bytes
 from lightning_memkit._oom import plan_code
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
-pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes at a time
+#: the tests that read the ranks' runs: one set of rank processes at a time, with test_ddp's and test_fsdp's
+ranks = pytest.mark.xdist_group("ddp-ranks")
 
 WORLD = 2
 BATCH, SEQ = 4, 32  # the user's batch size a rank: the plan's global batch is BATCH x WORLD
@@ -207,6 +208,7 @@ def test_the_strategy_is_registered_by_name():
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 @pytest.mark.parametrize("budget", ["900KiB", "600KiB"])
 def test_every_rank_fits_the_budget_it_was_planned_for(runs, budget):
     """Every rank's every step within the budget, by the allocator (the plan keeps its estimate under the
@@ -235,6 +237,7 @@ def test_every_rank_fits_the_budget_it_was_planned_for(runs, budget):
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 def test_a_tighter_budget_gets_a_leaner_plan(runs):
     """What the tighter budget changed (micro-batch or checkpointing), not only the figure."""
     roomy, tight = read(runs / "900KiB", 0)["plan"], read(runs / "600KiB", 0)["plan"]
@@ -247,6 +250,7 @@ def test_a_tighter_budget_gets_a_leaner_plan(runs):
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 def test_a_plan_that_changes_nothing_trains_as_plain_fsdp2(runs):
     """A roomy budget plans the user's micro-batch, no checkpointing, their optimizer, and no resharding
     after forward: the run is bit-identical (losses and local shards, every rank) to ModelParallelStrategy
@@ -263,6 +267,7 @@ def test_a_plan_that_changes_nothing_trains_as_plain_fsdp2(runs):
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 def test_a_users_own_sharding_is_kept_and_the_difference_named(runs):
     """ShardedLlama applies fully_shard itself (its layers, then the LightningModule): kept, and a warning
     (rank 0 only) says the plan simulated the layers and ``self.model``."""
@@ -279,6 +284,7 @@ def test_a_users_own_sharding_is_kept_and_the_difference_named(runs):
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 def test_a_budget_only_offload_meets_trains_with_cpu_offload(runs):
     """FSDP2's CPUOffloadPolicy where nothing fits without it: planned, applied to every unit, and the run
     trains (on the CPU the host is the device: what it saves is not measurable here)."""
@@ -290,6 +296,7 @@ def test_a_budget_only_offload_meets_trains_with_cpu_offload(runs):
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 def test_a_budget_nothing_meets_is_refused_on_every_rank_with_the_figures(runs):
     for rank in range(WORLD):
         error = (runs / "refused" / f"error_{rank}.txt").read_text()
@@ -298,6 +305,7 @@ def test_a_budget_nothing_meets_is_refused_on_every_rank_with_the_figures(runs):
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 def test_a_resumed_run_trains_on_with_the_saved_plan(runs):
     """The checkpoint keeps the plan: resumed under a tighter budget (whose own plan differs), the run
     installs the saved one over it (micro-batch, accumulation, reshard_after_forward, the optimizer rebuilt
@@ -314,6 +322,7 @@ def test_a_resumed_run_trains_on_with_the_saved_plan(runs):
 
 @pytest.mark.slow
 @needs_distributed
+@ranks
 def test_autofit_and_activation_checkpointing_plan_the_sharded_step_under_model_parallel(runs):
     """Under plain ModelParallelStrategy (the user's fully_shard), AutoFit and ActivationCheckpointing plan
     one rank's FSDP2 step: every rank within the budget by the allocator, the steady step the plan's
@@ -354,6 +363,7 @@ def _offload_plan(budget, cost="flops", **kwargs):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # planning-heavy: a dozen sharded simulations
 def test_cpu_offload_is_planned_only_where_nothing_else_fits():
     """A budget the sharded step fits is planned without offload; one it fits only with the shards and the
     optimizer state on the host gets FSDP2's CPUOffloadPolicy, its device figure the simulated step less
@@ -386,6 +396,7 @@ def test_cpu_offload_is_planned_only_where_nothing_else_fits():
         plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1GiB", n_gpus=2, device="cpu", cpu_offload=True)
 
 
+@pytest.mark.slow  # planning-heavy
 def test_a_slow_link_plans_fewer_larger_micro_batches():
     """Each micro-step all-gathers and reduce-scatters the model: with compute alone (no fixed cost a
     micro-step) the plan prefers no recompute at a smaller micro-batch; over a slow link it takes the

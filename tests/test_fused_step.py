@@ -244,6 +244,7 @@ def test_the_swapped_optimizer_is_the_one_stepped_and_hooks_go_on_failure(tmp_pa
         assert not trainer.optimizers[0]._optimizer_step_post_hooks
 
 
+@pytest.mark.slow  # planning-heavy: the full run's tier
 def test_autofit_meets_a_budget_below_adamws_static_floor(tmp_path):
     """13 MB is below what AdamW's parameters, gradients and state take on their own (14.0 MB): AutoFit
     beside FusedOptimizerStep keeps AdamW (no gradient is ever whole), plans no accumulation and
