@@ -145,6 +145,7 @@ class _Search:
         self.started = time.perf_counter()
         #: FSDP2's CPUOffloadPolicy: the sharded parameters and optimizer state on the host (`offloaded`)
         self.cpu_offload = False
+        self._shard_bytes: dict[int | None, tuple[int, int]] = {}  # `offloaded`'s, by element size
         #: planning seconds after which no checkpointing planner is started (`plan_fit`'s refine_seconds)
         self.refine_seconds: float | None = None
         self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
@@ -221,10 +222,13 @@ class _Search:
         bound, not a simulation: the sharded gradients, which the policy moves to the host after their
         reduce-scatter, are still counted where the simulated step held them."""
         itemsize = 2 if sixteen_bit_weights(precision) else None
-        world = self.n_gpus
-        shards = _fsdp2.shard_bytes(self.model, world, itemsize)
-        blocks = [name for name, _ in find_blocks(self.model)]
-        in_flight = _fsdp2.largest_unit_shard(self.model, blocks, world, itemsize)
+        if itemsize not in self._shard_bytes:  # the model's shards, once per element size
+            blocks = [name for name, _ in find_blocks(self.model)]
+            self._shard_bytes[itemsize] = (
+                _fsdp2.shard_bytes(self.model, self.n_gpus, itemsize),
+                _fsdp2.largest_unit_shard(self.model, blocks, self.n_gpus, itemsize),
+            )
+        shards, in_flight = self._shard_bytes[itemsize]
         return dataclasses.replace(
             breakdown,
             parameters=max(breakdown.parameters - shards, 0),
@@ -609,7 +613,8 @@ def plan_fit(
     out_of_time = refine_seconds is not None and time.perf_counter() - search.started > refine_seconds
     if search.sharding and out_of_time:  # no time left for one more simulation: FSDP2's default
         reshard = True
-        note = f"{note}; reshard_after_forward=False not tried (past {refine_seconds:g} s)".lstrip("; ")
+        untried = f"reshard_after_forward=False not tried (past {refine_seconds:g} s)"
+        note = f"{note}; {untried}" if note else untried
     elif search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
         whole = search.estimate(
             best.m, best.plan or best.label, optimizer=opt, precision=prec, reshard_after_forward=False
