@@ -62,9 +62,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_memkit import _fsdp2
+from lightning_memkit import _fsdp2, _repeated
 from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
@@ -80,7 +79,7 @@ from lightning_memkit._lightning import (
 from lightning_memkit._measure import model_device
 from lightning_memkit._offload import transfer_seconds
 from lightning_memkit._optimizers import CATALOGUE, COMPENSATED, KAHAN, lighter_candidates
-from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit._simulate import counted_step, estimate_memory, sixteen_bit_weights
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -156,15 +155,14 @@ class _Search:
         self.unrefined |= late
         return not late
 
-    def estimate(
-        self, m, checkpointing, *, optimizer=None, precision="32-true", return_timeline=False, **sharding
-    ):
+    def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", counting=False, **sharding):
+        """One rank's simulated step (``counting``: `counted_step`'s breakdown, FLOPs and ops)."""
         start = time.perf_counter()
         ctx = apply_checkpointing(self.model, checkpointing) if checkpointing != "none" else None
         try:
             with ctx or contextlib.nullcontext(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return estimate_memory(
+                return (counted_step if counting else estimate_memory)(
                     self.model,
                     batch_slice(self.batch, m),
                     accumulating=m < batch_size(self.batch),  # the cycle's last micro-batch is its peak
@@ -172,7 +170,6 @@ class _Search:
                     loss_fn=self.loss_fn,
                     precision=precision,
                     device=self.device,
-                    return_timeline=return_timeline,
                     **self.levers,
                     **self.sharding,
                     **sharding,
@@ -186,14 +183,12 @@ class _Search:
         key = (m, "none", optimizer, precision)
         if key not in self.counts:
             self._report(f"simulating micro-batch {m}, checkpointing none, counting its FLOPs")
-            with FlopCounterMode(display=False) as counter:
-                breakdown, timeline = self.estimate(
-                    m, "none", optimizer=optimizer, precision=precision, return_timeline=True
-                )
+            breakdown, flops, ops = self.estimate(
+                m, "none", optimizer=optimizer, precision=precision, counting=True
+            )
             self.whole[key] = breakdown
             self.cache[key] = self.per_rank(breakdown, precision)
-            ops = sum(event.phase in ("forward", "backward") for event in timeline)
-            self.counts[key] = (counter.get_total_flops(), ops)
+            self.counts[key] = (flops, ops)
         return self.counts[key]
 
     def peak(self, m: int, checkpointing: str, optimizer: str | None, precision: str) -> MemoryBreakdown:
@@ -244,6 +239,9 @@ class _Search:
         key = (m, optimizer, precision)
         if key not in self.planners:
             self._report(f"measuring the blocks' checkpointing costs at micro-batch {m}")
+            # A per-block plan's step is simulated whole: for copies of one block, costlier than the
+            # uniform modes' steps (`_repeated`'s shortcut) by the blocks it runs.
+            per_plan = self.seconds / max(len(self.cache), 1) * _repeated.cost_ratio(self.model)
             start = time.perf_counter()
             try:
                 with warnings.catch_warnings():
@@ -260,7 +258,7 @@ class _Search:
                         accumulating=m < batch_size(self.batch),
                         # a few plans per micro-batch (uniform modes are candidates too); one where each
                         # simulation takes seconds (a 7B model's)
-                        max_rounds=1 if self.seconds / max(len(self.cache), 1) > SLOW_SIMULATION_S else 3,
+                        max_rounds=1 if per_plan > SLOW_SIMULATION_S else 3,
                         **self.levers,
                         **self.sharding,  # FSDP2: every plan's step simulated sharded
                     )

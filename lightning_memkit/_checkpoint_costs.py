@@ -335,6 +335,15 @@ class BlockProfiler:
             for h in handles:
                 h.remove()
 
+    def alike(self, names: Sequence[str]) -> None:
+        """The blocks ``names``, in order, profiled as the last one profiled: copies of one block
+        (`_repeated.repeated_blocks`) of which only the first ran."""
+        last = self.order[-1]
+        for name in names:
+            if name not in self.signature:
+                self.order.append(name)
+                self.signature[name], self.grads[name] = self.signature[last], self.grads[last]
+
     def _hook(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._busy or name in self.signature:
             return

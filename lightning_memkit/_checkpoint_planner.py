@@ -59,6 +59,7 @@ from lightning_memkit._checkpointing import (
     without_cache,
 )
 from lightning_memkit._measure import allocation_rounding, model_device
+from lightning_memkit._repeated import repeated_blocks, truncated
 from lightning_memkit._simulate import estimate_memory
 
 __all__ = ["CheckpointPlanner", "plan_checkpointing"]
@@ -249,8 +250,14 @@ class CheckpointPlanner:
         # blocks are profiled on one device (their activations are a rank's either way), and every plan's
         # step is simulated sharded.
         unsharded = {k: v for k, v in self.estimate_kwargs.items() if k not in ("strategy", "world_size")}
+        repeated = repeated_blocks(model)
         with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
-            estimate_memory(model, batch, **unsharded)
+            if repeated is None:
+                estimate_memory(model, batch, **unsharded)
+            else:  # copies of one block (`_repeated`): the first two are profiled, the rest are alike
+                with truncated(repeated[0], 2):
+                    estimate_memory(model, batch, **unsharded)
+                profiler.alike([name for name, _ in found])
         if not profiler.order:
             raise ValueError(f"None of the {len(found)} candidate blocks ran in the training step.")
         timer = OpTimer(target) if cost == "time" else None

@@ -362,7 +362,12 @@ class Tracker(TorchDispatchMode):
         if highest is None:
             return
         unseen = before + rounded(highest, self.rounding) - self.current
-        if unseen > 0 and self.current + unseen > self.peak:
+        if unseen > 0:
+            self._kernel_high(unseen)
+
+    def _kernel_high(self, unseen: int) -> None:
+        """A kernel held ``unseen`` bytes more than the live storages show, at its highest."""
+        if self.current + unseen > self.peak:
             self.peak = self.current + unseen
             self.peak_clock = self.clock
             self.peak_live = [rec for _, rec in self.live.values()]

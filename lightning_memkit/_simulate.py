@@ -55,8 +55,9 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_memkit import _fsdp2, _shadow
+from lightning_memkit import _fsdp2, _repeated, _shadow
 from lightning_memkit._analytic import valid_name
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown
@@ -75,7 +76,7 @@ from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import load_bitsandbytes
 from lightning_memkit._trace import Tracer
 
-__all__ = ["PRECISION_DTYPES", "TimelineEvent", "estimate_memory", "sixteen_bit_weights"]
+__all__ = ["PRECISION_DTYPES", "TimelineEvent", "counted_step", "estimate_memory", "sixteen_bit_weights"]
 
 #: Lightning precision string -> (dtype the parameters are converted to, dtype autocast computes in).
 #: ``None`` means "leave as it is" / "no autocast".
@@ -150,6 +151,7 @@ class _SimTracker(Tracker):
         timeline: bool,
         shadows: _shadow.Shadows,
         tracer: Tracer | None = None,
+        history: bool = False,
     ) -> None:
         super().__init__(_SIM_DEVICE)
         self.rounding = allocation_rounding(target)
@@ -160,6 +162,8 @@ class _SimTracker(Tracker):
         self.phase = "forward"
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
         self.tracer = tracer
+        #: every candidate peak and every storage's life, to read the step at any point (`_repeated`)
+        self.history: _repeated.History | None = _repeated.History() if history else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func is _DEVICE_QUERY:  # most dispatches of a step, and nothing to follow: straight to the fakes
@@ -174,6 +178,8 @@ class _SimTracker(Tracker):
         )  # the same dispatch, with the real values of the outputs followed
         if self.tracer is not None:
             self.tracer.before_op(func, args, kwargs, self.live)
+        if self.history is not None:
+            self.history.op = func
         out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
         if self.tracer is not None:
             self.tracer.after_op(self)
@@ -194,13 +200,48 @@ class _SimTracker(Tracker):
         return rec
 
     def _free(self, key: int) -> None:
-        if self.tracer is None:
+        if self.tracer is None and self.history is None:
             super()._free(key)
             return
         entry = self.live.get(key)
         super()._free(key)
-        if entry is not None:
+        if entry is not None and self.tracer is not None:
             self.tracer.freed(entry[1])
+        if entry is not None and self.history is not None:
+            self.history.died(entry[1])
+
+    # What the history is told (`_repeated`); without one, the tracker's own methods run unchanged.
+
+    def _register(self, storage: torch.UntypedStorage, nbytes: int, *, preexisting: bool) -> Storage:
+        rec = super()._register(storage, nbytes, preexisting=preexisting)
+        if self.history is not None:
+            self.history.born(rec, preexisting=preexisting)
+        return rec
+
+    def on_resize(self, storage: torch.UntypedStorage, before: int) -> None:
+        if self.history is None:
+            super().on_resize(storage, before)
+            return
+        self.history.op, self.history.resizing = "resize_", storage
+        try:
+            super().on_resize(storage, before)
+        finally:
+            self.history.resizing = None
+
+    def on_rng_state(self, state: Tensor) -> None:
+        if self.history is not None:
+            self.history.op = "rng_state"
+        super().on_rng_state(state)
+
+    def _check_peak(self) -> None:
+        if self.history is not None:
+            self.history.point(self, 0)
+        super()._check_peak()
+
+    def _kernel_high(self, unseen: int) -> None:
+        if self.history is not None:
+            self.history.point(self, unseen)
+        super()._kernel_high(unseen)
 
     def on_grad(self, param: Tensor) -> None:
         if self.tracer is not None:
@@ -349,9 +390,10 @@ def _track(
     timeline: bool,
     shadows: _shadow.Shadows,
     tracer: Tracer | None = None,
+    history: bool = False,
 ) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
-    tracker = _SimTracker(device, timeline, shadows, tracer)
+    tracker = _SimTracker(device, timeline, shadows, tracer, history)
     if device.type == "cuda":
         # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
         for optimizer in step.optimizers:
@@ -523,7 +565,8 @@ def estimate_memory(
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
     """
-    tracker = simulate_step(
+    step = functools.partial(
+        simulate_step,
         model,
         batch,
         optimizer=optimizer,
@@ -539,8 +582,14 @@ def estimate_memory(
         strategy=strategy,
         world_size=world_size,
         reshard_after_forward=reshard_after_forward,
-        timeline=return_timeline,
     )
+    # A deep stack of identical blocks: its step from three shallow ones, exactly, or not at all
+    # (`_repeated`). Not for an optimizer built over the whole model's parameters, nor a per-block plan.
+    if not return_timeline and _may_shortcut(optimizer, checkpointing):
+        shortcut = _repeated.shortcut(model, functools.partial(step, history=True))
+        if shortcut is not None:
+            return shortcut.breakdown
+    tracker = step(timeline=return_timeline)
     breakdown = tracker.breakdown()
     if return_timeline:
         assert tracker.timeline is not None
@@ -548,27 +597,53 @@ def estimate_memory(
     return breakdown
 
 
+def _may_shortcut(optimizer: Any, checkpointing: Any) -> bool:
+    """Whether `_repeated`'s shallow steps can stand for the step: not for an optimizer built over the whole
+    model's parameters, nor for a per-block checkpointing plan (the blocks would not run alike)."""
+    return not isinstance(optimizer, torch.optim.Optimizer) and (
+        checkpointing is None or isinstance(checkpointing, str)
+    )
+
+
+def counted_step(model: nn.Module, batch: Any, **kwargs: Any) -> tuple[MemoryBreakdown, int, int]:
+    """`estimate_memory`'s breakdown (same arguments but ``return_timeline``), with the step's FLOPs and
+    its forward and backward ops: for deep stacks of identical blocks from three shallow steps too."""
+    step = functools.partial(simulate_step, model, batch, **kwargs, timeline=True)
+    if _may_shortcut(kwargs.get("optimizer"), kwargs.get("checkpointing")):
+        shortcut = _repeated.shortcut(model, functools.partial(step, history=True), count=True)
+        if shortcut is not None:
+            assert shortcut.flops is not None and shortcut.ops is not None
+            return shortcut.breakdown, shortcut.flops, shortcut.ops
+    with FlopCounterMode(display=False) as counter:
+        tracker = step()
+    assert tracker.timeline is not None
+    ops = sum(event.phase in ("forward", "backward") for event in tracker.timeline)
+    return tracker.breakdown(), counter.get_total_flops(), ops
+
+
 def simulate_step(
     model: nn.Module,
     batch: Any,
     *,
-    optimizer: OptimizerLike | None,
-    loss_fn: Callable[[Any, Any], Tensor] | None,
-    precision: str,
-    checkpointing: str | CheckpointPlan | None,
-    device: str | torch.device,
-    first_step: bool,
-    accumulating: bool,
-    release_gradients: bool,
-    fused_step: bool,
+    optimizer: OptimizerLike | None = None,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    precision: str = "32-true",
+    checkpointing: str | CheckpointPlan | None = None,
+    device: str | torch.device = "cuda",
+    first_step: bool = False,
+    accumulating: bool = False,
+    release_gradients: bool = False,
+    fused_step: bool = False,
     offload: bool = False,
     strategy: str | None = None,
     world_size: int = 1,
     reshard_after_forward: bool = True,
     timeline: bool = False,
     tracer: Tracer | None = None,
+    history: bool = False,
 ) -> _SimTracker:
-    """`estimate_memory`'s step, returning its tracker (``tracer``: also what created each storage)."""
+    """`estimate_memory`'s step, returning its tracker (``tracer``: also what created each storage;
+    ``history``: every candidate peak, `_repeated.History`)."""
     precision = valid_name("precision", precision, PRECISION_DTYPES)
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     target = torch.device(device)
@@ -655,7 +730,7 @@ def simulate_step(
         if not first_step or accumulating:
             with _Placeholders():
                 step.warm_up(stepped, state=not first_step)
-        tracker = _track(step, stepped, target, timeline, shadows, tracer)
+        tracker = _track(step, stepped, target, timeline, shadows, tracer, history)
         if tracer is not None:
             tracer.finish(stepped, step.optimizers, tracker)
     return tracker

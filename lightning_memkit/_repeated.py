@@ -1,0 +1,424 @@
+"""A deep model's simulated step from three shallow ones: repeated blocks allocate alike.
+
+A simulated step costs in proportion to the ops it dispatches, and most of a transformer's ops are its
+blocks': a 7B LLaMA's step is 32 copies of one block's ops between the embedding and the head, an 80-layer
+70B's 80. When the blocks are copies of one another (one class, the same parameters, the same settings
+but their index), the step of a model cut to ``k`` blocks is the step at ``k + 1`` with one block's ops
+taken out of each phase, and what every other op sees live moves by a fixed amount per block. So the step
+is simulated at 2, 3 and 4 blocks, with every candidate peak recorded (`History`):
+
+1. In each phase (forward, zero_grad, backward, optimizer), the step at 3 blocks is the step at 2 with a
+   run of ops inserted: the ops before it (the *prefix*) and after it (the *suffix*) are the 2-block
+   step's, each live figure moved by its own amount (``delta``); the inserted run is one block's ops.
+2. That rule predicts the 4-block step: prefix and suffix moved twice, two inserted runs, the second
+   moved from the first as the suffix moved past the first (an earlier block's saved activations in the
+   forward, a later block's gradients in the backward). Every figure of the real 4-block step must be the
+   predicted one, byte for byte, with the same ops; otherwise the shortcut is not taken.
+3. The rule then gives the step at the model's own depth, and its first highest point; the breakdown
+   there is the 3- and 4-block steps' breakdowns at the same point, extended in proportion (checked
+   against the 2-block step's where that point exists).
+
+Where anything does not hold (blocks that differ, a non-uniform checkpointing plan, a step that fails
+when cut, a prediction that misses) the whole model is simulated instead: the shortcut is exact or not
+taken. The tests hold it to the full simulation byte for byte on the zoo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_memkit._blocks import find_blocks
+from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown
+from lightning_memkit._checkpointing import checkpoint_policies
+
+if TYPE_CHECKING:
+    from lightning_memkit._measure import Storage, Tracker
+
+__all__ = ["MIN_DEPTH", "History", "Shortcut", "cost_ratio", "shortcut"]
+
+log = logging.getLogger(__name__)
+
+#: Fewest repeated blocks for the shortcut: three shallow steps (2 + 3 + 4 blocks) must cost less than one.
+MIN_DEPTH = 12
+_DEPTHS = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class _Point:
+    phase: str
+    op: Any
+    current: int  # live bytes then, as the tracker counted them
+    preexisting: int  # bytes registered as live-since-the-start by then (counted later for earlier points)
+    clock: int
+    index: int  # its place in the history
+
+
+class History:
+    """Every candidate peak of a tracked step (after each op, resize and kernel high), and every storage's
+    life, so the step can be read at any point, not only at its peak."""
+
+    def __init__(self) -> None:
+        self.points: list[_Point] = []
+        self.op: Any = None  # the op running (set by the tracker)
+        self.resizing: torch.UntypedStorage | None = None  # the storage being resized, if any
+        self._preexisting = 0
+        self._lives: dict[int, tuple[Storage, int, list[tuple[int, int]]]] = {}  # id -> rec, born, sizes
+        self._deaths: dict[int, int] = {}
+
+    def born(self, rec: Storage, *, preexisting: bool) -> None:
+        self._lives[id(rec)] = (rec, 0 if preexisting else len(self.points), [(0, rec.nbytes)])
+        if preexisting:
+            self._preexisting += rec.nbytes
+
+    def died(self, rec: Storage) -> None:
+        self._deaths.setdefault(id(rec), len(self.points))
+
+    def point(self, tracker: Tracker, unseen: int) -> None:
+        if self.resizing is not None:  # the resized storage's size from this point on
+            entry = tracker.live.get(id(self.resizing))
+            life = None if entry is None else self._lives.get(id(entry[1]))
+            if life is not None:
+                life[2].append((len(self.points), entry[1].nbytes))
+            self.resizing = None
+        op = self.op if unseen == 0 else ("kernel", self.op)
+        self.points.append(
+            _Point(
+                tracker.phase,  # type: ignore[attr-defined]
+                op,
+                tracker.current + unseen,
+                self._preexisting,
+                tracker.clock,
+                len(self.points),
+            )
+        )
+
+    def live(self, point: _Point) -> int:
+        """Bytes live at ``point``, with what was first seen later but live since the step began."""
+        return point.current + self._preexisting - point.preexisting
+
+    def breakdown_at(self, tracker: Tracker, point: _Point) -> MemoryBreakdown:
+        """The breakdown at ``point``, as the tracker's `breakdown` gives it at its peak."""
+        sums = dict.fromkeys(CATEGORIES[:4], 0)
+        clock, tracker.peak_clock = tracker.peak_clock, point.clock  # categories as of that point
+        try:
+            for key, (rec, born, sizes) in self._lives.items():
+                if born > point.index or self._deaths.get(key, len(self.points) + 1) <= point.index:
+                    continue
+                nbytes = next(n for at, n in reversed(sizes) if at <= point.index)
+                category = tracker._category(rec)
+                if category != "temporary":
+                    sums[category] += nbytes
+        finally:
+            tracker.peak_clock = clock
+        return MemoryBreakdown(**sums, temporary=self.live(point) - sum(sums.values()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Which models: one container of identical blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def repeated_blocks(model: nn.Module) -> tuple[nn.Module, int] | None:
+    """The container of ``model``'s repeated blocks and their number, when they are copies of one another
+    (one class, the same parameters and buffers, every setting alike but an index) and the container holds
+    nothing else; ``None`` otherwise."""
+    found = find_blocks(model)
+    if len(found) < MIN_DEPTH:
+        return None
+    parents = {name.rpartition(".")[0] for name, _ in found}
+    if len(parents) != 1:
+        return None
+    container = model.get_submodule(parents.pop())
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) != len(found):
+        return None
+    if list(container) != [m for _, m in found] or len({id(m) for _, m in found}) != len(found):
+        return None
+    signatures = [_signature(m) for _, m in found]
+    if any(s.keys() != signatures[0].keys() for s in signatures):
+        return None
+    for key in signatures[0]:
+        values = [s[key] for s in signatures]
+        if all(v == values[0] for v in values) or _an_index(values):
+            continue
+        return None
+    policies = checkpoint_policies(model)
+    if len({policies.get(name, "none") for name, _ in found}) != 1:
+        return None  # a per-block plan: the blocks do not run alike
+    return container, len(found)
+
+
+def _signature(block: nn.Module) -> dict[tuple[str, str], Any]:
+    """What decides how ``block`` allocates, but its weights' values: its modules' classes, tensors' shapes
+    and plain settings."""
+    signature: dict[tuple[str, str], Any] = {}
+    for name, module in block.named_modules():
+        signature[(name, "__class__")] = type(module)
+        for table in ("_parameters", "_buffers"):
+            for key, t in module.__dict__[table].items():
+                spec = None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)
+                signature[(name, f"{table}.{key}")] = spec
+        for key, value in vars(module).items():
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))):
+                signature[(name, key)] = value
+    return signature
+
+
+def _an_index(values: Sequence[Any]) -> bool:
+    """Whether ``values`` count up by one, block after block (a ``layer_idx``)."""
+    return all(type(v) is int for v in values) and all(b - a == 1 for a, b in itertools.pairwise(values))
+
+
+@contextlib.contextmanager
+def truncated(container: nn.Module, depth: int) -> Iterator[None]:
+    """``container`` holding only its first ``depth`` blocks while inside."""
+    modules = container._modules
+    kept = dict(modules)
+    try:
+        container._modules = dict(list(kept.items())[:depth])  # type: ignore[assignment]
+        yield
+    finally:
+        container._modules = kept  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------------------------------
+# The shortcut
+# --------------------------------------------------------------------------------------------------
+
+
+class Shortcut(NamedTuple):
+    """The deep step as `shortcut` gives it: the breakdown at its peak and, when counted, its FLOPs and
+    its forward and backward ops (``None`` otherwise)."""
+
+    breakdown: MemoryBreakdown
+    flops: int | None = None
+    ops: int | None = None
+
+
+def cost_ratio(model: nn.Module) -> float:
+    """What the whole step of ``model`` costs against the shortcut's three shallow steps (a step that cannot
+    take the shortcut, such as a per-block checkpointing plan's), by the blocks each runs."""
+    found = repeated_blocks(model)
+    return 1.0 if found is None else found[1] / sum(_DEPTHS)
+
+
+def shortcut(model: nn.Module, simulate: Callable[[], Tracker], *, count: bool = False) -> Shortcut | None:
+    """``simulate()``'s step of ``model``, from its step at 2, 3 and 4 blocks; ``None`` where the shortcut
+    does not hold (`repeated_blocks`, the module docstring). ``count``: also the step's FLOPs and forward
+    and backward ops (``simulate`` must keep a timeline), which grow by the same amount with each block."""
+    found = repeated_blocks(model)
+    if found is None:
+        return None
+    container, depth = found
+    trackers, counts = [], []
+    for shallow in _DEPTHS:
+        with truncated(container, shallow), FlopCounterMode(display=False) if count else _uncounted() as c:
+            try:
+                tracker = simulate()
+            except Exception as error:  # a step that needs all its blocks: simulate them all
+                log.debug("The %d-block step fails (%s): the whole model is simulated.", shallow, error)
+                return None
+        if tracker.history is None:  # type: ignore[attr-defined]
+            raise AssertionError("shortcut needs trackers with a history")
+        trackers.append(tracker)
+        if count:
+            ops = sum(e.phase in ("forward", "backward") for e in tracker.timeline)  # type: ignore[attr-defined]
+            counts.append((c.get_total_flops(), ops))
+    n = depth - _DEPTHS[0]
+    breakdown = _extrapolate(trackers, n)
+    if breakdown is None:
+        log.debug("The 4-block step is not the one the 2- and 3-block steps predict: simulated whole.")
+        return None
+    if not count:
+        return Shortcut(breakdown)
+    deep = []
+    for a, b, c in zip(*counts, strict=True):
+        if c - b != b - a:
+            return None
+        deep.append(a + n * (b - a))
+    return Shortcut(breakdown, *deep)
+
+
+@contextlib.contextmanager
+def _uncounted() -> Iterator[None]:
+    yield None
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One phase's points at the three depths and where one block's ops go in: ``inserts`` are the runs
+    of ops the 3-block step adds to the 2-block step's, as ``(position in the 2-block step's points,
+    length)``, in order (a phase can loop over the blocks more than once: FSDP2's forward views every
+    parameter before it runs the blocks; a first step creates the optimizer state, then updates)."""
+
+    points: tuple[list[_Point], list[_Point], list[_Point]]
+    lives: tuple[list[int], list[int], list[int]]
+    inserts: tuple[tuple[int, int], ...]
+
+
+def _phases(history: History) -> list[tuple[str, list[_Point]]]:
+    runs: list[tuple[str, list[_Point]]] = []
+    for p in history.points:
+        if runs and runs[-1][0] == p.phase:
+            runs[-1][1].append(p)
+        else:
+            runs.append((p.phase, [p]))
+    return runs
+
+
+def _extrapolate(trackers: Sequence[Tracker], n: int) -> MemoryBreakdown | None:
+    histories = [t.history for t in trackers]  # type: ignore[attr-defined]
+    runs = [_phases(h) for h in histories]
+    if not len(runs[0]) == len(runs[1]) == len(runs[2]) or any(
+        not (a[0] == b[0] == c[0]) for a, b, c in zip(*runs, strict=True)
+    ):
+        return None
+    phases = []
+    for a, b, c in zip(*runs, strict=True):
+        points = (a[1], b[1], c[1])
+        lives = tuple([h.live(p) for p in pts] for h, pts in zip(histories, points, strict=True))
+        phase = _aligned(points, lives)  # type: ignore[arg-type]
+        if phase is None:
+            return None
+        phases.append(phase)
+    # The first highest point of the deep step, phase by phase in order (the tracker keeps the first).
+    best: tuple[int, _Phase, int] | None = None
+    for phase in phases:
+        lives = _predicted(phase, n)
+        top = max(lives, default=None)
+        if top is not None and (best is None or top > best[0]):
+            best = (top, phase, lives.index(top))
+    if best is None:
+        return None
+    peak, phase, at = best
+    return _breakdown(trackers, histories, phase, at, n, peak)
+
+
+def _aligned(points: tuple[list[_Point], ...], lives: tuple[list[int], ...]) -> _Phase | None:
+    """Where the 3-block step's extra ops go in among the 2-block step's, such that the rule predicts the
+    4-block step exactly; ``None`` if no place does."""
+    a, b, c = ([p.op for p in pts] for pts in points)
+    if len(c) - len(b) != len(b) - len(a):
+        return None
+    matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    found = [(i1, j2 - j1) for tag, i1, _, j1, j2 in matcher.get_opcodes() if tag != "equal"]
+    if any(tag not in ("equal", "insert") for tag, *_ in matcher.get_opcodes()):
+        return None
+    # An inserted run of repeated ops can sit anywhere it slides to with the same ops around it: the
+    # place that predicts the 4-block step is the one (each run's, in turn).
+    inserts = list(found)
+    for k, (at, width) in enumerate(found):
+        offset = sum(w for _, w in inserts[:k])
+        run = b[at + offset : at + offset + width]
+        places = [at]
+        lo = at
+        while lo > 0 and a[lo - 1] == run[(lo - 1 - at) % width] and lo - 1 > _end(inserts, k - 1):
+            lo -= 1
+            places.append(lo)
+        hi = at
+        while (
+            hi < len(a)
+            and a[hi] == run[(hi - at) % width]
+            and (k + 1 == len(found) or hi + 1 < found[k + 1][0])
+        ):
+            hi += 1
+            places.append(hi)
+        best = None
+        for place in places:
+            inserts[k] = (place, width)
+            missed = _missed(_Phase(points, lives, tuple(inserts)), c)  # type: ignore[arg-type]
+            if best is None or missed < best[0]:
+                best = (missed, place)
+        inserts[k] = (best[1], width) if best is not None else (at, width)
+    phase = _Phase(points, lives, tuple(inserts))  # type: ignore[arg-type]
+    return phase if _missed(phase, c) == 0 else None
+
+
+def _end(inserts: list[tuple[int, int]], k: int) -> int:
+    return -1 if k < 0 else inserts[k][0]
+
+
+def _missed(phase: _Phase, ops: list[Any]) -> int:
+    """How many of the 4-block step's points the rule gets wrong (ops or bytes)."""
+    predicted = _predicted(phase, 2)
+    a_ops = [p.op for p in phase.points[0]]
+    b_ops = [p.op for p in phase.points[1]]
+    expected: list[Any] = []
+    j, shift = 0, 0
+    for at, width in phase.inserts:
+        expected += a_ops[j:at] + b_ops[at + shift : at + shift + width] * 2
+        j, shift = at, shift + width
+    expected += a_ops[j:]
+    truth = phase.lives[2]
+    if len(predicted) != len(truth) or len(expected) != len(ops):
+        return len(truth) + 1
+    return sum(x != y for x, y in zip(predicted, truth, strict=True)) + sum(
+        x != y for x, y in zip(expected, ops, strict=True)
+    )
+
+
+def _predicted(phase: _Phase, n: int) -> list[int]:
+    """The phase's live figures with ``n`` more blocks than the 2-block step."""
+    a, b, _ = phase.lives
+    out: list[int] = []
+    j, shift = 0, 0  # the next of the 2-block step's points; where it sits in the 3-block step
+    for at, width in phase.inserts:
+        out += [a[k] + n * (b[k + shift] - a[k]) for k in range(j, at)]
+        if n:
+            if at == 0 or at == len(a):
+                return []  # nothing either side to tell how the inserted runs move: unpredictable
+            # how the points either side moved with one more block
+            before, after = b[at - 1 + shift] - a[at - 1], b[at + shift + width] - a[at]
+            run = b[at + shift : at + shift + width]
+            out += [live + (n - 1) * before + r * (after - before) for r in range(n) for live in run]
+        j, shift = at, shift + width
+    out += [a[k] + n * (b[k + shift] - a[k]) for k in range(j, len(a))]
+    return out
+
+
+def _breakdown(trackers, histories, phase: _Phase, at: int, n: int, peak: int) -> MemoryBreakdown | None:
+    """The breakdown at point ``at`` of the deep step's ``phase``: the 3- and 4-block steps' at the same
+    point, extended ``n - 1`` blocks further."""
+    same: tuple[int | None, int, int] | None = None
+    j, shift, deep = 0, 0, 0  # the 2-block step's next point, its offset at 3 blocks, the deep step's
+    for start, width in (*phase.inserts, (len(phase.points[0]), 0)):
+        if at < deep + start - j:  # one of the 2-block step's points
+            k = j + at - deep
+            same = (k, k + shift, k + 2 * shift)
+            break
+        deep += start - j
+        if at < deep + n * width:  # in the first or the last copy of this inserted run
+            r, e = divmod(at - deep, width)
+            if r not in (0, n - 1):
+                return None
+            last = width if r == n - 1 and n > 1 else 0
+            same = (None, start + shift + e, start + 2 * shift + last + e)
+            break
+        deep += n * width
+        j, shift = start, shift + width
+    if same is None or same[2] >= len(phase.points[2]):
+        return None
+    at_depth = [
+        None if k is None else h.breakdown_at(t, phase.points[d][k])
+        for d, (k, h, t) in enumerate(zip(same, histories, trackers, strict=True))
+    ]
+    _, one, two = at_depth
+    assert one is not None and two is not None
+    steps = n - 1
+    values = {c: getattr(one, c) + steps * (getattr(two, c) - getattr(one, c)) for c in CATEGORIES}
+    if at_depth[0] is not None:  # three depths: the same steps each time
+        zero = at_depth[0]
+        if any(getattr(one, c) - getattr(zero, c) != getattr(two, c) - getattr(one, c) for c in CATEGORIES):
+            return None
+    if any(v < 0 for v in values.values()) or sum(values.values()) != peak:
+        return None
+    return MemoryBreakdown(**values)

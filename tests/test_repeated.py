@@ -1,0 +1,170 @@
+"""The simulated step of a deep stack of identical blocks, from three shallow ones (`_repeated`): the same
+breakdown as simulating every block, byte for byte, or no shortcut at all."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from zoo import MODELS, ZooModule, zoo_batch
+
+from lightning_memkit import _repeated
+from lightning_memkit._simulate import counted_step, estimate_memory, simulate_step
+from lightning_memkit.demos.gpt import GPTLightningModule
+
+DEPTH = 6  # deeper than the shallow steps (4 blocks) by two, so the extrapolation is not a lookup
+
+
+@pytest.fixture(autouse=True)
+def _shallow_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_repeated, "MIN_DEPTH", DEPTH - 1)
+
+
+def _layers_key(config) -> str:
+    return "n_layer" if hasattr(config, "n_layer") else "num_hidden_layers"
+
+
+class DeepZoo(ZooModule):
+    """A zoo model with ``DEPTH`` blocks, otherwise its default config."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        config = self.model.config
+        setattr(config, _layers_key(config), DEPTH)
+        if getattr(config, "layer_types", None):  # one per block (Qwen2's): all of the default kind
+            config.layer_types = [config.layer_types[0]] * DEPTH
+        torch.manual_seed(0)
+        self.model = type(self.model)(config)
+
+
+def _both(model, batch, **kwargs):
+    """The shortcut's breakdown and the whole simulation's."""
+    shortcut = _repeated.shortcut(
+        model, functools.partial(simulate_step, model, batch, history=True, **kwargs)
+    )
+    whole = simulate_step(model, batch, **kwargs).breakdown()
+    return shortcut, whole
+
+
+FAMILIES = ["bert", "qwen2", "gpt_neox", "gpt2", "vit"]
+CONFIGS = {
+    "steady": {},
+    "first_step": {"first_step": True},
+    "full_checkpointing": {"checkpointing": "full"},
+    "selective_checkpointing": {"checkpointing": "selective"},
+    "accumulating_bf16_mixed": {"accumulating": True, "precision": "bf16-mixed"},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_shortcut_is_the_whole_simulation_byte_for_byte_on_the_zoo(name: str, config: str) -> None:
+    module = DeepZoo(name)
+    shortcut, whole = _both(module, zoo_batch(name), device="cpu", **CONFIGS[config])
+    assert shortcut is not None, "the zoo's blocks are copies of one another: the shortcut applies"
+    assert shortcut.breakdown == whole
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_shortcut_holds_for_one_fsdp2_rank(world_size: int) -> None:
+    module = DeepZoo("qwen2")
+    kwargs = {"strategy": "fsdp2", "world_size": world_size, "device": "cpu"}
+    shortcut, whole = _both(module, zoo_batch("qwen2"), **kwargs)
+    assert shortcut is not None and shortcut.breakdown == whole
+
+
+def test_a_peak_that_moves_with_depth_is_followed() -> None:
+    """At a few blocks the peak is at the loss (the logits); at 16 it is in the optimizer's foreach step
+    (a temporary as large as every parameter): no straight line through the shallow peaks finds it."""
+    module = GPTLightningModule({"n_layer": 16, "n_embd": 128, "n_head": 4, "vocab_size": 4096})
+    x = torch.randint(0, 4096, (2, 64))
+    kwargs = {"precision": "bf16-true", "checkpointing": "full", "device": "cuda", "optimizer": "adamw"}
+    container, _ = _repeated.repeated_blocks(module)
+    with _repeated.truncated(container, 2):
+        shallow = simulate_step(module, (x, x), **kwargs).breakdown()
+    shortcut, whole = _both(module, (x, x), **kwargs)
+    assert shortcut is not None and shortcut.breakdown == whole
+    assert shallow.activations > 100 * whole.activations  # shallow: the peak at the loss, with activations
+    assert whole.temporary == whole.parameters  # deep: the foreach step's parameter-sized temporary
+
+
+def test_counted_step_extrapolates_flops_and_ops_exactly() -> None:
+    module = DeepZoo("gpt2")
+    batch = zoo_batch("gpt2")
+    fast = counted_step(module, batch, device="cpu")
+    _repeated.MIN_DEPTH = 10**6  # restored by the fixture's monkeypatch
+    assert counted_step(module, batch, device="cpu") == fast
+
+
+def test_estimate_memory_takes_the_shortcut_and_leaves_the_model_whole() -> None:
+    module = DeepZoo("qwen2")
+    before = [name for name, _ in module.named_parameters()]
+    calls = []
+    original = _repeated.truncated
+
+    def spy(container, depth):
+        calls.append(depth)
+        return original(container, depth)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_repeated, "truncated", spy)
+        fast = estimate_memory(module, zoo_batch("qwen2"), device="cpu")
+    assert calls == [2, 3, 4]
+    assert [name for name, _ in module.named_parameters()] == before
+    assert len(module.model.model.layers) == DEPTH
+    assert fast == simulate_step(module, zoo_batch("qwen2"), device="cpu").breakdown()
+
+
+class Growing(nn.Module):
+    """Copies of one block, but each keeps for backward everything the blocks before it made: what a block
+    holds grows with its place, and the step with the square of the depth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(DEPTH))
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept, h = x, x
+        for block in self.blocks:
+            h = block(h)
+            kept = torch.cat([kept, h], dim=1) * self.scale  # saves the whole of `kept` for backward
+        return kept.sum()
+
+
+def test_a_step_the_rule_does_not_predict_is_not_extrapolated() -> None:
+    model = Growing()
+    batch = (torch.randn(4, 8), None)
+    kwargs = {"loss_fn": lambda out, _: out, "optimizer": "sgd", "device": "cpu"}
+    shortcut, whole = _both(model, batch, **kwargs)
+    assert _repeated.repeated_blocks(model) is not None  # it looks like copies of one block
+    assert shortcut is None  # but the 4-block step is not the one the rule predicts
+    assert estimate_memory(model, batch, **kwargs) == whole
+
+
+def test_blocks_that_differ_are_simulated_whole() -> None:
+    module = DeepZoo("qwen2")
+    assert _repeated.repeated_blocks(module) is not None
+    module.model.model.layers[DEPTH - 1].self_attn.scaling = 0.5  # one block unlike the others
+    assert _repeated.repeated_blocks(module) is None
+
+
+def test_a_per_block_checkpointing_plan_is_simulated_whole() -> None:
+    from lightning_memkit import apply_checkpointing
+
+    module = DeepZoo("gpt2")
+    names = [f"model.transformer.h.{i}" for i in range(DEPTH)]
+    with apply_checkpointing(module, {name: "full" if i < 2 else "none" for i, name in enumerate(names)}):
+        assert _repeated.repeated_blocks(module) is None
+    with apply_checkpointing(module, "full"):
+        assert _repeated.repeated_blocks(module) is not None
+
+
+def test_models_without_one_stack_of_copies_are_simulated_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_repeated, "MIN_DEPTH", 2)  # the zoo's ResNet has 4 blocks
+    for name in ("t5", "resnet"):  # two stacks (encoder, decoder); blocks of different widths
+        assert _repeated.repeated_blocks(ZooModule(name)) is None
+    assert set(FAMILIES) | {"t5", "resnet"} == set(MODELS)
