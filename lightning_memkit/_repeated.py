@@ -7,13 +7,14 @@ but their index), the step of a model cut to ``k`` blocks is the step at ``k + 1
 taken out of each phase, and what every other op sees live moves by a fixed amount per block. So the step
 is simulated at 2, 3 and 4 blocks, with every candidate peak recorded (`History`):
 
-1. In each phase (forward, zero_grad, backward, optimizer), the step at 3 blocks is the step at 2 with a
-   run of ops inserted: the ops before it (the *prefix*) and after it (the *suffix*) are the 2-block
-   step's, each live figure moved by its own amount (``delta``); the inserted run is one block's ops.
-2. That rule predicts the 4-block step: prefix and suffix moved twice, two inserted runs, the second
-   moved from the first as the suffix moved past the first (an earlier block's saved activations in the
-   forward, a later block's gradients in the backward). Every figure of the real 4-block step must be the
-   predicted one, byte for byte, with the same ops; otherwise the shortcut is not taken.
+1. In each phase (forward, zero_grad, backward, optimizer), the step at 3 blocks is the step at 2 with
+   runs of ops inserted, one for each loop over the blocks (most phases have one; FSDP2's forward views
+   every parameter before it runs the blocks, a first step creates the optimizer state and then updates):
+   every other op is the 2-block step's, its live figure moved by its own amount.
+2. That rule predicts the 4-block step: every other op moved twice, each inserted run twice, the second
+   copy moved from the first as the ops after the run moved past it (an earlier block's saved activations
+   in the forward, a later block's gradients in the backward). Every figure of the real 4-block step must
+   be the predicted one, byte for byte, with the same ops; otherwise the shortcut is not taken.
 3. The rule then gives the step at the model's own depth, and its first highest point; the breakdown
    there is the 3- and 4-block steps' breakdowns at the same point, extended in proportion (checked
    against the 2-block step's where that point exists).
