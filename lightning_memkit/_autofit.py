@@ -619,7 +619,8 @@ def plan_fit(
         )
         kept = search.per_rank(whole, prec)
         reshard = kept.peak > limit
-        if not reshard:
+        if not reshard:  # the chosen row of the table too
+            options = [o._replace(peak=kept.peak) if o == best else o for o in options]
             best = best._replace(peak=kept.peak)
     if search.unrefined:
         late = f"block-by-block checkpointing not searched at every micro-batch (past {refine_seconds:g} s)"

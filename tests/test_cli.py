@@ -504,3 +504,19 @@ def test_plan_for_fsdp2_simulates_the_sharded_step_and_prints_its_set_up():
     reshard = "" if plan.reshard_after_forward else ", reshard_after_forward=False"
     assert f"fully_shard(self.model, mesh=mesh{reshard})" in code
     assert "AutoFit(" not in code
+
+
+@pytest.mark.slow  # planning-heavy: every candidate is a sharded simulation
+def test_a_plan_without_resharding_shows_its_own_peak_in_the_table():
+    """Room to spare: FSDP2 keeps the unsharded parameters from forward to backward, a higher peak than
+    the configuration's default-resharding simulation; the chosen row of the table has that peak too."""
+    plan = plan_fit(
+        _tiny(), _tokens(32, 32), 64 * 2**20, optimizers=["adamw"], strategy="fsdp2", n_gpus=4, device="cpu",
+        cost="flops", checkpointing=("none",),
+    )  # fmt: skip
+    assert plan.reshard_after_forward is False
+    key = (plan.micro_batch_size, plan.checkpointing, plan.optimizer, plan.precision)
+    rows = [
+        a for a in plan.alternatives if (a.micro_batch_size, a.checkpointing, a.optimizer, a.precision) == key
+    ]
+    assert [row.peak for row in rows] == [plan.estimated_peak]
