@@ -168,3 +168,17 @@ def test_models_without_one_stack_of_copies_are_simulated_whole(monkeypatch: pyt
     for name in ("t5", "resnet"):  # two stacks (encoder, decoder); blocks of different widths
         assert _repeated.repeated_blocks(ZooModule(name)) is None
     assert set(FAMILIES) | {"t5", "resnet"} == set(MODELS)
+
+
+def test_the_checkpointing_planner_profiles_two_copies_for_all_of_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_memkit._checkpoint_planner import CheckpointPlanner
+
+    module = DeepZoo("gpt2")
+    kwargs = {"cost": "flops", "device": "cpu", "policy": ("none", "selective", "full")}
+    fast = CheckpointPlanner(module, zoo_batch("gpt2"), **kwargs)
+    monkeypatch.setattr(_repeated, "MIN_DEPTH", 10**6)
+    whole = CheckpointPlanner(module, zoo_batch("gpt2"), **kwargs)
+    assert len(fast.blocks) == DEPTH
+    assert fast.blocks == whole.blocks and fast.baseline == whole.baseline
