@@ -19,17 +19,22 @@ is simulated at 2, 3 and 4 blocks, with every candidate peak recorded (`History`
    there is the 3- and 4-block steps' breakdowns at the same point, extended in proportion (checked
    against the 2-block step's where that point exists).
 
-Where anything does not hold (blocks that differ, a non-uniform checkpointing plan, a step that fails
-when cut, a prediction that misses) the whole model is simulated instead: the shortcut is exact or not
-taken. The tests hold it to the full simulation byte for byte on the zoo.
+Where anything does not hold (blocks that differ in any setting, a non-uniform checkpointing plan, a
+step that fails when cut, a prediction that misses) the whole model is simulated instead. The tests hold
+it to the full simulation byte for byte on the zoo. A known limit: what the *parent's* loop does by a
+block's position past the fourth (checkpointing only the first N blocks by hand with
+``torch.utils.checkpoint``, an extra op after every k-th block) is seen neither in the blocks' settings
+nor in the shallow steps, and is extrapolated as if absent (a strict xfail in the tests records it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import enum
 import itertools
 import logging
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -160,7 +165,8 @@ def repeated_blocks(model: nn.Module) -> tuple[nn.Module, int] | None:
 
 def _signature(block: nn.Module) -> dict[tuple[str, str], Any]:
     """What decides how ``block`` allocates, but its weights' values: its modules' classes, tensors' shapes
-    and plain settings."""
+    and every other attribute (`_setting`), ``nn.Module``'s own bookkeeping and ``forward`` (where
+    checkpointing wraps it; `checkpoint_policies` compares the policies) left out."""
     signature: dict[tuple[str, str], Any] = {}
     for name, module in block.named_modules():
         signature[(name, "__class__")] = type(module)
@@ -169,9 +175,37 @@ def _signature(block: nn.Module) -> dict[tuple[str, str], Any]:
                 spec = None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)
                 signature[(name, f"{table}.{key}")] = spec
         for key, value in vars(module).items():
-            if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))):
-                signature[(name, key)] = value
+            if key not in _MODULE_BOOKKEEPING and not isinstance(value, (nn.Module, torch.Tensor)):
+                signature[(name, key)] = _setting(value)
     return signature
+
+
+#: What every ``nn.Module`` holds for itself (its tables and hooks), and the ``forward`` checkpointing sets.
+_MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) | {"forward"}
+
+
+def _setting(value: Any, depth: int = 0) -> Any:
+    """``value`` as something compared by equality across blocks: plain values as they are, containers
+    element by element, a function by its qualified name, another object by its class and attributes (two
+    levels deep); past that, or without attributes, the object itself, so two blocks alike hold the same
+    one (a shared config) and blocks with objects of their own differ."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype)):
+        return value
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = [_setting(v, depth) for v in value]
+        return (type(value), tuple(sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items))
+    if isinstance(value, dict):
+        return (dict, tuple(sorted(((repr(k), _setting(v, depth)) for k, v in value.items()), key=repr)))
+    if isinstance(value, types.MethodType):  # a bound method: its function, whoever it is bound to
+        value = value.__func__
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return ("function", value.__module__, value.__qualname__)
+    attributes = getattr(value, "__dict__", None)
+    if depth < 2 and isinstance(attributes, dict):
+        return (type(value), _setting(attributes, depth + 1))
+    return ("object", id(value))
 
 
 def _an_index(values: Sequence[Any]) -> bool:
@@ -222,7 +256,8 @@ def shortcut(model: nn.Module, simulate: Callable[[], Tracker], *, count: bool =
     container, depth = found
     trackers, counts = [], []
     for shallow in _DEPTHS:
-        with truncated(container, shallow), FlopCounterMode(display=False) if count else _uncounted() as c:
+        counter = FlopCounterMode(display=False) if count else contextlib.nullcontext()
+        with truncated(container, shallow), counter as c:
             try:
                 tracker = simulate()
             except Exception as error:  # a step that needs all its blocks: simulate them all
@@ -247,11 +282,6 @@ def shortcut(model: nn.Module, simulate: Callable[[], Tracker], *, count: bool =
             return None
         deep.append(a + n * (b - a))
     return Shortcut(breakdown, *deep)
-
-
-@contextlib.contextmanager
-def _uncounted() -> Iterator[None]:
-    yield None
 
 
 @dataclass(frozen=True)
