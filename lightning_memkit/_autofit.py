@@ -516,11 +516,11 @@ def plan_fit(
     per_rank = batch_slice(batch, total // n_gpus)
     sizes = _divisors(total // n_gpus)
     if fused_step:
-        if n_gpus > 1:
+        if n_gpus > 1 and strategy != "fsdp2":
             raise ValueError(
-                "The optimizer step fused into backward runs on one process: DDP and the sharded strategies "
-                "reduce each gradient across ranks after backward. Plan it with n_gpus=1, or plan "
-                "release_gradients=True instead."
+                f"The optimizer step fused into backward cannot run under {strategy}: it reduces each "
+                "gradient across ranks after backward. Plan it with n_gpus=1 or strategy='fsdp2' (each "
+                "shard steps once its reduce-scatter is done), or plan release_gradients=True instead."
             )
         sizes = sizes[-1:]  # it steps at every backward: no accumulation
     if offload and (fused_step or n_gpus > 1):
@@ -846,7 +846,7 @@ def _infeasible(search, pairs, precisions, levels, limit, budget, margin, total)
     best = search.peak(search.smallest, strongest, first_opt, first_prec)
     # Unsharded smallest steps: what more GPUs (FSDP) or a larger card would have to hold.
     whole = search.estimate(search.smallest, strongest, optimizer=first_opt, precision=first_prec)
-    fused = search.levers.get("fused_step", False)  # one process only: no FSDP to suggest
+    fused = search.levers.get("fused_step", False)  # no FSDP1 or DeepSpeed to suggest
     fsdp = (
         None
         if fused

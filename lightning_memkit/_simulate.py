@@ -532,14 +532,15 @@ def estimate_memory(
             (`release_gradients`, `GradientRelease`): a LightningModule's forward then runs without the
             previous step's gradients, which Lightning's order (training_step, zero_grad, backward)
             otherwise keeps through it. A plain module's step (zero_grad after the step) is the same.
+            With ``strategy="fsdp2"``: each rank's sharded gradients.
         fused_step: each parameter is stepped inside backward as soon as its gradient is complete, and
             the gradient freed (`fuse_optimizer_step`, `FusedOptimizerStep`): no step holds all the
             gradients. Not with ``accumulating`` (it steps at every backward), nor with an optimizer that
-            needs a closure.
+            needs a closure. With ``strategy="fsdp2"``: each shard steps once its reduce-scatter is done.
         offload: the optimizers keep their state, fp32 master weights and the gradients' accumulation in
             host memory (`offload_optimizer`, `OptimizerOffload`): each gradient leaves the device as it
             completes. On ``device="cuda"`` the host's bytes are not counted; on ``"cpu"`` they are the
-            same memory, and are.
+            same memory, and are. Not with ``strategy`` (FSDP2's own is ``CPUOffloadPolicy``).
         strategy: ``"fsdp2"``: one rank's step under FSDP2, ``fully_shard`` on each block `find_blocks`
             finds and then on the whole model (the layout Lightning documents), over ``world_size`` ranks:
             the real FSDP2 step runs on a copy of the model, on fake tensors over torch's fake process
@@ -666,10 +667,10 @@ def simulate_step(
         valid_name("strategy", strategy, ("fsdp2",))
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a whole number of ranks, at least 1; got {world_size!r}")
-        if release_gradients or fused_step or offload:
+        if offload:
             raise NotImplementedError(
-                "The FSDP2 step is simulated with the optimizer stepping after backward: gradient release, "
-                "the fused step and the offloaded optimizer act on sharded gradients and are not simulated."
+                "The offloaded optimizer runs on one process: under FSDP2, plan CPUOffloadPolicy instead "
+                "(plan_fit(strategy='fsdp2', cpu_offload=True))."
             )
     if not lightning and optimizer is None:
         raise TypeError(

@@ -417,3 +417,13 @@ def test_one_rank_of_fsdp2_plans_no_optimizer_dtensor_cannot_run():
     plan = plan_fit(Llama(), zoo_batch("qwen2", 4, SEQ), "1GiB", strategy="fsdp2", n_gpus=1, device="cpu",
                     cost="flops", optimizers=["adamw", "adamw8bit", "adafactor"])  # fmt: skip
     assert plan.optimizer == "adamw" and "adamw8bit" in plan.note and "adafactor" in plan.note
+
+
+def test_the_fused_step_is_planned_on_the_sharded_step():
+    """Under FSDP2 each shard steps inside backward once its reduce-scatter is done: `plan_fit` plans the
+    fused step there, with no accumulation (it steps at every backward); DDP is refused, saying why."""
+    plan = _offload_plan("1MiB", fused_step=True)
+    assert plan.lever == "FusedOptimizerStep" and plan.accumulate_grad_batches == 1
+    assert plan.estimated_peak <= plan.limit
+    with pytest.raises(ValueError, match="cannot run under ddp: it reduces each gradient"):
+        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", n_gpus=2, device="cpu", fused_step=True)

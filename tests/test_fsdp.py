@@ -34,7 +34,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
 from zoo import ZooModule, zoo_batch
 
-from lightning_memkit import MemoryMonitor, apply_checkpointing, estimate_memory
+from lightning_memkit import (
+    FusedOptimizerStep,
+    GradientRelease,
+    MemoryMonitor,
+    apply_checkpointing,
+    estimate_memory,
+)
 from lightning_memkit._analytic import shard
 from lightning_memkit._measure import SHARDED_KINDS, storage_bytes
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
@@ -52,6 +58,8 @@ SCENARIOS = {
     "selective_checkpointing": {"checkpointing": "selective"},
     "bf16_policy": {"bf16": True},
     "accumulation": {"accumulate_grad_batches": 2},
+    "gradient_release": {"lever": GradientRelease},
+    "fused_step": {"lever": FusedOptimizerStep},
 }
 
 
@@ -133,10 +141,12 @@ class _Record(pl.Callback):
 def _scenario(out: Path, world: int, config: dict, watched: bool = True) -> None:
     config = dict(config)
     accumulate = config.pop("accumulate_grad_batches", 1)
+    levers = [config.pop("lever")()] if "lever" in config else []
     callbacks = [_Record(out, None, None)]
     if watched:
         peaks, monitor = AllocatorPeaks(all_threads=True), MemoryMonitor(plot=False, summary=False)
         callbacks = [*peaks.around(monitor), _Record(out, peaks, monitor)]
+    callbacks = [*levers, *callbacks]
     torch.manual_seed(0)
     trainer = pl.Trainer(
         default_root_dir=out, accelerator="cpu", devices=world, max_steps=STEPS, log_every_n_steps=1,
@@ -261,6 +271,21 @@ def test_watching_changes_nothing_on_any_rank(fsdp):
 
 @pytest.mark.slow
 @needs_distributed
+@pytest.mark.parametrize("lever", ["gradient_release", "fused_step"])
+def test_the_step_levers_act_on_the_sharded_gradients_and_train_alike(fsdp, lever):
+    """`GradientRelease` frees each rank's sharded gradients after the step; `FusedOptimizerStep` steps
+    each shard as its reduce-scatter hands it its gradient. Either way: the same losses and local shards as
+    without the lever, bit for bit, and no step peaks higher."""
+    world, out = fsdp
+    for rank in range(world):
+        levered, default = read(out, lever, rank), read(out, "default", rank)
+        assert levered["losses"] == default["losses"] and levered["parameters"] == default["parameters"]
+        steps = zip(per_step_truth(levered, 1), per_step_truth(default, 1), strict=True)
+        assert all(with_lever <= without for with_lever, without in steps)
+
+
+@pytest.mark.slow
+@needs_distributed
 def test_each_rank_holds_its_shard_and_less_than_the_whole_step(fsdp):
     """What FSDP2 divides: a rank's sharded parameters are its share of the model (the padded rows of the
     uneven vocabulary included), and its steady step peaks below the whole model's step on one device."""
@@ -290,6 +315,8 @@ def simulated_rank(world: int, **kwargs) -> int:
         ("default", {}),
         ("full_checkpointing", {"checkpointing": "full"}),
         ("no_reshard", {"reshard_after_forward": False}),
+        ("gradient_release", {"release_gradients": True}),
+        ("fused_step", {"fused_step": True}),
     ],
 )
 def test_the_simulated_sharded_step_is_every_ranks_step(fsdp, scenario, options):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import B, Losses, T, cpu_trainer, tiny_gpt
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import (
@@ -142,6 +143,9 @@ def test_refuses_what_needs_all_gradients_before_a_step(tmp_path):
         "gradient_clip_val=1.0 clips by the norm of all gradients": {"gradient_clip_val": 1.0},
         "accumulate_grad_batches=2 adds several backward": {"accumulate_grad_batches": 2},
         "DDPStrategy reduces each gradient": {"strategy": "ddp"},
+        "under ModelParallelStrategy, FSDP2 reduce-scatters": {
+            "strategy": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        },
     }
     for message, kwargs in cases.items():
         module, data, _ = _gpt()

@@ -15,7 +15,7 @@ Trainer already has, and a set-up the fused step cannot serve is refused with th
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
 from lightning_memkit.callbacks._step_hooks import StepHooks
@@ -36,14 +36,18 @@ class FusedOptimizerStep(StepHooks):
 
     Refused, with the reason (the update would differ): gradient clipping (``gradient_clip_val``), gradient
     accumulation (``accumulate_grad_batches > 1``), the fp16 grad scaler (``precision="16-mixed"``;
-    ``"bf16-mixed"`` and ``"bf16-true"`` are fine), a strategy over several processes (DDP, FSDP,
-    DeepSpeed), manual optimization, and optimizers that take a closure (LBFGS). The gradients never exist
-    all at once: code that reads ``p.grad`` after backward (``on_after_backward``,
-    ``on_before_optimizer_step``) finds ``None``; read a gradient in a parameter's own
-    ``register_post_accumulate_grad_hook``, registered before this callback's (in ``setup``).
+    ``"bf16-mixed"`` and ``"bf16-true"`` are fine), a strategy over several processes that reduces
+    gradients after backward (DDP, FSDP1, DeepSpeed, tensor parallelism), manual optimization, and
+    optimizers that take a closure (LBFGS). The gradients never exist all at once: code that reads
+    ``p.grad`` after backward (``on_after_backward``, ``on_before_optimizer_step``) finds ``None``; read a
+    gradient in a parameter's own ``register_post_accumulate_grad_hook``, registered before this callback's
+    (in ``setup``).
     Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs an inner
     backward per segment: a parameter used both inside and outside a segment would be stepped twice, on
     partial gradients; the default non-reentrant checkpointing (this package's, Hugging Face's) is safe.
+
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``, no tensor parallelism) each sharded
+    parameter is stepped once its unit's reduce-scatter has handed it its gradient's shard.
 
     Example::
 
@@ -104,6 +108,18 @@ def refusal(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
             f'precision="{trainer.precision}" scales the loss and skips steps whose gradients hold inf or '
             'NaN, which it knows only after backward. Use precision="bf16-mixed" (or "bf16-true"), which '
             f"needs no scaler, or {_INSTEAD}."
+        )
+    if isinstance(trainer.strategy, ModelParallelStrategy):
+        # FSDP2 runs a sharded parameter's post-accumulate-grad hooks once its reduce-scatter has given it
+        # the reduced shard of its gradient: the fused step updates the shard. Tensor parallelism reduces
+        # some gradients elsewhere.
+        tensor_parallel = trainer.strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel == 1:
+            return None
+        return (
+            f"tensor_parallel_size={tensor_parallel}: tensor parallelism leaves some gradients partial "
+            "(summed across the tensor-parallel ranks later), so a step inside backward would use one "
+            f"rank's part. Use ModelParallelStrategy(tensor_parallel_size=1) (FSDP2 alone), or {_INSTEAD}."
         )
     if not isinstance(trainer.strategy, SingleDeviceStrategy):
         return (

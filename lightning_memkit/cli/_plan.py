@@ -212,7 +212,8 @@ def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
     asked = [lever for lever in _LEVERS if getattr(args, lever)]
     first = argparse.Namespace(precision=args.precision or ["32-true"], **{k: k in asked for k in _LEVERS})
     precisions = [args.precision] if args.precision else [list(RELAXED_PRECISIONS)]
-    single = ("fused_step", "offload")  # one process only
+    # one process only (FSDP2 steps each shard inside backward once its reduce-scatter is done)
+    single = ("offload",) if args.strategy == "fsdp2" else ("fused_step", "offload")
     open_levers = [lever for lever in _LEVERS if args.gpus == 1 or lever not in single]
     levers = [asked] if asked else [[], *([lever] for lever in open_levers)]
     relaxed = [
