@@ -13,6 +13,7 @@ the model sharded as Lightning documents FSDP2 (`sharded_copy`).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
@@ -32,6 +33,7 @@ __all__ = [
     "fsdp_params",
     "is_sharded",
     "largest_unit_shard",
+    "over_twins",
     "root_name",
     "shard_bytes",
     "shard_layout",
@@ -40,6 +42,7 @@ __all__ = [
     "time_link",
     "units",
     "unsharded_param",
+    "unsharded_twin",
 ]
 
 
@@ -283,6 +286,81 @@ def time_link(group: Any = None, device: Any = "cpu", repeats: int = 5) -> Link:
     numel = 2**20  # 4 MiB of fp32 a rank
     moved = 4 * numel * (world - 1)
     return Link(latency, moved / max(median_seconds(numel) - latency, 1e-9))
+
+
+def unsharded_twin(model: nn.Module) -> tuple[nn.Module, dict[int, Tensor]]:
+    """``model`` as it was before ``fully_shard``, to simulate its step where only the sharded model is at
+    hand (an out-of-memory error's explanation, the end-of-fit advice), and what each of its tensors became.
+
+    Every module is a new instance of its own class (FSDP2's ``FSDP<Class>`` dropped) with FSDP2's hooks
+    left out and the other hooks (and an instance ``forward``: activation checkpointing's) copied onto the
+    twin; each parameter, sharded or gathered, is one meta tensor of its global shape in the sharded
+    parameter's dtype, each buffer a meta tensor; every other attribute is shared, not copied. The model is
+    untouched; nothing is allocated. The dict maps ``id`` of each tensor of ``model`` (a sharded parameter
+    and its unsharded copy alike) to its twin, for an optimizer over the sharded parameters."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    def meta(t: Tensor) -> Tensor:
+        twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
+
+    memo: dict[int, Any] = {}
+    for fsdp_param in fsdp_params(model):
+        sharded = sharded_param(fsdp_param)
+        if sharded is None:
+            continue
+        twin = meta(sharded)
+        for t in (sharded, unsharded_param(fsdp_param)):
+            if t is not None:
+                memo[id(t)] = twin
+    for module in model.modules():
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None and id(t) not in memo:
+                memo[id(t)] = meta(t)
+    tensors = {key: memo[key] for key in list(memo)}
+    for module in model.modules():
+        cls = type(module)
+        if isinstance(module, FSDPModule):
+            cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+        memo[id(module)] = cls.__new__(cls)
+    contract = importlib.import_module(
+        "torch.distributed._composable.contract"
+    )  # the module, not its function
+    dropped = {contract.STATE_KEY, contract.REGISTRY_KEY}  # where fully_shard records itself on a module
+    for module in model.modules():
+        twin_state: dict[str, Any] = {}
+        for key, value in vars(module).items():
+            if key in dropped:
+                continue
+            if key in ("_parameters", "_buffers", "_modules"):
+                value = {name: None if v is None else memo[id(v)] for name, v in value.items()}
+            elif key in _COPIED:
+                if isinstance(value, dict):
+                    value = type(value)((k, v) for k, v in value.items() if not _from_fsdp(v))
+                value = deepcopy(value, memo)
+            twin_state[key] = value
+        memo[id(module)].__dict__.update(twin_state)
+    return memo[id(model)], tensors
+
+
+def over_twins(optimizer: Any, tensors: dict[int, Tensor]) -> Any:
+    """A shallow copy of ``optimizer`` whose param groups hold the twins (`unsharded_twin`'s ``tensors``) of
+    its parameters: to be read by a simulation (its class, hyperparameters and groups), never stepped."""
+    from copy import copy
+
+    twin = copy(optimizer)
+    twin.param_groups = [
+        {**group, "params": [tensors.get(id(p), p) for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return twin
+
+
+def _from_fsdp(hook: Any) -> bool:
+    """Whether ``hook`` (a function, a bound method or a ``functools.partial`` of one) is FSDP2's."""
+    function = getattr(hook, "func", hook)
+    return str(getattr(function, "__module__", "")).startswith("torch.distributed.fsdp")
 
 
 def units(model: nn.Module) -> list[str]:

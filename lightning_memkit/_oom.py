@@ -21,10 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from lightning_memkit import _fsdp2
 from lightning_memkit._analytic import model_static, shard
 from lightning_memkit._autofit import plan_fit
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
@@ -108,10 +110,16 @@ def step_need(
 
     ``measured`` (the breakdown of an earlier step of the same signature) when there is one, else
     `estimate_memory` with ``simulate`` (its keywords: ``precision``, ``optimizer``, ``device``,
-    ``first_step``, ...) on a CPU copy of the batch, divided as ``strategy`` shards it over ``n_gpus``.
+    ``first_step``, ...) on a CPU copy of the batch, divided as ``strategy`` shards it over ``n_gpus``;
+    ``"fsdp2"``: one rank's sharded step simulated (``model`` unsharded: `simulable`).
     """
     if measured is not None:
         return measured, "measured on an earlier step of the same shapes"
+    if strategy == "fsdp2":  # one rank's sharded step, simulated
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            need = estimate_memory(model, on_cpu(batch), strategy="fsdp2", world_size=n_gpus, **simulate)
+        return need, f"one rank's step of {n_gpus} under FSDP2, simulated for this batch"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         need = estimate_memory(model, on_cpu(batch), **simulate)
@@ -119,6 +127,18 @@ def step_need(
         grads = model_static(model, simulate.get("precision", "32-true")).gradients
         need = shard(need, strategy, n_gpus, gradient_bytes=grads)
     return need, "simulated for this batch"
+
+
+def simulable(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    """``model`` and ``optimizer`` as a simulation can copy them: a model ``fully_shard`` was applied to (in
+    ``configure_model``, before the step that failed) as its unsharded twin, and the optimizer over the twin's
+    parameters (`_fsdp2.unsharded_twin`); any other model as it is."""
+    if not _fsdp2.is_sharded(model):
+        return model, optimizer
+    twin, tensors = _fsdp2.unsharded_twin(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = _fsdp2.over_twins(optimizer, tensors)
+    return twin, optimizer
 
 
 def run_candidates(model: nn.Module, optimizer: str | None) -> tuple[str | None, ...] | None:
@@ -225,7 +245,9 @@ def plans_section(
         f"Plans that fit in {format_bytes(plan.limit)} (the {format_bytes(budget.usable)} less a "
         f"{margin:.0%} margin), fastest first, each with its simulated peak and its time per global batch:"
     ]
-    names = {"AutoFit"}
+    fsdp2 = _by_the_strategy(plan)
+    planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
+    names = {planner}
     for i, (option, relative) in enumerate(ranked, 1):
         lines.append(
             f"  {i}. {_brief(option)}: peak {format_bytes(option.estimated_peak)}, time {relative:.2f}x"
@@ -234,8 +256,8 @@ def plans_section(
         names.update(c.split("(")[0] for c in _levers(option))
     per_gpu = batch_size(batch) // plan.n_gpus
     lines += [
-        f"  Or add AutoFit, which makes plan 1 as the fit starts, with batch_size = {per_gpu} (the global "
-        "batch per GPU):",
+        f"  Or {'use' if fsdp2 else 'add'} {planner}, which makes plan 1 as the fit starts, with "
+        f"batch_size = {per_gpu} (the global batch per GPU):",
         *(f"       {line}" for line in autofit_code(plan, optimizers=optimizers).splitlines()),
         f"  (from lightning_memkit import {', '.join(sorted(names))})",
     ]
@@ -286,7 +308,7 @@ def plan_code(
     planned, if given (``--optimizer``). The callback that changes the step the plan was made for
     (`FitPlan.lever`, ``"FusedOptimizerStep"``) is in both Trainers."""
     named = plan.budget.source in GPUS
-    fsdp2 = plan.n_gpus > 1 and plan.strategy == "fsdp2"
+    fsdp2 = _by_the_strategy(plan)
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
     imports = sorted({planner, *(c.split("(")[0] for c in _levers(plan))})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
@@ -307,7 +329,7 @@ def plan_code(
 def _autofit_section(
     plan: FitPlan, optimizers: Sequence[str | None] | None, per_gpu: int, card: list[str]
 ) -> list[str]:
-    fsdp2 = plan.n_gpus > 1 and plan.strategy == "fsdp2"
+    fsdp2 = _by_the_strategy(plan)
     first = (
         ["# 1. AutoFitStrategy makes this plan as fit starts (rank 0, broadcast), shards the model as",
          "#    planned and reads batch_size (module or DataModule) as the"]
@@ -336,7 +358,7 @@ def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> s
     elif optimizers is not None:
         autofit["optimizers"] = json.dumps(list(optimizers))
     levers = [f"{plan.lever}()"] if plan.lever else []
-    if plan.n_gpus > 1 and plan.strategy == "fsdp2":  # the strategy plans: no AutoFit callback
+    if _by_the_strategy(plan):  # the strategy plans: no AutoFit callback
         arguments = {**_trainer_arguments(plan), "strategy": f"AutoFitStrategy({_arguments(autofit)})"}
         return _call(
             "trainer = Trainer", arguments | ({"callbacks": f"[{', '.join(levers)}]"} if levers else {})
@@ -410,9 +432,14 @@ def _sharded(plan: FitPlan) -> bool:
     return plan.n_gpus > 1 and plan.strategy != "ddp"
 
 
+def _by_the_strategy(plan: FitPlan) -> bool:
+    """Whether ``plan`` is `AutoFitStrategy`'s to make (FSDP2 over several ranks), not AutoFit's."""
+    return plan.n_gpus > 1 and plan.strategy == "fsdp2"
+
+
 def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
     trainer = {"precision": json.dumps(plan.precision)}
-    if plan.n_gpus > 1 and plan.strategy == "fsdp2":
+    if _by_the_strategy(plan):
         strategy = f"ModelParallelStrategy(data_parallel_size={plan.n_gpus}, tensor_parallel_size=1)"
         trainer |= {"strategy": strategy, "devices": str(plan.n_gpus)}
     elif plan.n_gpus > 1:

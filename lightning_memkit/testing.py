@@ -187,6 +187,10 @@ class PretendOOM:
     `torch.OutOfMemoryError`: in the forward, or with ``where="backward"`` when the gradient reaches
     ``layer``'s output, after the layers above it have accumulated theirs. ``raised`` counts the errors.
     It takes the module's ``training_step`` (an instance attribute); ``remove()`` gives it back.
+
+    Not under FSDP2: the explanation simulates the module's unsharded twin, whose ``training_step`` this
+    wrapper would send back to the sharded module. Raise from a subclass's ``training_step`` there, on
+    real tensors only (``tests/test_fsdp.py``'s ``OutOfMemory``).
     """
 
     def __init__(

@@ -42,6 +42,7 @@ from lightning_memkit import (
     estimate_memory,
 )
 from lightning_memkit._analytic import shard
+from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._measure import SHARDED_KINDS, storage_bytes
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes a
 
 STEPS = 3  # optimizer steps of each fit: the first (no optimizer state yet) and two steady ones
 BATCH, SEQ = 4, 32  # a rank's micro-batch
+OOM_BUDGET = "850KiB"  # `_oom`'s pretend device: below the first step's need at 2 and 4 ranks
 
 #: name -> how the module is sharded and trained (ShardedLlama's and the Trainer's arguments)
 SCENARIOS = {
@@ -106,6 +108,17 @@ class CallsInsideTheRoot(ShardedLlama):
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
+
+
+class OutOfMemory(ShardedLlama):
+    """A step that runs out of memory on real tensors, as on a device too small for it; the fake ones of
+    a simulation go through. (`PretendOOM` wraps the module's step from outside: under FSDP2 the simulated
+    twin would call the sharded module's.)"""
+
+    def training_step(self, batch, batch_idx):
+        if type(batch["input_ids"]) is torch.Tensor:
+            raise torch.OutOfMemoryError("out of memory (pretend: a small device)")
+        return super().training_step(batch, batch_idx)
 
 
 class _Record(pl.Callback):
@@ -175,6 +188,24 @@ def _mixed(out: Path, world: int) -> None:
             (out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def _oom(out: Path, world: int) -> None:
+    """A fit whose first step runs out of memory on every rank (`PretendOOM`): what the monitor says."""
+    module = OutOfMemory(world)
+    trainer = pl.Trainer(
+        default_root_dir=out, accelerator="cpu", devices=world, max_steps=1, logger=CSVLogger(out),
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        callbacks=[MemoryMonitor(budget=OOM_BUDGET, plot=False, summary=False)], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(module)
+        except torch.OutOfMemoryError as error:
+            record = {"error": str(error), "warnings": [str(w.message) for w in caught]}
+            (out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
 def _rank(rank: int, out: Path, world: int) -> None:
     """One FSDP rank: the allocator's counter before anything is allocated, the process group, then every
     scenario in turn; a scenario's error goes to its folder."""
@@ -186,7 +217,7 @@ def _rank(rank: int, out: Path, world: int) -> None:
         timeout=timedelta(minutes=3),
     )  # fmt: skip
     runs = [(name, partial(_scenario, config=config)) for name, config in SCENARIOS.items()]
-    runs += [("unwatched", partial(_scenario, config={}, watched=False)), ("mixed", _mixed)]
+    runs += [("unwatched", partial(_scenario, config={}, watched=False)), ("mixed", _mixed), ("oom", _oom)]
     for name, run in runs:
         try:
             run(out / name, world)
@@ -198,7 +229,7 @@ def _rank(rank: int, out: Path, world: int) -> None:
 def run_ranks(out: Path, world: int) -> None:
     """Run `SCENARIOS` on ``world`` spawned ranks, writing into ``out/<scenario>``."""
     build_counting_allocator()  # compiled here once, not by every rank at the same time
-    for name in [*SCENARIOS, "unwatched", "mixed"]:
+    for name in [*SCENARIOS, "unwatched", "mixed", "oom"]:
         (out / name).mkdir(parents=True)
     spawn_ranks(_rank, (out, world), world, "FSDP")
 
@@ -363,6 +394,29 @@ def test_a_step_that_bypasses_the_roots_forward_is_told_what_to_shard(fsdp):
             assert "outermost unit (`self`)" in hints[0]
 
 
+@pytest.mark.slow
+@needs_distributed
+def test_an_oom_under_fsdp2_is_explained_per_rank(fsdp):
+    """An out-of-memory error in a sharded step: rank 0 says what one rank's step needs, simulated on the
+    model's unsharded twin (the module is sharded by then), and plans that fit, for FSDP2 again."""
+    world, out = fsdp
+    explanations = []
+    for rank in range(world):
+        record = read(out, "oom", rank)
+        assert "pretend" in record["error"]
+        explanations += [w for w in record["warnings"] if "MemoryMonitor: out of memory" in w]
+    assert len(explanations) == 1, explanations  # said once, on rank 0
+    [message] = explanations
+    need = format_bytes(simulated_rank(world, first_step=True))
+    assert f"The step needs {need} (one rank's step of {world} under FSDP2, simulated" in message
+    assert "Plans that fit in" in message and "fsdp2" in message, message
+    assert (
+        "Or use AutoFitStrategy, which makes plan 1" in message
+        and "AutoFitStrategy)" in message.splitlines()[-1]
+    )
+    assert "explaining it failed" not in message
+
+
 @needs_distributed
 def test_the_simulated_sharded_step_runs_beside_the_jobs_own_group(tmp_path):
     """A Trainer's rank plans its sharded step with its own process group up: the simulation's fake group
@@ -379,3 +433,41 @@ def test_the_simulated_sharded_step_runs_beside_the_jobs_own_group(tmp_path):
         assert len(torch.distributed.distributed_c10d._world.pg_map) == groups
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_the_unsharded_twin_of_a_sharded_model_simulates_as_the_model_did():
+    """What an OOM explanation simulates once ``configure_model`` has sharded the module: its unsharded
+    twin (original classes, no FSDP2 hooks, meta parameters of the global shapes), whose simulated sharded
+    step is the unsharded module's, with checkpointing applied before sharding kept; the sharded module is
+    left as it was."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from lightning_memkit._fsdp2 import fake_mesh, is_sharded
+    from lightning_memkit._oom import simulable
+
+    batch = zoo_batch("qwen2", BATCH, SEQ)
+    for checkpointing in (None, "full"):
+        module = ShardedLlama(2)
+        if checkpointing:
+            apply_checkpointing(module.model, checkpointing)
+        expected = estimate_memory(
+            module, batch, device="cpu", strategy="fsdp2", world_size=2, first_step=True
+        )
+        with fake_mesh(2) as mesh:
+            for layer in module.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+            optimizer = module.configure_optimizers()
+        twin, over_twin = simulable(module, optimizer)
+        assert isinstance(module, FSDPModule) and is_sharded(module)  # untouched
+        assert type(twin) is ShardedLlama and not is_sharded(twin)
+        assert not any(isinstance(m, FSDPModule) for m in twin.modules())
+        assert {p.device.type for p in twin.parameters()} == {"meta"}
+        assert [p.shape for p in twin.parameters()] == [p.shape for p in module.parameters()]
+        assert {id(p) for g in over_twin.param_groups for p in g["params"]} == {
+            id(p) for p in twin.parameters()
+        }
+        got = estimate_memory(
+            twin, batch, device="cpu", strategy="fsdp2", world_size=2, first_step=True, optimizer=over_twin
+        )
+        assert got.as_dict() == expected.as_dict()

@@ -12,7 +12,7 @@ from lightning_memkit._budget import Budget
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._lightning import batch_size
-from lightning_memkit._oom import StepInFlight, explain_oom, run_candidates, step_need
+from lightning_memkit._oom import StepInFlight, explain_oom, run_candidates, simulable, step_need
 from lightning_memkit._optimizers import identify
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
@@ -80,9 +80,10 @@ def explain_run_oom(
     kind = "cuda" if device.type == "cuda" else "cpu"
     strategy, ranks = sharding(trainer)
     levers = step_levers(trainer)
-    optimizer = the_optimizer(trainer)
+    # Under FSDP2 the module is sharded by now: its unsharded twin is simulated and planned.
+    model, optimizer = simulable(pl_module, the_optimizer(trainer))
     need, source = step_need(
-        pl_module,
+        model,
         step.batch,
         measured=measured,
         strategy=strategy,
@@ -105,9 +106,9 @@ def explain_run_oom(
     # The plans start from the run's optimizer; read only where something is planned (it loads bitsandbytes).
     candidates = None
     if budget is not None:
-        candidates = run_candidates(pl_module, identify(optimizer) if optimizer is not None else None)
+        candidates = run_candidates(model, identify(optimizer) if optimizer is not None else None)
     return explain_oom(
-        pl_module,
+        model,
         step.batch,
         budget,
         title=title,
