@@ -77,6 +77,8 @@ class Advice:
     #: the phase the peak is reached in: ``"forward"``, ``"zero_grad"``, ``"backward"`` or ``"optimizer"``
     peak_phase: str
     findings: tuple[Finding, ...] = field(default=())
+    #: whose step: ``""`` (one device), or ``"one rank of N under FSDP2"``
+    scope: str = ""
 
     def __iter__(self) -> Iterator[Finding]:
         return iter(self.findings)
@@ -96,7 +98,8 @@ class Advice:
 
     def __str__(self) -> str:
         head = (
-            f"Step peak {format_bytes(self.breakdown.peak)}, reached in the {self.peak_phase} "
+            f"Step peak {format_bytes(self.breakdown.peak)}{f' ({self.scope})' if self.scope else ''}, "
+            f"reached in the {self.peak_phase} "
             f"(parameters {format_bytes(self.breakdown.parameters)}, gradients "
             f"{format_bytes(self.breakdown.gradients)}, optimizer state "
             f"{format_bytes(self.breakdown.optimizer_state)}, activations "
@@ -117,6 +120,7 @@ class Advice:
         return {
             "breakdown": self.breakdown.as_dict(),
             "peak_phase": self.peak_phase,
+            "scope": self.scope,
             "findings": [
                 {"kind": f.kind, "what": f.what, "saved": f.saved, "fix": f.fix} for f in self.findings
             ],
@@ -136,6 +140,8 @@ def advise(
     release_gradients: bool = False,
     fused_step: bool = False,
     offload: bool = False,
+    strategy: str | None = None,
+    world_size: int = 1,
     memory_stats: Mapping[str, Any] | None = None,
 ) -> Advice:
     """Name the memory a training step holds at its peak that it need not, with the bytes each fix saves.
@@ -145,8 +151,9 @@ def advise(
 
     Args:
         model, batch, optimizer, loss_fn, precision, checkpointing, device, accumulating, release_gradients,
-            fused_step, offload: the step as `estimate_memory` takes it. An optimizer instance is also read
-            for state it keeps for parameters that no longer train.
+            fused_step, offload, strategy, world_size: the step as `estimate_memory` takes it
+            (``strategy="fsdp2"``: one rank's sharded step, each fix priced on it). An optimizer instance
+            is also read for state it keeps for parameters that no longer train.
         memory_stats: ``torch.cuda.memory_stats()`` of a run, for the ``fragmentation`` finding (default:
             the current CUDA device's when ``device`` is CUDA and one is present).
 
@@ -163,6 +170,8 @@ def advise(
         release_gradients=release_gradients,
         fused_step=fused_step,
         offload=offload,
+        strategy=strategy,
+        world_size=world_size,
     )
     tracer = Tracer(model)
     tracker = simulate_step(model, batch, first_step=False, tracer=tracer, **kwargs)
@@ -183,7 +192,8 @@ def advise(
     ]
     findings = [f for f in findings if f.saved > 0]
     findings.sort(key=lambda f: -f.saved)
-    return Advice(breakdown, tracer.peak_phase, tuple(findings))
+    scope = f"one rank of {world_size} under FSDP2" if strategy == "fsdp2" else ""
+    return Advice(breakdown, tracer.peak_phase, tuple(findings), scope)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,8 +220,9 @@ def _gradients(
     )
     fused_fix = (
         "Trainer(callbacks=[FusedOptimizerStep()]) steps each parameter as soon as its gradient is ready, "
-        "so no moment holds them all (not with gradient clipping, accumulation, the fp16 scaler or "
-        "several devices); training is bit-identical"
+        "so no moment holds them all (not with gradient clipping, accumulation, the fp16 scaler, DDP or "
+        "tensor parallelism; under FSDP2 each shard steps after its reduce-scatter); training is "
+        "bit-identical"
     )
     if released >= fused and released > 0:
         return [

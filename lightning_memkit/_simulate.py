@@ -705,6 +705,8 @@ def simulate_step(
                 stepped = _fsdp2.sharded_copy(
                     model, mesh, blocks, reshard_after_forward=reshard_after_forward
                 )
+            if tracer is not None:
+                tracer.follow(stepped)
 
         # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
         # from real values when constructed. The parameters they hold are already fake.

@@ -61,6 +61,10 @@ class Tracer:
         self.unused: list[tuple[str, int]] = []
         self._reached: set[int] = set()
 
+    def follow(self, model: nn.Module) -> None:
+        """Name the modules of ``model``, a copy of the one given (FSDP2's sharded copy: the same names)."""
+        self.names = {id(m): name for name, m in model.named_modules()}
+
     # --- called by the tracker -------------------------------------------------------------------
 
     def before_op(

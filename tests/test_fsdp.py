@@ -143,6 +143,7 @@ class _Record(pl.Callback):
                 "sharded": [s for _, s in self.monitor.sharded_history],
                 "disabled": self.monitor._disabled,
                 "buffers": storage_bytes(pl_module.buffers()),
+                "advice": self.monitor.advice.as_dict() if self.monitor.advice is not None else None,
             }
         return record
 
@@ -155,9 +156,11 @@ def _scenario(out: Path, world: int, config: dict, watched: bool = True) -> None
     config = dict(config)
     accumulate = config.pop("accumulate_grad_batches", 1)
     levers = [config.pop("lever")()] if "lever" in config else []
+    advise = config.pop("advise", False)
     callbacks = [_Record(out, None, None)]
     if watched:
-        peaks, monitor = AllocatorPeaks(all_threads=True), MemoryMonitor(plot=False, summary=False)
+        peaks = AllocatorPeaks(all_threads=True)
+        monitor = MemoryMonitor(plot=False, summary=False, advise=advise)
         callbacks = [*peaks.around(monitor), _Record(out, peaks, monitor)]
     callbacks = [*levers, *callbacks]
     torch.manual_seed(0)
@@ -218,6 +221,8 @@ def _rank(rank: int, out: Path, world: int) -> None:
     )  # fmt: skip
     runs = [(name, partial(_scenario, config=config)) for name, config in SCENARIOS.items()]
     runs += [("unwatched", partial(_scenario, config={}, watched=False)), ("mixed", _mixed), ("oom", _oom)]
+    # The monitor's advice at the end of fit; apart: on a CPU its copy of the first batch is the allocator's.
+    runs += [("advised", partial(_scenario, config={"advise": True}))]
     for name, run in runs:
         try:
             run(out / name, world)
@@ -229,7 +234,7 @@ def _rank(rank: int, out: Path, world: int) -> None:
 def run_ranks(out: Path, world: int) -> None:
     """Run `SCENARIOS` on ``world`` spawned ranks, writing into ``out/<scenario>``."""
     build_counting_allocator()  # compiled here once, not by every rank at the same time
-    for name in [*SCENARIOS, "unwatched", "mixed", "oom"]:
+    for name in [*SCENARIOS, "unwatched", "mixed", "oom", "advised"]:
         (out / name).mkdir(parents=True)
     spawn_ranks(_rank, (out, world), world, "FSDP")
 
@@ -392,6 +397,25 @@ def test_a_step_that_bypasses_the_roots_forward_is_told_what_to_shard(fsdp):
         assert len(hints) == (rank == 0), record["warnings"]  # said once, on rank 0
         if rank == 0:
             assert "outermost unit (`self`)" in hints[0]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_the_end_of_fit_advice_is_one_ranks_sharded_step(fsdp):
+    """``MemoryMonitor(advise=True)`` under FSDP2: rank 0 advises one rank's step (the module's unsharded
+    twin, simulated sharded), the figure `estimate_memory(strategy="fsdp2")` gives, with the fixes priced on
+    that step; the other ranks advise nothing."""
+    world, out = fsdp
+    advice = [read(out, "advised", rank)["advice"] for rank in range(world)]
+    assert all(a is None for a in advice[1:])
+    assert advice[0]["scope"] == f"one rank of {world} under FSDP2"
+    assert advice[0]["breakdown"]["peak"] == simulated_rank(world)
+    findings = {f["kind"]: f for f in advice[0]["findings"]}
+    assert (
+        "activations" in findings and "in 2 blocks (model.model.layers.0" in findings["activations"]["what"]
+    )
+    full = simulated_rank(world, checkpointing="full")
+    assert findings["activations"]["saved"] == advice[0]["breakdown"]["peak"] - full
 
 
 @pytest.mark.slow

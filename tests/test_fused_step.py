@@ -6,6 +6,8 @@ update would differ (clipping, accumulation, the fp16 scaler, DDP, manual optimi
 
 from __future__ import annotations
 
+import types
+
 import bitsandbytes as bnb
 import lightning.pytorch as pl
 import optimi
@@ -26,6 +28,7 @@ from lightning_memkit import (
     fuse_optimizer_step,
 )
 from lightning_memkit._analytic import model_static
+from lightning_memkit.callbacks.fused_step import refusal
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -143,15 +146,25 @@ def test_refuses_what_needs_all_gradients_before_a_step(tmp_path):
         "gradient_clip_val=1.0 clips by the norm of all gradients": {"gradient_clip_val": 1.0},
         "accumulate_grad_batches=2 adds several backward": {"accumulate_grad_batches": 2},
         "DDPStrategy reduces each gradient": {"strategy": "ddp"},
-        "under ModelParallelStrategy, FSDP2 reduce-scatters": {
-            "strategy": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-        },
     }
     for message, kwargs in cases.items():
         module, data, _ = _gpt()
         match = f"FusedOptimizerStep cannot run here: {message}.*GradientRelease"
         with pytest.raises(ValueError, match=match):
             _trainer(tmp_path, [FusedOptimizerStep()], max_steps=1, **kwargs).fit(module, data)
+    # FSDP2 alone is served (tests/test_fsdp.py trains it bit-identically on gloo ranks); tensor
+    # parallelism is not. The mesh is the one setup would make: a CPU cannot run two tensor-parallel ranks.
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, logger=False,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+    )  # fmt: skip
+    module, _, _ = _gpt()
+    trainer.strategy._device_mesh = {"tensor_parallel": types.SimpleNamespace(size=lambda: 2)}
+    why = refusal(trainer, module)
+    assert why.startswith("tensor_parallel_size=2: tensor parallelism leaves some gradients partial")
+    assert "ModelParallelStrategy(tensor_parallel_size=1)" in why and "GradientRelease" in why
+    trainer.strategy._device_mesh = {"tensor_parallel": types.SimpleNamespace(size=lambda: 1)}
+    assert refusal(trainer, module) is None
     module, data, _ = _gpt()
     module.automatic_optimization = False
     with pytest.raises(ValueError, match="manual optimization"):

@@ -42,13 +42,14 @@ from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format
 from lightning_memkit._budget import parse_budget, reads_device
 from lightning_memkit._fsdp2 import explain_mixed_tensors, is_sharded
 from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
-from lightning_memkit._oom import StepInFlight, on_cpu
+from lightning_memkit._oom import StepInFlight, on_cpu, simulable
 from lightning_memkit._report import plot_history, render_summary
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._trainer import (
     accumulating_now,
     optimizer_steps_done,
     precision,
+    sharding,
     step_levers,
     the_optimizer,
 )
@@ -454,9 +455,12 @@ class MemoryMonitor(Callback):
 
     def _advise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
-        optimizer = the_optimizer(trainer)
+        strategy, ranks = sharding(trainer)
+        fsdp2 = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
+        # Under FSDP2 the module is sharded by now: its unsharded twin's sharded step is advised.
+        model, optimizer = simulable(pl_module, the_optimizer(trainer))
         self.advice = advise(
-            pl_module,
+            model,
             self._advice_batch,
             optimizer=optimizer,
             precision=precision(trainer),
@@ -464,6 +468,7 @@ class MemoryMonitor(Callback):
             accumulating=trainer.accumulate_grad_batches
             > 1,  # a micro-batch adding to gradients: the highest
             **step_levers(trainer),
+            **fsdp2,
         )
         rank_zero_info(f"MemoryMonitor: memory advice for the first batch's step\n{self.advice}")
         metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}

@@ -14,6 +14,7 @@ from typing import Any
 from lightning.pytorch import LightningModule
 
 from lightning_memkit._advise import advise
+from lightning_memkit.cli._args import positive_int
 from lightning_memkit.cli._models import (
     add_step_arguments,
     analytic_shape,
@@ -36,6 +37,14 @@ def add_advise(subparsers: Any) -> None:
         ),
     )
     add_step_arguments(p, checkpointing="the checkpointing the run already uses")
+    p.add_argument(
+        "--fsdp2",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="advise one rank's step of FSDP2 over N ranks (fully_shard on each block, then the model), "
+        "simulated in this process",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_advise)
 
@@ -54,12 +63,16 @@ def run_advise(args: argparse.Namespace) -> int:
             precision=args.precision,
             checkpointing=None if args.checkpointing == "none" else args.checkpointing,
             device=args.device,
+            strategy=None if args.fsdp2 is None else "fsdp2",
+            world_size=args.fsdp2 or 1,
         )
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps({"model": args.model, **advice.as_dict(), "seconds": seconds}, indent=2))
     else:
         step = f"micro-batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.device}"
+        if args.fsdp2 is not None:
+            step += f", one rank of {args.fsdp2} under FSDP2"
         print(f"{args.model}, {step}:")
         print(advice)
         print(f"advised in {seconds:.1f} s (simulated steps; nothing allocated)")
