@@ -7,6 +7,7 @@ activation memory counted?" has a single answer: here, with the same five fields
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields
 
 MiB = 2**20
@@ -18,6 +19,11 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temp
 
 def format_bytes(n: int | float) -> str:
     """``1536`` -> ``'1.5 KiB'``; binary units, as torch's own memory summaries use."""
+    # "5" and True are no number of bytes; NumPy's numbers and a 0-dim tensor (it has __float__) are
+    if isinstance(n, bool) or not (isinstance(n, numbers.Real) or hasattr(type(n), "__float__")):
+        raise TypeError(
+            f"format_bytes takes a number of bytes, an int or a float; got {n!r} ({type(n).__name__})"
+        )
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
@@ -53,6 +59,11 @@ class MemoryBreakdown:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"MemoryBreakdown.{f.name} must be an int number of bytes, got {value!r}")
+            if value < 0:
+                raise ValueError(
+                    f"MemoryBreakdown.{f.name} must be a number of bytes, at least 0; got {value} (what is "
+                    "live at a peak is never less than nothing)"
+                )
 
     @property
     def peak(self) -> int:

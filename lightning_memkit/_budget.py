@@ -7,9 +7,65 @@ import difflib
 import math
 import numbers
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from lightning_memkit._analytic import valid_name
 
 __all__ = ["GPUS", "Budget", "parse_budget", "parse_bytes", "reads_device"]
+
+# --- the checks every constructor shares ---------------------------------------------------------
+
+
+def _given(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def whole_number(name: str, value: Any, *, of: str, at_least: int = 0) -> int:
+    """``value`` as an int if it is a whole number of at least ``at_least``, else the error that says so:
+    ``ValueError: verify_steps must be a whole number of steps, at least 0; got -1`` (a ``TypeError`` for
+    what is no integer: ``"3"``, ``2.5``, and ``True``, a bool, though Python counts it as 1)."""
+    what = f"{name} must be a whole number of {of}, at least {at_least}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what}; got {_given(value)}")
+    if value < at_least:
+        raise ValueError(f"{what}; got {value!r}")
+    return int(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool: ``plot="no"`` would be true."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {_given(value)}")
+    return value
+
+
+def share(name: str, value: Any, *, of: str) -> float:
+    """``value`` as a float if it is a share of ``of`` in [0, 1) (``0.1``: a tenth), else the error."""
+    what = f"{name} must be a share of {of} in [0, 1), such as 0.1"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}; got {_given(value)}")
+    if not 0.0 <= value < 1.0:  # nan too
+        raise ValueError(f"{what}; got {value!r}")
+    return float(value)
+
+
+def names(name: str, value: Any, valid: Iterable[str], *, none: bool = False) -> tuple[Any, ...]:
+    """``value``, one name or an iterable of names, as a tuple of names from ``valid`` (``none``: ``None``
+    among them too); a single string is one name, not its letters."""
+    valid = tuple(valid)
+    if isinstance(value, str):
+        value = (value,)
+    elif not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be a name or a list of names of {', '.join(valid)}; got {_given(value)}"
+        )
+    out = tuple(v if none and v is None else valid_name(name.rstrip("s"), v, valid) for v in value)
+    if not out:
+        raise ValueError(f"{name} is empty: name at least one of {', '.join(valid)}")
+    return out
+
 
 _UNITS = {
     "": 1,
@@ -23,6 +79,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+#: The largest size read: budgets are scaled by floats (a share kept free, the fragmentation reserve).
+_LARGEST = 2.0**1000
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
 
 
@@ -44,15 +102,22 @@ def parse_bytes(value: int | str) -> int:
                 f"{', '.join(u for u in _UNITS if u)} (e.g. '24GB', '6GiB')."
             )
         number, unit = float(match.group(1)), match.group(2)
-        if not unit and not number.is_integer():
-            raise ValueError(
-                f"Cannot read {value!r} as a memory size: without a unit it is bytes, a whole number. "
-                f"Add the unit ('{value}GB', '{value}GiB'); a fraction of the device ({number}) is a "
-                "float, not a string, where a budget takes one (AutoFit, OptimizerSwap, parse_budget)."
-            )
     else:
         raise TypeError(f"A memory size must be bytes or a string like '24GiB', got {type(value).__name__}")
-    nbytes = int(number * _UNITS[unit])
+    size = number * _UNITS[unit]
+    if size > _LARGEST or not math.isfinite(size):  # a float's inf; an int too large for a float
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(str(value))} chars)"
+        raise ValueError(
+            f"Cannot read {shown} as a memory size: it is too large to count in bytes (more than "
+            f"{_LARGEST:.3g}); give the size of a device or a limit, e.g. '24GB'."
+        )
+    if isinstance(value, str) and not unit and not number.is_integer():
+        raise ValueError(
+            f"Cannot read {value!r} as a memory size: without a unit it is bytes, a whole number. "
+            f"Add the unit ('{value}GB', '{value}GiB'); a fraction of the device ({number}) is a "
+            "float, not a string, where a budget takes one (AutoFit, OptimizerSwap, parse_budget)."
+        )
+    nbytes = int(size)
     if nbytes <= 0:
         raise ValueError(f"A memory size must be positive, got {value!r}")
     return nbytes

@@ -21,8 +21,9 @@ built with ``gradient_release=True``, and refused otherwise.
 
 What it cannot do, and refuses (`refusal`): an optimizer that re-evaluates the loss (LBFGS's closure);
 anything that needs all gradients before any update — gradient clipping by global norm, accumulation over
-micro-batches, the fp16 grad scaler's inf check, DDP's or FSDP's reduction across ranks (the hook would
-step on one rank's unreduced gradient).
+micro-batches, the fp16 grad scaler's inf check, DDP's or FSDP1's reduction across ranks (the hook would
+step on one rank's unreduced gradient). FSDP2 is served: it runs a sharded parameter's post-accumulate-grad
+hooks once its reduce-scatter has handed it its gradient's shard.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedSte
             loss_fn(model(x), y).backward()  # each parameter is updated as its gradient completes
         fused.remove()
     """
-    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else _optimizers(optimizers)
     owners: dict[int, tuple[Optimizer, dict]] = {}  # each parameter's optimizer and param group
     params: list[Tensor] = []
     for optimizer in optimizers:
@@ -139,3 +140,17 @@ def _step_one(param: Tensor, owner: tuple[Optimizer, dict]) -> None:
     else:
         optimizer.step()  # only `param` has a gradient now: the others are None
     param.grad = None
+
+
+def _optimizers(given: object) -> list[Optimizer]:
+    """``given``, an iterable of optimizers, as a list; else the ``TypeError``/``ValueError`` saying so."""
+    expected = "fuse_optimizer_step takes a torch.optim.Optimizer or a list of them"
+    if isinstance(given, str) or not isinstance(given, Iterable):
+        raise TypeError(f"{expected}; got {type(given).__name__}")
+    optimizers = list(given)
+    wrong = [type(o).__name__ for o in optimizers if not isinstance(o, Optimizer)]
+    if wrong:
+        raise TypeError(f"{expected}; got a list with {', '.join(wrong)}")
+    if not optimizers:
+        raise ValueError(f"{expected}; got none: there is nothing to fuse into backward")
+    return optimizers

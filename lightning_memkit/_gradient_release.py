@@ -39,6 +39,11 @@ def release_gradients(optimizer: Optimizer) -> RemovableHandle:
             optimizer.step()  # frees them
         handle.remove()
     """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"release_gradients takes a torch.optim.Optimizer (the one whose steps free the gradients); got "
+            f"{type(optimizer).__name__}"
+        )
     return optimizer.register_step_post_hook(_free_gradients)
 
 

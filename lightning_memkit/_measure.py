@@ -842,4 +842,11 @@ def measure(
     what was already allocated when the block began (parameters, gradients, optimizer state, and any
     other tensor the step touches). On CUDA it is ``torch.cuda.max_memory_allocated`` over the block.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"measure() takes the nn.Module whose step it measures; got {type(model).__name__}")
+    if not isinstance(optimizer, (torch.optim.Optimizer, str, Iterable)) and optimizer is not None:
+        raise TypeError(
+            "measure() takes the torch.optim.Optimizer the step uses (or a list of them, or None); got "
+            f"{type(optimizer).__name__}"
+        )
     return MemoryMeasurement(model, optimizer, device=device)

@@ -382,6 +382,11 @@ def swap_optimizer(optimizer: Optimizer, name: str, *, allow_unknown: bool = Fal
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         optimizer = swap_optimizer(optimizer, "lion")  # lr=3e-4, weight_decay=1.0, betas=(0.9, 0.99)
     """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"swap_optimizer takes the torch.optim.Optimizer to replace (its param groups are carried over) "
+            f"and the catalogue name to swap to; got {type(optimizer).__name__} for the optimizer"
+        )
     target = CATALOGUE[valid_name("optimizer", name, CATALOGUE)]
     source_name = identify(optimizer)
     if source_name is None and not allow_unknown:

@@ -126,7 +126,7 @@ class History:
                     sums[category] += nbytes
         finally:
             tracker.peak_clock = clock
-        return MemoryBreakdown(**sums, temporary=self.live(point) - sum(sums.values()))
+        return MemoryBreakdown(**sums, temporary=max(self.live(point) - sum(sums.values()), 0))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -127,6 +127,11 @@ class ActivationCheckpointing(Callback):
                 "such as {MyBlock}; to turn checkpointing off, leave ActivationCheckpointing out of the "
                 "callbacks."
             )
+        if not isinstance(policy, (str, type, Iterable)):
+            raise TypeError(
+                f"policy must be one of {', '.join(map(repr, LEVELS))}, or a set of layer classes such as "
+                f"{{MyBlock}}; got {policy!r} ({type(policy).__name__})"
+            )
         if isinstance(policy, str):
             if policy not in LEVELS:
                 raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")

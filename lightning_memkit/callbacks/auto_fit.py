@@ -82,13 +82,15 @@ from lightning.pytorch.utilities.parsing import (
     lightning_setattr,
 )
 
+from lightning_memkit._analytic import valid_name
 from lightning_memkit._autofit import plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
-from lightning_memkit._budget import Budget, parse_budget, reads_device
+from lightning_memkit._budget import Budget, names, parse_budget, reads_device, share, whole_number
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
-from lightning_memkit._fitplan import FitPlan
+from lightning_memkit._fitplan import FitPlan, StepCost
 from lightning_memkit._isolate import isolated
 from lightning_memkit._oom import StepInFlight
+from lightning_memkit._optimizers import CATALOGUE
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
@@ -101,6 +103,9 @@ from lightning_memkit.callbacks._trainer import (
 from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
 
 __all__ = ["AutoFit"]
+
+#: the throughput models `plan_fit` reads by name
+COSTS = ("auto", "measured", "flops")
 
 
 class AutoFit(Callback):
@@ -132,11 +137,21 @@ class AutoFit(Callback):
         cost: str = "auto",
         verify_steps: int = 3,
     ) -> None:
-        if not 0.0 <= margin < 1.0:
-            raise ValueError(f"margin must be in [0, 1), got {margin}")
         _check_budget(budget)
+        margin = share("margin", margin, of="the budget kept free")
+        if not isinstance(batch_size_attr, str) or not batch_size_attr:
+            raise (TypeError if not isinstance(batch_size_attr, str) else ValueError)(
+                "batch_size_attr must name the attribute that holds the micro-batch size, such as "
+                f"'batch_size'; got {batch_size_attr!r}"
+            )
+        if optimizers is not None:  # a name alone is one candidate, not its letters
+            optimizers = names("optimizers", optimizers, CATALOGUE, none=True)
+        checkpointing = names("checkpointing", checkpointing, CHECKPOINT_MODES)
+        if not isinstance(cost, StepCost):  # a StepCost is plan_fit's too
+            cost = valid_name("cost", cost, COSTS)
+        verify_steps = whole_number("verify_steps", verify_steps, of="steps", at_least=0)
         self.budget, self.margin, self.batch_size_attr = budget, margin, batch_size_attr
-        self.optimizers, self.checkpointing, self.cost = optimizers, tuple(checkpointing), cost
+        self.optimizers, self.checkpointing, self.cost = optimizers, checkpointing, cost
         self.verify_steps = verify_steps
         self.plan: FitPlan | None = None
         self._applied: Any = None

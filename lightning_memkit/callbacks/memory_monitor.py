@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memkit._advise import Advice, advise
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
-from lightning_memkit._budget import parse_budget, reads_device
+from lightning_memkit._budget import flag, parse_budget, reads_device, whole_number
 from lightning_memkit._fsdp2 import explain_mixed_tensors, is_sharded
 from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
 from lightning_memkit._oom import StepInFlight, on_cpu, simulable
@@ -142,8 +142,10 @@ class MemoryMonitor(Callback):
         summary: bool = True,
         advise: bool = False,
     ) -> None:
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"`log_every_n_steps` must be >= 1, got {log_every_n_steps}")
+        if log_every_n_steps is not None:  # None: the Trainer's
+            log_every_n_steps = whole_number("log_every_n_steps", log_every_n_steps, of="steps", at_least=1)
+        for name, value in (("plot", plot), ("summary", summary), ("advise", advise)):
+            flag(name, value)
         if isinstance(remeasure_every_n_steps, bool) or not isinstance(remeasure_every_n_steps, int):
             raise TypeError(
                 f"`remeasure_every_n_steps` must be an int (0: never re-measure alike steps), got "

@@ -28,7 +28,7 @@ the new one, its learning rates scaled by the translation rule, so a warmup-cosi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MemoryBreakdown, MiB
-from lightning_memkit._budget import Budget, parse_budget, reads_device
+from lightning_memkit._budget import Budget, flag, parse_budget, reads_device
 from lightning_memkit._optim import (
     Estimator,
     OptimizerChoice,
@@ -156,8 +156,13 @@ class OptimizerSwap(Callback):
         self._budget: Budget | None = None if reads_device(budget) else parse_budget(budget)
         #: Bytes the step's peak may reach (``None`` until ``setup`` for ``"auto"`` or a fraction).
         self.budget: int | None = None if self._budget is None else self._budget.usable
+        if not isinstance(candidates, Iterable):  # a name alone is one candidate
+            raise TypeError(
+                f"candidates must be an optimizer name or a list of them from {', '.join(CATALOGUE)}; got "
+                f"{candidates!r} ({type(candidates).__name__})"
+            )
         self.candidates = valid_candidates(candidates)
-        self.allow_unknown = allow_unknown
+        self.allow_unknown = flag("allow_unknown", allow_unknown)
         self._reset()
 
     def _reset(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 from lightning_memkit._analytic import valid_name
@@ -49,7 +50,7 @@ def gpu(text: str) -> Budget:
         value = float(text)
     except ValueError:
         value = None
-    if value is not None and not value.is_integer():
+    if value is not None and math.isfinite(value) and not value.is_integer():  # inf: too large, said below
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither a GPU name nor a card size; give a name (A100-40GB) or a size with its "
             "unit (24GB, 24GiB)"

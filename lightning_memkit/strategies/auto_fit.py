@@ -57,6 +57,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_memkit import _fsdp2
 from lightning_memkit._blocks import find_blocks
+from lightning_memkit._budget import flag
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan
 from lightning_memkit.callbacks.auto_fit import AutoFit
@@ -92,6 +93,17 @@ class AutoFitStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        flag("save_distributed_checkpoint", save_distributed_checkpoint)
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise TypeError(
+                "process_group_backend must name a torch.distributed backend ('nccl', 'gloo') or be None "
+                f"(the device's default); got {process_group_backend!r}"
+            )
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(
+                "timeout must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None; got "
+                f"{timeout!r} ({type(timeout).__name__})"
+            )
         super().__init__(
             tensor_parallel_size=1,
             save_distributed_checkpoint=save_distributed_checkpoint,
