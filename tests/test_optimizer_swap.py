@@ -573,3 +573,23 @@ def test_arguments_are_validated():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             OptimizerSwap("auto").setup(SimpleNamespace(), None, "fit")
     assert OptimizerSwap("1GiB").load_state_dict({}) is None  # old or empty checkpoints load
+
+
+def test_under_fsdp2_it_defers_to_the_strategy_plugin():
+    """ModelParallelStrategy loads the optimizer state after on_fit_start, where a swap could not be
+    resumed: OptimizerSwap does nothing there and names AutoFitStrategy, with the budget it was given;
+    beside AutoFitStrategy it says the strategy chooses."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_memkit import AutoFitStrategy
+
+    cases = {
+        ModelParallelStrategy(): "defers to ModelParallelStrategy, .*strategy=AutoFitStrategy.budget='1GiB'.",
+        AutoFitStrategy(budget="1GiB"): "defers to AutoFitStrategy, which chooses the optimizer",
+    }
+    for strategy, message in cases.items():
+        swap = OptimizerSwap("1GiB")
+        with pytest.warns(UserWarning, match=message):
+            swap.setup(SimpleNamespace(strategy=strategy), None, "fit")
+        swap.on_fit_start(SimpleNamespace(strategy=strategy), None)  # disabled: touches nothing
+        assert swap.choice is None

@@ -34,6 +34,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
@@ -113,8 +114,9 @@ class OptimizerSwap(Callback):
       at fit start, ``allow_unknown=False`` leaves it alone with a warning.
     - **bitsandbytes missing or failing to load**: the candidates that need it (8-bit ones and Lion) are
       skipped with one info line.
-    - **Strategies that wrap or shard the optimizer and restore its state themselves** (DeepSpeed, FSDP,
-      ModelParallel): the callback warns at setup and does nothing.
+    - **Strategies that wrap or shard the optimizer and restore its state themselves** (DeepSpeed, FSDP):
+      the callback warns at setup and does nothing. Under ``ModelParallelStrategy`` (FSDP2) it defers to
+      `AutoFitStrategy`, which chooses the optimizer for one rank's sharded step, and says so.
     - **Resuming** from a checkpoint saved with this callback: pass an ``OptimizerSwap`` to the resumed
       Trainer too. It builds the stored choice whatever its own ``budget``, ``candidates`` and
       ``allow_unknown`` are now (the checkpoint holds that optimizer's state; the state is found under
@@ -184,7 +186,23 @@ class OptimizerSwap(Callback):
         self._budget = parse_budget(self._budget_spec)  # "auto" and fractions: this fit's device
         self.budget = self._budget.usable
         strategy = trainer.strategy
-        if strategy.restore_checkpoint_after_setup or not strategy.lightning_restore_optimizer:
+        if isinstance(strategy, ModelParallelStrategy):
+            # FSDP2: the strategy shards the optimizer and loads its state after on_fit_start, so a swap
+            # there could not be resumed. AutoFitStrategy chooses the optimizer for the sharded step.
+            if hasattr(strategy, "autofit"):  # AutoFitStrategy
+                why = (
+                    "which chooses the optimizer for every rank's sharded step itself: remove OptimizerSwap."
+                )
+            else:
+                why = (
+                    "which shards the optimizer and restores its state after the fit has started, where a "
+                    "swapped optimizer could not be resumed. Use Trainer(strategy=AutoFitStrategy(budget="
+                    f"{self._budget_spec!r})): it chooses the optimizer (with the micro-batch, checkpointing "
+                    "and resharding) for one rank's sharded step, and keeps the choice in the checkpoint."
+                )
+            rank_zero_warn(f"OptimizerSwap defers to {type(strategy).__name__}, {why}")
+            self._disabled = True
+        elif strategy.restore_checkpoint_after_setup or not strategy.lightning_restore_optimizer:
             rank_zero_warn(
                 f"OptimizerSwap does nothing with {type(strategy).__name__}: it wraps or shards the "
                 "optimizer and restores its state itself. Configure the lighter optimizer in "
