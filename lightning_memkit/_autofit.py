@@ -130,6 +130,8 @@ class _Search:
         self.strategy, self.n_gpus = strategy, n_gpus
         #: FSDP2's step is simulated sharded (one rank's); the other strategies divide the whole step
         self.sharding = {"strategy": "fsdp2", "world_size": n_gpus} if strategy == "fsdp2" else {}
+        #: FSDP2 with a bf16 MixedPrecisionPolicy for the bf16-mixed steps (`plan_fit`'s keyword)
+        self.mixed_precision_policy = False
         self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
         self.counts: dict[tuple, tuple[int, int]] = {}  # FLOPs and ops of the steps `counted`
         self.whole: dict[tuple, MemoryBreakdown] = {}  # the same steps, unsharded
@@ -148,6 +150,12 @@ class _Search:
         #: planning seconds after which no checkpointing planner is started (`plan_fit`'s refine_seconds)
         self.refine_seconds: float | None = None
         self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
+
+    def sharded(self, precision: str) -> dict[str, Any]:
+        """`estimate_memory`'s sharding keywords for a step at ``precision``."""
+        if self.mixed_precision_policy and precision == "bf16-mixed":
+            return {**self.sharding, "mp_policy": _fsdp2.bf16_policy()}
+        return self.sharding
 
     def refining(self) -> bool:
         """Whether there is time left to plan checkpointing block by block."""
@@ -171,7 +179,7 @@ class _Search:
                     precision=precision,
                     device=self.device,
                     **self.levers,
-                    **self.sharding,
+                    **self.sharded(precision),
                     **sharding,
                 )
         finally:
@@ -260,7 +268,7 @@ class _Search:
                         # simulation takes seconds (a 7B model's)
                         max_rounds=1 if per_plan > SLOW_SIMULATION_S else 3,
                         **self.levers,
-                        **self.sharding,  # FSDP2: every plan's step simulated sharded
+                        **self.sharded(precision),  # FSDP2: every plan's step simulated sharded
                     )
             finally:
                 self.seconds += time.perf_counter() - start
@@ -426,6 +434,7 @@ def plan_fit(
     refine_seconds: float | None = None,
     cpu_offload: bool | None = False,
     link: _fsdp2.Link | None = None,
+    mixed_precision_policy: bool = False,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
 
@@ -478,6 +487,10 @@ def plan_fit(
             of what stays on the device, not simulated as such). ``None``: only where nothing fits
             without it (`AutoFitStrategy`, ``memkit plan``). `FitPlan.cpu_offload` and
             `FitPlan.host_bytes` say so.
+        mixed_precision_policy: with ``strategy="fsdp2"``, the ``bf16-mixed`` plans shard each unit with
+            FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+            (parameters all-gathered and computed in bf16, gradients reduce-scattered in fp32), as
+            `AutoFitStrategy` does; `FitPlan.mixed_precision_policy` says whether the plan has it.
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -563,6 +576,12 @@ def plan_fit(
             f"cpu_offload is FSDP2's CPUOffloadPolicy: plan it with strategy='fsdp2', not {strategy!r}"
         )
     search.cpu_offload = bool(cpu_offload) and strategy == "fsdp2"
+    if mixed_precision_policy and strategy != "fsdp2":
+        raise ValueError(
+            f"mixed_precision_policy is FSDP2's MixedPrecisionPolicy: plan it with strategy='fsdp2', not "
+            f"{strategy!r}"
+        )
+    search.mixed_precision_policy = mixed_precision_policy
     candidates = tuple(dict.fromkeys(o for o, _ in pairs))  # with the Kahan twins, in quality order
     # The pairs in order of preference whose static memory alone is not over the limit (no simulation).
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
@@ -646,6 +665,7 @@ def plan_fit(
         offload_seconds=per_step + micro * (G // best.m),
         reshard_after_forward=reshard,
         cpu_offload=search.cpu_offload,
+        mixed_precision_policy="mp_policy" in search.sharded(prec),
     )
 
 

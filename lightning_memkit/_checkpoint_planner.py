@@ -249,7 +249,8 @@ class CheckpointPlanner:
         # A sharded step (``strategy="fsdp2"``) runs on a sharded copy the profiler's hooks are not on: the
         # blocks are profiled on one device (their activations are a rank's either way), and every plan's
         # step is simulated sharded.
-        unsharded = {k: v for k, v in self.estimate_kwargs.items() if k not in ("strategy", "world_size")}
+        sharding = ("strategy", "world_size", "mp_policy")
+        unsharded = {k: v for k, v in self.estimate_kwargs.items() if k not in sharding}
         repeated = repeated_blocks(model)
         with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
             if repeated is None:

@@ -176,6 +176,8 @@ class FitPlan:
         cpu_offload: FSDP2's ``CPUOffloadPolicy`` (``strategy="fsdp2"``): the sharded parameters, their
             gradients and the optimizer state in host memory (`host_bytes`, about), because nothing fit
             without it; its device peak is an upper bound (see `plan_fit`).
+        mixed_precision_policy: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)`` on every unit (a ``bf16-mixed`` plan of `AutoFitStrategy`).
     """
 
     micro_batch_size: int
@@ -198,6 +200,7 @@ class FitPlan:
     offload_seconds: float = 0.0
     reshard_after_forward: bool | None = None
     cpu_offload: bool = False
+    mixed_precision_policy: bool = False
 
     @property
     def limit(self) -> int:
@@ -281,6 +284,7 @@ class FitPlan:
             offload_seconds=data.get("offload_seconds", 0.0),
             reshard_after_forward=data.get("reshard_after_forward"),
             cpu_offload=data.get("cpu_offload", False),
+            mixed_precision_policy=data.get("mixed_precision_policy", False),
         )
 
     def summary(self) -> str:
@@ -297,6 +301,7 @@ class FitPlan:
                 else f", reshard_after_forward={self.reshard_after_forward}"
             )
             + (f"; with {self.lever}" if self.lever else "")
+            + ("; gathered in bf16 (MixedPrecisionPolicy)" if self.mixed_precision_policy else "")
             + ("; offloaded to the CPU (CPUOffloadPolicy)" if self.cpu_offload else "")
             + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + (

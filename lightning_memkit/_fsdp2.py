@@ -27,6 +27,7 @@ LINK_CPU_LATENCY_S, LINK_CPU_BYTES_PER_S = 1e-3, 1e9
 __all__ = [
     "LINKS",
     "Link",
+    "bf16_policy",
     "collective_seconds",
     "explain_mixed_tensors",
     "fake_mesh",
@@ -162,6 +163,15 @@ def _side_group(world_size: int, store: Any) -> Any:
             "--strategy fsdp2)"
         ) from error
     return group
+
+
+def bf16_policy() -> Any:
+    """The ``MixedPrecisionPolicy`` `AutoFitStrategy` shards a ``bf16-mixed`` run with: parameters
+    all-gathered and computed in bf16, gradients reduce-scattered in fp32 (torchtitan's default)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> nn.Module:

@@ -451,14 +451,21 @@ def fsdp2_layout(plan: FitPlan) -> str:
     """FSDP2's layout as ``plan`` simulated it, as a comment for the LightningModule (`plan_code`, by hand:
     AutoFitStrategy applies it itself)."""
     option = "" if plan.reshard_after_forward in (None, True) else ", reshard_after_forward=False"
+    names = ["fully_shard"]
     if plan.cpu_offload:
         option += ", offload_policy=CPUOffloadPolicy()"
-    imports = "CPUOffloadPolicy, fully_shard" if plan.cpu_offload else "fully_shard"
+        names.append("CPUOffloadPolicy")
+    policy = ""
+    if plan.mixed_precision_policy:
+        option += ", mp_policy=policy"
+        names.append("MixedPrecisionPolicy")
+        dtypes = "param_dtype=torch.bfloat16, reduce_dtype=torch.float32"
+        policy = f"\n#         policy = MixedPrecisionPolicy({dtypes})"
     return f"""\
 # FSDP2 as the plan simulated it, in your LightningModule (each repeated block, then the model):
 #     def configure_model(self):
-#         from torch.distributed.fsdp import {imports}
-#         mesh = self.device_mesh["data_parallel"]
+#         from torch.distributed.fsdp import {", ".join(sorted(names))}
+#         mesh = self.device_mesh["data_parallel"]{policy}
 #         for layer in self.model.layers:  # your blocks, e.g. a Hugging Face model's model.model.layers
 #             fully_shard(layer, mesh=mesh{option})
 #         fully_shard(self.model, mesh=mesh{option})  # the module training_step calls"""

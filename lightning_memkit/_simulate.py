@@ -432,6 +432,7 @@ def estimate_memory(
     strategy: str | None = ...,
     world_size: int = ...,
     reshard_after_forward: bool = ...,
+    mp_policy: Any = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -454,6 +455,7 @@ def estimate_memory(
     strategy: str | None = ...,
     world_size: int = ...,
     reshard_after_forward: bool = ...,
+    mp_policy: Any = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -475,6 +477,7 @@ def estimate_memory(
     strategy: str | None = None,
     world_size: int = 1,
     reshard_after_forward: bool = True,
+    mp_policy: Any = None,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -552,6 +555,9 @@ def estimate_memory(
         world_size: the number of ranks the model is sharded over, with ``strategy``.
         reshard_after_forward: with ``strategy``, ``fully_shard``'s own: ``False`` keeps every unit's
             unsharded parameters from its forward to its backward (no all-gather in backward).
+        mp_policy: with ``strategy``, ``fully_shard``'s own: a ``MixedPrecisionPolicy``, e.g.
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (all-gathered
+            and computed in bf16, gradients reduce-scattered in fp32). ``None``: none.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -583,6 +589,7 @@ def estimate_memory(
         strategy=strategy,
         world_size=world_size,
         reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
     )
     # A deep stack of identical blocks: its step from three shallow ones, exactly, or not at all
     # (`_repeated`). Not for an optimizer built over the whole model's parameters, nor a per-block plan.
@@ -639,6 +646,7 @@ def simulate_step(
     strategy: str | None = None,
     world_size: int = 1,
     reshard_after_forward: bool = True,
+    mp_policy: Any = None,
     timeline: bool = False,
     tracer: Tracer | None = None,
     history: bool = False,
@@ -663,6 +671,8 @@ def simulate_step(
         raise ValueError(
             "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
         )
+    if mp_policy is not None and strategy is None:
+        raise ValueError("mp_policy is FSDP2's MixedPrecisionPolicy: estimate it with strategy='fsdp2'")
     if strategy is not None:
         valid_name("strategy", strategy, ("fsdp2",))
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -702,8 +712,9 @@ def simulate_step(
             mesh = stack.enter_context(_fsdp2.fake_mesh(world_size))
             with mode:
                 blocks = [name for name, _ in find_blocks(model)]
+                options = {} if mp_policy is None else {"mp_policy": mp_policy}
                 stepped = _fsdp2.sharded_copy(
-                    model, mesh, blocks, reshard_after_forward=reshard_after_forward
+                    model, mesh, blocks, reshard_after_forward=reshard_after_forward, **options
                 )
             if tracer is not None:
                 tracer.follow(stepped)

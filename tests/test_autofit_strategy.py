@@ -87,6 +87,9 @@ class _Record(fsdp_test._Record):
             "units": getattr(strategy, "units", None),
             "link": getattr(getattr(strategy, "autofit", None), "_link", None),
             "offload": [_offloads(pl_module.get_submodule(name)) for name in getattr(strategy, "units", [])],
+            "param_dtypes": [
+                _param_dtype(pl_module.get_submodule(n)) for n in getattr(strategy, "units", [])
+            ],
             "optimizer": type(trainer.optimizers[0]).__name__,
             # AdamW's step count: the checkpoint's state continued on resume, not restarted
             "optimizer_steps": sorted({float(v["step"]) for v in trainer.optimizers[0].state.values()}),
@@ -103,13 +106,28 @@ def _offloads(unit) -> bool:
     return isinstance(group.offload_policy, CPUOffloadPolicy)
 
 
-def _fit(out: Path, strategy, module, *, max_steps=STEPS, ckpt_path=None, save=None, callbacks=()) -> None:
+def _param_dtype(unit) -> str:
+    """The dtype an FSDP2 unit all-gathers its parameters in (its MixedPrecisionPolicy's; FSDP2's state)."""
+    return str(unit._get_fsdp_state()._fsdp_param_group.mp_policy.param_dtype)
+
+
+def _fit(
+    out: Path,
+    strategy,
+    module,
+    *,
+    max_steps=STEPS,
+    ckpt_path=None,
+    save=None,
+    callbacks=(),
+    precision="32-true",
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     peaks = AllocatorPeaks(all_threads=True)
     torch.manual_seed(0)
     trainer = pl.Trainer(
         default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=max_steps, log_every_n_steps=1,
-        strategy=strategy, logger=CSVLogger(out, name="autofit"),
+        strategy=strategy, logger=CSVLogger(out, name="autofit"), precision=precision,
         callbacks=[*callbacks, *peaks.around(), _Record(out, peaks)], enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
@@ -158,6 +176,8 @@ RUNS = {
         out, _plain(), SameSharding(True), callbacks=[ActivationCheckpointing(budget="900KiB", cost="flops")]
     ),
     "offloaded": lambda out: _fit(out, AutoFitStrategy(budget="400KiB"), Llama()),
+    # bf16-mixed: every unit gathered in bf16 (MixedPrecisionPolicy), as planned
+    "bf16": lambda out: _fit(out, AutoFitStrategy(budget="600KiB"), Llama(), precision="bf16-mixed"),
     "refused": _refused,
     "resume": _resume,
 }
@@ -427,3 +447,38 @@ def test_the_fused_step_is_planned_on_the_sharded_step():
     assert plan.estimated_peak <= plan.limit
     with pytest.raises(ValueError, match="cannot run under ddp: it reduces each gradient"):
         plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", n_gpus=2, device="cpu", fused_step=True)
+
+
+@pytest.mark.slow
+@ranks
+@needs_distributed
+def test_a_bf16_mixed_run_is_sharded_and_planned_with_a_bf16_policy(runs):
+    """``precision="bf16-mixed"``: every unit all-gathers in bf16 (FSDP2's MixedPrecisionPolicy, gradients
+    reduced in fp32), the plan simulated that, and every rank's steady step is the plan's estimate (1 %),
+    within the budget."""
+    for rank in range(WORLD):
+        record = read(runs / "bf16", rank)
+        plan = record["plan"]
+        assert plan["mixed_precision_policy"] and plan["precision"] == "bf16-mixed"
+        assert set(record["param_dtypes"]) == {"torch.bfloat16"}
+        assert max(record["allocator"]) <= parse_bytes("600KiB")
+        assert record["allocator"][-1] == pytest.approx(plan["estimated_peak"], rel=0.01)
+
+
+def test_a_bf16_mixed_plan_simulates_and_prints_the_bf16_policy():
+    """`plan_fit(mixed_precision_policy=True)`: a bf16-mixed plan's step simulated with FSDP2's bf16
+    MixedPrecisionPolicy (leaner: at this budget, a micro-batch twice as large fits), said in the summary
+    and in the code by hand."""
+    options = dict(cost="flops", precision="bf16-mixed", checkpointing=("none",))
+    plan = _offload_plan("1MiB", mixed_precision_policy=True, **options)
+    plain = _offload_plan("1MiB", **options)
+    assert plan.mixed_precision_policy and not plain.mixed_precision_policy
+    assert (plan.micro_batch_size, plain.micro_batch_size) == (4, 2)
+    assert "gathered in bf16 (MixedPrecisionPolicy)" in plan.summary()
+    code = plan_code(plan, Llama(), global_batch=BATCH * WORLD, optimizers=["adamw"])
+    assert "policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in code
+    assert "mp_policy=policy" in code and "import MixedPrecisionPolicy, fully_shard" in code
+    with pytest.raises(ValueError, match="mixed_precision_policy is FSDP2's MixedPrecisionPolicy"):
+        plan_fit(
+            Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", n_gpus=2, device="cpu", mixed_precision_policy=True
+        )

@@ -32,6 +32,7 @@ from helpers import spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import (
@@ -50,6 +51,7 @@ pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes a
 
 STEPS = 3  # optimizer steps of each fit: the first (no optimizer state yet) and two steady ones
 BATCH, SEQ = 4, 32  # a rank's micro-batch
+BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 OOM_BUDGET = "850KiB"  # `_oom`'s pretend device: below the first step's need at 2 and 4 ranks
 
 #: name -> how the module is sharded and trained (ShardedLlama's and the Trainer's arguments)
@@ -89,14 +91,14 @@ class ShardedLlama(ZooModule):
         self.reshard_after_forward, self.checkpointing, self.bf16 = reshard_after_forward, checkpointing, bf16
 
     def configure_model(self):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         if self.checkpointing:
             apply_checkpointing(self.model, self.checkpointing)
         mesh = self.device_mesh["data_parallel"]
         kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         if self.bf16:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = BF16_POLICY
         for layer in self.model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(self, **kwargs)
@@ -353,6 +355,7 @@ def simulated_rank(world: int, **kwargs) -> int:
         ("no_reshard", {"reshard_after_forward": False}),
         ("gradient_release", {"release_gradients": True}),
         ("fused_step", {"fused_step": True}),
+        ("bf16_policy", {"mp_policy": BF16_POLICY}),
     ],
 )
 def test_the_simulated_sharded_step_is_every_ranks_step(fsdp, scenario, options):

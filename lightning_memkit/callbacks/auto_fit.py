@@ -167,6 +167,8 @@ class AutoFit(Callback):
         #: FSDP2's CPU offload: never (a plain ModelParallelStrategy: the user's configure_model shards),
         #: or, set by AutoFitStrategy, ``None``: where nothing fits without it
         self._cpu_offload: bool | None = False
+        #: AutoFitStrategy's: a bf16-mixed run sharded with FSDP2's bf16 MixedPrecisionPolicy
+        self._mixed_precision_policy = False
         #: the ranks' collectives, timed by AutoFitStrategy (else `_fsdp2.LINKS`' for the device)
         self._link: Any = None
 
@@ -240,6 +242,7 @@ class AutoFit(Callback):
             progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
             compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
             cpu_offload=self._cpu_offload if strategy == "fsdp2" else False,
+            mixed_precision_policy=self._mixed_precision_policy and strategy == "fsdp2",
             link=self._link,
             **step_levers(trainer),
         )

@@ -140,6 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 offload=attempt.offload,
                 refine_seconds=args.refine_seconds,
                 cpu_offload=None if args.strategy == "fsdp2" else False,  # FSDP2: offload if nothing fits
+                mixed_precision_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
             )
 
         # As asked first; where nothing fits that way, every relaxed set-up, the best plan kept: the

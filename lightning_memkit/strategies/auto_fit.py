@@ -30,10 +30,14 @@ their gradients and the optimizer state in host memory, the optimizer stepping t
 an upper bound (`plan_fit`'s ``cpu_offload``), the host memory it needs is ``FitPlan.host_bytes``. The
 buffers are moved to the device, the shards left where FSDP2 keeps them.
 
-Not planned (yet): FSDP2's ``MixedPrecisionPolicy``: with
-``bf16-mixed`` the Trainer's autocast computes in bf16 and FSDP2 communicates in fp32, which is what the
-simulation models. A budget that nothing fits is refused at ``setup`` with AutoFit's figures (the static
-floor, the leanest plan's peak, and the number of FSDP ranks or the GPU that fits).
+Mixed precision. With ``precision="bf16-mixed"`` every unit gets FSDP2's ``MixedPrecisionPolicy(
+param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (torchtitan's default): the parameters are
+all-gathered and computed in bf16 (half the unsharded copies' bytes and the all-gathers' traffic), the
+gradients reduce-scattered and the optimizer stepped in fp32; the plan simulates exactly that
+(`FitPlan.mixed_precision_policy`). The other precisions get no policy.
+
+A budget that nothing fits is refused at ``setup`` with AutoFit's figures (the static floor, the leanest
+plan's peak, and the number of FSDP ranks or the GPU that fits).
 
 Registered as ``"autofit"`` (``Trainer(strategy="autofit")``, ``--trainer.strategy autofit`` in LightningCLI,
 once ``lightning_memkit`` is imported), with the budget ``"auto"`` (the current CUDA device).
@@ -120,6 +124,7 @@ class AutoFitStrategy(ModelParallelStrategy):
             cost=cost,
         )
         self.autofit._cpu_offload = None  # CPUOffloadPolicy where nothing fits without it
+        self.autofit._mixed_precision_policy = True  # bf16-mixed: gathered in bf16, reduced in fp32
         #: the FSDP2 units, as sharded (parents after their children), once set up
         self.units: list[str] = []
         self._offloaded = False  # whether this strategy applied CPUOffloadPolicy
@@ -201,9 +206,13 @@ class AutoFitStrategy(ModelParallelStrategy):
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+        if plan is not None and plan.mixed_precision_policy:
+            options["mp_policy"] = _fsdp2.bf16_policy()
         self.units = _fsdp2.shard_layout(module, mesh, planned, **options)
         self._offloaded = offload
         said = ", offload_policy=CPUOffloadPolicy()" if offload else ""
+        if "mp_policy" in options:
+            said += ", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
         rank_zero_info(
             f"AutoFitStrategy: fully_shard on {_names(self.units)} over {mesh.size()} ranks, "
             f"reshard_after_forward={reshard}{said}"
