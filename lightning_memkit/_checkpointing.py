@@ -370,7 +370,16 @@ def _give_back_cache(model: nn.Module) -> None:
             del _CACHE_TURNED_OFF[id(config)]
 
 
+#: ``id(config) -> weakref``: configs `_announce_cache_off` has named (configs are not hashable), once
+#: each however often a planner checkpoints their model
+_ANNOUNCED: dict[int, Any] = {}
+
+
 def _announce_cache_off(configs: Sequence[Any]) -> None:
+    configs = [c for c in configs if (seen := _ANNOUNCED.get(id(c))) is None or seen() is not c]
+    if not configs:
+        return
+    _ANNOUNCED.update((id(c), ref(c)) for c in configs)
     names = Counter(type(c).__name__ for c in configs)
     which = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in names.items())
     log.warning(  # a warning, as Hugging Face's own gradient_checkpointing_enable() says it

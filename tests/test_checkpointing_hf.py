@@ -210,6 +210,18 @@ def test_use_cache_turned_off_said_once_and_restored(caplog):
     assert checkpoint_policies(module) == {}
 
 
+def test_the_cache_line_is_said_once_per_config_however_often_planned(caplog):
+    """Planning checkpoints the model many times over (each simulated plan): the line is said once."""
+    module, batch = _module("qwen2"), zoo_batch("qwen2")
+    with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing"):
+        for policy in ("full", "selective", "full"):
+            estimate_memory(module, batch, checkpointing=policy, device="cpu")
+        apply_checkpointing(module, "full").remove()
+    lines = [r.getMessage() for r in caplog.records if CACHE_LINE in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert module.model.config.use_cache is True
+
+
 def test_nothing_checkpointed_leaves_use_cache(caplog):
     """A plan that checkpoints nothing (a budget above the peak without checkpointing, or "none") leaves
     ``use_cache`` as it was, and so does planning."""
