@@ -1,9 +1,10 @@
 """FSDP2 (torch's ``fully_shard`` under Lightning's ModelParallelStrategy) on 2 and 4 gloo CPU ranks: per
 configuration, the worst error over every rank and step of MemoryMonitor against the allocator (the CPU
-allocator's own count in every thread, `lightning_memkit.testing.counting_allocator`); for the default
-layout, one rank's step simulated in this process (``estimate_memory(strategy="fsdp2", world_size=N)``,
-``memkit estimate --gpus N --strategy fsdp2``) and the analytic fallback that divides the one-device step
-(`shard(..., "fsdp", N)`), against rank 0's steady step; and what FSDP2 holds at rank 0's peak.
+allocator's own count in every thread, `lightning_memkit.testing.counting_allocator`); each configuration's
+step simulated in this process (``estimate_memory(strategy="fsdp2", world_size=N)`` with its keywords,
+``memkit estimate --gpus N --strategy fsdp2``), and for the default layout the analytic fallback that
+divides the one-device step (`shard(..., "fsdp", N)`), against rank 0's steady step; and what FSDP2
+holds at rank 0's peak.
 
 The ranks and configurations are tests/test_fsdp.py's (a Hugging Face LLaMA, uneven shards, AdamW).
 
@@ -15,15 +16,24 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fsdp import BATCH, SCENARIOS, SEQ, STEPS, ShardedLlama, per_step_truth, read, run_ranks
+from test_fsdp import BATCH, BF16_POLICY, SCENARIOS, SEQ, STEPS, ShardedLlama, per_step_truth, read, run_ranks
 from zoo import zoo_batch
 
 from lightning_memkit import estimate_memory
 from lightning_memkit._analytic import shard
 from lightning_memkit._breakdown import format_bytes
 
-#: The configurations `estimate_memory(strategy="fsdp2")` simulates: the default layout, checkpointed or not.
-SIMULATED = {"default": None, "full_checkpointing": "full", "selective_checkpointing": "selective"}
+#: Each configuration as `estimate_memory(strategy="fsdp2")` simulates it: its keywords.
+SIMULATED = {
+    "default": {},
+    "no_reshard": {"reshard_after_forward": False},
+    "full_checkpointing": {"checkpointing": "full"},
+    "selective_checkpointing": {"checkpointing": "selective"},
+    "bf16_policy": {"mp_policy": BF16_POLICY},
+    "accumulation": {"accumulating": True},
+    "gradient_release": {"release_gradients": True},
+    "fused_step": {"fused_step": True},
+}
 
 
 def main() -> None:
@@ -36,9 +46,9 @@ def main() -> None:
         batch = zoo_batch("qwen2", BATCH, SEQ)
         simulated = {
             name: estimate_memory(
-                module, batch, device="cpu", strategy="fsdp2", world_size=world, checkpointing=checkpointing
+                module, batch, device="cpu", strategy="fsdp2", world_size=world, **options
             ).peak
-            for name, checkpointing in SIMULATED.items()
+            for name, options in SIMULATED.items()
         }
         with tempfile.TemporaryDirectory() as tmp:
             run_ranks(Path(tmp), world)
