@@ -134,10 +134,26 @@ class History:
 # --------------------------------------------------------------------------------------------------
 
 
-def repeated_blocks(model: nn.Module) -> tuple[nn.Module, int] | None:
-    """The container of ``model``'s repeated blocks and their number, when they are copies of one another
-    (one class, the same parameters and buffers, every setting alike but an index) and the container holds
-    nothing else; ``None`` otherwise."""
+class Run(NamedTuple):
+    """A run of consecutive alike blocks in one container: ``container``'s blocks ``start`` to ``start +
+    length``, of ``total``; the blocks before and after it (``total - length``) are simulated as they are."""
+
+    container: nn.Module
+    start: int
+    length: int
+    total: int
+
+    @property
+    def others(self) -> int:
+        return self.total - self.length
+
+
+def repeated_run(model: nn.Module) -> Run | None:
+    """The longest run of ``model``'s blocks that are copies of one another (one class, the same parameters
+    and buffers, every setting alike but an index, one checkpointing policy), consecutive in a container
+    that holds nothing else, at least `MIN_DEPTH` long and four times as long as the blocks outside it
+    (which every shallow step runs, so that they cost less than the whole); ``None`` otherwise. A
+    per-block checkpointing plan that gives a few blocks another mode (the planner's) leaves such a run."""
     found = find_blocks(model)
     if len(found) < MIN_DEPTH:
         return None
@@ -152,15 +168,39 @@ def repeated_blocks(model: nn.Module) -> tuple[nn.Module, int] | None:
     signatures = [_signature(m) for _, m in found]
     if any(s.keys() != signatures[0].keys() for s in signatures):
         return None
-    for key in signatures[0]:
-        values = [s[key] for s in signatures]
-        if all(v == values[0] for v in values) or _an_index(values):
-            continue
-        return None
+    indices = {key for key in signatures[0] if _an_index([s[key] for s in signatures])}
     policies = checkpoint_policies(model)
-    if len({policies.get(name, "none") for name, _ in found}) != 1:
-        return None  # a per-block plan: the blocks do not run alike
-    return container, len(found)
+    keys = [
+        (tuple((k, v) for k, v in s.items() if k not in indices), policies.get(name, "none"))
+        for s, (name, _) in zip(signatures, found, strict=True)
+    ]
+    best = (0, 0)  # (start, length) of the longest run of equal keys
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or not _same(keys[i], keys[start]):
+            if i - start > best[1]:
+                best = (start, i - start)
+            start = i
+    run = Run(container, best[0], best[1], len(found))
+    if run.length < MIN_DEPTH or run.others > run.length // 4:
+        return None
+    return run
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a setting that does not compare (a tensor's truth value)
+        return False
+
+
+def repeated_blocks(model: nn.Module) -> tuple[nn.Module, int] | None:
+    """The container of ``model``'s repeated blocks and their number, when every block is in the one run
+    of copies (`repeated_run`) and the container holds nothing else; ``None`` otherwise."""
+    run = repeated_run(model)
+    if run is None or run.others:
+        return None
+    return run.container, run.length
 
 
 def _signature(block: nn.Module) -> dict[tuple[str, str], Any]:
@@ -214,12 +254,18 @@ def _an_index(values: Sequence[Any]) -> bool:
 
 
 @contextlib.contextmanager
-def truncated(container: nn.Module, depth: int) -> Iterator[None]:
-    """``container`` holding only its first ``depth`` blocks while inside."""
+def truncated(container: nn.Module, depth: int, run: Run | None = None) -> Iterator[None]:
+    """``container`` holding only its first ``depth`` blocks while inside; with ``run``, only the first
+    ``depth`` blocks of the run, and every block before and after it."""
     modules = container._modules
     kept = dict(modules)
+    items = list(kept.items())
+    if run is not None:
+        items = items[: run.start] + items[run.start : run.start + depth] + items[run.start + run.length :]
+    else:
+        items = items[:depth]
     try:
-        container._modules = dict(list(kept.items())[:depth])  # type: ignore[assignment]
+        container._modules = dict(items)  # type: ignore[assignment]
         yield
     finally:
         container._modules = kept  # type: ignore[assignment]
@@ -242,22 +288,22 @@ class Shortcut(NamedTuple):
 def cost_ratio(model: nn.Module) -> float:
     """What the whole step of ``model`` costs against the shortcut's three shallow steps (a step that cannot
     take the shortcut, such as a per-block checkpointing plan's), by the blocks each runs."""
-    found = repeated_blocks(model)
-    return 1.0 if found is None else found[1] / sum(_DEPTHS)
+    run = repeated_run(model)
+    return 1.0 if run is None else run.total / sum(d + run.others for d in _DEPTHS)
 
 
 def shortcut(model: nn.Module, simulate: Callable[[], Tracker], *, count: bool = False) -> Shortcut | None:
     """``simulate()``'s step of ``model``, from its step at 2, 3 and 4 blocks; ``None`` where the shortcut
     does not hold (`repeated_blocks`, the module docstring). ``count``: also the step's FLOPs and forward
     and backward ops (``simulate`` must keep a timeline), which grow by the same amount with each block."""
-    found = repeated_blocks(model)
-    if found is None:
+    run = repeated_run(model)
+    if run is None:
         return None
-    container, depth = found
+    depth = run.length
     trackers, counts = [], []
     for shallow in _DEPTHS:
         counter = FlopCounterMode(display=False) if count else contextlib.nullcontext()
-        with truncated(container, shallow), counter as c:
+        with truncated(run.container, shallow, run), counter as c:
             try:
                 tracker = simulate()
             except Exception as error:  # a step that needs all its blocks: simulate them all

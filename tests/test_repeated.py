@@ -11,6 +11,7 @@ from torch import nn
 from zoo import MODELS, ZooModule, zoo_batch
 
 from lightning_memkit import _repeated
+from lightning_memkit._blocks import find_blocks
 from lightning_memkit._simulate import counted_step, estimate_memory, simulate_step
 from lightning_memkit.demos.gpt import GPTLightningModule
 
@@ -105,9 +106,9 @@ def test_estimate_memory_takes_the_shortcut_and_leaves_the_model_whole() -> None
     calls = []
     original = _repeated.truncated
 
-    def spy(container, depth):
+    def spy(container, depth, run=None):
         calls.append(depth)
-        return original(container, depth)
+        return original(container, depth, run)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_repeated, "truncated", spy)
@@ -152,15 +153,35 @@ def test_blocks_that_differ_are_simulated_whole() -> None:
     assert _repeated.repeated_blocks(module) is None
 
 
-def test_a_per_block_checkpointing_plan_is_simulated_whole() -> None:
+def test_a_per_block_checkpointing_plan_without_a_long_run_is_simulated_whole() -> None:
     from lightning_memkit import apply_checkpointing
 
     module = DeepZoo("gpt2")
     names = [f"model.transformer.h.{i}" for i in range(DEPTH)]
     with apply_checkpointing(module, {name: "full" if i < 2 else "none" for i, name in enumerate(names)}):
         assert _repeated.repeated_blocks(module) is None
+        assert _repeated.repeated_run(module) is None  # 4 alike of 6: shorter than MIN_DEPTH
     with apply_checkpointing(module, "full"):
         assert _repeated.repeated_blocks(module) is not None
+
+
+@pytest.mark.parametrize("other", [0, DEPTH - 1], ids=["first", "last"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_a_plan_with_a_few_blocks_apart_takes_the_shortcut_byte_for_byte(name: str, other: int) -> None:
+    """The checkpointing planner's plans give a few blocks at one end another mode: the run of the rest is
+    extrapolated, the blocks apart simulated in every shallow step, and the step is the whole simulation's
+    to the byte."""
+    from lightning_memkit import apply_checkpointing
+
+    module = DeepZoo(name)
+    names = [n for n, _ in find_blocks(module)]
+    plan = {n: "selective" if i == other else "full" for i, n in enumerate(names)}
+    with apply_checkpointing(module, plan):
+        run = _repeated.repeated_run(module)
+        assert run is not None and (run.start, run.length) == (int(other == 0), DEPTH - 1)
+        assert _repeated.repeated_blocks(module) is None  # not every block: the planner profiles them all
+        shortcut, whole = _both(module, zoo_batch(name), device="cpu")
+    assert shortcut is not None and shortcut.breakdown == whole
 
 
 def test_models_without_one_stack_of_copies_are_simulated_whole(monkeypatch: pytest.MonkeyPatch) -> None:
