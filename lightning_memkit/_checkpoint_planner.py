@@ -249,7 +249,7 @@ class CheckpointPlanner:
         # A sharded step (``strategy="fsdp2"``) runs on a sharded copy the profiler's hooks are not on: the
         # blocks are profiled on one device (their activations are a rank's either way), and every plan's
         # step is simulated sharded.
-        sharding = ("strategy", "world_size", "mp_policy")
+        sharding = ("strategy", "world_size", "mp_policy", "reshard_after_forward")
         unsharded = {k: v for k, v in self.estimate_kwargs.items() if k not in sharding}
         repeated = repeated_blocks(model)
         with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):

@@ -13,7 +13,9 @@ the model sharded as Lightning documents FSDP2 (`sharded_copy`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
@@ -182,20 +184,49 @@ def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: 
     a unit gathers its own parameters in its forward, and a ``training_step`` calling ``self.model(...)``
     never runs the LightningModule's. The original is untouched. ``options`` go to every ``fully_shard``."""
     memo: dict[int, Any] = {}
+    composable = _composable_keys()
     for module in model.modules():
         for key, value in vars(module).items():
-            if key in _COPIED or isinstance(value, nn.Module):
+            if key in _COPIED or key in composable or isinstance(value, nn.Module):
                 continue
             memo[id(value)] = value  # shared with the original
+    _share_hook_owners(model, memo)
     with warnings.catch_warnings():  # torch's Tensor.__deepcopy__ asks a fake tensor for its data pointer
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         copy = deepcopy(model, memo)
     for original, twin in zip(model.modules(), copy.modules(), strict=True):
         for key, value in vars(original).items():  # what a __getstate__ leaves out (Lightning's trainer)
-            if key not in _COPIED and not isinstance(value, nn.Module):
+            if key in composable:  # torch's composable APIs' records: the copy's own (its fully_shard's)
+                twin.__dict__[key] = type(value)(value)
+            elif key not in _COPIED and not isinstance(value, nn.Module):
                 twin.__dict__[key] = value
     shard_layout(copy, mesh, blocks, **options)
     return copy
+
+
+def _composable_keys() -> frozenset[str]:
+    """The attributes where torch's composable APIs (``fully_shard``, ``checkpoint``, ``replicate``) record
+    themselves on a module: its registry and its states (private; none on a torch without them)."""
+    try:  # the module (``torch.distributed._composable.contract`` as an attribute is its function)
+        contract = importlib.import_module("torch.distributed._composable.contract")
+        return frozenset({contract.STATE_KEY, contract.REGISTRY_KEY})
+    except (ImportError, AttributeError):
+        return frozenset()
+
+
+def _share_hook_owners(model: nn.Module, memo: dict[int, Any]) -> None:
+    """Let a copy of ``model`` call the same hook objects: the object a bound-method hook is bound to, or a
+    callable object, is shared unless it is one of the model's modules (those are copied with the model).
+    A hook's owner can hold anything (a Trainer, a real tensor); copying it would copy that."""
+    modules = {id(m) for m in model.modules()}
+    for module in model.modules():
+        for key in _HOOK_TABLES:
+            for hook in getattr(module, key, {}).values():
+                owner = getattr(hook, "__self__", None)
+                if owner is None and not isinstance(hook, (types.FunctionType, functools.partial)):
+                    owner = hook  # a callable object
+                if owner is not None and id(owner) not in modules:
+                    memo[id(owner)] = owner
 
 
 def shard_layout(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> list[str]:
@@ -334,16 +365,16 @@ def unsharded_twin(model: nn.Module) -> tuple[nn.Module, dict[int, Tensor]]:
         if isinstance(module, FSDPModule):
             cls = next(base for base in cls.__bases__ if base is not FSDPModule)
         memo[id(module)] = cls.__new__(cls)
-    contract = importlib.import_module(
-        "torch.distributed._composable.contract"
-    )  # the module, not its function
-    dropped = {contract.STATE_KEY, contract.REGISTRY_KEY}  # where fully_shard records itself on a module
+    composable = _composable_keys()  # where fully_shard records itself on a module, beside other APIs
+    _share_hook_owners(model, memo)
     for module in model.modules():
         twin_state: dict[str, Any] = {}
         for key, value in vars(module).items():
-            if key in dropped:
-                continue
-            if key in ("_parameters", "_buffers", "_modules"):
+            if key in composable:
+                value = type(value)(
+                    (k, v) for k, v in value.items() if not _from_fsdp(k) and not _from_fsdp(v)
+                )
+            elif key in ("_parameters", "_buffers", "_modules"):
                 value = {name: None if v is None else memo[id(v)] for name, v in value.items()}
             elif key in _COPIED:
                 if isinstance(value, dict):
@@ -367,10 +398,16 @@ def over_twins(optimizer: Any, tensors: dict[int, Tensor]) -> Any:
     return twin
 
 
-def _from_fsdp(hook: Any) -> bool:
-    """Whether ``hook`` (a function, a bound method or a ``functools.partial`` of one) is FSDP2's."""
-    function = getattr(hook, "func", hook)
-    return str(getattr(function, "__module__", "")).startswith("torch.distributed.fsdp")
+def _from_fsdp(thing: Any) -> bool:
+    """Whether ``thing`` (a hook: a function, a bound method or a ``functools.partial`` of one; a
+    composable API's registry key or state) is FSDP2's."""
+    if isinstance(thing, str):  # the composable registry's key
+        return thing == "fully_shard"
+    function = getattr(thing, "func", thing)
+    module = getattr(function, "__module__", None)
+    if not isinstance(module, str):
+        module = type(function).__module__
+    return module.startswith("torch.distributed.fsdp")
 
 
 def units(model: nn.Module) -> list[str]:
@@ -391,6 +428,12 @@ def _root(model: nn.Module) -> nn.Module:
         module = holders[0]
     return module
 
+
+#: A module's hook tables (what `_share_hook_owners` reads).
+_HOOK_TABLES = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
 
 #: What a module's copy gets its own of: its tensors and children, the hook tables fully_shard adds to,
 #: and an instance ``forward`` (activation checkpointing's wrapper holds the module it runs).

@@ -61,6 +61,7 @@ from lightning_memkit import _fsdp2, _repeated, _shadow
 from lightning_memkit._analytic import valid_name
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._budget import whole_number
 from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._isolate import isolated
 from lightning_memkit._lightning import (
@@ -671,12 +672,22 @@ def simulate_step(
         raise ValueError(
             "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
         )
-    if mp_policy is not None and strategy is None:
-        raise ValueError("mp_policy is FSDP2's MixedPrecisionPolicy: estimate it with strategy='fsdp2'")
-    if strategy is not None:
+    if strategy is None:
+        sharded = {"world_size": world_size != 1, "reshard_after_forward": reshard_after_forward is not True}
+        given = [name for name, set_ in {**sharded, "mp_policy": mp_policy is not None}.items() if set_]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} FSDP2's (fully_shard's): pass "
+                "strategy='fsdp2' with it to simulate one rank's sharded step, or leave it out for one device"
+            )
+    else:
         valid_name("strategy", strategy, ("fsdp2",))
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a whole number of ranks, at least 1; got {world_size!r}")
+        world_size = whole_number("world_size", world_size, of="ranks", at_least=1)
+        if mp_policy is not None and type(mp_policy).__name__ != "MixedPrecisionPolicy":
+            raise TypeError(
+                "mp_policy must be FSDP2's MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype="
+                f"torch.bfloat16, reduce_dtype=torch.float32); got {mp_policy!r} ({type(mp_policy).__name__})"
+            )
         if offload:
             raise NotImplementedError(
                 "The offloaded optimizer runs on one process: under FSDP2, plan CPUOffloadPolicy instead "

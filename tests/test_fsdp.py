@@ -498,3 +498,60 @@ def test_the_unsharded_twin_of_a_sharded_model_simulates_as_the_model_did():
             twin, batch, device="cpu", strategy="fsdp2", world_size=2, first_step=True, optimizer=over_twin
         )
         assert got.as_dict() == expected.as_dict()
+
+
+class _HookOwner:
+    """A hook bound to an object that is not the model's: it holds a real tensor, which no copy of the
+    model may copy."""
+
+    def __init__(self) -> None:
+        self.big, self.calls = torch.zeros(64, 64), 0
+
+    def hook(self, module, args, output) -> None:
+        self.calls += 1
+
+
+def test_copies_of_the_model_leave_torchs_composable_apis_and_hook_owners_alone():
+    """The simulated sharded step's copy and the OOM's unsharded twin: torch's composable ``checkpoint`` on
+    each layer stays the user's (the copy's ``fully_shard`` is recorded on the copy only, so estimating
+    twice, or sharding the model afterwards, works; the twin keeps ``checkpoint`` and drops only FSDP2),
+    and a hook bound to another object calls that object, not a copy of it."""
+    import importlib
+
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_memkit._fsdp2 import fake_mesh
+    from lightning_memkit._oom import simulable
+
+    registry = importlib.import_module("torch.distributed._composable.contract").REGISTRY_KEY
+    module, batch = ShardedLlama(2), zoo_batch("qwen2", BATCH, SEQ)
+    for layer in module.model.model.layers:
+        checkpoint(layer)
+    owner = _HookOwner()
+    module.model.model.norm.register_forward_hook(owner.hook)
+    options = dict(device="cpu", strategy="fsdp2", world_size=2, first_step=True)
+    expected = estimate_memory(module, batch, **options)
+    assert estimate_memory(module, batch, **options) == expected  # estimated again: nothing left behind
+    assert owner.calls == 2  # the same object called, by each estimate's copy
+    assert list(vars(module.model.model.layers[0])[registry]) == ["checkpoint"]
+    with fake_mesh(2) as mesh:
+        for layer in module.model.model.layers:
+            fully_shard(layer, mesh=mesh)  # the user's own sharding still applies
+        fully_shard(module, mesh=mesh)
+    twin, _ = simulable(module, None)
+    assert list(vars(twin.model.model.layers[0])[registry]) == ["checkpoint"]
+    assert twin.model.model.norm._forward_hooks and owner.big.untyped_storage() is not None
+    assert estimate_memory(twin, batch, **options) == expected
+    assert owner.calls == 3
+
+
+def test_fsdp2_options_without_the_strategy_are_refused():
+    """``world_size``, ``reshard_after_forward`` and ``mp_policy`` mean something under FSDP2 only: without
+    ``strategy="fsdp2"`` they are refused, not ignored; a policy that is not one is refused by type."""
+    module, batch = ShardedLlama(2), zoo_batch("qwen2", BATCH, SEQ)
+    for options in ({"world_size": 2}, {"reshard_after_forward": False}, {"mp_policy": BF16_POLICY}):
+        with pytest.raises(ValueError, match=f"{next(iter(options))} is FSDP2's .*pass strategy='fsdp2'"):
+            estimate_memory(module, batch, device="cpu", **options)
+    with pytest.raises(TypeError, match="mp_policy must be FSDP2's MixedPrecisionPolicy"):
+        estimate_memory(module, batch, device="cpu", strategy="fsdp2", world_size=2, mp_policy="bf16")

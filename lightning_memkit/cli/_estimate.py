@@ -189,7 +189,7 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdo
         device=args.device,
         accumulating=args.accumulate > 1,
         strategy="fsdp2" if args.strategy == "fsdp2" else None,
-        world_size=args.gpus,
+        world_size=args.gpus if args.strategy == "fsdp2" else 1,  # the others divide the one-device step
         return_timeline=True,
     )
     return breakdown, max(timeline, key=lambda event: event.live, default=None)

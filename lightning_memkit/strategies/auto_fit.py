@@ -185,13 +185,15 @@ class AutoFitStrategy(ModelParallelStrategy):
         offload = plan is not None and plan.cpu_offload
         planned = [name for name, _ in find_blocks(module)]
         self._offloaded = False
+        policy = plan is not None and plan.mixed_precision_policy
         if _fsdp2.is_sharded(module):  # the user's own fully_shard in configure_model: kept
             self.units = _fsdp2.units(module)
             expected = [*planned, _fsdp2.root_name(module)]
-            if sorted(self.units) != sorted(expected) or offload or not reshard:
+            if sorted(self.units) != sorted(expected) or offload or not reshard or policy:
                 options = ", ".join(
                     ([] if reshard else ["reshard_after_forward=False"])
                     + (["offload_policy=CPUOffloadPolicy()"] if offload else [])
+                    + (["mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"] if policy else [])
                 )
                 rank_zero_warn(
                     f"AutoFitStrategy: configure_model sharded {_names(self.units)}; the plan simulated "
@@ -206,7 +208,7 @@ class AutoFitStrategy(ModelParallelStrategy):
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
-        if plan is not None and plan.mixed_precision_policy:
+        if policy:
             options["mp_policy"] = _fsdp2.bf16_policy()
         self.units = _fsdp2.shard_layout(module, mesh, planned, **options)
         self._offloaded = offload
