@@ -28,13 +28,13 @@ backward pass of a step after the first.
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._budget import valid_name
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._optimizer_state import OPTIMIZERS, Shape
 
@@ -43,15 +43,6 @@ def _positive(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-def valid_name(kind: str, value: Any, valid: Iterable[str]) -> str:
-    valid = list(valid)
-    if value in valid:
-        return value
-    hint = difflib.get_close_matches(str(value), valid, n=1)
-    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
-    raise ValueError(f"Unknown {kind} {value!r}; valid: {', '.join(valid)}.{did_you_mean}")
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -64,10 +64,10 @@ from typing import Any, NamedTuple
 from torch import Tensor, nn
 
 from lightning_memkit import _fsdp2, _repeated
-from lightning_memkit._analytic import STRATEGIES, model_static, shard, valid_name
+from lightning_memkit._analytic import STRATEGIES, model_static, shard
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
-from lightning_memkit._budget import GPUS, Budget, parse_budget
+from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name
 from lightning_memkit._checkpoint_planner import CheckpointPlanner
 from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._fitplan import Alternative, FitPlan, StepCost, flops_cost, measured_cost

@@ -11,11 +11,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memkit._analytic import valid_name
-
 __all__ = ["GPUS", "Budget", "parse_budget", "parse_bytes", "reads_device"]
 
 # --- the checks every constructor shares ---------------------------------------------------------
+
+
+def valid_name(kind: str, value: Any, valid: Iterable[str]) -> str:
+    """``value`` if it is one of ``valid``, else the error naming them all (and the closest, if any)."""
+    valid = list(valid)
+    if value in valid:
+        return value
+    hint = difflib.get_close_matches(str(value), valid, n=1)
+    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+    raise ValueError(f"Unknown {kind} {value!r}; valid: {', '.join(valid)}.{did_you_mean}")
 
 
 def _given(value: Any) -> str:

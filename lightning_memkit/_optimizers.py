@@ -80,7 +80,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_memkit._analytic import valid_name
+from lightning_memkit._budget import valid_name
 from lightning_memkit._lightning import is_lightning, lightning_stand_ins, optimizers_from
 from lightning_memkit._measure import model_device
 

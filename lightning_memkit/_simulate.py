@@ -58,10 +58,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_memkit import _fsdp2, _repeated, _shadow
-from lightning_memkit._analytic import valid_name
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown
-from lightning_memkit._budget import whole_number
+from lightning_memkit._budget import valid_name, whole_number
 from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._isolate import isolated
 from lightning_memkit._lightning import (

@@ -247,6 +247,7 @@ def test_memkit_advise_prints_the_findings(capsys):
     assert advice["breakdown"]["peak"] > sum(f["saved"] for f in advice["findings"]) > 0
 
 
+@pytest.mark.slow  # three advised steps, one of them sharded
 def test_memkit_advise_one_rank_of_fsdp2(capsys):
     """``--fsdp2 N``: one rank's sharded step advised, said so, and below the one-device step."""
     argv = ["advise", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--device", "cpu"]

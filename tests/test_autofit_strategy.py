@@ -439,6 +439,7 @@ def test_one_rank_of_fsdp2_plans_no_optimizer_dtensor_cannot_run():
     assert plan.optimizer == "adamw" and "adamw8bit" in plan.note and "adafactor" in plan.note
 
 
+@pytest.mark.slow  # planning-heavy
 def test_the_fused_step_is_planned_on_the_sharded_step():
     """Under FSDP2 each shard steps inside backward once its reduce-scatter is done: `plan_fit` plans the
     fused step there, with no accumulation (it steps at every backward); DDP is refused, saying why."""
@@ -465,6 +466,7 @@ def test_a_bf16_mixed_run_is_sharded_and_planned_with_a_bf16_policy(runs):
         assert matches_the_rank(plan["estimated_peak"], record["allocator"][-1]), record["allocator"]
 
 
+@pytest.mark.slow  # planning-heavy: two sharded plans
 def test_a_bf16_mixed_plan_simulates_and_prints_the_bf16_policy():
     """`plan_fit(mixed_precision_policy=True)`: a bf16-mixed plan's step simulated with FSDP2's bf16
     MixedPrecisionPolicy (leaner: at this budget, a micro-batch twice as large fits), said in the summary

@@ -166,7 +166,7 @@ def test_a_per_block_checkpointing_plan_without_a_long_run_is_simulated_whole() 
 
 
 @pytest.mark.parametrize("other", [0, DEPTH - 1], ids=["first", "last"])
-@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_a_plan_with_a_few_blocks_apart_takes_the_shortcut_byte_for_byte(name: str, other: int) -> None:
     """The checkpointing planner's plans give a few blocks at one end another mode: the run of the rest is
     extrapolated, the blocks apart simulated in every shallow step, and the step is the whole simulation's

@@ -82,10 +82,17 @@ from lightning.pytorch.utilities.parsing import (
     lightning_setattr,
 )
 
-from lightning_memkit._analytic import valid_name
 from lightning_memkit._autofit import plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
-from lightning_memkit._budget import Budget, names, parse_budget, reads_device, share, whole_number
+from lightning_memkit._budget import (
+    Budget,
+    names,
+    parse_budget,
+    reads_device,
+    share,
+    valid_name,
+    whole_number,
+)
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan, StepCost
 from lightning_memkit._isolate import isolated

@@ -7,8 +7,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from lightning_memkit._analytic import valid_name
-from lightning_memkit._budget import Budget, parse_budget
+from lightning_memkit._budget import Budget, parse_budget, valid_name
 
 
 class UsageError(Exception):
