@@ -359,7 +359,7 @@ def unsharded_twin(model: nn.Module) -> tuple[nn.Module, dict[int, Tensor]]:
         for t in [*module._parameters.values(), *module._buffers.values()]:
             if t is not None and id(t) not in memo:
                 memo[id(t)] = meta(t)
-    tensors = {key: memo[key] for key in list(memo)}
+    tensors = dict(memo)
     for module in model.modules():
         cls = type(module)
         if isinstance(module, FSDPModule):
@@ -429,12 +429,6 @@ def _root(model: nn.Module) -> nn.Module:
     return module
 
 
-#: A module's hook tables (what `_share_hook_owners` reads).
-_HOOK_TABLES = (
-    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-)  # fmt: skip
-
 #: What a module's copy gets its own of: its tensors and children, the hook tables fully_shard adds to,
 #: and an instance ``forward`` (activation checkpointing's wrapper holds the module it runs).
 _COPIED = frozenset(
@@ -446,3 +440,6 @@ _COPIED = frozenset(
         "_load_state_dict_post_hooks",
     }
 )  # fmt: skip
+
+#: The hook tables among what a module's copy gets its own of (`_share_hook_owners` reads them).
+_HOOK_TABLES = tuple(key for key in _COPIED if key.endswith("hooks"))

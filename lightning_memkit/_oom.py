@@ -115,14 +115,13 @@ def step_need(
     """
     if measured is not None:
         return measured, "measured on an earlier step of the same shapes"
-    if strategy == "fsdp2":  # one rank's sharded step, simulated
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            need = estimate_memory(model, on_cpu(batch), strategy="fsdp2", world_size=n_gpus, **simulate)
-        return need, f"one rank's step of {n_gpus} under FSDP2, simulated for this batch"
+    fsdp2 = strategy == "fsdp2"  # one rank's sharded step, simulated
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        need = estimate_memory(model, on_cpu(batch), **simulate)
+        sharded = {"strategy": "fsdp2", "world_size": n_gpus} if fsdp2 else {}
+        need = estimate_memory(model, on_cpu(batch), **sharded, **simulate)
+    if fsdp2:
+        return need, f"one rank's step of {n_gpus} under FSDP2, simulated for this batch"
     if n_gpus > 1:
         grads = model_static(model, simulate.get("precision", "32-true")).gradients
         need = shard(need, strategy, n_gpus, gradient_bytes=grads)
