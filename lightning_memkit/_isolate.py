@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["isolated"]
+__all__ = ["isolated", "rng_kept"]
 
 _CONTAINERS = (list, dict, set, collections.deque)
 
@@ -70,6 +70,18 @@ def isolated(module: nn.Module, what: str = "Planning") -> Iterator[None]:
                 "Step optimizers in the training loop, not in training_step.",
                 stacklevel=3,
             )
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Put back every RNG stream `isolated` keeps (torch's CPU and CUDA generators, Python's ``random``,
+    NumPy's global state) after the block, for work that draws from them on the run's behalf (a dataset
+    that augments with ``random`` or NumPy, iterated for a first batch)."""
+    undo = _rng()
+    try:
+        yield
+    finally:
+        undo()
 
 
 def _eager() -> contextlib.AbstractContextManager:

@@ -6,8 +6,10 @@ after each optimizer step, must leave training bit-identical in the same usages.
 from __future__ import annotations
 
 import functools
+import random
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torchmetrics
@@ -96,6 +98,8 @@ class Net(pl.LightningModule):
         data = TensorDataset(x, x.sum(1, keepdim=True))
         if self.usage == "dict_batch":
             return DataLoader(data, batch_size=self.batch_size, collate_fn=_as_dict)
+        if self.usage == "augment":
+            return DataLoader(_Augmented(data), batch_size=self.batch_size)
         if self.usage == "none_first":
             return DataLoader(data, batch_size=self.batch_size, collate_fn=functools.partial(_none_first, []))
         return DataLoader(data, batch_size=self.batch_size)
@@ -105,6 +109,20 @@ class Net(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val", self.loss(batch))
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Noise drawn from Python's ``random`` and NumPy's global state, as augmentation code often does."""
+
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return x + random.random() + float(np.random.rand()), y
 
 
 def _as_dict(rows):
@@ -125,12 +143,14 @@ TRAINER = {
 }
 USAGES = [
     "plain", "accumulate", "clip", "bf16", "validation", "manual", "two_optimizers", "compile", "func",
-    "lbfgs", "dict_batch", "none_first", "skip_rest", "metrics",
+    "lbfgs", "dict_batch", "none_first", "skip_rest", "metrics", "augment",
 ]  # fmt: skip
 
 
 def _fit(usage: str, callback: pl.Callback | None, tmp_path) -> Net:
     torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = Net(usage)
@@ -142,6 +162,7 @@ def _fit(usage: str, callback: pl.Callback | None, tmp_path) -> Net:
     )  # fmt: skip
     trainer.fit(model)
     model.rng = torch.random.get_rng_state()
+    model.other_rng = (random.getstate(), np.random.get_state()[1].tolist())
     model.compiled_frames = dict(torch._dynamo.utils.counters["frames"])
     return model
 
@@ -163,6 +184,7 @@ def assert_identical(run: Net, reference: Net) -> None:
     for (name, a), b in zip(run.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b), name  # parameters, BatchNorm statistics, metric states
     assert torch.equal(run.rng, reference.rng)
+    assert run.other_rng == reference.other_rng
     assert run.compiled_frames == reference.compiled_frames
 
 

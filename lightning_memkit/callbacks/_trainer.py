@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
 from lightning_memkit._analytic import model_static, scheme
+from lightning_memkit._isolate import rng_kept
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
 from lightning_memkit.callbacks.offload import OptimizerOffload
@@ -138,16 +139,16 @@ def first_batch(trainer: pl.Trainer) -> Any | None:
     attached). The loader comes from the fit's data source (the ``train_dataloader`` hook or the
     datamodule's, called once more), and ``None`` batches are skipped as the fit loop skips them. The
     batch goes through ``on_before_batch_transfer``, ``transfer_batch_to_device`` (to the strategy's root
-    device) and ``on_after_batch_transfer``, as the fit loop does. The global RNG and every loader's and
-    sampler's own generator are put back afterwards, so the epoch that follows starts with this very
-    batch and draws the same random numbers.
+    device) and ``on_after_batch_transfer``, as the fit loop does. The global RNG streams (torch's,
+    Python's ``random``, NumPy's) and every loader's and sampler's own generator are put back afterwards,
+    so the epoch that follows starts with this very batch and draws the same random numbers.
     """
     source = trainer.fit_loop._data_source
     loader = source.dataloader() if source.is_defined() else None
     if loader is None:
         return None
     combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
-    with _rng_kept(combined.flattened, trainer.strategy.root_device):
+    with _rng_kept(combined.flattened):
         batch = next((b for b, _, _ in combined if b is not None), None)
         if batch is None:
             return None
@@ -156,9 +157,10 @@ def first_batch(trainer: pl.Trainer) -> Any | None:
 
 
 @contextlib.contextmanager
-def _rng_kept(loaders: Sequence[Any], device: torch.device) -> Iterator[None]:
-    """Put back the global RNG (CPU, and ``device`` if CUDA) and every loader's and sampler's own
-    generator: a shuffling sampler draws its permutation from them when iterated."""
+def _rng_kept(loaders: Sequence[Any]) -> Iterator[None]:
+    """Put back the global RNG streams (torch's, Python's ``random``, NumPy's: a dataset may augment with
+    any of them) and every loader's and sampler's own generator: a shuffling sampler draws its
+    permutation from them when iterated."""
     generators: dict[int, torch.Generator] = {}
     for loader in loaders:
         batch_sampler = getattr(loader, "batch_sampler", None)
@@ -167,7 +169,7 @@ def _rng_kept(loaders: Sequence[Any], device: torch.device) -> Iterator[None]:
             if isinstance(g, torch.Generator):
                 generators[id(g)] = g
     states = [(g, g.get_state()) for g in generators.values()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with rng_kept():
         try:
             yield
         finally:

@@ -9,8 +9,8 @@ resumed fit gets its stored choice back in ``load_state_dict``, which Lightning 
 A fresh fit decides in ``on_fit_start``: the strategy has built the optimizers and schedulers, and no
 forward has run yet (not even the sanity check), so a budget nothing fits fails before any training
 work. The simulated estimate needs the step's batch: the first batch of the training dataloader, taken
-with the transfer hooks applied, the global RNG and the loader's generators put back afterwards, so the
-epoch still starts with that very batch . The choice is installed at the first
+with the transfer hooks applied, the RNG streams (torch's, Python's ``random``, NumPy's) and the loader's
+generators put back afterwards, so the epoch still starts with that very batch. The choice is installed at the first
 training batch, after Lightning has loaded any optimizer state (a checkpoint saved without this
 callback). Where no batch can be taken at fit start (an empty loader), the first training batch
 decides, as it installs.
@@ -98,8 +98,9 @@ class OptimizerSwap(Callback):
       ``ActivationCheckpointing`` callback, a smaller micro-batch, lower precision, sharding.
     - **The first batch** is taken from the training dataloader at fit start (its ``train_dataloader()``
       is called once more, and iterated for one batch), and ``on_before_batch_transfer``,
-      ``transfer_batch_to_device`` and ``on_after_batch_transfer`` run on it once more. The global RNG and
-      the loader's and sampler's generators are put back, so the training data order is unchanged.
+      ``transfer_batch_to_device`` and ``on_after_batch_transfer`` run on it once more. The RNG streams
+      (torch's, Python's ``random``, NumPy's) and the loader's and sampler's generators are put back, so
+      the training data, augmentation included, is unchanged.
     - **Manual optimization / several optimizers**: the step cannot be simulated, so the decision is on
       parameters + gradients + optimizer state (leave room for activations in ``budget``). Every known
       optimizer is swapped to the same candidate, deciding on their sum. ``self.optimizers()`` returns
