@@ -34,6 +34,11 @@ Watching must not change the step. Three things the tracker's mode and hooks wou
   `MemoryMonitor` leaves such steps unmeasured.
 * autograd's in-place check: a tensor saved through hooks is not version-checked by autograd, so the
   tracker's unpack hook checks it and raises autograd's own error.
+
+Nor must its own errors reach the step: an exception of the bookkeeping inside the step (in an op, a
+saved-tensor or gradient hook) is kept in `MemoryMeasurement.failure`, the op's result goes back untouched,
+and nothing more is followed. A sparse tensor has no storage of its own: it counts as its members
+(indices and values), which the allocator holds.
 """
 
 from __future__ import annotations
@@ -147,10 +152,34 @@ def _wraps(cls: type) -> bool:
     return is_traceable_wrapper_subclass_type(cls)
 
 
+#: How to read the member tensors of each sparse layout: a sparse tensor has no storage of its own.
+_SPARSE_MEMBERS: dict[torch.layout, tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _sparse_members(t: Tensor) -> Iterator[Tensor]:
+    """The dense tensors a sparse ``t`` keeps its memory in (COO: indices and values; compressed layouts:
+    the compressed and plain indices and the values), read without any dispatch mode seeing it: they are
+    views of its members, so the allocator sees them as ``t``'s own allocations."""
+    with torch._C._DisableTorchDispatch():
+        members = [getattr(t, name)() for name in _SPARSE_MEMBERS[t.layout]]
+    yield from members
+
+
 def leaves(t: Tensor) -> Iterator[Tensor]:
-    """The plain tensors that hold ``t``'s memory: ``t`` itself, or the inner tensors of a tensor subclass
+    """The plain tensors that hold ``t``'s memory: ``t`` itself, the inner tensors of a tensor subclass
     that wraps others (a DTensor's local shard, a quantized tensor's data and scales), read through its
-    ``__tensor_flatten__``. A wrapper's own storage is its global size with no data: not memory here."""
+    ``__tensor_flatten__``, or a sparse tensor's members (`_SPARSE_MEMBERS`). A wrapper's own storage is
+    its global size with no data: not memory here."""
+    if t.layout in _SPARSE_MEMBERS:
+        for member in _sparse_members(t):
+            yield from leaves(member)
+        return
     if not _wraps(type(t)):
         yield t
         return
@@ -212,7 +241,7 @@ class Tracker(TorchDispatchMode):
         dispatcher; its inputs, outputs and saved tensors are still seen (see `measure`)."""
         return True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, survives_errors: bool = False) -> None:
         super().__init__()
         self.device = device
         self.rounding = allocation_rounding(device)
@@ -231,15 +260,20 @@ class Tracker(TorchDispatchMode):
         #: (FSDP2's unsharded parameters): a record's ``nbytes`` is its size now, not then
         self.peak_nbytes: list[int] | None = None
         self._waiting = 0  # inside a collective's Work.wait() (see `_wait`)
+        #: whether an error of the bookkeeping inside the step is kept in `failure` rather than raised there
+        self.survives_errors = survives_errors
+        #: the error the bookkeeping hit inside the step, if any: nothing is followed after it
+        self.failure: Exception | None = None
 
     # --- bookkeeping --------------------------------------------------------------------------
 
     def record(self, t: Tensor, *, preexisting: bool = False) -> Storage | None:
         """The record of ``t``'s storage, registering it if this is the first sight of it. A tensor
-        subclass wrapping others (DTensor) is its inner tensors: the record of the last is returned."""
-        if t.device != self.device or t.is_sparse:
+        subclass wrapping others (DTensor) is its inner tensors, a sparse tensor its members: the record
+        of the last is returned."""
+        if t.device != self.device:
             return None
-        if _wraps(type(t)):
+        if _wraps(type(t)) or t.layout in _SPARSE_MEMBERS:
             rec = None
             for leaf in leaves(t):
                 rec = self.record(leaf, preexisting=preexisting)
@@ -281,6 +315,14 @@ class Tracker(TorchDispatchMode):
     def on_resize(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_`` ran, from ``before`` bytes: how FSDP2 allocates and frees the unsharded
         parameters, which no dispatch mode sees."""
+        if self.failure is not None:
+            return
+        try:
+            self._resized(storage, before)
+        except Exception as err:
+            self._broke(err)
+
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         entry = self.live.get(id(storage))
         if entry is None:
             # A fake tensor's storage is on the meta device: the simulator's (counts_fakes) are its own.
@@ -325,12 +367,25 @@ class Tracker(TorchDispatchMode):
             # A tensor subclass wrapping others (DTensor): it runs its local ops, which come back here.
             return NotImplemented
         kwargs = kwargs or {}
-        for t in _iter_tensors(args):
-            self.record(t, preexisting=True)
-        for t in _iter_tensors(kwargs):
-            self.record(t, preexisting=True)
         before = self.current
-        out = func(*args, **kwargs)
+        if self.failure is None:
+            try:
+                for t in _iter_tensors(args):
+                    self.record(t, preexisting=True)
+                for t in _iter_tensors(kwargs):
+                    self.record(t, preexisting=True)
+                before = self.current
+            except Exception as err:
+                self._broke(err)
+        out = func(*args, **kwargs)  # the step's own op: its errors are the step's
+        if self.failure is None:
+            try:
+                self._after_op(func, args, kwargs, out, before)
+            except Exception as err:
+                self._broke(err)
+        return out
+
+    def _after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, before: int) -> None:
         self.clock += 1
         for t in _iter_tensors(out):
             self.record(t)
@@ -339,7 +394,14 @@ class Tracker(TorchDispatchMode):
         self._check_peak()
         if self.counts_cpu_kernels and hides_memory(func, args):
             self._unseen(before, func, args, kwargs)
-        return out
+
+    def _broke(self, err: Exception) -> None:
+        """The bookkeeping raised ``err`` inside the step (in an op, a saved-tensor or gradient hook): a
+        measurement that survives errors (`measure`'s) keeps it in `failure` and follows nothing more, so
+        the step runs on untouched; the others (the simulator's) raise it."""
+        if not self.survives_errors:
+            raise err
+        self.failure = err
 
     def _communicated(self, func: Any, args: tuple, out: Any) -> None:
         """Buffers a collective reads or writes are communication buffers, unless they are more; what a
@@ -376,9 +438,13 @@ class Tracker(TorchDispatchMode):
                 self.peak_nbytes = [rec.nbytes for rec in self.peak_live]
 
     def pack(self, t: Tensor) -> Tensor:
-        for rec in self.records(t, preexisting=True):
-            if rec.saved_at is None:
-                rec.saved_at = self.clock
+        if self.failure is None:
+            try:
+                for rec in self.records(t, preexisting=True):
+                    if rec.saved_at is None:
+                        rec.saved_at = self.clock
+            except Exception as err:
+                self._broke(err)
         return t
 
     def kept(self, packed: Any) -> None:
@@ -388,17 +454,25 @@ class Tracker(TorchDispatchMode):
             self.pack(t)
 
     def on_grad(self, param: Tensor) -> None:
-        if param.grad is None:
+        if param.grad is None or self.failure is not None:
             return
-        for rec in self.records(param.grad, preexisting=True):
-            if rec.grad_at is None:
-                rec.grad_at = self.clock
+        try:
+            for rec in self.records(param.grad, preexisting=True):
+                if rec.grad_at is None:
+                    rec.grad_at = self.clock
+        except Exception as err:
+            self._broke(err)
 
     def on_unsharded_grad(self, param: Tensor) -> None:
         """A gradient FSDP2's backward accumulated into an unsharded parameter, before its reduce-scatter."""
         self.on_grad(param)
-        for rec in () if param.grad is None else self.records(param.grad):
-            rec.kind = rec.kind or "unsharded_gradients"
+        if self.failure is not None:
+            return
+        try:
+            for rec in () if param.grad is None else self.records(param.grad):
+                rec.kind = rec.kind or "unsharded_gradients"
+        except Exception as err:
+            self._broke(err)
 
     # --- a step's set-up -----------------------------------------------------------------------
 
@@ -496,12 +570,15 @@ class Tracker(TorchDispatchMode):
 
     def on_rng_state(self, state: Tensor) -> None:
         """A CPU RNG state activation checkpointing keeps for its recompute: kept for backward."""
-        if not self.counts_rng_states:
+        if not self.counts_rng_states or self.failure is not None:
             return
-        rec = self.record(state)
-        if rec is not None:
-            rec.saved_at = self.clock
-            self._check_peak()
+        try:
+            rec = self.record(state)
+            if rec is not None:
+                rec.saved_at = self.clock
+                self._check_peak()
+        except Exception as err:
+            self._broke(err)
 
     # --- result -------------------------------------------------------------------------------
 
@@ -578,12 +655,20 @@ class MemoryMeasurement:
         self.unfollowed: str | None = None
         #: under FSDP2 (``fully_shard``), the peak's FSDP2 part by `SHARDED_KINDS` (bytes); else ``None``
         self.sharded: dict[str, int] | None = None
+        #: the error the measurement's own bookkeeping hit inside the step, or ``None``: the step ran on
+        #: untouched (the error never reaches it), and there is no `breakdown`
+        self.failure: Exception | None = None
         self._tracker: Tracker | None = None
         self._watching: contextlib.AbstractContextManager | None = None
 
     @property
     def breakdown(self) -> MemoryBreakdown:
-        """The step's peak by category (bytes). Available once the ``with`` block has exited."""
+        """The step's peak by category (bytes). Available once the ``with`` block has exited; a
+        ``RuntimeError`` when the measurement failed (`failure`)."""
+        if self.failure is not None:
+            raise RuntimeError(
+                f"The measurement failed inside the step, which ran on untouched: {self.failure!r}"
+            ) from self.failure
         if self._breakdown is None:
             raise RuntimeError("The measurement is not finished: read `breakdown` after the `with` block.")
         return self._breakdown
@@ -596,7 +681,7 @@ class MemoryMeasurement:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        tracker = self._tracker = Tracker(self.device)
+        tracker = self._tracker = Tracker(self.device, survives_errors=True)
         tracker.adopt(self.model, self.optimizers)
         self._watching = tracker.watching(self.model)
         self._watching.__enter__()
@@ -607,6 +692,9 @@ class MemoryMeasurement:
         assert tracker is not None and watching is not None, "measure() exited without entering"
         self._tracker = self._watching = None
         watching.__exit__(None, None, None)
+        self.failure = tracker.failure
+        if self.failure is not None:
+            return
         # Optimizer state born during this step (the first step of a lazily initialised optimizer),
         # and FSDP2's first unsharded copies and this step's sharded gradients, are known only now.
         tracker.claim_optimizer_state(self.optimizers)

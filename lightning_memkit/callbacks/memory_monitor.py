@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import numbers
 import types
 import warnings
 from collections import OrderedDict
@@ -41,7 +42,7 @@ from lightning_memkit._advise import Advice, advise
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
 from lightning_memkit._budget import flag, parse_budget, reads_device, whole_number
 from lightning_memkit._fsdp2 import explain_mixed_tensors, is_sharded
-from lightning_memkit._measure import MemoryMeasurement, measure, optimizer_tensors, storage_bytes
+from lightning_memkit._measure import MemoryMeasurement, leaves, measure, optimizer_tensors, storage_bytes
 from lightning_memkit._oom import StepInFlight, on_cpu, simulable
 from lightning_memkit._report import plot_history, render_summary
 from lightning_memkit.callbacks._oom_report import report_oom
@@ -90,7 +91,8 @@ class MemoryMonitor(Callback):
 
     At the end of fit it prints a table of the peak step and saves ``memory.png``, a stacked-area plot of
     the categories over steps, in the logger's directory (and logs it as an image where the logger takes
-    images: TensorBoard, W&B, MLflow).
+    images: TensorBoard, W&B, MLflow); under ``fast_dev_run``, which writes no files, it saves no plot and
+    says so.
 
     When a training step runs out of memory (``torch.OutOfMemoryError``), it warns, on rank 0 and before
     the traceback: the phase the step died in (forward, backward, optimizer step); what the step needs, by
@@ -146,7 +148,8 @@ class MemoryMonitor(Callback):
             log_every_n_steps = whole_number("log_every_n_steps", log_every_n_steps, of="steps", at_least=1)
         for name, value in (("plot", plot), ("summary", summary), ("advise", advise)):
             flag(name, value)
-        if isinstance(remeasure_every_n_steps, bool) or not isinstance(remeasure_every_n_steps, int):
+        remeasure = remeasure_every_n_steps
+        if isinstance(remeasure, bool) or not isinstance(remeasure, numbers.Integral):  # numpy's: yes
             raise TypeError(
                 f"`remeasure_every_n_steps` must be an int (0: never re-measure alike steps), got "
                 f"{remeasure_every_n_steps!r}"
@@ -158,7 +161,7 @@ class MemoryMonitor(Callback):
         #: the budget in bytes (``None`` without one, or until ``setup`` for a device-relative one)
         self.budget = None if self._budget is None else self._budget.usable
         self.log_every_n_steps = log_every_n_steps
-        self.remeasure_every_n_steps = remeasure_every_n_steps
+        self.remeasure_every_n_steps = int(remeasure_every_n_steps)  # numpy's integers too
         self.plot = plot
         self.summary = summary
         self.advise = advise
@@ -279,7 +282,10 @@ class MemoryMonitor(Callback):
         # A LightningModule whose on_train_batch_start returns -1 skips the rest of the epoch after the
         # callbacks' on_train_batch_start: a measurement opened there has no step to measure, and the batch
         # kept for explaining an OOM no step to explain.
-        self._close_measurement()
+        try:
+            self._close_measurement()
+        except Exception as err:
+            self._fail(trainer, err)
         self._step.end()
 
     def on_exception(
@@ -303,16 +309,42 @@ class MemoryMonitor(Callback):
         self._close_measurement_quietly()
         if self._disabled or self._failure is not None or not self.history or not trainer.is_global_zero:
             return
+        path = None
         try:
-            self._report(trainer, _run_dir(trainer))
+            # Under fast_dev_run Lightning writes nothing (no logs, no checkpoints), and nor does this.
+            path = None if trainer.fast_dev_run else _run_dir(trainer) / "memory.png"
+            self._report(trainer, path)
         except Exception as err:
-            self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report: {err!r}")
+            where = f" ({path})" if path is not None else ""
+            self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report{where}: {err!r}")
         if self.advise and self._advice_batch is not None:
             try:
                 self._advise(trainer, pl_module)
             except Exception as err:
                 self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
             self._advice_batch = None
+
+    @property
+    def state_key(self) -> str:
+        """What tells two monitors of one Trainer apart, as for Lightning's own stateful callbacks: the
+        budget as given (a device-relative one reads differently from card to card), and the periods of
+        logging and re-measuring."""
+        return self._generate_state_key(
+            budget=self._budget_spec,
+            log_every_n_steps=self.log_every_n_steps,
+            remeasure_every_n_steps=self.remeasure_every_n_steps,
+        )
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint of a version before `state_key` keeps the history under the class name: the only
+        monitor of the Trainer takes it (``load_state_dict`` comes after, and finds no state of its own)."""
+        states = checkpoint.get("callbacks") or {}
+        old = states.get(type(self).__qualname__)
+        alone = sum(isinstance(cb, MemoryMonitor) for cb in trainer.callbacks) == 1
+        if old is not None and self.state_key not in states and alone:
+            self.load_state_dict(old)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [[step, *(getattr(b, c) for c in CATEGORIES)] for step, b in self.history]}
@@ -437,13 +469,19 @@ class MemoryMonitor(Callback):
             return peak / torch.cuda.get_device_properties(self._device).total_memory
         return None
 
-    def _report(self, trainer: pl.Trainer, directory: Path) -> None:
+    def _report(self, trainer: pl.Trainer, path: Path | None) -> None:
+        """The summary table, and the plot saved to ``path`` (``None``: under ``fast_dev_run``, none)."""
         step, worst = max(self.history, key=lambda item: item[1].peak)
         if self.summary:
             print(render_summary(worst, step=step, budget=self.budget))
         if not self.plot:
             return
-        path = directory / "memory.png"
+        if path is None:
+            rank_zero_info(
+                "MemoryMonitor: no memory plot (memory.png) under `fast_dev_run`, which writes no files; "
+                "run without it to get one."
+            )
+            return
         steps, breakdowns = zip(*self.history, strict=True)
         figure = plot_history(steps, breakdowns, path, budget=self.budget)
         if figure is None:
@@ -622,6 +660,8 @@ def batch_signature(batch: Any) -> tuple | None:
         kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if isinstance(obj, torch.Tensor):
             found[0] += 1
+            if obj.layout is not torch.strided:  # a sparse tensor's memory is its members': nnz varies
+                return (kind, tuple(obj.shape), obj.dtype, obj.device, obj.layout, _member_shapes(obj))
             return (kind, tuple(obj.shape), obj.dtype, obj.device)
         shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
         if isinstance(shape, tuple) and dtype is not None and not isinstance(obj, type):  # numpy and the like
@@ -646,6 +686,15 @@ def batch_signature(batch: Any) -> tuple | None:
     except Exception:  # _Opaque, or an attribute that raised when read: measure rather than guess
         return None
     return signature if found[0] else None
+
+
+def _member_shapes(t: torch.Tensor) -> tuple:
+    """The shapes of the tensors holding a sparse ``t``'s memory (indices, values: their sizes vary with
+    the number of its non-zeros); a layout whose members cannot be read is opaque (measured every step)."""
+    try:
+        return tuple(tuple(m.shape) for m in leaves(t))
+    except Exception:
+        raise _Opaque from None
 
 
 def _key(key: Any) -> Any:
