@@ -11,6 +11,7 @@ stays free.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import struct
@@ -46,13 +47,20 @@ def _materialize(x: Any) -> Any:
 
 
 def _op(name: str) -> Any:
+    """The op named ``namespace.op.overload``; another library's (bitsandbytes') registers its ops when
+    imported, as the module its namespace names."""
     namespace, op, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op)
+    except AttributeError:
+        importlib.import_module(namespace)
+        packet = getattr(getattr(torch.ops, namespace), op)
+    return getattr(packet, overload)
 
 
 def internal_peak(name: str, args: Any, kwargs: Any) -> int | None:
-    func = _op(name)
     try:
+        func = _op(name)
         a, kw = _materialize(args), _materialize(kwargs)
         func(*a, **kw)  # warm-up: one-time caches (oneDNN primitives) are not the step's memory
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
@@ -90,8 +98,12 @@ def write(stream: BinaryIO, obj: Any) -> None:
 
 
 def main() -> None:
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # anything printed by torch must not corrupt the answers
+    # Anything printed, by torch or by a library's native code (bitsandbytes' loads one), must not corrupt
+    # the answers: they go out on a copy of stdout, and stdout itself is stderr from here on.
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
     while True:
         try:
             request = read_message(stdin)

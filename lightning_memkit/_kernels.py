@@ -60,6 +60,14 @@ OPAQUE = _ops(
 #: ... and matmuls, which copy an operand BLAS cannot read as it is (a zero-stride gradient from
 #: ``loss = out.sum()``, a strided slice), and in 16-bit dtypes compute through fp32 copies.
 MATMULS = _ops("mm", "addmm", "bmm", "baddbmm", "_addmm_activation")
+#: Other libraries' custom ops whose CPU kernel is a Python function: the aten ops it calls run below the
+#: dispatch mode that sees the custom op, and fake tensors run only the op's fake kernel, which allocates
+#: nothing. bitsandbytes' optimizer updates (AdamW8bit, PagedAdamW8bit, Lion8bit and the like, and its
+#: 32-bit Lion, AdamW, ...) dequantize the 8-bit state into fp32 working copies and work on fp32 copies of
+#: the gradient: an AdamW8bit step read half its peak without them. By schema name, so that the library
+#: need not be imported to ask; the helper imports it (the op's namespace) to run the op.
+FOREIGN = frozenset({"bitsandbytes::optimizer_update_32bit", "bitsandbytes::optimizer_update_8bit_blockwise"})
+_foreign: dict[Any, bool] = {}  # op -> whether it is in FOREIGN: its schema, once per op
 _16BIT = (torch.bfloat16, torch.float16)
 _TIMEOUT_S = 60.0  # the first answer includes the worker's start (importing torch)
 _MAX_CACHED = 16_384  # answers kept (shapes seen); variable shapes beyond it are asked again
@@ -191,12 +199,36 @@ _WORKER = _Worker()
 atexit.register(_WORKER.stop)
 
 
+def _is_foreign(func: Any) -> bool:
+    known = _foreign.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _foreign[func] = schema is not None and schema.name in FOREIGN
+    return known
+
+
+def _coarse(x: Any) -> Any:
+    """``x`` with its numbers reduced to what can change a `FOREIGN` op's memory, the branches it takes
+    (zero or not, the sign, a step of 1 or later): a learning rate that changes every step, or the step
+    count, would otherwise be a new question for the helper at every step."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, list, tuple, dict)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_coarse(i) for i in x)
+    if isinstance(x, dict):
+        return {k: _coarse(v) for k, v in x.items()}
+    if x == 0 or x != x:  # zero, or NaN
+        return x
+    sign = 1 if x > 0 else -1
+    return sign * min(abs(x), 2) if isinstance(x, int) else sign * 0.5
+
+
 def hides_memory(func: Any, args: tuple) -> bool:
     """Whether ``func``'s CPU kernel allocates outside the dispatcher on arguments like ``args``."""
     if func in OPAQUE:
         return True
     if func not in MATMULS:
-        return False
+        return _is_foreign(func)
     tensors = [a for a in args if isinstance(a, Tensor)]
     return any(t.dtype in _16BIT or not _blas_ready(t) for t in tensors)
 
@@ -204,4 +236,6 @@ def hides_memory(func: Any, args: tuple) -> bool:
 def kernel_peak(func: Any, args: tuple, kwargs: dict) -> int | None:
     """The highest total the CPU kernel of ``func`` allocates on arguments like these (outputs included,
     inputs not), or ``None`` if it could not be measured."""
+    if _is_foreign(func):
+        args, kwargs = _coarse(args), _coarse(kwargs)
     return _WORKER.ask(func, args, kwargs)
