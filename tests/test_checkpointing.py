@@ -377,24 +377,27 @@ def test_callback_without_blocks_names_the_layer_classes_option(tmp_path):
         _trainer(tmp_path, [ActivationCheckpointing(policy="full")]).fit(BoringModel())
 
 
+def _fit_of(strategy):
+    """What ``setup`` reads of a Trainer: its strategy and (none beside it) callbacks."""
+    return types.SimpleNamespace(callbacks=[], strategy=strategy)
+
+
 def test_callback_hands_full_checkpointing_to_fsdp():
     model = GPTLightningModule(GPTConfig(**SMALL))
     strategy = FSDPStrategy()
     callback = ActivationCheckpointing(policy="full")
-    callback.setup(types.SimpleNamespace(strategy=strategy), model, "fit")
+    callback.setup(_fit_of(strategy), model, "fit")
     policy = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
     assert policy._module_classes == {Block}  # as FSDPStrategy(activation_checkpointing_policy={Block})
     assert checkpoint_policies(model) == {}  # FSDP wraps; nothing patched in place
     assert set(callback.plan.policies.values()) == {"full"}
 
     selective = ActivationCheckpointing(policy="selective")
-    selective.setup(types.SimpleNamespace(strategy=FSDPStrategy()), model, "fit")  # no FSDP form: in place
+    selective.setup(_fit_of(FSDPStrategy()), model, "fit")  # no FSDP form: in place
     assert set(checkpoint_policies(model).values()) == {"selective"}
 
     with pytest.raises(MisconfigurationException, match="cannot plan under FSDPStrategy"):
-        ActivationCheckpointing(budget="1GiB").setup(
-            types.SimpleNamespace(strategy=FSDPStrategy()), model, "fit"
-        )
+        ActivationCheckpointing(budget="1GiB").setup(_fit_of(FSDPStrategy()), model, "fit")
     configured = FSDPStrategy(activation_checkpointing_policy={Block})
     with pytest.raises(MisconfigurationException, match="keep one of them"):
-        ActivationCheckpointing(policy="full").setup(types.SimpleNamespace(strategy=configured), model, "fit")
+        ActivationCheckpointing(policy="full").setup(_fit_of(configured), model, "fit")

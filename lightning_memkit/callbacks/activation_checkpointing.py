@@ -10,7 +10,7 @@ simulate the step, and takes it from the training dataloader the Trainer was giv
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -148,6 +148,7 @@ class ActivationCheckpointing(Callback):
         self._handle: CheckpointHandle | None = None
         self._module: pl.LightningModule | None = None
         self._loaded = False  # a plan from load_state_dict outside fit, for the next setup
+        self._deferring = False  # an AutoFit in the fit plans the checkpointing (`_defer`)
 
     @property
     def state_key(self) -> str:
@@ -165,12 +166,51 @@ class ActivationCheckpointing(Callback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self._deferring = False
         if reads_device(self._budget_given):
             self.budget = _device_budget(self._budget_given, trainer)
+        planner = _autofit_beside(self, trainer)
+        if planner is not None:
+            self._defer(planner)
+            return
         self._module = pl_module
         if _is_fsdp(trainer.strategy) and self._hand_to_fsdp(trainer.strategy, pl_module):
             return
         self._use(pl_module, self._make_plan(trainer, pl_module))
+
+    def modes_for(self, modes: Sequence[str], planner: str = "AutoFit") -> tuple[str, ...]:
+        """The checkpointing modes a planner beside this callback may give a block: ``modes`` (the
+        planner's own) narrowed to this callback's ``policy``. What cannot be honoured is refused."""
+        if self.layer_classes is not None:
+            names = ", ".join(sorted(c.__name__ for c in self.layer_classes))
+            raise ValueError(
+                f"ActivationCheckpointing(policy={{{names}}}) names the blocks to checkpoint, but {planner} "
+                f"is among the callbacks too and plans the checkpointing itself, of the repeated blocks it "
+                f"finds, with the micro-batch and the optimizer; it cannot be told which blocks. Keep one: "
+                f"{planner} alone (it checkpoints the model's repeated blocks where the budget needs it), or "
+                f"ActivationCheckpointing alone."
+            )
+        kept = tuple(m for m in modes if m in LEVELS[self.policy])
+        if not any(m != "none" for m in kept) and any(m != "none" for m in LEVELS[self.policy]):
+            raise ValueError(
+                f"ActivationCheckpointing(policy={self.policy!r}) allows {', '.join(LEVELS[self.policy])} "
+                f"per block, and {planner}(checkpointing={tuple(modes)!r}) beside it plans none of those "
+                f"checkpointing modes: give {planner} checkpointing= with "
+                f"{' or '.join(repr(m) for m in LEVELS[self.policy] if m != 'none')}, or keep one callback."
+            )
+        return kept
+
+    def _defer(self, planner: Callback) -> None:
+        """Leave the checkpointing to ``planner`` (an `AutoFit` in the same fit), which plans it with the
+        micro-batch and optimizer, within this callback's policy."""
+        modes = self.modes_for(planner.checkpointing)  # type: ignore[attr-defined]
+        self._deferring, self.plan, self._loaded = True, None, False
+        budget = "" if self._budget_given is None else f" (its budget={self._budget_given!r} is not used)"
+        rank_zero_info(
+            f"ActivationCheckpointing defers to AutoFit{budget}: AutoFit plans the checkpointing together "
+            f"with the micro-batch and the optimizer, with {', '.join(modes)} per block; its plan is "
+            "AutoFit.plan.checkpoint_plan."
+        )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -182,6 +222,12 @@ class ActivationCheckpointing(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         stored = state_dict.get("plan")
         if stored is None:
+            return
+        if self._deferring:  # AutoFit's plan (and its saved state) decides this fit's checkpointing
+            rank_zero_info(
+                "ActivationCheckpointing: the checkpoint's plan is not applied; AutoFit plans this fit's "
+                "checkpointing."
+            )
             return
         plan = CheckpointPlan.from_dict(stored)
         if self._module is None:  # loaded outside fit: applied at the next setup
@@ -289,6 +335,13 @@ class ActivationCheckpointing(Callback):
             f"{{{', '.join(c.__name__ for c in classes)}}} ({len(names)} blocks, full)."
         )
         return True
+
+
+def _autofit_beside(callback: ActivationCheckpointing, trainer: pl.Trainer) -> Callback | None:
+    """The fit's `AutoFit`, which plans checkpointing itself, or ``None``."""
+    from lightning_memkit.callbacks.auto_fit import AutoFit  # auto_fit imports this module
+
+    return next((c for c in trainer.callbacks if isinstance(c, AutoFit)), None)
 
 
 def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:

@@ -107,6 +107,7 @@ from lightning_memkit.callbacks._trainer import (
     sharding,
     step_levers,
 )
+from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
 
 __all__ = ["AutoFit"]
@@ -198,6 +199,7 @@ class AutoFit(Callback):
                 "AutoFit, or plan the underlying nn.Module with plan_fit(module, batch, budget, loss_fn=...) "
                 "and set the batch size and checkpointing it reports yourself."
             )
+        modes = self._modes(trainer)  # refused before any planning work if they cannot be honoured
         # Each fit plans afresh from the user's settings (a resume then installs its saved plan instead).
         holders = _lightning_get_all_attr_holders(pl_module, self.batch_size_attr)
         self._batch_sizes = [(holder, _get(holder, self.batch_size_attr)) for holder in holders]
@@ -205,7 +207,7 @@ class AutoFit(Callback):
 
         def decide() -> dict[str, Any]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
-                return self._plan(trainer, pl_module).as_dict()
+                return self._plan(trainer, pl_module, modes).as_dict()
 
         plan = on_rank_zero(trainer, decide, "AutoFit's planning")
         self.plan = FitPlan.from_dict(plan)
@@ -213,7 +215,13 @@ class AutoFit(Callback):
         self._install(self.plan)
         rank_zero_info(f"AutoFit: {self.plan}")
 
-    def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FitPlan:
+    def _modes(self, trainer: pl.Trainer) -> tuple[str, ...]:
+        """The checkpointing modes to plan: this callback's, within the policy of an
+        `ActivationCheckpointing` in the same fit (which then defers to this plan)."""
+        beside = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
+        return tuple(self.checkpointing) if beside is None else beside.modes_for(self.checkpointing)
+
+    def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
         strategy, ranks = sharding(trainer)
         copies = trainer.accumulate_grad_batches * ranks
         source = fit_data_source(trainer)
@@ -241,7 +249,7 @@ class AutoFit(Callback):
             margin=self.margin,
             optimizers=self.optimizers,
             precision=precision(trainer),
-            checkpointing=self.checkpointing,
+            checkpointing=modes,
             device="cuda" if device == "cuda" else "cpu",
             strategy=strategy,
             n_gpus=ranks,

@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_memkit._fused_step import needs_closure
 from lightning_memkit._offload import Offload, offload_optimizer
 from lightning_memkit.callbacks._step_hooks import StepHooks
+from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 
 __all__ = ["OptimizerOffload"]
 
@@ -40,9 +41,10 @@ class OptimizerOffload(StepHooks):
     the weights back after each step, and the update runs on the host's cores.
 
     Refused, with the reason: several processes (DDP and the sharded strategies reduce each gradient after
-    the hook has moved it), the fp16 grad scaler (``precision="16-mixed"``), manual optimization, and
-    optimizers that take a closure (LBFGS). Code that reads ``p.grad`` of the module after backward finds
-    ``None``; the gradients are the optimizer's parameters' (``optimizer.param_groups``), on the host.
+    the hook has moved it), the fp16 grad scaler (``precision="16-mixed"``), manual optimization,
+    optimizers that take a closure (LBFGS), and `FusedOptimizerStep` beside it (in either order: the device
+    already holds only the gradients in flight). Code that reads ``p.grad`` of the module after backward
+    finds ``None``; the gradients are the optimizer's parameters' (``optimizer.param_groups``), on the host.
 
     Example::
 
@@ -55,6 +57,19 @@ class OptimizerOffload(StepHooks):
         self._offload: Offload | None = None
         self._loaded_masters: list[torch.Tensor] | None = None
         self._loaded_states: list[dict[str, Any]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a spawned process, a deepcopy) without what belongs to this process's fit: the masters
+        are keyed by the live parameters, the installed hooks by this process's tensors; a checkpoint
+        (`state_dict`) is what carries the masters across processes."""
+        state = self.__dict__.copy()
+        state.update(_masters=None, _offload=None, _handles=[], _installed_for=None)
+        state.pop("_trainer", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._masters = WeakIdKeyDictionary()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -149,6 +164,15 @@ def refusal(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
         return (
             "the module uses manual optimization, where training_step steps the optimizer itself. Call "
             "lightning_memkit.offload_optimizer(optimizer) in its set-up instead."
+        )
+    if any(isinstance(c, FusedOptimizerStep) for c in trainer.callbacks):
+        return (
+            "FusedOptimizerStep is among the callbacks too. The offloaded optimizer updates the host's "
+            "masters after backward, once their gradients have arrived; a step fused into backward would "
+            "update the device's weights while this callback is moving their gradients to the host. The two "
+            "do not combine, and need not: with OptimizerOffload the device already holds only the gradients "
+            "of the backward in flight. Keep OptimizerOffload to take the optimizer off the device, or "
+            "FusedOptimizerStep to keep its state there and skip the transfers."
         )
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
         return (

@@ -10,8 +10,8 @@ A fresh fit decides in ``on_fit_start``: the strategy has built the optimizers a
 forward has run yet (not even the sanity check), so a budget nothing fits fails before any training
 work. The simulated estimate needs the step's batch: the first batch of the training dataloader, taken
 with the transfer hooks applied, the RNG streams (torch's, Python's ``random``, NumPy's) and the loader's
-generators put back afterwards, so the epoch still starts with that very batch. The choice is installed at the first
-training batch, after Lightning has loaded any optimizer state (a checkpoint saved without this
+generators put back afterwards, so the epoch still starts with that very batch. The choice is installed at
+the first training batch, after Lightning has loaded any optimizer state (a checkpoint saved without this
 callback). Where no batch can be taken at fit start (an empty loader), the first training batch
 decides, as it installs.
 
@@ -23,7 +23,9 @@ checkpoint (8-bit state does not load into AdamW). Lightning restores callback s
 
 How. ``trainer.strategy.optimizers`` is replaced (its setter also rebuilds the ``LightningOptimizer``
 wrappers that ``self.optimizers()`` returns) and every LR scheduler of a replaced optimizer is rebound to
-the new one, its learning rates scaled by the translation rule, so a warmup-cosine keeps its shape.
+the new one, every learning rate it holds (``base_lrs``, floors such as ``eta_min``) scaled by the
+translation rule, so its schedule keeps its shape: every later lr is the original's times that factor,
+for each of torch's schedulers (`lightning_memkit.rebind_scheduler`).
 """
 
 from __future__ import annotations
@@ -128,8 +130,9 @@ class OptimizerSwap(Callback):
       state from zero.
     - The estimate runs ``training_step`` once more, on fake tensors (``self.log`` is a no-op there):
       other Python side effects in it, such as appending ``loss.item()`` to a list, happen once more.
-    - Optimizer hooks registered on the original optimizer are not carried over; LR schedulers that
-      cycle momentum (``OneCycleLR``, ``CyclicLR``) keep writing the original's momentum key.
+    - Optimizer hooks registered on the original optimizer are not carried over. LR schedulers that
+      cycle momentum (``OneCycleLR``, ``CyclicLR``) cycle the new optimizer's ``betas`` or ``momentum``;
+      where it has neither (Adafactor, SGD without momentum) the momentum cycle is dropped, with a warning.
 
     Args:
         budget: what one training step may use at its peak, per device: bytes, a size (``"24GiB"``), a

@@ -1,0 +1,96 @@
+"""Callbacks that compose (issue 27): two callbacks that both decide the same thing either agree on who
+decides, whatever their order in ``callbacks=[...]``, or the pair is refused at setup with the reason."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+from helpers import Losses, cpu_trainer, tiny_gpt
+from lightning.pytorch.callbacks import Callback
+
+from lightning_memkit import ActivationCheckpointing, AutoFit, FusedOptimizerStep, OptimizerOffload
+from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit.demos.gpt import Block
+from lightning_memkit.testing import AllocatorPeaks
+
+#: bytes: the tiny GPT's step at micro-batch 8 needs about 27 MB without checkpointing (tests/test_autofit)
+TIGHT = 24_000_000
+
+
+class _Applied(Callback):
+    """The checkpointing each training batch runs with."""
+
+    def __init__(self) -> None:
+        self.policies: list[dict[str, str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.policies.append(checkpoint_policies(pl_module))
+
+
+def _orders(a: Callback, b: Callback) -> list[list[Callback]]:
+    return [[a, b], [b, a]]
+
+
+@pytest.mark.parametrize("first", ["autofit", "checkpointing"])
+def test_activation_checkpointing_defers_to_autofit_in_either_order(tmp_path, first):
+    torch.manual_seed(0)
+    model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
+    autofit = AutoFit(budget=TIGHT, cost="flops", verify_steps=2)
+    checkpointing = ActivationCheckpointing(budget="100TB", policy="full")
+    peaks, applied = AllocatorPeaks(), _Applied()
+    callbacks = [autofit, checkpointing] if first == "autofit" else [checkpointing, autofit]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu_trainer(tmp_path, [*callbacks, applied, *peaks.around()], max_steps=2).fit(model, data)
+    assert checkpointing.plan is None  # it planned nothing: AutoFit's plan is the one applied
+    plan = autofit.plan
+    assert set(plan.levels) <= {"none", "full"}  # within the deferring callback's policy
+    assert plan.checkpointing != "none"  # what the pair is about: the budget needs checkpointing
+    expected = plan.checkpoint_plan.policies if plan.checkpoint_plan else None
+    for policies in applied.policies:
+        if expected is not None:
+            assert policies == {k: v for k, v in expected.items() if v != "none"}
+        else:
+            assert set(policies.values()) == {plan.checkpointing}
+    assert max(peaks.peaks) <= plan.limit  # the plan the run trains with is the plan that fits
+    assert not [w for w in caught if "did not run" in str(w.message)]
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_checkpointing_of_named_blocks_beside_autofit_is_refused_at_setup(tmp_path, order):
+    model, data, _ = tiny_gpt(batch_size=8)
+    pair = _orders(AutoFit(budget=TIGHT, cost="flops"), ActivationCheckpointing(policy={Block}))[order]
+    losses = Losses()
+    with pytest.raises(ValueError, match=r"policy=\{Block\}\) names the blocks .* AutoFit is among"):
+        cpu_trainer(tmp_path, [*pair, losses]).fit(model, data)
+    assert losses.losses == []  # before any training work
+
+
+def test_a_policy_autofit_cannot_plan_is_refused_with_the_modes_to_give():
+    checkpointing = ActivationCheckpointing(policy="full")
+    with pytest.raises(ValueError, match=r"AutoFit\(checkpointing=\('none', 'selective'\)\).* 'full'"):
+        checkpointing.modes_for(("none", "selective"))
+    assert checkpointing.modes_for(("none", "selective", "full")) == ("none", "full")
+    assert ActivationCheckpointing().modes_for(("none", "selective")) == ("none", "selective")
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_fused_step_beside_offload_is_refused_in_either_order(tmp_path, order):
+    model, data, _ = tiny_gpt()
+    pair = _orders(FusedOptimizerStep(), OptimizerOffload())[order]
+    losses = Losses()
+    with pytest.raises(ValueError, match="OptimizerOffload cannot run here: FusedOptimizerStep is among"):
+        cpu_trainer(tmp_path, [*pair, losses]).fit(model, data)
+    assert losses.losses == []
+
+
+def test_optimizer_offload_pickles_before_and_after_a_fit(tmp_path):
+    offload = OptimizerOffload()
+    assert isinstance(pickle.loads(pickle.dumps(offload)), OptimizerOffload)
+    model, data, _ = tiny_gpt()
+    cpu_trainer(tmp_path, [offload], max_steps=1).fit(model, data)
+    copy = pickle.loads(pickle.dumps(offload))
+    assert isinstance(copy, OptimizerOffload) and len(copy._masters) == 0  # keyed by live parameters
