@@ -65,7 +65,7 @@ def names(name: str, value: Any, valid: Iterable[str], *, none: bool = False) ->
     valid = tuple(valid)
     if isinstance(value, str):
         value = (value,)
-    elif not isinstance(value, Iterable):
+    elif not isinstance(value, Iterable) or isinstance(value, (bytes, bytearray)):  # bytes: no letters
         raise TypeError(
             f"{name} must be a name or a list of names of {', '.join(valid)}; got {_given(value)}"
         )

@@ -72,6 +72,8 @@ def test_autofit_takes_one_optimizer_name_as_one_candidate():
         AutoFit("1GB", optimizers=[])
     with pytest.raises(TypeError, match=r"optimizers must be a name or a list of names of adamw.*got 3 "):
         AutoFit("1GB", optimizers=3)
+    with pytest.raises(TypeError, match=r"optimizers must be a name or a list of names of .*got b'adamw'"):
+        AutoFit("1GB", optimizers=b"adamw")  # not its bytes, "Unknown optimizer 97"
 
 
 @pytest.mark.parametrize(
