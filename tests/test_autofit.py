@@ -350,6 +350,15 @@ def test_resume_installs_the_saved_plan(tmp_path):
     assert trainer.accumulate_grad_batches == 1  # the user's, back after the fit
     assert trainer.global_step == 3
 
+    # Without AutoFit the plan cannot be read (AutoFit's docstring says what to add): Lightning names it.
+    plain = L.Trainer(
+        default_root_dir=tmp_path, max_steps=3, limit_val_batches=0, accelerator="cpu", devices=1,
+        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    added = pytest.warns(UserWarning, match=r"Please add the following callbacks: \[.*'AutoFit'")
+    with added, pytest.raises(KeyError):  # the module's AdamW, given AdamW8bit's state
+        plain.fit(_Device(), GPTDataModule(batch_size=G, seq_len=T, num_sentences=300), ckpt_path=ckpt)
+
 
 def test_cli_plan_json(capsys):
     assert (

@@ -6,12 +6,21 @@ from __future__ import annotations
 import pickle
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import Losses, cpu_trainer, tiny_gpt
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, FusedOptimizerStep, OptimizerOffload
+from lightning_memkit import (
+    ActivationCheckpointing,
+    AutoFit,
+    FusedOptimizerStep,
+    OptimizerOffload,
+    OptimizerSwap,
+)
 from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.demos.gpt import Block
 from lightning_memkit.testing import AllocatorPeaks
@@ -94,3 +103,65 @@ def test_optimizer_offload_pickles_before_and_after_a_fit(tmp_path):
     cpu_trainer(tmp_path, [offload], max_steps=1).fit(model, data)
     copy = pickle.loads(pickle.dumps(offload))
     assert isinstance(copy, OptimizerOffload) and len(copy._masters) == 0  # keyed by live parameters
+
+
+class _Broken(Logger):
+    """A logger whose every write of ours fails, as a full disk or a lost connection makes it."""
+
+    name, version = "broken", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.calls += 1
+        raise OSError("disk full")
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        if any(str(k).startswith(("optimizer_swap/", "autofit/")) for k in dict(params)):
+            self.calls += 1
+            raise OSError("disk full")
+
+
+class _Plain(pl.LightningModule):
+    """A module that logs nothing itself: whatever reaches the logger is the callback's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 8
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: OptimizerSwap(budget="100TB"), lambda: AutoFit(budget="100TB", cost="flops")],
+    ids=["optimizer_swap", "autofit"],
+)
+def test_a_raising_logger_is_warned_about_once_and_training_goes_on(tmp_path, make):
+    torch.manual_seed(0)
+    logger, losses = _Broken(), Losses()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=3, logger=logger,
+        callbacks=[make(), losses], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, log_every_n_steps=1,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Plain())
+    assert trainer.global_step == 3 and len(losses.losses) == 3
+    assert logger.calls >= 1  # the callback did log, and the logger did raise
+    said = [str(w.message) for w in caught if "disk full" in str(w.message)]
+    assert said and all("training goes on" in s for s in said)
+    assert len(said) == len(set(said))  # once per logger method

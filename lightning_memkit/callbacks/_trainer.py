@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch import nn
 
 from lightning_memkit._analytic import model_static, scheme
@@ -24,6 +24,7 @@ from lightning_memkit.callbacks.offload import OptimizerOffload
 __all__ = [
     "accumulates",
     "accumulating_now",
+    "call_logger",
     "ddp_bucket_bytes",
     "first_batch",
     "fit_data_source",
@@ -175,6 +176,22 @@ def _rng_kept(loaders: Sequence[Any]) -> Iterator[None]:
         finally:
             for g, state in states:
                 g.set_state(state)
+
+
+def call_logger(logger: Any, what: str, call: Callable[[], Any], who: str, warned: set[str]) -> None:
+    """Make one call of a callback (``who``) into a logger. A logger that raises (a full disk, a lost
+    connection) fails its own logging, not the run it logs: rank 0 warns once per logger and method
+    (``warned`` keeps the keys said), and training goes on."""
+    try:
+        call()
+    except Exception as err:
+        key = f"{type(logger).__name__}.{what}"
+        if key not in warned:
+            warned.add(key)
+            rank_zero_warn(
+                f"{who}: {key} raised {err!r}; training goes on, and this logger's further failures are "
+                "not reported again."
+            )
 
 
 def fit_data_source(trainer: pl.Trainer) -> Any:

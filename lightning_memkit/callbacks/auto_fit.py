@@ -54,9 +54,12 @@ among it) before the optimizers are built, so the checkpoint's optimizer state l
 Strategies that restore callbacks after building the optimizers (``restore_checkpoint_after_setup``: FSDP,
 DeepSpeed, ModelParallelStrategy) must plan the same again; a different plan raises, except under
 `AutoFitStrategy`, which reads the saved plan as it loads the checkpoint and rebuilds the optimizers for it
-before their state is loaded. At the
-end of the fit the module gets its own hooks, blocks and ``configure_optimizers`` back; the plan stays in
-`plan`.
+before their state is loaded. Resume with an ``AutoFit`` in the Trainer's callbacks too: it installs the
+saved plan whatever its own arguments are now (its state is found under the key ``"AutoFit"``). A Trainer
+without it cannot read the plan: Lightning warns ("Please add the following callbacks: ['AutoFit']") and
+loads the plan's optimizer state into the module's own optimizer, whose first step then fails
+(``KeyError: 'exp_avg'`` for AdamW after Lion) and whose batch is the user's. At the end of the fit the
+module gets its own hooks, blocks and ``configure_optimizers`` back; the plan stays in `plan`.
 
 Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit/accumulate_grad_batches``,
 ``autofit/estimated_peak_mib`` (MiB, 2**20 bytes).
@@ -101,6 +104,7 @@ from lightning_memkit._optimizers import CATALOGUE
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
+    call_logger,
     fit_data_source,
     on_rank_zero,
     precision,
@@ -132,6 +136,9 @@ class AutoFit(Callback):
         cost: the throughput model (`plan_fit`'s ``cost``).
         verify_steps: first steps whose measured peak is checked (CUDA) and whose OOM in the forward or
             backward is recovered from (one process, automatic optimization); 0 turns both off.
+
+    Resume a run saved with it with an ``AutoFit`` among the callbacks too: the checkpoint holds the
+    plan's optimizer state, which only the saved plan can load (see the module's notes on resuming).
     """
 
     def __init__(
@@ -162,6 +169,7 @@ class AutoFit(Callback):
         self.optimizers, self.checkpointing, self.cost = optimizers, checkpointing, cost
         self.verify_steps = verify_steps
         self.plan: FitPlan | None = None
+        self._warned: set[str] = set()  # the loggers' failures said (`call_logger`)
         self._applied: Any = None
         self._guard: StepGuard | None = None
         self._target: tuple[pl.Trainer, pl.LightningModule] | None = None
@@ -301,7 +309,8 @@ class AutoFit(Callback):
             "autofit/estimated_peak_mib": self.plan.estimated_peak / MiB,
         }
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
+            call_logger(logger, "log_metrics", log, "AutoFit", self._warned)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

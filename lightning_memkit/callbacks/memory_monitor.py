@@ -48,6 +48,7 @@ from lightning_memkit._report import plot_history, render_summary
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._trainer import (
     accumulating_now,
+    call_logger,
     optimizer_steps_done,
     precision,
     sharding,
@@ -519,14 +520,7 @@ class MemoryMonitor(Callback):
     # --- never crash the run we observe -------------------------------------------------------
 
     def _safely(self, logger: Any, what: str, call: Any) -> None:
-        try:
-            call()
-        except Exception as err:
-            self._warn_once(
-                f"{type(logger).__name__}.{what}",
-                f"MemoryMonitor: {type(logger).__name__}.{what} raised {err!r}; training goes on, and this "
-                "logger's further failures are not reported again.",
-            )
+        call_logger(logger, what, call, "MemoryMonitor", self._warned)
 
     def _fail(self, trainer: pl.Trainer, err: Exception) -> None:
         """An internal error on this rank: say so here (every rank speaks for itself) and stop measuring.

@@ -61,6 +61,7 @@ from lightning_memkit._optimizers import (
 )
 from lightning_memkit.callbacks._trainer import (
     accumulates,
+    call_logger,
     ddp_bucket_bytes,
     first_batch,
     on_rank_zero,
@@ -180,6 +181,7 @@ class OptimizerSwap(Callback):
         # full choice, or None on the other ranks).
         self._decision: tuple[str | None, OptimizerChoice | None] | None = None
         self._disabled = False
+        self._warned: set[str] = set()  # the loggers' failures said (`call_logger`)
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
@@ -367,8 +369,7 @@ class OptimizerSwap(Callback):
                     assert name is not None
                     rebind_scheduler(config.scheduler, after, lr_factor(identify(before), name))
 
-    @staticmethod
-    def _log(trainer: pl.Trainer, choice: OptimizerChoice) -> None:
+    def _log(self, trainer: pl.Trainer, choice: OptimizerChoice) -> None:
         metrics = {
             "optimizer_swap/budget": choice.budget / MiB,
             "optimizer_swap/swapped": float(choice.changed),
@@ -376,9 +377,12 @@ class OptimizerSwap(Callback):
         if choice.breakdown is not None:
             metrics["optimizer_swap/peak"] = choice.breakdown.peak / MiB
             metrics["optimizer_swap/optimizer_state"] = choice.breakdown.optimizer_state / MiB
+        hyperparams, step = {"optimizer_swap/optimizer": choice.name or "unknown"}, trainer.global_step
         for logger in trainer.loggers:
-            logger.log_hyperparams({"optimizer_swap/optimizer": choice.name or "unknown"})
-            logger.log_metrics(metrics, step=trainer.global_step)
+            hyper = lambda lg=logger: lg.log_hyperparams(hyperparams)  # noqa: E731
+            call_logger(logger, "log_hyperparams", hyper, "OptimizerSwap", self._warned)
+            log = lambda lg=logger: lg.log_metrics(metrics, step=step)  # noqa: E731
+            call_logger(logger, "log_metrics", log, "OptimizerSwap", self._warned)
 
 
 def _simulates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
