@@ -222,16 +222,36 @@ def test_arguments_are_validated():
         MemoryMonitor(budget="lots")
 
 
+class _LoggingLM(EncoderLM):
+    """EncoderLM logging its loss, as modules do: Lightning's own logging steps."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _rows_by_key(trainer) -> dict[str, list[int]]:
+    trainer.logger.save()
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return {key: [int(r["step"]) for r in rows if r.get(key)] for key in ("memory/peak", "train_loss")}
+
+
 def test_log_every_n_steps(trainer_kwargs):
-    trainer, _ = _fit(EncoderLM(), MemoryMonitor(log_every_n_steps=2), trainer_kwargs, max_steps=5)
-    assert [int(r["step"]) for r in _csv_rows(trainer)] == [0, 2, 4]
+    """On Lightning's logging steps (issue 29: memory landed at 0, 2, 4 and train_loss at 1, 3, so in the
+    CSV they never shared a row)."""
+    trainer, _ = _fit(_LoggingLM(), MemoryMonitor(log_every_n_steps=2), trainer_kwargs, max_steps=5)
+    assert _rows_by_key(trainer) == {"memory/peak": [1, 3], "train_loss": [0, 1, 2, 3, 4]}  # Trainer's: 1
 
 
 def test_the_logging_period_follows_the_trainer_by_default(trainer_kwargs):
     """Issue 13, item 8: memory keys were logged every step while Lightning's own follow the Trainer's
-    ``log_every_n_steps``."""
-    trainer, _ = _fit(EncoderLM(), MemoryMonitor(), {**trainer_kwargs, "log_every_n_steps": 3}, max_steps=5)
-    assert [int(r["step"]) for r in _csv_rows(trainer)] == [0, 3]
+    ``log_every_n_steps``; issue 29: on the same steps."""
+    kwargs = {**trainer_kwargs, "log_every_n_steps": 3}
+    trainer, _ = _fit(_LoggingLM(), MemoryMonitor(), kwargs, max_steps=7)
+    assert _rows_by_key(trainer) == {"memory/peak": [2, 5], "train_loss": [2, 5]}
+    assert len({tuple(r.items()) for r in _csv_rows(trainer)}) == 2  # one row each, shared with the loss
 
 
 def test_over_budget_warns_with_numbers(trainer_kwargs):
@@ -504,3 +524,15 @@ def test_the_same_monitor_on_a_second_fit_measures_the_new_model(trainer_kwargs)
     assert len(monitor.history) == len(peaks.peaks) == trainer_kwargs["max_steps"]
     for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
         assert measured.peak == pytest.approx(truth, rel=1e-3)
+
+
+def test_the_plot_is_logged_once_at_the_last_step(trainer_kwargs, monkeypatch):
+    """Issue 29: the image went to TensorBoard at the worst step (step 1) and W&B at another; once, at the
+    run's last logging step, W&B (which refuses steps that go back) and TensorBoard agree."""
+    import lightning_memkit.callbacks.memory_monitor as mm
+
+    logged = []
+    monkeypatch.setattr(mm, "_log_image", lambda logger, figure, path, step: logged.append(step))
+    pytest.importorskip("matplotlib")
+    _fit(EncoderLM(), MemoryMonitor(summary=False), trainer_kwargs, max_steps=4)
+    assert logged == [3]

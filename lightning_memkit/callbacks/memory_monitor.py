@@ -114,8 +114,10 @@ class MemoryMonitor(Callback):
             fraction of the CUDA device (``0.9``) or ``"auto"`` (see `parse_budget`; the last two are read
             in ``setup``, on the run's device). Enables ``memory/peak_fraction`` and a warning when a step
             goes over it.
-        log_every_n_steps: log every N optimizer steps (the history for the plot keeps them all); default:
-            the Trainer's ``log_every_n_steps``, as Lightning's own monitors do.
+        log_every_n_steps: log every N optimizer steps, on the steps Lightning logs ``self.log`` values at
+            (the N-th, 2N-th, ...: step N - 1, 2N - 1, ... counted from 0, and the last step of a stopped
+            run); the history for the plot keeps them all. Default: the Trainer's ``log_every_n_steps``,
+            as Lightning's own monitors do.
         remeasure_every_n_steps: measure a step from scratch at least this often even when it matches
             an already measured one. 0 never re-measures steps alike.
         plot: save (and log) the stacked-area plot at the end of fit.
@@ -190,7 +192,6 @@ class MemoryMonitor(Callback):
         self._pending: MemoryBreakdown | None = None
         self._pending_extras: dict[str, float] = {}
         self._device = torch.device("cpu")
-        self._flushes = 0
         self._warned: set[str] = set()
         self._disabled = False
         #: an internal error of this rank, not yet shared with the others (see `_agree`)
@@ -457,9 +458,10 @@ class MemoryMonitor(Callback):
                 f"consumer: {max(CATEGORIES, key=lambda c: getattr(breakdown, c))}. Lower the micro-batch, "
                 "checkpoint activations (ActivationCheckpointing) or swap the optimizer (OptimizerSwap).",
             )
-        self._flushes += 1
+        # On Lightning's own logging steps (its logger connector's `should_update_logs`): the memory keys
+        # share their rows (CSV) and steps (TensorBoard, W&B) with the module's `self.log` values.
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.is_global_zero and (self._flushes - 1) % every == 0:
+        if trainer.is_global_zero and every and ((step + 1) % every == 0 or trainer.should_stop):
             for logger in trainer.loggers:
                 self._safely(logger, "log_metrics", lambda lg=logger: lg.log_metrics(metrics, step=step))
 
@@ -491,8 +493,9 @@ class MemoryMonitor(Callback):
             )
             return
         rank_zero_info(f"MemoryMonitor: memory plot saved to {path}")
+        last = max(optimizer_steps_done(trainer) - 1, 0)  # once, at the run's last logging step
         for logger in trainer.loggers:
-            self._safely(logger, "log_image", lambda lg=logger: _log_image(lg, figure, path, step))
+            self._safely(logger, "log_image", lambda lg=logger: _log_image(lg, figure, path, last))
 
     def _advise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
