@@ -6,6 +6,7 @@ columns, a fit plan's alternatives): rich's when it is installed, aligned plain 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def render_summary(breakdown: MemoryBreakdown, *, step: int, budget: int | None 
     )
 
 
+#: How far above the highest peak a budget is still drawn as a line (the y range then reaches it).
+OFF_SCALE = 2.0
+
+
 def plot_history(
     steps: Sequence[int],
     breakdowns: Sequence[MemoryBreakdown],
@@ -95,11 +100,13 @@ def plot_history(
 
     The categories are stacked in `CATEGORIES` order (parameters at the bottom); the legend, outside the
     axes, lists them top of the stack first. The y axis is in MiB, or GiB from 1 GiB up. With a
-    ``budget`` (bytes) a dashed line marks it, labelled with its size, and the y range always reaches it.
+    ``budget`` (bytes) a dashed line marks it, labelled with its size, and the y range reaches it.
 
     Dips in the gradients band are real, not lost samples: a step whose peak comes before backward has
     produced any gradient (the first step, and the first step after each validation) has no gradients
-    alive at its peak. The figure says so in a footnote when such a step appears.
+    alive at its peak. The figure says so in a footnote when such a step follows one with gradients. A
+    budget more than `OFF_SCALE` times the highest peak is named in the legend rather than drawn, so that the
+    data keeps the chart.
 
     Returns None (and writes nothing) when matplotlib is not installed.
     """
@@ -112,16 +119,24 @@ def plot_history(
     except ImportError:
         return None
     steps = list(steps)
-    top = max([b.peak for b in breakdowns] + [budget or 0])
+    peak = max(b.peak for b in breakdowns)
+    # A budget far above the data would squash the data into a sliver at the bottom: it is named in the
+    # legend, off the scale, instead of drawn.
+    drawn = budget is not None and budget <= OFF_SCALE * peak
+    top = max(peak, budget) if drawn else peak
     unit, scale = ("GiB", GiB) if top >= GiB else ("MiB", MiB)
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100, layout="constrained")
     series = [[getattr(b, name) / scale for b in breakdowns] for name in CATEGORIES]
     # stackplot draws the first series at the bottom; the legend below is reversed to read top-down
     areas = ax.stackplot(steps, series, labels=[n.replace("_", " ") for n in CATEGORIES], colors=_COLORS)
     handles = areas[::-1]
-    if budget is not None:
+    if drawn:
         line = ax.axhline(budget / scale, color="black", linestyle="--", linewidth=1)
         line.set_label(f"budget ({format_bytes(budget)})")
+        handles.insert(0, line)
+    elif budget is not None:
+        (line,) = ax.plot([], [], color="black", linestyle="--", linewidth=1)  # a legend entry only
+        line.set_label(f"budget ({format_bytes(budget)},\n{budget / peak:.0f}x the peak: off the scale)")
         handles.insert(0, line)
     # 8% headroom so the top of the stack and the budget line never sit on the frame
     ax.set_ylim(0, 1.08 * top / scale or 1)
@@ -132,7 +147,8 @@ def plot_history(
     ax.set_title("Training memory by category")
     fig.legend(handles=handles, loc="outside right upper", fontsize="small")
     grads = [b.gradients for b in breakdowns]
-    if 0 in grads and max(grads) > 0:
+    # A dip: a step without gradients at its peak after one with them (a run's first step is its start)
+    if any(later == 0 < earlier for earlier, later in itertools.pairwise(grads)):
         ax.annotate(
             "Dips: steps whose peak came before any gradient existed (the first step, and the first "
             "step after each validation).",

@@ -11,13 +11,14 @@ import pytest
 import torch
 from helpers import Losses, cpu_trainer, tiny_gpt
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import (
     ActivationCheckpointing,
     AutoFit,
     FusedOptimizerStep,
+    MemoryMonitor,
     OptimizerOffload,
     OptimizerSwap,
 )
@@ -165,3 +166,23 @@ def test_a_raising_logger_is_warned_about_once_and_training_goes_on(tmp_path, ma
     said = [str(w.message) for w in caught if "disk full" in str(w.message)]
     assert said and all("training goes on" in s for s in said)
     assert len(said) == len(set(said))  # once per logger method
+
+
+@pytest.mark.parametrize(("monitor_budget", "warned"), [("24GB", True), ("40MB", False), (None, False)])
+def test_a_monitor_budget_that_is_not_autofits_is_warned_about(tmp_path, monitor_budget, warned):
+    """Issue 29: MemoryMonitor(budget="24GB") beside AutoFit(budget="40MB") said nothing, and each then
+    judged the run by another budget."""
+    monitor = MemoryMonitor(budget=monitor_budget, plot=False, summary=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=CSVLogger(tmp_path),
+        callbacks=[AutoFit(budget="40MB", cost="flops"), monitor], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Plain())
+    said = [str(w.message) for w in caught if "beside AutoFit" in str(w.message)]
+    assert len(said) == int(warned)
+    if warned:
+        assert "MemoryMonitor(budget='24GB') beside AutoFit(budget='40MB')" in said[0]
+        assert "22.35 GiB" in said[0] and "38.15 MiB" in said[0]

@@ -125,13 +125,22 @@ def test_budget_line_is_labelled_with_its_size(tmp_path):
     assert "MiB" in ax.get_ylabel()
 
 
-def test_budget_far_above_the_peaks_is_in_view_in_gib(tmp_path):
-    _, ax = _plot(tmp_path, budget=20 * GiB)
-    assert "GiB" in ax.get_ylabel()
-    (line,) = _budget_lines(ax, 20.0)
-    assert "20.00 GiB" in line.get_label()
+def test_a_budget_far_above_the_peaks_leaves_the_chart_to_the_data(tmp_path):
+    """Issue 29: a 20 GiB budget over 20 MiB steps drew an empty chart under its line. The data keeps the
+    scale (MiB); the legend names the budget, off the scale."""
+    fig, ax = _plot(tmp_path, budget=20 * GiB)
+    assert "MiB" in ax.get_ylabel()
+    assert _budget_lines(ax, 20.0) == [] and _budget_lines(ax, 20 * 1024.0) == []
     low, high = ax.get_ylim()
-    assert low <= 0 and high > 20.0
+    assert low <= 0 and 20.0 < high < 25.0  # the stack's top, with headroom
+    (label,) = [t.get_text() for t in _legend(fig, ax).get_texts() if t.get_text().startswith("budget")]
+    assert "20.00 GiB" in label and "off the scale" in label
+
+
+def test_a_budget_within_twice_the_peak_is_drawn(tmp_path):
+    _, ax = _plot(tmp_path, budget=36 * MiB)
+    assert len(_budget_lines(ax, 36.0)) == 1
+    assert ax.get_ylim()[1] > 36.0
 
 
 def test_no_budget_no_line(tmp_path):
@@ -139,7 +148,9 @@ def test_no_budget_no_line(tmp_path):
     assert ax.get_lines() == []
 
 
-@pytest.mark.parametrize(("dips", "noted"), [((0, 3), True), ((), False)], ids=["dips", "none"])
+@pytest.mark.parametrize(
+    ("dips", "noted"), [((0, 3), True), ((), False), ((0,), False)], ids=["dips", "none", "first-step-only"]
+)
 def test_dips_get_a_footnote(tmp_path, dips, noted):
     fig, ax = _plot(tmp_path, dips=dips)
     texts = [t.get_text() for t in [*ax.texts, *fig.texts]]

@@ -300,6 +300,7 @@ class AutoFit(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.plan is None:
             return
+        self._compare_budgets(trainer)
         self._first_step = trainer.global_step
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
@@ -311,6 +312,22 @@ class AutoFit(Callback):
         for logger in trainer.loggers:
             log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
             call_logger(logger, "log_metrics", log, "AutoFit", self._warned)
+
+    def _compare_budgets(self, trainer: pl.Trainer) -> None:
+        """A `MemoryMonitor` with a budget of its own warns over it and reports fractions of it: say so
+        when it is not the budget this plan fits (their figures would then disagree)."""
+        assert self.plan is not None
+        mine = self.plan.budget
+        for monitor in trainer.callbacks:
+            theirs = getattr(monitor, "budget", None) if isinstance(monitor, MemoryMonitor) else None
+            if theirs is not None and abs(theirs - mine.usable) > 0.01 * mine.usable:
+                rank_zero_warn(
+                    f"MemoryMonitor(budget={monitor._budget_spec!r}) beside AutoFit(budget={self.budget!r}): "
+                    f"the monitor warns over {format_bytes(theirs)} and logs peaks as fractions of it, while "
+                    f"AutoFit plans for {format_bytes(mine.usable)} (a limit of "
+                    f"{format_bytes(self.plan.limit)} after its margin). Give both the same budget, or the "
+                    "monitor none (AutoFit checks the first steps against its plan)."
+                )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
