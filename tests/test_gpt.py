@@ -305,6 +305,16 @@ def train():
     return module
 
 
+def test_the_progress_bar_counts_the_runs_steps(train):
+    """Issue 29: a 100-step run's bar read "100/1441" (the whole epoch) with the epoch's ETA."""
+    data = GPTDataModule(batch_size=8, seq_len=32)
+    data.setup("fit")
+    batches = len(data.train_dataloader())
+    assert batches > 100
+    assert train.epochs_for(data, 100) == {"max_epochs": 1, "limit_train_batches": 100}
+    assert train.epochs_for(data, batches + 1) == {"max_epochs": 2, "limit_train_batches": batches}
+
+
 SHORT_RUN = ["--max-steps", "2", "--batch-size", "8", "--seq-len", "32", "--val-every-n-steps", "2"]
 
 

@@ -128,10 +128,13 @@ def quiet_console() -> None:
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
 
 
-def max_epochs(data: GPTDataModule, max_steps: int) -> int:
-    """Epochs that hold ``max_steps``: the progress bar reads "Epoch 0/0", not "Epoch 0/-2"."""
+def epochs_for(data: GPTDataModule, max_steps: int) -> dict[str, int]:
+    """The epochs that hold ``max_steps``, as the Trainer's ``max_epochs`` and ``limit_train_batches``: the
+    progress bar reads "Epoch 0/0" (not "Epoch 0/-2") and "100/100" for a 100-step run (not "100/1441",
+    with the ETA of the whole epoch)."""
     data.setup("fit")
-    return math.ceil(max_steps / len(data.train_dataloader()))
+    batches = len(data.train_dataloader())
+    return {"max_epochs": math.ceil(max_steps / batches), "limit_train_batches": min(max_steps, batches)}
 
 
 def print_sample(trainer: L.Trainer, model: GPTLightningModule) -> None:
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> L.Trainer:
         devices=args.devices,
         precision=args.precision,
         max_steps=args.max_steps,
-        max_epochs=max_epochs(data, args.max_steps),
+        **epochs_for(data, args.max_steps),
         val_check_interval=min(args.val_every_n_steps, args.max_steps),
         check_val_every_n_epoch=None,  # count val_check_interval in steps across epochs
         limit_val_batches=4,
