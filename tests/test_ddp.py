@@ -85,9 +85,9 @@ class _RecordingAutoFit(AutoFit):
         super().__init__(**kwargs)
         self.out = out
 
-    def _plan(self, trainer, pl_module):
+    def _plan(self, trainer, pl_module, modes):
         (self.out / f"planned_{trainer.global_rank}").touch()
-        return super()._plan(trainer, pl_module)
+        return super()._plan(trainer, pl_module, modes)
 
     def on_train_end(self, trainer, pl_module):
         record = {
