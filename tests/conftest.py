@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from collections.abc import Callable
@@ -86,6 +87,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def lightning_log(caplog, monkeypatch):
+    """What ``rank_zero_info`` prints (Lightning's logger may not propagate to pytest's handler)."""
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    with caplog.at_level(logging.INFO):
+        yield caplog
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ in one Trainer, ``fast_dev_run``, and the end-of-fit report's warning."""
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -220,7 +219,7 @@ def test_two_monitors_checkpoint_and_resume_each_their_own(tmp_path):
 # --- item 12: fast_dev_run, the report's warning, integer arguments ----------------------------------
 
 
-def test_fast_dev_run_writes_no_plot_and_says_so(tmp_path, monkeypatch, caplog):
+def test_fast_dev_run_writes_no_plot_and_says_so(tmp_path, monkeypatch, lightning_log):
     """``memory.png`` landed in the current directory."""
     from conftest import EncoderLM
 
@@ -231,11 +230,10 @@ def test_fast_dev_run_writes_no_plot_and_says_so(tmp_path, monkeypatch, caplog):
         default_root_dir=root, accelerator="cpu", devices=1, fast_dev_run=2, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[monitor := MemoryMonitor(summary=False)],
     )  # fmt: skip
-    with caplog.at_level(logging.INFO):
-        trainer.fit(EncoderLM(n_layer=1))
+    trainer.fit(EncoderLM(n_layer=1))
     assert len(monitor.history) == 2
     assert list(tmp_path.rglob("memory.png")) == []
-    assert "no memory plot (memory.png) under `fast_dev_run`" in caplog.text
+    assert "no memory plot (memory.png) under `fast_dev_run`" in lightning_log.text
 
 
 def test_the_report_warning_names_the_path(tmp_path, monkeypatch):

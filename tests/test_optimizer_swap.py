@@ -132,14 +132,6 @@ def trainer_kwargs(trainer_kwargs):
     return kwargs
 
 
-@pytest.fixture
-def lightning_log(caplog, monkeypatch):
-    """What Lightning's ``rank_zero_info`` prints (its logger does not propagate to pytest's handler)."""
-    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
-    with caplog.at_level(logging.INFO):
-        yield caplog
-
-
 # --------------------------------------------------------------------------------------------------
 # The catalogue
 # --------------------------------------------------------------------------------------------------
