@@ -18,40 +18,50 @@ Public surface (everything else lives in private modules):
   batch's logits.
 - `parse_bytes`, `parse_budget`: read a memory size (``"24GB"``) or a budget (``"A100-40GB"``, ``0.9``).
 - `lightning_memkit.demos.gpt`: the bundled nanoGPT-style example.
+
+The names are imported on first use (PEP 562): ``import lightning_memkit`` alone imports neither torch nor
+Lightning, so the ``memkit`` command answers ``--help`` at once; ``from lightning_memkit import X`` and
+``lightning_memkit.X`` import X's module then.
 """
 
-from lightning_memkit._advise import Advice, Finding, advise
-from lightning_memkit._autofit import plan_fit
-from lightning_memkit._blocks import find_blocks
-from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
-from lightning_memkit._budget import GPUS, Budget, parse_budget, parse_bytes
-from lightning_memkit._checkpoint_planner import plan_checkpointing
-from lightning_memkit._checkpointing import (
-    CHECKPOINT_MODES,
-    BlockPlan,
-    CheckpointMode,
-    CheckpointPlan,
-    apply_checkpointing,
-)
-from lightning_memkit._chunked_loss import chunked_cross_entropy
-from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
-from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
-from lightning_memkit._gradient_release import release_gradients
-from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
-from lightning_memkit._offload import Offload, offload_optimizer
-from lightning_memkit._optim import OptimizerChoice, fit_optimizer
-from lightning_memkit._optimizers import CATALOGUE, swap_optimizer
-from lightning_memkit._simulate import TimelineEvent, estimate_memory
-from lightning_memkit.callbacks import (
-    ActivationCheckpointing,
-    AutoFit,
-    FusedOptimizerStep,
-    GradientRelease,
-    MemoryMonitor,
-    OptimizerOffload,
-    OptimizerSwap,
-)
-from lightning_memkit.strategies import AutoFitStrategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__` imports each on first use
+    from lightning_memkit._advise import Advice, Finding, advise
+    from lightning_memkit._autofit import plan_fit
+    from lightning_memkit._blocks import find_blocks
+    from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
+    from lightning_memkit._budget import GPUS, Budget, parse_budget, parse_bytes
+    from lightning_memkit._checkpoint_planner import plan_checkpointing
+    from lightning_memkit._checkpointing import (
+        CHECKPOINT_MODES,
+        BlockPlan,
+        CheckpointMode,
+        CheckpointPlan,
+        apply_checkpointing,
+    )
+    from lightning_memkit._chunked_loss import chunked_cross_entropy
+    from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
+    from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
+    from lightning_memkit._gradient_release import release_gradients
+    from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
+    from lightning_memkit._offload import Offload, offload_optimizer
+    from lightning_memkit._optim import OptimizerChoice, fit_optimizer
+    from lightning_memkit._optimizers import CATALOGUE, swap_optimizer
+    from lightning_memkit._simulate import TimelineEvent, estimate_memory
+    from lightning_memkit.callbacks import (
+        ActivationCheckpointing,
+        AutoFit,
+        FusedOptimizerStep,
+        GradientRelease,
+        MemoryMonitor,
+        OptimizerOffload,
+        OptimizerSwap,
+    )
+    from lightning_memkit.strategies import AutoFitStrategy
 
 __version__ = "0.1.0"
 
@@ -102,3 +112,71 @@ __all__ = [
     "storage_bytes",
     "swap_optimizer",
 ]
+
+#: Each public name -> the module it is imported from on first use.
+_EXPORTS: dict[str, str] = {
+    "Advice": "lightning_memkit._advise",
+    "Finding": "lightning_memkit._advise",
+    "advise": "lightning_memkit._advise",
+    "plan_fit": "lightning_memkit._autofit",
+    "find_blocks": "lightning_memkit._blocks",
+    "CATEGORIES": "lightning_memkit._breakdown",
+    "MemoryBreakdown": "lightning_memkit._breakdown",
+    "format_bytes": "lightning_memkit._breakdown",
+    "Budget": "lightning_memkit._budget",
+    "GPUS": "lightning_memkit._budget",
+    "parse_budget": "lightning_memkit._budget",
+    "parse_bytes": "lightning_memkit._budget",
+    "plan_checkpointing": "lightning_memkit._checkpoint_planner",
+    "BlockPlan": "lightning_memkit._checkpointing",
+    "CHECKPOINT_MODES": "lightning_memkit._checkpointing",
+    "CheckpointMode": "lightning_memkit._checkpointing",
+    "CheckpointPlan": "lightning_memkit._checkpointing",
+    "apply_checkpointing": "lightning_memkit._checkpointing",
+    "chunked_cross_entropy": "lightning_memkit._chunked_loss",
+    "Alternative": "lightning_memkit._fitplan",
+    "FitPlan": "lightning_memkit._fitplan",
+    "StepCost": "lightning_memkit._fitplan",
+    "FusedStep": "lightning_memkit._fused_step",
+    "fuse_optimizer_step": "lightning_memkit._fused_step",
+    "release_gradients": "lightning_memkit._gradient_release",
+    "MemoryMeasurement": "lightning_memkit._measure",
+    "measure": "lightning_memkit._measure",
+    "storage_bytes": "lightning_memkit._measure",
+    "Offload": "lightning_memkit._offload",
+    "offload_optimizer": "lightning_memkit._offload",
+    "OptimizerChoice": "lightning_memkit._optim",
+    "fit_optimizer": "lightning_memkit._optim",
+    "CATALOGUE": "lightning_memkit._optimizers",
+    "swap_optimizer": "lightning_memkit._optimizers",
+    "TimelineEvent": "lightning_memkit._simulate",
+    "estimate_memory": "lightning_memkit._simulate",
+    "ActivationCheckpointing": "lightning_memkit.callbacks",
+    "AutoFit": "lightning_memkit.callbacks",
+    "FusedOptimizerStep": "lightning_memkit.callbacks",
+    "GradientRelease": "lightning_memkit.callbacks",
+    "MemoryMonitor": "lightning_memkit.callbacks",
+    "OptimizerOffload": "lightning_memkit.callbacks",
+    "OptimizerSwap": "lightning_memkit.callbacks",
+    "AutoFitStrategy": "lightning_memkit.strategies",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use and kept (PEP 562); else a submodule."""
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__"):  # a submodule (lightning_memkit.callbacks, ._simulate), as before
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -35,8 +35,8 @@ from typing import Any
 
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import valid_name
-from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._optimizer_state import OPTIMIZERS, Shape
+from lightning_memkit._vocabulary import CHECKPOINT_MODES
 
 
 def _positive(name: str, value: Any) -> int:

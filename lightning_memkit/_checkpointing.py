@@ -36,7 +36,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 from weakref import ref
 
 import torch
@@ -51,6 +51,7 @@ from torch.utils.checkpoint import (
 
 from lightning_memkit._blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
+from lightning_memkit._vocabulary import CHECKPOINT_MODES, CheckpointMode
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -143,11 +144,6 @@ class SelectiveCheckpoint:
 
         return create_selective_checkpoint_contexts(policy_fn)
 
-
-#: A checkpointing mode by name: what one block (or, given as one string, every block) gets.
-CheckpointMode = Literal["none", "selective", "selective_half", "full"]
-#: The modes, from the least to the most memory saved.
-CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
 
 #: The policies by mode.
 POLICIES: dict[str, Any] = {

@@ -75,6 +75,7 @@ from lightning_memkit._offload import offload_optimizer
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import load_bitsandbytes
 from lightning_memkit._trace import Tracer
+from lightning_memkit._vocabulary import DEVICES, PRECISIONS
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "counted_step", "estimate_memory", "sixteen_bit_weights"]
 
@@ -88,7 +89,7 @@ PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     "16-true": (torch.float16, None),
     "bf16-true": (torch.bfloat16, None),
 }
-DEVICES = ("cuda", "cpu")
+assert tuple(PRECISION_DTYPES) == PRECISIONS
 
 
 def sixteen_bit_weights(precision: str) -> bool:

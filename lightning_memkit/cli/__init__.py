@@ -22,10 +22,12 @@ callable taking no arguments, called under the meta device; the batch is ``(x, y
 ``(batch_size, seq_len)``, unless the module defines ``example_batch(batch_size, seq_len)``.
 
 Each subcommand has a module beside this one, sharing the argument types, `UsageError` and the model
-loading. Adding a subcommand: write ``add_<name>(subparsers)`` that adds its parser with
-``set_defaults(run=...)``, where ``run(args) -> int``, and list it in `SUBCOMMANDS`. Raise `UsageError`
-for bad input, or run what may fail on it under ``usage_error``: `main` prints it as one line and
-returns 2.
+loading. Its parser is built in ``_parsers``, which imports neither torch nor Lightning: ``--help`` and a
+usage error answer in a fraction of a second, and only a command whose arguments parse imports the rest.
+Adding a subcommand: write ``add_<name>(subparsers)`` in ``_parsers`` that adds its parser with
+``set_defaults(run=deferred("_<name>", "run_<name>"))``, where ``run_<name>(args) -> int`` lives in its
+own module, and list it in `SUBCOMMANDS`. Raise `UsageError` for bad input, or run what may fail on it
+under ``usage_error``: `main` prints it as one line and returns 2.
 """
 
 from __future__ import annotations
@@ -35,10 +37,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_memkit.cli._advise import add_advise
 from lightning_memkit.cli._args import UsageError
-from lightning_memkit.cli._estimate import add_estimate
-from lightning_memkit.cli._plan import add_plan
+from lightning_memkit.cli._parsers import add_advise, add_estimate, add_plan
 
 __all__ = ["SUBCOMMANDS", "UsageError", "main"]
 

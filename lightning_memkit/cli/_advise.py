@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
 
 from lightning.pytorch import LightningModule
 
 from lightning_memkit._advise import advise
-from lightning_memkit.cli._args import positive_int
 from lightning_memkit.cli._models import (
-    add_step_arguments,
     analytic_shape,
     check_seq_len,
     example_batch,
@@ -24,29 +21,9 @@ from lightning_memkit.cli._models import (
     load_model,
     step_errors,
 )
+from lightning_memkit.cli._parsers import add_advise
 
-
-def add_advise(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "advise",
-        help="the memory one training step holds at its peak that it need not, with the bytes each fix saves",
-        description=(
-            "Simulate one training step, name what its peak holds that it need not (the previous step's "
-            "gradients, logits, activations a checkpointing plan would drop, gradients no optimizer uses, "
-            "parameters the loss never reaches), and price each fix by simulating the step with it."
-        ),
-    )
-    add_step_arguments(p, checkpointing="the checkpointing the run already uses")
-    p.add_argument(
-        "--fsdp2",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="advise one rank's step of FSDP2 over N ranks (fully_shard on each block, then the model), "
-        "simulated in this process",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(run=run_advise)
+__all__ = ["add_advise", "run_advise"]
 
 
 def run_advise(args: argparse.Namespace) -> int:

@@ -31,9 +31,7 @@ from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_byte
 from lightning_memkit._oom import plans_section, run_candidates
 from lightning_memkit._report import render_table
 from lightning_memkit._simulate import TimelineEvent, estimate_memory
-from lightning_memkit.cli._args import gpu, one_of, positive_int
 from lightning_memkit.cli._models import (
-    add_step_arguments,
     analytic_shape,
     check_seq_len,
     example_batch,
@@ -42,55 +40,9 @@ from lightning_memkit.cli._models import (
     optimizer_used,
     step_errors,
 )
+from lightning_memkit.cli._parsers import add_estimate
 
-
-def add_estimate(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "estimate",
-        help="one training step's peak memory by category: analytic, simulated and their difference",
-        description=(
-            "Print one training step's peak memory by category, analytic and simulated side by side, with "
-            "their difference and why they differ (plan with the simulated one). "
-            "The batch is (x, y): int64 token ids of shape (batch-size, seq-len), unless the module "
-            "defines example_batch(batch_size, seq_len)."
-        ),
-        epilog=(
-            "A LightningModule runs its own training_step (and configure_optimizers unless --optimizer is "
-            "given); a plain nn.Module is stepped as a language model, cross_entropy(model(x), y) over its "
-            "output's last dimension; a Hugging Face model as model(input_ids=x, labels=x).loss. Nothing is "
-            "allocated: the model is built on the meta device and the step runs on fake tensors."
-        ),
-    )
-    add_step_arguments(p)
-    p.add_argument(
-        "--accumulate",
-        type=positive_int,
-        default=1,
-        metavar="K",
-        help="micro-batches per optimizer step (default: 1); above 1 the simulated column is the highest "
-        "micro-batch, whose backward adds to gradients already there",
-    )
-    p.add_argument(
-        "--gpus", type=positive_int, default=1, metavar="N", help="ranks to shard over (default: 1)"
-    )
-    p.add_argument(
-        "--strategy",
-        type=one_of("strategy", list(STRATEGIES)),
-        default="ddp",
-        metavar="S",
-        help=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus, except fsdp2: "
-        "one rank's FSDP2 step simulated (fully_shard on each block, then the model)",
-    )
-    p.add_argument(
-        "--gpu",
-        type=gpu,
-        default=None,
-        metavar="GPU|SIZE",
-        help="a GPU name (A100-40GB) or a card size (24GB) the step should fit: when it does not, the "
-        "fastest plans that do (micro-batch, accumulation, checkpointing, optimizer), as code",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(run=run_estimate)
+__all__ = ["add_estimate", "run_estimate"]
 
 
 def run_estimate(args: argparse.Namespace) -> int:

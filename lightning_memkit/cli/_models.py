@@ -22,7 +22,6 @@ traceback.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import difflib
 import functools
@@ -42,70 +41,14 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._analytic import TransformerShape, count_parameters
-from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._lightning import lightning_stand_ins, optimizers_from
-from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import identify
-from lightning_memkit._simulate import DEVICES, PRECISION_DTYPES
-from lightning_memkit.cli._args import UsageError, one_of, positive_int, usage_error
+from lightning_memkit.cli._args import UsageError, usage_error
+from lightning_memkit.cli._parsers import add_model_argument, add_step_arguments  # noqa: F401 (the old home)
 from lightning_memkit.demos.gpt import PRESETS, GPTConfig, GPTLightningModule
 
 #: Most tokens in one batch: B x T x the vocabulary x 8 bytes must stay an int64 byte count.
 MAX_TOKENS = 2**40
-
-
-def add_model_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        required=True,
-        metavar="PRESET|MODULE:FACTORY",
-        help=f"a GPT preset ({', '.join(PRESETS)}) or package.module:factory (no arguments, returns an "
-        "nn.Module or LightningModule; called under the meta device)",
-    )
-
-
-def add_step_arguments(
-    p: argparse.ArgumentParser,
-    *,
-    checkpointing: str = "none, selective (matmul and attention outputs kept, the rest recomputed), "
-    "selective_half (every second matmul recomputed too) or full (every repeated block recomputed)",
-) -> None:
-    """``--model`` and the one training step simulated: ``--batch-size``, ``--seq-len``, ``--precision``,
-    ``--optimizer``, ``--checkpointing`` (``checkpointing``: its help) and ``--device``."""
-    add_model_argument(p)
-    p.add_argument(
-        "--batch-size", type=positive_int, required=True, metavar="B", help="micro-batch per device"
-    )
-    p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
-    p.add_argument(
-        "--precision",
-        type=one_of("precision", list(PRECISION_DTYPES)),
-        default="32-true",
-        metavar="P",
-        help=f"a Lightning precision: {', '.join(PRECISION_DTYPES)} (default: 32-true)",
-    )
-    p.add_argument(
-        "--optimizer",
-        type=one_of("optimizer", list(OPTIMIZERS)),
-        default=None,
-        metavar="O",
-        help=f"{', '.join(OPTIMIZERS)} (default: a LightningModule's configure_optimizers, else adamw)",
-    )
-    p.add_argument(
-        "--checkpointing",
-        type=one_of("checkpointing", CHECKPOINT_MODES),
-        default="none",
-        metavar=f"{{{','.join(CHECKPOINT_MODES)}}}",
-        help=f"{checkpointing} (default: none)",
-    )
-    p.add_argument(
-        "--device",
-        type=one_of("device", DEVICES),
-        default="cuda",
-        metavar="{cuda,cpu}",
-        help="the device to plan for: cuda (512-byte allocator blocks, foreach optimizers) or cpu "
-        "(default: cuda; no GPU is needed)",
-    )
 
 
 def load_model(spec: str) -> nn.Module:

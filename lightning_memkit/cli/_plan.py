@@ -17,19 +17,17 @@ from typing import Any
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_memkit._analytic import STRATEGIES, model_static, shard
+from lightning_memkit._analytic import model_static, shard
 from lightning_memkit._autofit import LEVER_CALLBACKS, LOWER_PRECISION_HINT, plan_fit, static_floor
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._lightning import batch_slice
 from lightning_memkit._oom import plan_code
-from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._optimizers import COMPENSATED, KAHAN, lighter_candidates
-from lightning_memkit._simulate import PRECISION_DTYPES, estimate_memory, sixteen_bit_weights
-from lightning_memkit.cli._args import UsageError, gpu, margin, names, one_of, positive_int, usage_error
+from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit.cli._args import UsageError, usage_error
 from lightning_memkit.cli._models import (
-    add_model_argument,
     analytic_shape,
     check_seq_len,
     example_batch,
@@ -37,72 +35,9 @@ from lightning_memkit.cli._models import (
     load_model,
     step_errors,
 )
+from lightning_memkit.cli._parsers import REFINE_SECONDS, RELAXED_PRECISIONS, add_plan
 
-__all__ = ["add_plan", "plan_code", "run_plan"]
-
-#: ``--refine-seconds``' default: a 7B model's plan, whose steps take seconds each to simulate, answers in
-#: under a minute on two cores.
-REFINE_SECONDS = 30.0
-
-
-def add_plan(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "plan",
-        help="micro-batch, accumulation, checkpointing and optimizer that fit a GPU, and the what-if table",
-        description=(
-            "Search micro-batch x gradient accumulation x checkpointing x optimizer (x precision) on "
-            "simulated steps and print the fastest plan whose peak fits the GPU, with every configuration "
-            "simulated. Nothing is allocated; no GPU is needed."
-        ),
-    )
-    add_model_argument(p)
-    p.add_argument(
-        "--gpu",
-        type=gpu,
-        required=True,
-        metavar="GPU|SIZE",
-        help="a GPU name (A100-40GB) or a card size (24GB)",
-    )
-    p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per step")
-    p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
-    p.add_argument("--gpus", type=positive_int, default=1, metavar="N", help="ranks (default: 1)")
-    p.add_argument(
-        "--strategy", type=one_of("strategy", list(STRATEGIES)), default="ddp", metavar="S",
-        help=f"{', '.join(STRATEGIES)} (default: ddp): the step divided, except fsdp2: one rank's FSDP2 "
-        "step simulated",
-    )  # fmt: skip
-    p.add_argument("--margin", type=margin, default=0.1, help="share of the budget kept free (default: 0.1)")
-    p.add_argument(
-        "--precision", type=names("precision", list(PRECISION_DTYPES)), default=None,
-        metavar="P[,P...]",
-        help="allowed precisions, in order of preference (default: 32-true; where nothing fits, "
-        f"{', '.join(RELAXED_PRECISIONS)})",
-    )  # fmt: skip
-    p.add_argument(
-        "--optimizer", type=names("optimizer", list(OPTIMIZERS)), default=None, metavar="O[,O...]",
-        help="candidate optimizers in quality order (default: the model's own, then the lighter ones)",
-    )  # fmt: skip
-    lever = p.add_mutually_exclusive_group()
-    lever.add_argument(
-        "--release-gradients", action="store_true",
-        help="plan with GradientRelease: no previous step's gradients in the forward",
-    )  # fmt: skip
-    lever.add_argument(
-        "--fused-step", action="store_true",
-        help="plan with FusedOptimizerStep: each parameter stepped inside backward (no accumulation, 1 GPU)",
-    )  # fmt: skip
-    lever.add_argument(
-        "--offload", action="store_true",
-        help="plan with OptimizerOffload: the optimizer's state, fp32 masters and gradients in host memory "
-        "(1 GPU)",
-    )  # fmt: skip
-    p.add_argument(
-        "--refine-seconds", type=float, default=REFINE_SECONDS, metavar="S",
-        help="seconds of planning after which no block-by-block checkpointing plan is sought: the rest "
-        f"is planned with full checkpointing (default: {REFINE_SECONDS:g})",
-    )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
-    p.set_defaults(run=run_plan)
+__all__ = ["REFINE_SECONDS", "RELAXED_PRECISIONS", "add_plan", "plan_code", "run_plan"]
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -202,9 +137,6 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-#: What `memkit plan` relaxes, in order, when nothing fits as asked: precisions (unless ``--precision``
-#: names them), then the levers that change the step (unless one is named), cheapest first.
-RELAXED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 _LEVERS = tuple(LEVER_CALLBACKS)
 
 

@@ -1,0 +1,226 @@
+"""The subcommands' argument parsers, built from light modules only: no torch, Lightning or transformers.
+
+``memkit --help``, ``memkit plan --help`` and a usage error are answered from here in a fraction of a
+second; only once the arguments parse does `main` call the subcommand's ``run``, which imports its
+module (`lightning_memkit.cli._estimate`, ``_plan``, ``_advise``) and with it torch and Lightning.
+
+The names the arguments accept are the library's own, from its torch-free modules: the GPU table
+(`lightning_memkit._budget.GPUS`), the optimizers (`lightning_memkit._optimizer_state.OPTIMIZERS`), the
+presets and strategies (`lightning_memkit._analytic`) and the rest (`lightning_memkit._vocabulary`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from lightning_memkit import _analytic
+from lightning_memkit._budget import GPUS
+from lightning_memkit._optimizer_state import OPTIMIZERS
+from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
+from lightning_memkit.cli._args import gpu, margin, names, one_of, positive_int
+
+__all__ = ["add_advise", "add_estimate", "add_model_argument", "add_plan", "add_step_arguments", "deferred"]
+
+#: The GPT presets and the strategies a step is sharded by.
+PRESETS, STRATEGIES = tuple(_analytic.PRESETS), tuple(_analytic.STRATEGIES)
+#: What `memkit plan` relaxes, in order, when nothing fits as asked: precisions (unless ``--precision``
+#: names them), then the levers that change the step (unless one is named), cheapest first.
+RELAXED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+#: ``--refine-seconds``' default: a 7B model's plan, whose steps take seconds each to simulate, answers in
+#: under a minute on two cores.
+REFINE_SECONDS = 30.0
+
+_GPU_HELP = f"a GPU name ({', '.join(GPUS)}) or a card size (24GB)"
+
+
+def deferred(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand's ``run``: ``lightning_memkit.cli.<module>.<name>``, imported when first called."""
+
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"lightning_memkit.cli.{module}"), name)(args)
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|MODULE:FACTORY",
+        help=f"a GPT preset ({', '.join(PRESETS)}) or package.module:factory (no arguments, returns an "
+        "nn.Module or LightningModule; called under the meta device)",
+    )
+
+
+def add_step_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    checkpointing: str = "none, selective (matmul and attention outputs kept, the rest recomputed), "
+    "selective_half (every second matmul recomputed too) or full (every repeated block recomputed)",
+) -> None:
+    """``--model`` and the one training step simulated: ``--batch-size``, ``--seq-len``, ``--precision``,
+    ``--optimizer``, ``--checkpointing`` (``checkpointing``: its help) and ``--device``."""
+    add_model_argument(p)
+    p.add_argument(
+        "--batch-size", type=positive_int, required=True, metavar="B", help="micro-batch per device"
+    )
+    p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
+    p.add_argument(
+        "--precision",
+        type=one_of("precision", PRECISIONS),
+        default="32-true",
+        metavar="P",
+        help=f"a Lightning precision: {', '.join(PRECISIONS)} (default: 32-true)",
+    )
+    p.add_argument(
+        "--optimizer",
+        type=one_of("optimizer", list(OPTIMIZERS)),
+        default=None,
+        metavar="O",
+        help=f"{', '.join(OPTIMIZERS)} (default: a LightningModule's configure_optimizers, else adamw)",
+    )
+    p.add_argument(
+        "--checkpointing",
+        type=one_of("checkpointing", CHECKPOINT_MODES),
+        default="none",
+        metavar=f"{{{','.join(CHECKPOINT_MODES)}}}",
+        help=f"{checkpointing} (default: none)",
+    )
+    p.add_argument(
+        "--device",
+        type=one_of("device", DEVICES),
+        default="cuda",
+        metavar="{cuda,cpu}",
+        help="the device to plan for: cuda (512-byte allocator blocks, foreach optimizers) or cpu "
+        "(default: cuda; no GPU is needed)",
+    )
+
+
+def add_estimate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="one training step's peak memory by category: analytic, simulated and their difference",
+        description=(
+            "Print one training step's peak memory by category, analytic and simulated side by side, with "
+            "their difference and why they differ (plan with the simulated one). "
+            "The batch is (x, y): int64 token ids of shape (batch-size, seq-len), unless the module "
+            "defines example_batch(batch_size, seq_len)."
+        ),
+        epilog=(
+            "A LightningModule runs its own training_step (and configure_optimizers unless --optimizer is "
+            "given); a plain nn.Module is stepped as a language model, cross_entropy(model(x), y) over its "
+            "output's last dimension; a Hugging Face model as model(input_ids=x, labels=x).loss. Nothing is "
+            "allocated: the model is built on the meta device and the step runs on fake tensors."
+        ),
+    )
+    add_step_arguments(p)
+    p.add_argument(
+        "--accumulate",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="micro-batches per optimizer step (default: 1); above 1 the simulated column is the highest "
+        "micro-batch, whose backward adds to gradients already there",
+    )
+    p.add_argument(
+        "--gpus", type=positive_int, default=1, metavar="N", help="ranks to shard over (default: 1)"
+    )
+    p.add_argument(
+        "--strategy",
+        type=one_of("strategy", STRATEGIES),
+        default="ddp",
+        metavar="S",
+        help=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus, except fsdp2: "
+        "one rank's FSDP2 step simulated (fully_shard on each block, then the model)",
+    )
+    p.add_argument(
+        "--gpu",
+        type=gpu,
+        default=None,
+        metavar="GPU|SIZE",
+        help=f"{_GPU_HELP} the step should fit: when it does not, the fastest plans that do (micro-batch, "
+        "accumulation, checkpointing, optimizer), as code",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=deferred("_estimate", "run_estimate"))
+
+
+def add_plan(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="micro-batch, accumulation, checkpointing and optimizer that fit a GPU, and the what-if table",
+        description=(
+            "Search micro-batch x gradient accumulation x checkpointing x optimizer (x precision) on "
+            "simulated steps and print the fastest plan whose peak fits the GPU, with every configuration "
+            "simulated. Nothing is allocated; no GPU is needed."
+        ),
+    )
+    add_model_argument(p)
+    p.add_argument("--gpu", type=gpu, required=True, metavar="GPU|SIZE", help=_GPU_HELP)
+    p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per step")
+    p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
+    p.add_argument("--gpus", type=positive_int, default=1, metavar="N", help="ranks (default: 1)")
+    p.add_argument(
+        "--strategy", type=one_of("strategy", STRATEGIES), default="ddp", metavar="S",
+        help=f"{', '.join(STRATEGIES)} (default: ddp): the step divided, except fsdp2: one rank's FSDP2 "
+        "step simulated",
+    )  # fmt: skip
+    p.add_argument("--margin", type=margin, default=0.1, help="share of the budget kept free (default: 0.1)")
+    p.add_argument(
+        "--precision", type=names("precision", PRECISIONS), default=None,
+        metavar="P[,P...]",
+        help="allowed precisions, in order of preference (default: 32-true; where nothing fits, "
+        f"{', '.join(RELAXED_PRECISIONS)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimizer", type=names("optimizer", list(OPTIMIZERS)), default=None, metavar="O[,O...]",
+        help="candidate optimizers in quality order (default: the model's own, then the lighter ones)",
+    )  # fmt: skip
+    lever = p.add_mutually_exclusive_group()
+    lever.add_argument(
+        "--release-gradients", action="store_true",
+        help="plan with GradientRelease: no previous step's gradients in the forward",
+    )  # fmt: skip
+    lever.add_argument(
+        "--fused-step", action="store_true",
+        help="plan with FusedOptimizerStep: each parameter stepped inside backward (no accumulation, 1 GPU)",
+    )  # fmt: skip
+    lever.add_argument(
+        "--offload", action="store_true",
+        help="plan with OptimizerOffload: the optimizer's state, fp32 masters and gradients in host memory "
+        "(1 GPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--refine-seconds", type=float, default=REFINE_SECONDS, metavar="S",
+        help="seconds of planning after which no block-by-block checkpointing plan is sought: the rest "
+        f"is planned with full checkpointing (default: {REFINE_SECONDS:g})",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.set_defaults(run=deferred("_plan", "run_plan"))
+
+
+def add_advise(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "advise",
+        help="the memory one training step holds at its peak that it need not, with the bytes each fix saves",
+        description=(
+            "Simulate one training step, name what its peak holds that it need not (the previous step's "
+            "gradients, logits, activations a checkpointing plan would drop, gradients no optimizer uses, "
+            "parameters the loss never reaches), and price each fix by simulating the step with it."
+        ),
+    )
+    add_step_arguments(p, checkpointing="the checkpointing the run already uses")
+    p.add_argument(
+        "--fsdp2",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="advise one rank's step of FSDP2 over N ranks (fully_shard on each block, then the model), "
+        "simulated in this process",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=deferred("_advise", "run_advise"))
