@@ -59,8 +59,15 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("name", FAMILIES)
+#: The quick tier runs a diagonal of the grid, every family and every configuration once; the rest is slow.
+ZOO_GRID = [
+    pytest.param(name, config, marks=() if i == j else pytest.mark.slow, id=f"{name}-{config}")
+    for i, name in enumerate(FAMILIES)
+    for j, config in enumerate(CONFIGS)
+]
+
+
+@pytest.mark.parametrize(("name", "config"), ZOO_GRID)
 def test_the_shortcut_is_the_whole_simulation_byte_for_byte_on_the_zoo(name: str, config: str) -> None:
     module = DeepZoo(name)
     shortcut, whole = _both(module, zoo_batch(name), device="cpu", **CONFIGS[config])
