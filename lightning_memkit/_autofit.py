@@ -61,6 +61,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from lightning_memkit import _fsdp2, _repeated
@@ -666,6 +667,7 @@ def plan_fit(
         reshard_after_forward=reshard,
         cpu_offload=search.cpu_offload,
         mixed_precision_policy="mp_policy" in search.sharded(prec),
+        device=torch.device(device).type,
     )
 
 

@@ -178,6 +178,8 @@ class FitPlan:
             without it; its device peak is an upper bound (see `plan_fit`).
         mixed_precision_policy: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)`` on every unit (a ``bf16-mixed`` plan of `AutoFitStrategy`).
+        device: the device type the step was simulated for: ``"cuda"`` (the caching allocator's 512-byte
+            blocks, foreach optimizers) or ``"cpu"``.
     """
 
     micro_batch_size: int
@@ -201,6 +203,7 @@ class FitPlan:
     reshard_after_forward: bool | None = None
     cpu_offload: bool = False
     mixed_precision_policy: bool = False
+    device: str = "cuda"
 
     @property
     def limit(self) -> int:
@@ -285,6 +288,7 @@ class FitPlan:
             reshard_after_forward=data.get("reshard_after_forward"),
             cpu_offload=data.get("cpu_offload", False),
             mixed_precision_policy=data.get("mixed_precision_policy", False),
+            device=data.get("device", "cuda"),
         )
 
     def summary(self) -> str:

@@ -311,6 +311,7 @@ def plan_code(
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
     imports = sorted({planner, *(c.split("(")[0] for c in _levers(plan))})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
+    named = named or plan.budget.usable == plan.budget.total  # a plain limit: nothing was taken off
     per_gpu = global_batch // plan.n_gpus
     return "\n".join(
         [
@@ -438,6 +439,8 @@ def _by_the_strategy(plan: FitPlan) -> bool:
 
 def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
     trainer = {"precision": json.dumps(plan.precision)}
+    if plan.device == "cpu":
+        trainer = {"accelerator": '"cpu"', **trainer}
     if _by_the_strategy(plan):
         strategy = f"ModelParallelStrategy(data_parallel_size={plan.n_gpus}, tensor_parallel_size=1)"
         trainer |= {"strategy": strategy, "devices": str(plan.n_gpus)}

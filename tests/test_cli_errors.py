@@ -194,11 +194,15 @@ def test_a_batch_too_large_to_count(capfd):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--gpu", "12XB"], r"argument --gpu: Cannot read '12XB' as a memory size: use bytes or a number"),
-        (["--gpu", "A100"], r"argument --gpu: Unknown GPU or size 'A100'. Did you mean .*A100-80GB"),
-        (["--gpu", "0.5"], r"argument --gpu: '0.5' is neither a GPU name nor a card size; give a name"),
-        (["--gpu", "1KB"], r"argument --gpu: 1KB: 1000 bytes leave nothing once the CUDA context is taken"),
-        (["--gpu", "0GB"], r"argument --gpu: A memory size must be positive, got '0GB'"),
+        (["--gpu", "12XB"], r"argument --gpu/--memory: Cannot read '12XB' as a memory size: use bytes"),
+        (["--gpu", "A100"], r"argument --gpu/--memory: Unknown GPU or size 'A100'. Did you mean .*A100-80GB"),
+        (["--gpu", "0.5"], r"argument --gpu/--memory: '0.5' is neither a GPU name nor a card size"),
+        (
+            ["--gpu", "1KB"],
+            r"argument --gpu/--memory: 1KB: 1000 bytes leave nothing once the CUDA context is taken "
+            r"\(planning a CPU run\? --device cpu\)",
+        ),
+        (["--gpu", "0GB"], r"argument --gpu/--memory: A memory size must be positive, got '0GB'"),
         (["--margin", "1.5"], r"argument --margin: must be a share of the budget in \[0, 1\), got '1.5'"),
         (["--margin", "half"], r"argument --margin: must be a share of the budget in \[0, 1\), got 'half'"),
         (["--precision", "bf16-mixed,fp16"], r"argument --precision: Unknown precision 'fp16'; valid: "),

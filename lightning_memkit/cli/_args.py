@@ -45,6 +45,17 @@ def positive_int(text: str) -> int:
 
 def gpu(text: str) -> Budget:
     """``--gpu``: a `Budget` from a GPU name or a card size; ``0.5`` (a size without its unit) is refused."""
+    return _gpu(text, device_size=True)
+
+
+def gpu_or_memory(text: str) -> str:
+    """``memkit plan --gpu``: a GPU name or a size, checked as `gpu` checks it but kept as written: what
+    is taken off it depends on ``--device`` (`lightning_memkit.cli._plan`)."""
+    _gpu(text, device_size=False)
+    return text
+
+
+def _gpu(text: str, *, device_size: bool) -> Budget:
     try:
         value = float(text)
     except ValueError:
@@ -55,7 +66,7 @@ def gpu(text: str) -> Budget:
             "unit (24GB, 24GiB)"
         )
     try:
-        return parse_budget(text, device_size=True)
+        return parse_budget(text, device_size=device_size)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -20,7 +20,7 @@ from lightning_memkit import _analytic
 from lightning_memkit._budget import GPUS
 from lightning_memkit._optimizer_state import OPTIMIZERS
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
-from lightning_memkit.cli._args import gpu, margin, names, one_of, positive_int
+from lightning_memkit.cli._args import gpu, gpu_or_memory, margin, names, one_of, positive_int
 
 __all__ = ["add_advise", "add_estimate", "add_model_argument", "add_plan", "add_step_arguments", "deferred"]
 
@@ -160,7 +160,16 @@ def add_plan(subparsers: Any) -> None:
         ),
     )
     add_model_argument(p)
-    p.add_argument("--gpu", type=gpu, required=True, metavar="GPU|SIZE", help=_GPU_HELP)
+    p.add_argument(
+        "--gpu", "--memory", dest="gpu", type=gpu_or_memory, required=True, metavar="GPU|SIZE",
+        help=f"{_GPU_HELP}; with --device cpu, the memory the step may use (a size: 16GB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", type=one_of("device", DEVICES), default="cuda", metavar="{cuda,cpu}",
+        help="the device to plan for (default: cuda): on cuda the CUDA context (512 MiB) and a 5%% "
+        "fragmentation reserve are taken off the card first, and the step is simulated in the caching "
+        "allocator's 512-byte blocks; on cpu nothing is taken off the size given",
+    )  # fmt: skip
     p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per step")
     p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
     p.add_argument("--gpus", type=positive_int, default=1, metavar="N", help="ranks (default: 1)")

@@ -21,6 +21,7 @@ from lightning_memkit._analytic import model_static, shard
 from lightning_memkit._autofit import LEVER_CALLBACKS, LOWER_PRECISION_HINT, plan_fit, static_floor
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import format_bytes
+from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE, GPUS, Budget, parse_budget
 from lightning_memkit._fitplan import FitPlan
 from lightning_memkit._lightning import batch_slice
 from lightning_memkit._oom import plan_code
@@ -48,6 +49,7 @@ def run_plan(args: argparse.Namespace) -> int:
             f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}"
         )
     lightning = isinstance(model, LightningModule)
+    args.gpu = _budget(args)
     start = time.perf_counter()
     attempts = _attempts(args)
     limit = int(args.gpu.usable * (1 - args.margin))
@@ -66,7 +68,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 precision=attempt.precision,
                 strategy=args.strategy,
                 n_gpus=args.gpus,
-                device="cuda",
+                device=args.device,
                 loss_fn=None if lightning else lm_loss,
                 cost="flops",
                 progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
@@ -74,7 +76,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 fused_step=attempt.fused_step,
                 offload=attempt.offload,
                 refine_seconds=args.refine_seconds,
-                cpu_offload=None if args.strategy == "fsdp2" else False,  # FSDP2: offload if nothing fits
+                # FSDP2 on a GPU: offload if nothing fits
+                cpu_offload=None if args.strategy == "fsdp2" and args.device == "cuda" else False,
                 mixed_precision_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
             )
 
@@ -129,6 +132,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**data, "gives_up": given_up}, indent=2))
     else:
         print(f"{args.model} on {args.gpu.source}, global batch {args.global_batch} x {args.seq_len}:")
+        print(_budget_line(args.gpu, args.margin, args.device))
         print(found)
         if given_up:
             print(f"Nothing fits {_describe(attempts[0])}; this plan gives up:", *given_up, sep="\n  - ")
@@ -140,6 +144,36 @@ def run_plan(args: argparse.Namespace) -> int:
 _LEVERS = tuple(LEVER_CALLBACKS)
 
 
+def _budget(args: argparse.Namespace) -> Budget:
+    """``--gpu`` for ``--device``: on cuda the card less the CUDA context and reserve (as parsed); on cpu
+    the size as given, nothing taken off (a GPU name is refused: it says nothing of the host's memory)."""
+    on_cpu = args.device == "cpu"
+    try:
+        budget = parse_budget(args.gpu, device_size=not on_cpu)
+    except ValueError as e:  # a size too small for the CUDA context; on a CPU: --device cpu
+        raise UsageError(f"argument --gpu/--memory: {e} (planning a CPU run? --device cpu)") from None
+    if on_cpu and budget.source in GPUS:
+        raise UsageError(
+            f"--device cpu plans for the memory a CPU run may use, and {budget.source} names a GPU; give "
+            "a size instead: --memory 16GB"
+        )
+    if on_cpu and args.offload:
+        raise UsageError("--offload moves the optimizer from a GPU to the host; --device cpu has no GPU")
+    return budget
+
+
+def _budget_line(budget: Budget, margin: float, device: str) -> str:
+    """How the step's limit comes from the budget: what was taken off, and why."""
+    given = f"budget: {budget.source} = {format_bytes(budget.total)}"
+    limit = f"less the {margin:.0%} margin: {format_bytes(int(budget.usable * (1 - margin)))}"
+    if device == "cpu":
+        return f"{given}; {limit}"
+    return (
+        f"{given}, less the CUDA context ({format_bytes(CUDA_CONTEXT_BYTES)}) and the "
+        f"{FRAGMENTATION_RESERVE:.0%} fragmentation reserve: {format_bytes(budget.usable)}; {limit}"
+    )
+
+
 def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The set-ups to plan, in order: as asked first, then with what the user left open relaxed."""
     asked = [lever for lever in _LEVERS if getattr(args, lever)]
@@ -147,7 +181,11 @@ def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
     precisions = [args.precision] if args.precision else [list(RELAXED_PRECISIONS)]
     # one process only (FSDP2 steps each shard inside backward once its reduce-scatter is done)
     single = ("offload",) if args.strategy == "fsdp2" else ("fused_step", "offload")
-    open_levers = [lever for lever in _LEVERS if args.gpus == 1 or lever not in single]
+    open_levers = [
+        lever
+        for lever in _LEVERS
+        if (args.gpus == 1 or lever not in single) and (args.device == "cuda" or lever != "offload")
+    ]
     levers = [asked] if asked else [[], *([lever] for lever in open_levers)]
     relaxed = [
         argparse.Namespace(precision=precision, **{k: k in chosen for k in _LEVERS})
@@ -232,7 +270,7 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
             loss_fn=None if lightning else lm_loss,
             precision=prec,
             checkpointing=level,
-            device="cuda",
+            device=args.device,
             accumulating=m < per_gpu,
             release_gradients=asked.release_gradients,
             fused_step=asked.fused_step,
