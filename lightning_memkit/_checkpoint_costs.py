@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from lightning_memkit._checkpointing import POLICIES, CheckpointedForward
+from lightning_memkit._checkpointing import POLICIES, CheckpointedForward, mutates_cached_output
 from lightning_memkit._kernels import hashable
 from lightning_memkit._measure import Storage, rounded
 
@@ -215,6 +215,13 @@ class BlockCosts:
     name: str
     options: dict[str, _Option]
     grads: int
+    #: modes the block cannot run under: selective ones where it mutates an output they keep
+    refused: frozenset[str] = frozenset()
+
+    def allowed(self, mode: str) -> str:
+        """``mode``, or the next stronger mode the block can run under (``"full"`` always can)."""
+        modes = list(POLICIES)
+        return next(m for m in modes[modes.index(mode) :] if m in self.options)
 
 
 class OpTimer:
@@ -320,6 +327,8 @@ class BlockProfiler:
         self.order: list[str] = []  # block names in execution order
         self.signature: dict[str, tuple] = {}
         self.runs: dict[tuple, dict[str, _Run]] = {}
+        #: per signature, the modes the block could not run under (selective where it mutates a kept output)
+        self.refused: dict[tuple, set[str]] = {}
         self.grads: dict[str, int] = {}
         self._busy = False
 
@@ -360,10 +369,17 @@ class BlockProfiler:
         if signature in self.runs:
             return
         self._busy = True
+        runs, refused = {}, set()
         try:
-            self.runs[signature] = {
-                level: _run_block(module, POLICIES[level], args, kwargs, self.rounding)
-                for level in self.levels
-            }
+            for level in self.levels:
+                try:
+                    runs[level] = _run_block(module, POLICIES[level], args, kwargs, self.rounding)
+                except RuntimeError as e:
+                    if not mutates_cached_output(e):
+                        raise
+                    refused.add(level)
+            if refused and "full" not in runs:  # what such a block gets instead (`BlockCosts.allowed`)
+                runs["full"] = _run_block(module, POLICIES["full"], args, kwargs, self.rounding)
         finally:
             self._busy = False
+        self.runs[signature], self.refused[signature] = runs, refused

@@ -49,6 +49,7 @@ from lightning_memkit._checkpoint_costs import BlockCosts, BlockProfiler, OpTime
 from lightning_memkit._checkpointing import (
     CHECKPOINT_MODES,
     LEVELS,
+    MUTATED_NOTE,
     POLICIES,
     BlockPlan,
     CheckpointHandle,
@@ -128,7 +129,9 @@ def _solve(
         new: dict[int, tuple[int, tuple[int, ...], tuple[str, ...]]] = {}
         for kept, (cost, ranks, names) in states.items():
             for name in levels:
-                option = block.options[name]
+                option = block.options.get(name)
+                if option is None:  # a mode the block cannot run under (`BlockCosts.refused`)
+                    continue
                 if kept + option.footprint + grads_after[j] > cap:
                     continue
                 state = (cost + option.cost, (*ranks, _RANK[name]), (*names, name))
@@ -266,7 +269,12 @@ class CheckpointPlanner:
         if timer is not None and timer.failed:
             log.info("Not timed (counted as free): %s", ", ".join(sorted(map(str, timer.failed))))
         self.blocks = [
-            BlockCosts(name, options[profiler.signature[name]][0], profiler.grads[name])
+            BlockCosts(
+                name,
+                options[profiler.signature[name]][0],
+                profiler.grads[name],
+                frozenset(profiler.refused[profiler.signature[name]]),
+            )
             for name in profiler.order
         ]
         self.names = [b.name for b in self.blocks]
@@ -312,7 +320,8 @@ class CheckpointPlanner:
         return self._simulated[key].peak
 
     def uniform(self, policy: str) -> tuple[str, ...]:
-        return (policy,) * len(self.blocks)
+        """``policy`` on every block that can run under it, the next stronger mode on the others."""
+        return tuple(b.allowed(policy) for b in self.blocks)
 
     def overhead(self, choice: Sequence[str]) -> float:
         """The recompute cost of ``choice`` as a fraction of the blocks' forward+backward cost without
@@ -362,6 +371,7 @@ class CheckpointPlanner:
                     saved_bytes=b.options["none"].retained - b.options[c].retained,
                     recompute_flops=b.options[c].flops,
                     recompute_time=b.options[c].seconds,
+                    note=_refused_note(b, c),
                 )
                 for b, c in zip(self.blocks, choice, strict=True)
             ),
@@ -471,6 +481,13 @@ def _floor_message(limit: int, floor: MemoryBreakdown, policy: str, n: int, peak
         "micro-batch (with gradient accumulation to keep the effective batch), a lighter optimizer "
         f"(8-bit AdamW, Adafactor, SGD), or lower precision (bf16-true);{hint} or raise the budget."
     )
+
+
+def _refused_note(block: BlockCosts, policy: str) -> str:
+    """Why ``block`` got ``policy`` and not a lighter mode it was offered (`MUTATED_NOTE`); ``""``."""
+    order = CHECKPOINT_MODES.index
+    refused = sorted((m for m in block.refused if order(m) < order(policy)), key=order)
+    return MUTATED_NOTE.format(mode=" and ".join(refused), instead=policy) if refused else ""
 
 
 def _levels(policy: str | Sequence[str]) -> tuple[str, ...]:

@@ -97,6 +97,20 @@ ATTENTION_OPS = _ops(
 )
 
 
+#: What torch raises when selective checkpointing's cached output was changed in place afterwards.
+_MUTATED = "cached during selective activation checkpoint has been mutated"
+#: The reason a block that does so is given another mode.
+MUTATED_NOTE = (
+    "{mode} refused: an in-place op in the block (an activation with inplace=True, a +=) changes an "
+    "output that mode keeps, and torch's selective checkpointing cannot recompute from it; {instead} instead"
+)
+
+
+def mutates_cached_output(error: BaseException) -> bool:
+    """Whether ``error`` is torch's refusal of a selective plan whose kept output the block mutated."""
+    return isinstance(error, RuntimeError) and _MUTATED in str(error)
+
+
 class NoCheckpoint:
     """The block as written."""
 
@@ -493,6 +507,8 @@ class BlockPlan:
             matmuls, convolutions and attention kernels; pointwise ops count zero).
         recompute_time: seconds of the recomputed ops, benchmarked op by op on the device
             (``cost="time"``; on CPU one thread's CPU time).
+        note: why the block does not have a policy it was asked for (``""``: it has), e.g. selective
+            checkpointing refused where the block mutates an output the policy would keep.
     """
 
     name: str
@@ -500,6 +516,7 @@ class BlockPlan:
     saved_bytes: int | None = None
     recompute_flops: int | None = None
     recompute_time: float | None = None
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -575,6 +592,8 @@ class CheckpointPlan:
             flops = _format_flops(b.recompute_flops) if b.recompute_flops is not None else "-"
             seconds = f"{1e3 * b.recompute_time:.1f} ms" if b.recompute_time is not None else "-"
             lines.append(f"  {b.name:<{width}}  {b.policy:<14}  {saved:>11}  {flops:>11}  {seconds:>9}")
+            if b.note:
+                lines.append(f"  {'':<{width}}  ({b.note})")
         if self.saved_bytes is not None:
             overhead = f"{100 * self.overhead:.1f} %" if self.overhead is not None else "-"
             lines.append(
