@@ -220,8 +220,10 @@ class BlockCosts:
 
     def allowed(self, mode: str) -> str:
         """``mode``, or the next stronger mode the block can run under (``"full"`` always can)."""
+        if mode not in self.refused:
+            return mode
         modes = list(POLICIES)
-        return next(m for m in modes[modes.index(mode) :] if m in self.options)
+        return next((m for m in modes[modes.index(mode) :] if m in self.options), "full")
 
 
 class OpTimer:

@@ -248,6 +248,7 @@ def test_cli_gpu_too_large_is_one_line(capfd, gpu, command):
     size = ["--global-batch", "4"] if command == "plan" else ["--batch-size", "2", "--device", "cpu"]
     assert main([command, "--model", "tiny", "--gpu", gpu, "--seq-len", "8", *size]) == 2
     err = capfd.readouterr().err
-    assert err.startswith(f"memkit {command}: error: argument --gpu: Cannot read "), err
+    flag = "--gpu/--memory" if command == "plan" else "--gpu"
+    assert err.startswith(f"memkit {command}: error: argument {flag}: Cannot read "), err
     assert err.count("\n") == 1, err
     assert "too large to count in bytes" in err
