@@ -96,6 +96,7 @@ class Offload:
             if master.grad is not None:
                 p.grad = master.grad.to(p.device, p.dtype)
                 master.grad = None
+            master._offload_pending = False  # type: ignore[attr-defined]
         self.pairs, self.by_master = [], {}
 
     def __enter__(self) -> Offload:
@@ -212,14 +213,19 @@ def _to_host(param: Tensor, master: Tensor) -> None:
         master.grad = grad
     else:
         master.grad.add_(grad)
+    master._offload_pending = True  # type: ignore[attr-defined]  # the next step updates it
     param.grad = None
 
 
 @torch.no_grad()
 def _copy_back(optimizer: Optimizer, args: Any, kwargs: Any, *, pairs: list[tuple[Tensor, Tensor]]) -> None:
+    """The updated masters back to the device: those a gradient reached since the last step (the others,
+    frozen or reached by none, did not change). Read from a mark `_to_host` leaves, not from the master's
+    gradient: a post-hook that ran first may have freed it (`release_gradients`)."""
     for p, master in pairs:
-        if master.grad is None:
-            continue  # not stepped (frozen, or no gradient reached it)
+        if master.grad is None and not getattr(master, "_offload_pending", False):
+            continue
         p.copy_(master if master.dtype == p.dtype else master.to(p.dtype))  # rounded on the host
         master._offload_version = p._version  # type: ignore[attr-defined]
+        master._offload_pending = False  # type: ignore[attr-defined]
         master.grad = None

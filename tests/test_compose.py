@@ -18,6 +18,7 @@ from lightning_memkit import (
     ActivationCheckpointing,
     AutoFit,
     FusedOptimizerStep,
+    GradientRelease,
     MemoryMonitor,
     OptimizerOffload,
     OptimizerSwap,
@@ -95,6 +96,25 @@ def test_fused_step_beside_offload_is_refused_in_either_order(tmp_path, order):
     with pytest.raises(ValueError, match="OptimizerOffload cannot run here: FusedOptimizerStep is among"):
         cpu_trainer(tmp_path, [*pair, losses]).fit(model, data)
     assert losses.losses == []
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_gradient_release_beside_offload_trains_as_offload_alone(tmp_path, order):
+    """Both act after the step: the release (first in the list) freed the host masters' gradients before
+    the offload copied the update back, which then skipped every weight: nothing trained."""
+
+    def weights(callbacks):
+        torch.manual_seed(0)
+        module = _Plain()
+        cpu_trainer(tmp_path, callbacks, max_steps=3).fit(module)
+        return [p.detach().clone() for p in module.parameters()]
+
+    torch.manual_seed(0)
+    before = [p.detach().clone() for p in _Plain().parameters()]
+    alone = weights([OptimizerOffload()])
+    paired = weights(_orders(GradientRelease(), OptimizerOffload())[order])
+    assert all(not torch.equal(a, b) for a, b in zip(alone, before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(alone, paired, strict=True))
 
 
 def test_optimizer_offload_pickles_before_and_after_a_fit(tmp_path):
