@@ -72,7 +72,7 @@ import logging
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -600,14 +600,16 @@ def own_optimizer(model: nn.Module) -> str | None:
     return identify(optimizers[0]) if len(optimizers) == 1 else None
 
 
-def lighter_candidates(model: nn.Module) -> tuple[str | None, ...]:
+def lighter_candidates(
+    model: nn.Module, candidates: Sequence[str] = DEFAULT_CANDIDATES
+) -> tuple[str | None, ...]:
     """The optimizers `plan_fit` may give ``model``, in quality order: its own (`own_optimizer`), then the
-    lighter ones of `DEFAULT_CANDIDATES` that load here; ``(None,)`` for a LightningModule whose optimizer
-    the catalogue does not know (kept as configured)."""
+    ``candidates`` after it (all of them if it is not among them) that load here; ``(None,)`` for a
+    LightningModule whose optimizer the catalogue does not know (kept as configured)."""
     own = own_optimizer(model)
     if own is None:
-        return (None,) if is_lightning(model) else DEFAULT_CANDIDATES
-    order = list(DEFAULT_CANDIDATES)
+        return (None,) if is_lightning(model) else tuple(candidates)
+    order = list(candidates)
     start = order.index(own) if own in order else 0
     names = [own] + [n for n in order[start + 1 :] if n != own]
     if load_bitsandbytes() is None:

@@ -24,6 +24,7 @@ from lightning_memkit import (
     OptimizerSwap,
 )
 from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit._optimizers import identify
 from lightning_memkit.demos.gpt import Block
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -86,6 +87,40 @@ def test_a_policy_autofit_cannot_plan_is_refused_with_the_modes_to_give():
         checkpointing.modes_for(("none", "selective"))
     assert checkpointing.modes_for(("none", "selective", "full")) == ("none", "full")
     assert ActivationCheckpointing().modes_for(("none", "selective")) == ("none", "selective")
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_optimizer_swap_defers_to_autofit_in_either_order(tmp_path, order, lightning_log):
+    """Both chose the optimizer: AutoFit planned AdamW, OptimizerSwap then swapped to another, so the run
+    trained with an optimizer the plan had not fitted (and AutoFit warned of a backward that did not run,
+    from OptimizerSwap's probe of its wrapped step)."""
+    model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
+    autofit = AutoFit(budget=TIGHT, cost="flops", verify_steps=2)
+    swap = OptimizerSwap(budget="18MB", candidates=("adafactor",))  # alone: AdamW -> Adafactor
+    trained = []
+    recorder = _OnFirstBatch(lambda trainer: trained.append(identify(trainer.optimizers[0])))
+    peaks = AllocatorPeaks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pair = _orders(autofit, swap)[order]
+        cpu_trainer(tmp_path, [*pair, recorder, *peaks.around()], max_steps=2).fit(model, data)
+    plan = autofit.plan
+    assert swap.choice is None  # it decided nothing
+    assert trained == [plan.optimizer]  # the run trains with the plan's optimizer
+    assert {a.optimizer for a in plan.alternatives} <= {"adamw", "adafactor"}  # the swap's candidates
+    assert max(peaks.peaks) <= plan.limit
+    assert "OptimizerSwap defers to AutoFit (its budget='18MB' is not used)" in lightning_log.text
+    assert not [w for w in caught if "did not run" in str(w.message)]
+
+
+class _OnFirstBatch(Callback):
+    def __init__(self, fn) -> None:
+        self.fn, self.done = fn, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.done:
+            self.fn(trainer)
+            self.done = True
 
 
 @pytest.mark.parametrize("order", [0, 1])

@@ -100,7 +100,7 @@ from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan, StepCost
 from lightning_memkit._isolate import isolated
 from lightning_memkit._oom import StepInFlight
-from lightning_memkit._optimizers import CATALOGUE
+from lightning_memkit._optimizers import CATALOGUE, lighter_candidates
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
@@ -113,6 +113,7 @@ from lightning_memkit.callbacks._trainer import (
 )
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
+from lightning_memkit.callbacks.optimizer_swap import OptimizerSwap
 
 __all__ = ["AutoFit"]
 
@@ -129,7 +130,9 @@ class AutoFit(Callback):
             Sizes and names are read here; a fraction or ``"auto"`` at ``setup``, on the run's device.
         margin: share of the budget kept free for what the estimate cannot see.
         batch_size_attr: the attribute holding the micro-batch size (``BatchSizeFinder``'s default).
-        optimizers: candidate catalogue names in quality order (default: the module's own, then lighter).
+        optimizers: candidate catalogue names in quality order (default: the module's own, then lighter;
+            beside an `OptimizerSwap`, which defers to AutoFit, the module's own, then the swap's
+            ``candidates``).
         checkpointing: the checkpointing modes a block may get (the plan chooses block by block); a
             module without repeated blocks is planned without checkpointing (the plan's ``note``, in the
             info line, says so).
@@ -229,6 +232,14 @@ class AutoFit(Callback):
         beside = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
         return tuple(self.checkpointing) if beside is None else beside.modes_for(self.checkpointing)
 
+    def _optimizers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sequence[str | None] | None:
+        """The optimizers to plan: this callback's; without them, with an `OptimizerSwap` in the same fit
+        (which then defers to this plan), the module's own and then the swap's ``candidates``."""
+        if self.optimizers is not None:
+            return self.optimizers
+        swap = next((c for c in trainer.callbacks if isinstance(c, OptimizerSwap)), None)
+        return None if swap is None else lighter_candidates(pl_module, swap.candidates)
+
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
         strategy, ranks = sharding(trainer)
         copies = trainer.accumulate_grad_batches * ranks
@@ -255,7 +266,7 @@ class AutoFit(Callback):
             example,
             self._budget(device),
             margin=self.margin,
-            optimizers=self.optimizers,
+            optimizers=self._optimizers(trainer, pl_module),
             precision=precision(trainer),
             checkpointing=modes,
             device="cuda" if device == "cuda" else "cpu",

@@ -121,6 +121,9 @@ class OptimizerSwap(Callback):
     - **Strategies that wrap or shard the optimizer and restore its state themselves** (DeepSpeed, FSDP):
       the callback warns at setup and does nothing. Under ``ModelParallelStrategy`` (FSDP2) it defers to
       `AutoFitStrategy`, which chooses the optimizer for one rank's sharded step, and says so.
+    - **Beside** `AutoFit`, in either order: this callback defers, and says so. AutoFit chooses the
+      optimizer with the micro-batch and the checkpointing, from the module's own and then ``candidates``
+      (unless it is given ``optimizers=`` itself), and keeps the choice in its own checkpoint state.
     - **Resuming** from a checkpoint saved with this callback: pass an ``OptimizerSwap`` to the resumed
       Trainer too. It builds the stored choice whatever its own ``budget``, ``candidates`` and
       ``allow_unknown`` are now (the checkpoint holds that optimizer's state; the state is found under
@@ -207,6 +210,18 @@ class OptimizerSwap(Callback):
                     "and resharding) for one rank's sharded step, and keeps the choice in the checkpoint."
                 )
             rank_zero_warn(f"OptimizerSwap defers to {type(strategy).__name__}, {why}")
+            self._disabled = True
+        elif (planner := _autofit_beside(trainer)) is not None:
+            among = (
+                f"among AutoFit's optimizers={tuple(planner.optimizers)!r}"
+                if planner.optimizers is not None
+                else f"among the module's own and then this callback's candidates {self.candidates!r}"
+            )
+            rank_zero_info(
+                f"OptimizerSwap defers to AutoFit (its budget={self._budget_spec!r} is not used): AutoFit "
+                f"chooses the optimizer together with the micro-batch and the checkpointing, {among}; its "
+                "choice is AutoFit.plan.optimizer."
+            )
             self._disabled = True
         elif strategy.restore_checkpoint_after_setup or not strategy.lightning_restore_optimizer:
             rank_zero_warn(
@@ -388,3 +403,10 @@ class OptimizerSwap(Callback):
 def _simulates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether the step can be simulated: automatic optimization with one optimizer."""
     return pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1
+
+
+def _autofit_beside(trainer: pl.Trainer) -> Callback | None:
+    """The fit's `AutoFit`, which chooses the optimizer itself, or ``None``."""
+    from lightning_memkit.callbacks.auto_fit import AutoFit  # auto_fit imports this module
+
+    return next((c for c in getattr(trainer, "callbacks", ()) if isinstance(c, AutoFit)), None)
