@@ -208,11 +208,12 @@ def plans_section(
     *,
     margin: float = 0.1,
     optimizers: Sequence[str | None] | None = None,
+    planner_present: bool = False,
     **plan_options: Any,
 ) -> list[str]:
     """Lines that give the fastest plans (at most `MAX_PLANS`) that fit ``budget``, each with its simulated
     peak, its time relative to the fastest and its code, then the ``AutoFit`` line that makes the first
-    as the fit starts.
+    as the fit starts (``planner_present``: the run has an AutoFit already, whose arguments these are).
 
     ``batch`` is the global batch (all ranks); ``plan_options`` are `plan_fit`'s keywords. The model is
     planned as written: checkpointing a callback applied is set aside while planning. When nothing fits,
@@ -254,9 +255,11 @@ def plans_section(
         lines += [f"       {line}" for code in by_hand_code(option, model) for line in code.splitlines()]
         names.update(c.split("(")[0] for c in _levers(option))
     per_gpu = batch_size(batch) // plan.n_gpus
+    verb = "give" if planner_present else "use" if fsdp2 else "add"
+    what = f"{planner} these arguments, which make" if planner_present else f"{planner}, which makes"
     lines += [
-        f"  Or {'use' if fsdp2 else 'add'} {planner}, which makes plan 1 as the fit starts, with "
-        f"batch_size = {per_gpu} (the global batch per GPU):",
+        f"  Or {verb} {what} plan 1 as the fit starts, with batch_size = {per_gpu} (the global batch per "
+        "GPU):",
         *(f"       {line}" for line in autofit_code(plan, optimizers=optimizers).splitlines()),
         f"  (from lightning_memkit import {', '.join(sorted(names))})",
     ]

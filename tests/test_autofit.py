@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_memkit import (
     CHECKPOINT_MODES,
     FitPlan,
+    FusedOptimizerStep,
     MemoryMonitor,
     StepCost,
     estimate_memory,
@@ -289,13 +290,16 @@ def test_slices_run_under_the_precision_plugin(tmp_path):
 
 
 def test_guard_only_where_it_can_recover():
-    from lightning_memkit.callbacks.auto_fit import _recoverable
+    from lightning_memkit.callbacks.auto_fit import _unrecoverable
 
     module = GPTLightningModule("tiny")
-    assert _recoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module)
-    assert not _recoverable(L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False), module)
+    assert _unrecoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module) is None
+    ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
+    assert "DDPStrategy runs several" in _unrecoverable(ddp, module)
+    fused = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[FusedOptimizerStep()])
+    assert "FusedOptimizerStep steps each parameter inside the backward" in _unrecoverable(fused, module)
     module.automatic_optimization = False
-    assert not _recoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module)
+    assert "manual" in _unrecoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module)
 
 
 def test_a_ready_made_dataloader_is_refused(tmp_path):

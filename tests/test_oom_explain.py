@@ -21,6 +21,7 @@ import lightning_memkit._autofit as autofit
 from lightning_memkit import (
     CATEGORIES,
     AutoFit,
+    FusedOptimizerStep,
     MemoryMonitor,
     _oom,
     estimate_memory,
@@ -242,6 +243,19 @@ def test_autofit_asks_the_monitor_to_explain_once_while_its_plan_is_applied(tmp_
     for m, accumulate, _, _, _, peak in plans:  # the same global batch, under the need
         assert int(m) * int(accumulate) == 16 and _bytes(peak) <= 0.9 * stated
     assert module.hparams.batch_size == 16  # AutoFit gave the user's batch size back after the explanation
+    assert "AutoFit did not re-plan and retry: verify_steps=0 turns the recovery off." in message
+    assert "Or give AutoFit these arguments, which make plan 1" in message  # not "add": it is there
+
+
+def test_autofit_beside_the_fused_step_says_why_it_did_not_retry(tmp_path):
+    """Beside FusedOptimizerStep, AutoFit cannot retry a step (the backward steps the parameters); the
+    explanation said nothing of it and told the user to add the AutoFit the run had."""
+    module = Tower(n_layer=1)
+    PretendOOM(module, rows=4)
+    autofit = AutoFit(budget="1000GB", cost="flops")
+    _, (message,) = _fit_until_oom(tmp_path, module, [autofit, FusedOptimizerStep()], logger=_csv(tmp_path))
+    assert "AutoFit did not re-plan and retry: FusedOptimizerStep steps each parameter inside" in message
+    assert "Or add AutoFit" not in message
 
 
 def _lm():

@@ -71,7 +71,8 @@ def explain_run_oom(
     guard = getattr(pl_module.__dict__.get("training_step"), "__self__", None)
     if isinstance(guard, StepGuard):
         guard.remove()
-    plan = next((c.plan for c in trainer.callbacks if isinstance(getattr(c, "plan", None), FitPlan)), None)
+    planner = next((c for c in trainer.callbacks if isinstance(getattr(c, "plan", None), FitPlan)), None)
+    plan = None if planner is None else planner.plan
     device = trainer.strategy.root_device
     if budget is None and plan is not None:
         budget = plan.budget
@@ -103,6 +104,8 @@ def explain_run_oom(
     title = f"{who}: out of memory in {where}."
     if plan is not None:
         title += f"\nThe run had AutoFit's plan: {plan.summary()}."
+        if hasattr(planner, "recovery_note"):
+            title += f"\n{planner.recovery_note(trainer, pl_module, step.phase)}"
     # The plans start from the run's optimizer; read only where something is planned (it loads bitsandbytes).
     candidates = None
     if budget is not None:
@@ -123,5 +126,6 @@ def explain_run_oom(
         n_gpus=ranks,
         device=kind,
         compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
+        planner_present=plan is not None,
         **levers,
     )

@@ -281,6 +281,19 @@ class AutoFit(Callback):
             **step_levers(trainer),
         )
 
+    def recovery_note(self, trainer: pl.Trainer, pl_module: pl.LightningModule, phase: str | None) -> str:
+        """Why this fit's out-of-memory error in ``phase`` was not recovered from (`report_oom` says it)."""
+        why = _unrecoverable(trainer, pl_module)
+        if self.verify_steps == 0:
+            why = "verify_steps=0 turns the recovery off"
+        elif why is None and phase == "optimizer step":
+            why = "it recovers in the forward and the backward, not in the optimizer step"
+        elif why is None and trainer.global_step - self._first_step >= self.verify_steps:
+            why = f"it recovers in the first verify_steps={self.verify_steps} steps only"
+        elif why is None:
+            why = "the leanest plan ran out of memory too"
+        return f"AutoFit did not re-plan and retry: {why}."
+
     def _budget(self, device: str) -> Budget:
         if device != "cuda" and reads_device(self.budget):
             raise ValueError(
@@ -295,7 +308,7 @@ class AutoFit(Callback):
         lightning_setattr(pl_module, self.batch_size_attr, plan.micro_batch_size)
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
         self._apply(plan)
-        if self._guard is None and self.verify_steps > 0 and _recoverable(trainer, pl_module):
+        if self._guard is None and self.verify_steps > 0 and _unrecoverable(trainer, pl_module) is None:
             self._guard = StepGuard(trainer, pl_module, self._replan, plan.micro_batch_size)
         elif self._guard is not None:  # a resume installs the saved plan over the fresh one
             self._guard.micro_batch_size, self._guard.size = plan.micro_batch_size, None
@@ -488,16 +501,22 @@ class AutoFit(Callback):
             rank_zero_info(f"AutoFit: resumed with the saved plan: {saved.summary()}")
 
 
-def _recoverable(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    """Whether `StepGuard` can recover from an OOM here: one device that runs the module unwrapped, a
-    precision plugin whose backward calls the module's ``backward`` hook, automatic optimization, and no
-    optimizer step inside backward (`FusedOptimizerStep`: each slice's backward would step)."""
-    return (
-        isinstance(trainer.strategy, SingleDeviceStrategy)
-        and type(trainer.precision_plugin).backward is Precision.backward
-        and module.automatic_optimization
-        and not step_levers(trainer)["fused_step"]
-    )
+def _unrecoverable(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
+    """Why `StepGuard` cannot recover from an OOM here, or ``None`` if it can: it needs one device that
+    runs the module unwrapped, a precision plugin whose backward calls the module's ``backward`` hook,
+    automatic optimization, and no optimizer step inside backward."""
+    if not isinstance(trainer.strategy, SingleDeviceStrategy):
+        return f"it recovers on one device, and {type(trainer.strategy).__name__} runs several"
+    if type(trainer.precision_plugin).backward is not Precision.backward:
+        return f"{type(trainer.precision_plugin).__name__} runs the backward itself, where it cannot cut it"
+    if not module.automatic_optimization:
+        return "the module's optimization is manual"
+    if step_levers(trainer)["fused_step"]:
+        return (
+            "FusedOptimizerStep steps each parameter inside the backward: a retried slice would step them "
+            "again. Without FusedOptimizerStep, AutoFit re-plans one notch leaner and runs the batch again"
+        )
+    return None
 
 
 def _check_budget(budget: Any) -> None:
