@@ -34,6 +34,8 @@ __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 LAUNCH_SECONDS: dict[str, float] = {"cuda": 10e-6, "cpu": 5e-6}
 #: Sustained FLOP/s assumed for offline plans: an A100-class GPU in bf16, a few CPU cores.
 DEVICE_FLOPS: dict[str, float] = {"cuda": 150e12, "cpu": 50e9}
+#: `FitPlan.leaner`'s note on a plan the search did not simulate
+_NOT_SIMULATED = "its peak not simulated: at most the previous plan's"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,8 +222,9 @@ class FitPlan:
         stronger than the strongest the plan uses, at the same micro-batch (a per-block plan that already
         uses the strongest: that mode on every block), else half the micro-batch (the largest divisor of
         it at most half) with accumulation multiplied to keep the global batch, checkpointing unchanged;
-        ``None`` at micro-batch 1 with the strongest mode allowed. Its ``estimated_peak`` is not simulated:
-        it is the current one."""
+        ``None`` at micro-batch 1 with the strongest mode allowed. Its ``estimated_peak`` is the alternative's
+        of the same plan where the search simulated one; otherwise it is not simulated now, and the current
+        peak stands for it (a bound: a leaner plan peaks no higher), as its ``note`` says."""
         allowed = [mode for mode in CHECKPOINT_MODES if mode in levels and mode in self.levels]
         used = set(self.checkpoint_plan.policies.values()) if self.checkpoint_plan else {self.checkpointing}
         strongest = max(CHECKPOINT_MODES.index(mode) for mode in used)
@@ -232,16 +235,31 @@ class FitPlan:
             m for m in allowed if rank(m) == strongest and used != {m}
         ]
         if stronger:
-            return replace(self, checkpointing=stronger[0], checkpoint_plan=None)
+            return self._with_peak(replace(self, checkpointing=stronger[0], checkpoint_plan=None))
         m = self.micro_batch_size
         smaller = max((d for d in range(1, m // 2 + 1) if m % d == 0), default=None)
         if smaller is None:
             return None
-        return replace(
-            self,
-            micro_batch_size=smaller,
-            accumulate_grad_batches=self.accumulate_grad_batches * (m // smaller),
+        return self._with_peak(
+            replace(
+                self,
+                micro_batch_size=smaller,
+                accumulate_grad_batches=self.accumulate_grad_batches * (m // smaller),
+            )
         )
+
+    def _with_peak(self, leaner: FitPlan) -> FitPlan:
+        """``leaner`` with the peak the search simulated for it, or a note that it was not simulated."""
+        key = (leaner.micro_batch_size, leaner.checkpointing, leaner.optimizer, leaner.precision)
+        peak = next(
+            (a.peak for a in self.alternatives
+             if (a.micro_batch_size, a.checkpointing, a.optimizer, a.precision) == key),
+            None,
+        )  # fmt: skip
+        notes = [n for n in leaner.note.split("; ") if n and n != _NOT_SIMULATED]
+        if peak is not None:
+            return replace(leaner, estimated_peak=peak, note="; ".join(notes))
+        return replace(leaner, note="; ".join([*notes, _NOT_SIMULATED]))
 
     def apply(self, module: nn.Module) -> _Applied:
         """Checkpoint ``module``'s blocks and make its ``configure_optimizers`` return the plan's optimizer.

@@ -125,11 +125,21 @@ def test_leaner_and_dict_round_trip(plan):
     assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))) == plan
     p = plan
     seen = []
+    simulated = {(a.micro_batch_size, a.checkpointing): a.peak for a in plan.alternatives}
+    earlier = plan.estimated_peak
     while p is not None:
         assert p.micro_batch_size * p.accumulate_grad_batches == G
         seen.append((p.micro_batch_size, p.checkpointing))
+        if p is not plan:  # the search's peak where it simulated the plan, else a bound that says so
+            key = (p.micro_batch_size, p.checkpointing)
+            if key in simulated:
+                assert p.estimated_peak == simulated[key] and "not simulated" not in p.note
+            else:
+                assert p.estimated_peak <= earlier and "its peak not simulated" in p.summary()
+        earlier = p.estimated_peak
         p = p.leaner()
     assert seen[-1] == (1, "full")
+    assert len({peak for peak in simulated.values()}) > 1  # the peaks the steps name are not all one
 
 
 def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, monkeypatch):
@@ -450,7 +460,9 @@ def test_a_model_without_repeated_blocks_is_planned_without_checkpointing():
     assert plan.levels == ("none",)
     assert {a.checkpointing for a in plan.alternatives} == {"none"}
     assert "selective, selective_half, full not planned: _MLP has no repeated blocks" in plan.summary()
-    assert plan.leaner() == replace(plan, micro_batch_size=4, accumulate_grad_batches=2)  # never checkpoints
+    half = next(a for a in plan.alternatives if a.micro_batch_size == 4)  # never checkpoints
+    expected = replace(plan, micro_batch_size=4, accumulate_grad_batches=2, estimated_peak=half.peak)
+    assert plan.leaner() == expected
     assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))).levels == ("none",)
     # A plain nn.Module with a loss function too.
     layer = torch.nn.Linear(16, 4)
