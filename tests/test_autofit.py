@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 from dataclasses import replace
 from unittest import mock
 
@@ -520,3 +521,75 @@ def test_a_resumed_run_recovers_from_the_saved_plans_micro_batch(tmp_path):
     plan = callback.plan
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (4, 2, "full")
     assert module.pretend.raised == 4  # selective, selective_half, full, then micro-batch 4 fits
+
+
+class _Schedule(L.Callback):
+    """The global steps at which validation runs, and the training batches' sizes."""
+
+    def __init__(self) -> None:
+        self.validations: list[int] = []
+        self.sizes: list[int] = []
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.validations.append(trainer.global_step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.sizes.append(len(batch[0]))
+
+
+@pytest.mark.parametrize("budget", ["1000GB", 24_000_000])
+def test_whole_batch_counts_cover_the_samples_the_user_asked_for(tmp_path, budget, lightning_log):
+    """``limit_train_batches=3`` and ``val_check_interval=2`` count batches: under a plan of half the
+    micro-batch they covered half the samples and validated twice as often."""
+    torch.manual_seed(0)
+    module = GPTLightningModule("tiny", max_steps=4)
+    data = GPTDataModule(batch_size=8, seq_len=32, num_sentences=300)
+    autofit = AutoFit(budget=budget, cost="flops", checkpointing=("none",), verify_steps=0)
+    schedule = _Schedule()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3,
+        val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[autofit, schedule],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, data)
+    k = 8 // autofit.plan.micro_batch_size
+    assert (k > 1) == (budget != "1000GB")  # the tight budget cuts the micro-batch
+    assert sum(schedule.sizes) == 3 * 8 and trainer.global_step == 3  # the samples and steps asked for
+    assert schedule.validations == [2]  # after two of the user's batches, as without AutoFit
+    assert (trainer.limit_train_batches, trainer.val_check_interval) == (3, 2)  # the user's, after the fit
+    about_val = [w for w in caught if "limit_val_batches=1 then validates" in str(w.message)]
+    if k > 1:
+        assert f"limit_train_batches=3 -> {3 * k}, val_check_interval=2 -> {2 * k}" in lightning_log.text
+        assert len(about_val) == 1
+    else:
+        assert "limit_train_batches=3 ->" not in lightning_log.text and not about_val
+
+
+class _Normed(GPTLightningModule):
+    def __init__(self) -> None:
+        super().__init__("tiny", max_steps=2)
+        self.norm = torch.nn.BatchNorm1d(32)  # batch statistics: the micro-batch is part of the model
+
+
+def test_accumulation_merged_into_a_larger_micro_batch_is_said(tmp_path, lightning_log):
+    """The user's 4 x accumulate 2 became 8 x 1 in silence; with BatchNorm in the model, a warning."""
+    for module, warned in ((GPTLightningModule("tiny", max_steps=2), False), (_Normed(), True)):
+        torch.manual_seed(0)
+        data = GPTDataModule(batch_size=4, seq_len=32, num_sentences=100)
+        autofit = AutoFit(budget="1000GB", cost="flops", verify_steps=0)
+        trainer = L.Trainer(
+            default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2,
+            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, callbacks=[autofit],
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, data)
+        assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (8, 1)
+        said = "AutoFit: micro-batch 8 x accumulate 1 in place of your 4 x 2"
+        assert said in lightning_log.text or any(said in str(w.message) for w in caught)
+        normed = [w for w in caught if "BatchNorm1d then normalize over 8 samples, not 4" in str(w.message)]
+        assert len(normed) == int(warned)

@@ -45,7 +45,12 @@ code (`report_oom`; a `MemoryMonitor` in the Trainer says it, with its measureme
 
 The batch size. During the fit the batch size attribute (on the module, its hparams, the datamodule and
 its hparams: wherever it is) holds the plan's micro-batch, and the Trainer's ``accumulate_grad_batches`` the
-plan's. At the end of the fit (``teardown``, or an exception) both get the user's values back, and
+plan's. The Trainer's whole numbers of training batches (``limit_train_batches=3``, ``val_check_interval=2``)
+are scaled to count the plan's micro-batches, so the fit covers the samples they asked for (one info line
+says so); ``limit_val_batches`` as a whole number is warned about where the plan changes the batch size. A
+plan may merge the user's accumulation into a larger micro-batch: the global batch is the same, but
+batch statistics (BatchNorm) see the larger batch, which a warning says. At the end of the fit
+(``teardown``, or an exception) all of them get the user's values back, and
 checkpoints store the user's batch size in their hyperparameters (the plan is in AutoFit's state), so a
 second fit, with the same AutoFit or a module loaded from the checkpoint, plans from the same global batch.
 
@@ -69,6 +74,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 import lightning.pytorch as pl
@@ -84,6 +90,7 @@ from lightning.pytorch.utilities.parsing import (
     lightning_hasattr,
     lightning_setattr,
 )
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_memkit._autofit import plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
@@ -119,6 +126,8 @@ __all__ = ["AutoFit"]
 
 #: the throughput models `plan_fit` reads by name
 COSTS = ("auto", "measured", "flops")
+#: the Trainer's arguments that count training batches, scaled to the plan's micro-batches
+_BATCH_COUNTS = ("limit_train_batches", "val_check_interval")
 
 
 class AutoFit(Callback):
@@ -181,6 +190,7 @@ class AutoFit(Callback):
         # (module, hparams, datamodule, its hparams), and the Trainer's accumulate_grad_batches.
         self._batch_sizes: list[tuple[Any, Any]] = []
         self._accumulate: tuple[pl.Trainer, int] | None = None
+        self._counts: dict[str, Any] = {}  # the Trainer's `_BATCH_COUNTS` as the user set them
         #: the batch in flight and its phase, for explaining an OOM
         self._step = StepInFlight()
         #: FSDP2's CPU offload: never (a plain ModelParallelStrategy: the user's configure_model shards),
@@ -215,6 +225,7 @@ class AutoFit(Callback):
         holders = _lightning_get_all_attr_holders(pl_module, self.batch_size_attr)
         self._batch_sizes = [(holder, _get(holder, self.batch_size_attr)) for holder in holders]
         self._accumulate = (trainer, trainer.accumulate_grad_batches)
+        self._counts = {name: getattr(trainer, name) for name in _BATCH_COUNTS}
 
         def decide() -> dict[str, Any]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
@@ -307,11 +318,59 @@ class AutoFit(Callback):
         trainer, pl_module = self._target
         lightning_setattr(pl_module, self.batch_size_attr, plan.micro_batch_size)
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        self._scale_counts(trainer, plan)
         self._apply(plan)
         if self._guard is None and self.verify_steps > 0 and _unrecoverable(trainer, pl_module) is None:
             self._guard = StepGuard(trainer, pl_module, self._replan, plan.micro_batch_size)
         elif self._guard is not None:  # a resume installs the saved plan over the fresh one
             self._guard.micro_batch_size, self._guard.size = plan.micro_batch_size, None
+
+    def _scale_counts(self, trainer: pl.Trainer, plan: FitPlan) -> None:
+        """Whole numbers of training batches (``limit_train_batches``, ``val_check_interval``) count the
+        plan's micro-batches: scaled so that they cover the samples the user's batches did. Said in one line;
+        ``limit_val_batches``, which counts validation batches the plan may not change, is warned about."""
+        users = next((v for _, v in self._batch_sizes if isinstance(v, int) and v > 0), None)
+        if users is None:
+            return
+        ratio = Fraction(users, plan.micro_batch_size)
+        changed = []
+        for name in _BATCH_COUNTS:
+            given = self._counts.get(name)
+            if not _whole(given) or given == 0:
+                continue
+            scaled = max(1, round(given * ratio))
+            setattr(trainer, name, scaled)
+            if scaled != given:
+                exact = "" if given * ratio == scaled else f" (rounded from {float(given * ratio):.2f})"
+                changed.append(f"{name}={given} -> {scaled}{exact}")
+        if ratio < 1:  # the user's accumulation merged into a larger micro-batch
+            norms = sorted({type(m).__name__ for m in self._target[1].modules() if isinstance(m, _BatchNorm)})
+            say = rank_zero_warn if norms else rank_zero_info
+            say(
+                f"AutoFit: micro-batch {plan.micro_batch_size} x accumulate {plan.accumulate_grad_batches} "
+                f"in place of your {users} x {self._accumulate[1]}: the same global batch in fewer, larger "
+                "micro-batches (faster)"
+                + (
+                    f"; {', '.join(norms)} then normalize over {plan.micro_batch_size} samples, not {users}. "
+                    "Where the model needs your micro-batch, train it without AutoFit."
+                    if norms
+                    else "."
+                )
+            )
+        if changed:
+            rank_zero_info(
+                f"AutoFit: {', '.join(changed)}: they count training batches, now of "
+                f"{plan.micro_batch_size} samples where you gave {users}, so the fit covers the same samples."
+            )
+        limit = trainer.limit_val_batches
+        if ratio != 1 and _whole(limit) and limit > 0 and "limit_val_batches" not in self._warned:
+            self._warned.add("limit_val_batches")
+            rank_zero_warn(
+                f"AutoFit sets `{self.batch_size_attr}` to the micro-batch {plan.micro_batch_size} (you gave "
+                f"{users}): a val_dataloader that reads it gives batches of that size, and "
+                f"limit_val_batches={limit} then validates on {float(ratio):.3g}x fewer samples. Give "
+                "limit_val_batches as a fraction, or a val_dataloader with a batch size of its own."
+            )
 
     def _apply(self, plan: FitPlan) -> None:
         assert self._target is not None
@@ -452,7 +511,9 @@ class AutoFit(Callback):
         if self._accumulate is not None:
             trainer, accumulate = self._accumulate
             trainer.accumulate_grad_batches = accumulate
-        self._batch_sizes, self._accumulate = [], None
+            for name, value in self._counts.items():
+                setattr(trainer, name, value)
+        self._batch_sizes, self._accumulate, self._counts = [], None, {}
 
     def _replan(self) -> FitPlan:
         """Switch to the plan one notch leaner (`FitPlan.leaner`) after an OOM; raises if none is left.
@@ -517,6 +578,11 @@ def _unrecoverable(trainer: pl.Trainer, module: pl.LightningModule) -> str | Non
             "again. Without FusedOptimizerStep, AutoFit re-plans one notch leaner and runs the batch again"
         )
     return None
+
+
+def _whole(value: Any) -> bool:
+    """Whether a Trainer's batch count is a whole number of batches (not a fraction, not ``True``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_budget(budget: Any) -> None:
