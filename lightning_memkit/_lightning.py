@@ -302,7 +302,40 @@ def batch_size(batch: Any) -> int:
 
 def batch_slice(batch: Any, stop: int, start: int = 0) -> Any:
     """Samples ``start:stop`` of every tensor in ``batch`` (dim 0); other leaves are kept whole."""
-    return apply_to_collection(batch, Tensor, lambda t: t[start:stop] if t.dim() > 0 else t)
+    return apply_to_collection(batch, Tensor, lambda t: rows(t, start, stop) if t.dim() > 0 else t)
+
+
+def rows(t: Tensor, start: int, stop: int) -> Tensor:
+    """``t[start:stop]`` for a tensor of any layout: sparse ones (COO, CSR, CSC, BSR, BSC), which cannot be
+    sliced, are cut through COO and given their layout back."""
+    if t.layout == torch.strided:
+        return t[start:stop]
+    index = torch.arange(start, min(stop, t.shape[0]), device=t.device)
+    return _layout_of(t, _coo(t).index_select(0, index))
+
+
+def repeat_rows(t: Tensor, copies: int) -> Tensor:
+    """``t`` ``copies`` times along dim 0, for a tensor of any layout (see `rows`)."""
+    if t.layout == torch.strided:
+        return torch.cat([t] * copies)
+    return _layout_of(t, torch.cat([_coo(t)] * copies))
+
+
+def _coo(t: Tensor) -> Tensor:
+    return t if t.layout == torch.sparse_coo else t.to_sparse_coo()
+
+
+def _layout_of(like: Tensor, coo: Tensor) -> Tensor:
+    """``coo`` in the sparse layout of ``like``."""
+    if like.layout == torch.sparse_coo:
+        return coo.coalesce()
+    if like.layout in (torch.sparse_bsr, torch.sparse_bsc):
+        blocks = tuple(like.values().shape[1:3])
+        if all(n % b == 0 for n, b in zip(coo.shape[-2:], blocks, strict=True)):
+            return coo.to_sparse(layout=like.layout, blocksize=blocks)
+        # Too few rows for one block (a planner's micro-batch of 1): compressed rows (columns) instead.
+        return coo.to_sparse(layout=torch.sparse_csr if like.layout == torch.sparse_bsr else torch.sparse_csc)
+    return coo.to_sparse(layout=like.layout)
 
 
 def pieces(batch: Any, size: int) -> list[Any]:

@@ -33,7 +33,7 @@ from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget
 from lightning_memkit._checkpointing import CHECKPOINT_MODES, apply_plan
 from lightning_memkit._fitplan import FitPlan
-from lightning_memkit._lightning import batch_size
+from lightning_memkit._lightning import batch_size, repeat_rows
 from lightning_memkit._optimizers import (
     COMPENSATED,
     DEFAULT_CANDIDATES,
@@ -195,7 +195,7 @@ def explain_oom(
         budget = Budget(need.peak, need.peak, f"{format_bytes(need.peak)}, this step's need")
     copies = accumulate * plan_options.get("n_gpus", 1)  # (micro, ...) -> (micro * copies, ...)
     whole = apply_to_collection(
-        on_cpu(batch), Tensor, lambda t: t.repeat(copies, *[1] * (t.dim() - 1)) if t.dim() else t
+        on_cpu(batch), Tensor, lambda t: repeat_rows(t, copies) if t.dim() else t
     )
     lines += [*table, *plans_section(model, whole, budget, **plan_options)]
     return "\n".join(lines)

@@ -89,7 +89,9 @@ class Shadows:
 
     def adopt(self, real: Tensor, fake: Tensor) -> None:
         """Give ``fake``, the twin of the user's batch tensor ``real``, a copy of ``real`` as its shadow."""
-        if isinstance(real, FakeTensor) or real.is_meta or real.is_sparse or real.numel() > self.max_numel:
+        if isinstance(real, FakeTensor) or real.is_meta or real.layout != torch.strided:
+            return  # sparse: no storage to shadow (its branches are not followed)
+        if real.numel() > self.max_numel:
             return
         with _disable_current_modes(), torch.no_grad():
             try:

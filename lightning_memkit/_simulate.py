@@ -259,6 +259,13 @@ def _fake_like(t: Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> Te
     """A fake CPU tensor with ``t``'s shape and strides; floating point ones converted to ``dtype``."""
     if dtype is None or not t.is_floating_point():
         dtype = t.dtype
+    if t.layout != torch.strided:
+        # Sparse: no strides. torch's fake twin keeps the shape (COO: and the sparse dimensions; CSR:
+        # the compressed indices) but no non-zeros, so the batch's own indices and values are not counted
+        # (the margin covers them: a batch's bytes, not the step's).
+        twin = mode.from_tensor(t.detach().cpu())
+        with mode:
+            return twin if twin.dtype == dtype else twin.to(dtype)
     with mode:
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=_SIM_DEVICE)
 

@@ -106,6 +106,7 @@ from lightning_memkit._budget import (
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan, StepCost
 from lightning_memkit._isolate import isolated
+from lightning_memkit._lightning import repeat_rows
 from lightning_memkit._oom import StepInFlight
 from lightning_memkit._optimizers import CATALOGUE, lighter_candidates
 from lightning_memkit.callbacks._oom_report import report_oom
@@ -270,7 +271,7 @@ class AutoFit(Callback):
                 "needs at least one sample; check the dataset's length and the batch size."
             )
         # (micro, ...) -> (micro * accumulate * ranks, ...): the global batch of one optimizer step.
-        example = apply_to_collection(example, torch.Tensor, lambda t: torch.cat([t] * copies))
+        example = apply_to_collection(example, torch.Tensor, lambda t: repeat_rows(t, copies))
         device = trainer.strategy.root_device.type
         return plan_fit(
             pl_module,
