@@ -194,9 +194,7 @@ def explain_oom(
         )
         budget = Budget(need.peak, need.peak, f"{format_bytes(need.peak)}, this step's need")
     copies = accumulate * plan_options.get("n_gpus", 1)  # (micro, ...) -> (micro * copies, ...)
-    whole = apply_to_collection(
-        on_cpu(batch), Tensor, lambda t: repeat_rows(t, copies) if t.dim() else t
-    )
+    whole = apply_to_collection(on_cpu(batch), Tensor, lambda t: repeat_rows(t, copies) if t.dim() else t)
     lines += [*table, *plans_section(model, whole, budget, **plan_options)]
     return "\n".join(lines)
 
