@@ -82,6 +82,7 @@ def test_a_typo_in_the_gpu_name_is_answered_from_the_light_table():
     assert "Did you mean A100-40GB" in err
 
 
+@pytest.mark.slow  # a subprocess that imports torch and plans: the full tier's
 def test_a_command_that_parses_imports_the_rest_and_runs():
     """After parsing the subcommand's module is imported: the run itself still works from a process."""
     status, heavy, out, err = _memkit(

@@ -46,7 +46,7 @@ def _orders(a: Callback, b: Callback) -> list[list[Callback]]:
     return [[a, b], [b, a]]
 
 
-@pytest.mark.parametrize("first", ["autofit", "checkpointing"])
+@pytest.mark.parametrize("first", ["autofit", pytest.param("checkpointing", marks=pytest.mark.slow)])
 def test_activation_checkpointing_defers_to_autofit_in_either_order(tmp_path, first):
     torch.manual_seed(0)
     model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
@@ -89,7 +89,7 @@ def test_a_policy_autofit_cannot_plan_is_refused_with_the_modes_to_give():
     assert ActivationCheckpointing().modes_for(("none", "selective")) == ("none", "selective")
 
 
-@pytest.mark.parametrize("order", [0, 1])
+@pytest.mark.parametrize("order", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_optimizer_swap_defers_to_autofit_in_either_order(tmp_path, order, lightning_log):
     """Both chose the optimizer: AutoFit planned AdamW, OptimizerSwap then swapped to another, so the run
     trained with an optimizer the plan had not fitted (and AutoFit warned of a backward that did not run,

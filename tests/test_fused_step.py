@@ -60,7 +60,11 @@ def _run(make, fused: bool, tmp_path):
     return module, batch, peaks.peaks, losses.losses
 
 
-@pytest.mark.parametrize("make", [_gpt, _zoo("qwen2"), _zoo("resnet")], ids=["gpt", "qwen2", "resnet"])
+@pytest.mark.parametrize(
+    "make",
+    [_gpt, pytest.param(_zoo("qwen2"), marks=pytest.mark.slow), _zoo("resnet")],
+    ids=["gpt", "qwen2", "resnet"],
+)
 def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
     """The unchanged LightningModule with and without FusedOptimizerStep: the same losses, parameters and
     buffers (the CNN's BatchNorm statistics);

@@ -146,7 +146,7 @@ class SparseBatches(SparseInput):
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size, collate_fn=collate)
 
 
-@pytest.mark.parametrize("layout", ["coo", "csr", "bsr"])
+@pytest.mark.parametrize("layout", [pytest.param("coo", marks=pytest.mark.slow), "csr", "bsr"])
 def test_autofit_plans_a_sparse_batch_and_the_run_fits_the_plan(tmp_path, layout):
     """AutoFit raised in its planning (``aten::as_strided`` on SparseCPU; ``Sparse CSR tensors do not have
     is_contiguous``). At a budget the batch of 16 does not fit, it cuts the micro-batch, and the steps peak

@@ -56,7 +56,11 @@ def _fit(make, offload: bool, tmp_path, watch: bool = False, **kwargs):
     return module, batch, peaks.peaks, torch.stack(losses.losses)
 
 
-@pytest.mark.parametrize("make", [_gpt, _zoo("qwen2"), _zoo("resnet")], ids=["gpt", "qwen2", "resnet"])
+@pytest.mark.parametrize(
+    "make",
+    [_gpt, _zoo("qwen2"), pytest.param(_zoo("resnet"), marks=pytest.mark.slow)],
+    ids=["gpt", "qwen2", "resnet"],
+)
 def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
     """fp32 weights, two micro-batches per step and gradient clipping: the same losses, parameters and
     buffers (the CNN's BatchNorm statistics) with the optimizer offloaded as without. One micro-batch per
