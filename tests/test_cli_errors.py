@@ -162,6 +162,7 @@ def test_an_image_model_on_the_token_batch(capfd, user_models):
     _fails(capfd, plan, r"the simulated training step failed: .* token ids of shape \(4, 8\)")
 
 
+@pytest.mark.slow  # a shell per command: the full tier's (in-process, the same messages are tested above)
 def test_the_shell_sees_one_line(tmp_path, user_models):
     """The installed ``memkit`` script, from the shell: a meta kernel failing makes torch log its traceback
     before raising, which in-process capture does not see; the command silences it. The user's module is

@@ -115,6 +115,7 @@ def test_import_lightning_memkit_alone_is_light():
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # a fresh process importing every public name: the full tier's
 def test_every_public_name_resolves_in_a_fresh_process():
     """``from lightning_memkit import X`` and ``lightning_memkit.X`` for every X of ``__all__``, each the
     object of the module it comes from; ``import *`` too; submodules as attributes, as before."""

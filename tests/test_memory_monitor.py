@@ -37,7 +37,9 @@ def _csv_rows(trainer) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if row.get("memory/peak")]
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
+@pytest.mark.parametrize(
+    "foreach", [pytest.param(True, marks=pytest.mark.slow), False], ids=["foreach", "for-loop"]
+)
 def test_every_step_matches_the_allocator_on_torch_encoder(trainer_kwargs, foreach):
     """Measured steps and steps that reuse a measured twin both match the profiler on the same step."""
     monitor = MemoryMonitor()
@@ -333,7 +335,11 @@ class _Varying(EncoderLM):
         return super().training_step((x, y), batch_idx)
 
 
-@pytest.mark.parametrize("wrap", [_batch_encoding, _Tokens], ids=["BatchEncoding", "dataclass"])
+@pytest.mark.parametrize(
+    "wrap",
+    [_batch_encoding, pytest.param(_Tokens, marks=pytest.mark.slow)],
+    ids=["BatchEncoding", "dataclass"],
+)
 def test_batches_of_varying_shape_in_any_container_match_the_allocator(trainer_kwargs, wrap):
     monitor = MemoryMonitor(plot=False, summary=False)
     _, truths = _fit(_Varying(wrap), monitor, trainer_kwargs, profile=True, max_steps=5)
