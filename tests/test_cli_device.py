@@ -70,3 +70,13 @@ def test_a_gpu_name_or_offload_on_the_cpu_is_a_usage_error():
     assert status == 2 and "A100-40GB names a GPU; give a size instead: --memory 16GB" in err
     status, _, err = run_cli([*PLAN, "--device", "cpu", "--memory", "1GB", "--offload"])
     assert status == 2 and "--device cpu has no GPU" in err
+
+
+def test_a_decimal_size_that_names_a_card_in_binary_units_is_flagged():
+    """``--gpu 24GB`` is 24 x 10^9 bytes, 1.6 GiB less than the 24 GiB of the cards users mean by it."""
+    status, out, err = run_cli([*PLAN, "--gpu", "24GB"])
+    assert status == 0, err
+    assert "note: 24GB is 24 x 10^9 bytes; RTX-3090, RTX-4090 have 24 GiB: --gpu RTX-3090 (or" in out
+    status, out, err = run_cli([*PLAN, "--gpu", "24GiB"])
+    assert status == 0, err
+    assert "note:" not in out

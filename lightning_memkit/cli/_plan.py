@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -163,15 +164,25 @@ def _budget(args: argparse.Namespace) -> Budget:
 
 
 def _budget_line(budget: Budget, margin: float, device: str) -> str:
-    """How the step's limit comes from the budget: what was taken off, and why."""
+    """How the step's limit comes from the budget: what was taken off, and why; and, for a size in
+    decimal gigabytes that names a card's binary size (``24GB`` for a 24 GiB RTX 4090), the card."""
     given = f"budget: {budget.source} = {format_bytes(budget.total)}"
     limit = f"less the {margin:.0%} margin: {format_bytes(int(budget.usable * (1 - margin)))}"
     if device == "cpu":
         return f"{given}; {limit}"
-    return (
+    line = (
         f"{given}, less the CUDA context ({format_bytes(CUDA_CONTEXT_BYTES)}) and the "
         f"{FRAGMENTATION_RESERVE:.0%} fragmentation reserve: {format_bytes(budget.usable)}; {limit}"
     )
+    size = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*GB\s*", budget.source, re.IGNORECASE)
+    cards = [name for name, mib in GPUS.items() if size and round(mib / 1024) == float(size[1])]
+    if cards:
+        line += (
+            f"\nnote: {budget.source} is {float(size[1]):g} x 10^9 bytes; {', '.join(cards)} "
+            f"{'has' if len(cards) == 1 else 'have'} {float(size[1]):g} GiB: --gpu {cards[0]} (or "
+            f"--gpu {float(size[1]):g}GiB) plans for the card"
+        )
+    return line
 
 
 def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
