@@ -224,13 +224,25 @@ def _coarse(x: Any) -> Any:
 
 
 def hides_memory(func: Any, args: tuple) -> bool:
-    """Whether ``func``'s CPU kernel allocates outside the dispatcher on arguments like ``args``."""
-    if func in OPAQUE:
-        return True
+    """Whether ``func``'s CPU kernel allocates outside the dispatcher on arguments like ``args``, and the
+    helper can measure it. Not on a sparse operand: the helper rebuilds arguments from shapes and strides,
+    which a sparse tensor does not have (what its kernel allocates inside is not counted)."""
+    if func in OPAQUE or (func not in MATMULS and _is_foreign(func)):
+        return not _any_sparse(args)
     if func not in MATMULS:
-        return _is_foreign(func)
+        return False
     tensors = [a for a in args if isinstance(a, Tensor)]
+    if any(t.layout != torch.strided for t in tensors):
+        return False
     return any(t.dtype in _16BIT or not _blas_ready(t) for t in tensors)
+
+
+def _any_sparse(x: Any) -> bool:
+    if isinstance(x, Tensor):
+        return x.layout != torch.strided
+    if isinstance(x, (list, tuple)):
+        return any(_any_sparse(i) for i in x)
+    return False
 
 
 def kernel_peak(func: Any, args: tuple, kwargs: dict) -> int | None:

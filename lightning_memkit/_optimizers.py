@@ -610,8 +610,8 @@ def lighter_candidates(
     if own is None:
         return (None,) if is_lightning(model) else tuple(candidates)
     order = list(candidates)
-    start = order.index(own) if own in order else 0
-    names = [own] + [n for n in order[start + 1 :] if n != own]
+    after = order[order.index(own) + 1 :] if own in order else order
+    names = [own] + [n for n in after if n != own]
     if load_bitsandbytes() is None:
         names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]
     return tuple(names)

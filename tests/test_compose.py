@@ -24,7 +24,7 @@ from lightning_memkit import (
     OptimizerSwap,
 )
 from lightning_memkit._checkpointing import checkpoint_policies
-from lightning_memkit._optimizers import identify
+from lightning_memkit._optimizers import identify, lighter_candidates
 from lightning_memkit.demos.gpt import Block
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -111,6 +111,17 @@ def test_optimizer_swap_defers_to_autofit_in_either_order(tmp_path, order, light
     assert max(peaks.peaks) <= plan.limit
     assert "OptimizerSwap defers to AutoFit (its budget='18MB' is not used)" in lightning_log.text
     assert not [w for w in caught if "did not run" in str(w.message)]
+
+
+def test_autofit_plans_the_swaps_candidates_after_the_modules_own():
+    """The first candidate was dropped when the module's own optimizer was not among them: beside
+    ``OptimizerSwap(candidates=("adafactor",))`` AutoFit planned AdamW alone and found that nothing fit."""
+    module, _, _ = tiny_gpt()  # AdamW
+    trainer = pl.Trainer(callbacks=[OptimizerSwap("1GB", candidates=("adafactor",))], logger=False)
+    assert AutoFit(budget="1GB")._optimizers(trainer, module) == ("adamw", "adafactor")
+    assert lighter_candidates(module, ("sgd", "adafactor")) == ("adamw", "sgd", "adafactor")
+    assert lighter_candidates(module, ("lion", "adamw", "sgd")) == ("adamw", "sgd")  # lighter than its own
+    assert lighter_candidates(module)[:2] == ("adamw", "adamw8bit")
 
 
 class _OnFirstBatch(Callback):

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import lightning_memkit.callbacks.memory_monitor as mm
-from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory, measure
+from lightning_memkit import AutoFit, MemoryMonitor, OptimizerSwap, estimate_memory, measure
 from lightning_memkit._lightning import batch_slice, repeat_rows, rows
 from lightning_memkit._measure import Tracker, leaves, rounded
 from lightning_memkit.callbacks.memory_monitor import batch_signature
@@ -170,6 +170,30 @@ def test_autofit_plans_a_sparse_batch_and_the_run_fits_the_plan(tmp_path, layout
     members = sum(rounded(m.untyped_storage().nbytes(), 64) for m in leaves(batch_slice(batch, 8)[0]))
     assert plan.estimated_peak <= peak <= plan.estimated_peak + members
     assert peak <= plan.budget.usable  # what the margin is for
+
+
+class SparseMatmul(SparseBatches):
+    """Multiplies the compressed batch itself, as sparse-input models do (no ``to_dense`` first)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        first = self.net[0]
+        h = (x @ first.weight.T) + first.bias
+        return ((self.net[1:](h).squeeze(-1) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("layout", ["csr", "csc"])
+def test_a_step_that_multiplies_a_compressed_batch_is_planned(tmp_path, layout):
+    """``Sparse CSR tensors do not have strides``: the kernel check read a sparse operand's strides. And
+    OptimizerSwap at a budget that changes nothing changed the losses: the dataloader it built for the
+    first batch drew this dataset's random data from torch's RNG before the streams were kept."""
+    _, plain = _fit_losses(tmp_path / "plain", lambda: SparseMatmul(layout))
+    for callback in (AutoFit(budget="1000GB", cost="flops"), OptimizerSwap(budget="1000GB")):
+        trainer, planned = _fit_losses(
+            tmp_path / type(callback).__name__, lambda: SparseMatmul(layout), callback
+        )
+        assert trainer.global_step == 4
+        assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
 
 
 def test_sparse_batches_with_different_non_zeros_are_no_twins():

@@ -145,16 +145,17 @@ def first_batch(trainer: pl.Trainer) -> Any | None:
     so the epoch that follows starts with this very batch and draws the same random numbers.
     """
     source = trainer.fit_loop._data_source
-    loader = source.dataloader() if source.is_defined() else None
-    if loader is None:
-        return None
-    combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
-    with _rng_kept(combined.flattened):
-        batch = next((b for b, _, _ in combined if b is not None), None)
-        if batch is None:
+    with rng_kept():  # the hook itself may draw from them (a dataset of random data, a split)
+        loader = source.dataloader() if source.is_defined() else None
+        if loader is None:
             return None
-        batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+        combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
+        with _rng_kept(combined.flattened):
+            batch = next((b for b, _, _ in combined if b is not None), None)
+            if batch is None:
+                return None
+            batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+            return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 @contextlib.contextmanager
