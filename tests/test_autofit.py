@@ -25,6 +25,7 @@ from lightning_memkit import (
 from lightning_memkit._autofit import grid
 from lightning_memkit._budget import parse_budget
 from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit._lightning import batch_slice
 from lightning_memkit.callbacks import auto_fit
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.cli import main
@@ -333,7 +334,8 @@ def test_a_ready_made_dataloader_is_refused(tmp_path):
 @on_the_pretend_device
 def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
     module = _Device(rows=0)
-    with pytest.raises(RuntimeError, match=r"with full checkpointing, the strongest of .*no leaner plan is"):
+    said = r"with full checkpointing, the strongest this model is planned with \(none, selective, "
+    with pytest.raises(RuntimeError, match=said + r"selective_half, full\): no leaner plan is"):
         _fit_on_device(tmp_path, module)
     assert all(p.requires_grad for p in module.parameters())
     assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
@@ -593,3 +595,57 @@ def test_accumulation_merged_into_a_larger_micro_batch_is_said(tmp_path, lightni
         assert said in lightning_log.text or any(said in str(w.message) for w in caught)
         normed = [w for w in caught if "BatchNorm1d then normalize over 8 samples, not 4" in str(w.message)]
         assert len(normed) == int(warned)
+
+
+class _Short(L.LightningModule):
+    """44 samples in batches of 8: an epoch of 6 batches, the last of 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 8
+        self.net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def _loader(self, n):
+        g = torch.Generator().manual_seed(n)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(n, 256, generator=g), torch.randn(n, 1, generator=g)
+        )
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+    def train_dataloader(self):
+        return self._loader(44)
+
+    def val_dataloader(self):
+        return self._loader(8)
+
+
+def test_an_interval_of_the_users_whole_epoch_stays_within_the_planned_epoch(tmp_path):
+    """``val_check_interval=6``, the user's epoch: scaled to 12 micro-batches of 4 it was past the planned
+    epoch's 11 (its last batch holds 4 samples, not 8) and Lightning refused the run."""
+    torch.manual_seed(0)
+    module = _Short()
+    batch = next(iter(module.train_dataloader()))
+    whole = estimate_memory(module, batch, device="cpu").peak
+    half = estimate_memory(module, batch_slice(batch, 4), device="cpu").peak
+    autofit = AutoFit(
+        budget=int((half + whole) / 2 / 0.9), cost="flops", optimizers=("adamw",), checkpointing=("none",)
+    )
+    schedule = _Schedule()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_epochs=2, val_check_interval=6,
+        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[autofit, schedule],
+    )  # fmt: skip
+    trainer.fit(module)
+    assert autofit.plan.micro_batch_size == 4
+    assert sum(schedule.sizes) == 2 * 44 and schedule.validations == [6, 12]  # each epoch's end, as asked

@@ -124,6 +124,26 @@ def test_autofit_plans_the_swaps_candidates_after_the_modules_own():
     assert lighter_candidates(module)[:2] == ("adamw", "adamw8bit")
 
 
+def test_resuming_a_swapped_run_beside_autofit_says_how_to_resume(tmp_path):
+    """The checkpoint holds Adafactor's state; beside AutoFit, OptimizerSwap defers and AutoFit built
+    AdamW, whose first step failed with ``KeyError: 'betas'``."""
+    model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
+    trainer = cpu_trainer(tmp_path, [OptimizerSwap(budget="28MB", candidates=("adafactor",))], max_steps=1)
+    trainer.fit(model, data)
+    assert identify(trainer.optimizers[0]) == "adafactor"
+    trainer.save_checkpoint(tmp_path / "swapped.ckpt")
+    model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
+    pair = [AutoFit(budget="1000GB", cost="flops"), OptimizerSwap(budget="28MB", candidates=("adafactor",))]
+    losses = Losses()
+    with pytest.raises(
+        RuntimeError, match=r"trained with OptimizerSwap's choice, adafactor.*without AutoFit"
+    ):
+        cpu_trainer(tmp_path, [*pair, losses], max_steps=2).fit(
+            model, data, ckpt_path=tmp_path / "swapped.ckpt"
+        )
+    assert losses.losses == []
+
+
 class _OnFirstBatch(Callback):
     def __init__(self, fn) -> None:
         self.fn, self.done = fn, False

@@ -73,6 +73,7 @@ Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -105,7 +106,7 @@ from lightning_memkit._budget import (
 )
 from lightning_memkit._checkpointing import CHECKPOINT_MODES
 from lightning_memkit._fitplan import FitPlan, StepCost
-from lightning_memkit._isolate import isolated
+from lightning_memkit._isolate import isolated, rng_kept
 from lightning_memkit._lightning import repeat_rows
 from lightning_memkit._oom import StepInFlight
 from lightning_memkit._optimizers import CATALOGUE, lighter_candidates
@@ -334,15 +335,20 @@ class AutoFit(Callback):
         if users is None:
             return
         ratio = Fraction(users, plan.micro_batch_size)
-        changed = []
+        changed, rounded_up = [], False
         for name in _BATCH_COUNTS:
             given = self._counts.get(name)
             if not _whole(given) or given == 0:
                 continue
-            scaled = max(1, round(given * ratio))
+            scaled = max(1, math.ceil(given * ratio))  # at least the samples asked for
+            if name == "val_check_interval" and trainer.check_val_every_n_epoch is not None:
+                # Within an epoch, as Lightning requires: a last batch of fewer samples makes the epoch
+                # shorter than the scaled count (an interval of the user's whole epoch, say).
+                scaled = min(scaled, self._epoch_batches(trainer) or scaled)
             setattr(trainer, name, scaled)
             if scaled != given:
-                exact = "" if given * ratio == scaled else f" (rounded from {float(given * ratio):.2f})"
+                exact = "" if given * ratio == scaled else f" (from {float(given * ratio):.2f})"
+                rounded_up |= bool(exact)
                 changed.append(f"{name}={given} -> {scaled}{exact}")
         if ratio < 1:  # the user's accumulation merged into a larger micro-batch
             norms = sorted({type(m).__name__ for m in self._target[1].modules() if isinstance(m, _BatchNorm)})
@@ -361,7 +367,12 @@ class AutoFit(Callback):
         if changed:
             rank_zero_info(
                 f"AutoFit: {', '.join(changed)}: they count training batches, now of "
-                f"{plan.micro_batch_size} samples where you gave {users}, so the fit covers the same samples."
+                f"{plan.micro_batch_size} samples where you gave {users}, so the fit covers "
+                + (
+                    "at least the samples asked for (rounded up, within the epoch)."
+                    if rounded_up
+                    else "the same samples."
+                )
             )
         limit = trainer.limit_val_batches
         if ratio != 1 and _whole(limit) and limit > 0 and "limit_val_batches" not in self._warned:
@@ -372,6 +383,17 @@ class AutoFit(Callback):
                 f"limit_val_batches={limit} then validates on {float(ratio):.3g}x fewer samples. Give "
                 "limit_val_batches as a fraction, or a val_dataloader with a batch size of its own."
             )
+
+    def _epoch_batches(self, trainer: pl.Trainer) -> int | None:
+        """Training batches per epoch at the plan's micro-batch (the loader's length, within a whole-number
+        ``limit_train_batches``), or ``None`` for a loader without a length."""
+        with rng_kept():  # building the loader may draw from them
+            try:
+                n = len(fit_data_source(trainer).dataloader())
+            except TypeError:  # an iterable dataset
+                return None
+        limit = trainer.limit_train_batches
+        return min(n, limit) if _whole(limit) and limit > 0 else n
 
     def _apply(self, plan: FitPlan) -> None:
         assert self._target is not None
@@ -525,10 +547,12 @@ class AutoFit(Callback):
         assert self.plan is not None
         leaner = self.plan.leaner(self.checkpointing)
         if leaner is None:
+            allowed = [m for m in self.checkpointing if m in self.plan.levels]
             raise RuntimeError(
                 f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with "
-                f"{self.plan.checkpointing} checkpointing, the strongest of {self.checkpointing}: no leaner "
-                "plan is left; lower the budget given to AutoFit so that a lighter optimizer is chosen."
+                f"{self.plan.checkpointing} checkpointing, the strongest this model is planned with "
+                f"({', '.join(allowed)}): no leaner plan is left; lower the budget given to AutoFit so that "
+                "a lighter optimizer is chosen."
             )
         rank_zero_warn(f"AutoFit: out of memory; re-planned one notch leaner: {leaner.summary()}")
         self.plan = leaner

@@ -184,6 +184,7 @@ class OptimizerSwap(Callback):
         # full choice, or None on the other ranks).
         self._decision: tuple[str | None, OptimizerChoice | None] | None = None
         self._disabled = False
+        self._beside_autofit = False  # deferring to an AutoFit in the fit (`setup`)
         self._warned: set[str] = set()  # the loggers' failures said (`call_logger`)
 
     # --- Lightning hooks ----------------------------------------------------------------------
@@ -222,7 +223,7 @@ class OptimizerSwap(Callback):
                 f"chooses the optimizer together with the micro-batch and the checkpointing, {among}; its "
                 "choice is AutoFit.plan.optimizer."
             )
-            self._disabled = True
+            self._disabled = self._beside_autofit = True
         elif strategy.restore_checkpoint_after_setup or not strategy.lightning_restore_optimizer:
             rank_zero_warn(
                 f"OptimizerSwap does nothing with {type(strategy).__name__}: it wraps or shards the "
@@ -254,6 +255,13 @@ class OptimizerSwap(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "swapped" not in state_dict:  # saved before the first batch: nothing was decided yet
             return
+        if self._beside_autofit and state_dict.get("swapped"):
+            raise RuntimeError(
+                f"The checkpoint was trained with OptimizerSwap's choice, {state_dict.get('optimizer')}, "
+                "whose state it holds; beside AutoFit, OptimizerSwap defers and AutoFit plans the optimizer "
+                "afresh, which cannot load that state. Resume as the run was saved: without AutoFit, with "
+                "OptimizerSwap among the callbacks."
+            )
         self._state = {
             "optimizer": state_dict.get("optimizer"),
             "swapped": state_dict.get("swapped", False),
