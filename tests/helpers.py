@@ -66,3 +66,38 @@ def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 
             raise TimeoutError(
                 f"the {world} {what} ranks did not finish in {timeout_s / 60:.0f} minutes: a hang"
             )
+
+
+class Regression(pl.LightningModule):
+    """A two-layer regression that logs nothing itself, ``batch_size`` its loaders' batch size: ``samples``
+    training rows of ``width`` features (and, with ``val_samples``, a validation loader), seeded."""
+
+    def __init__(
+        self, width: int = 16, hidden: int = 32, samples: int = 64, val_samples: int = 0, batch_size: int = 8
+    ) -> None:
+        super().__init__()
+        self.batch_size, self.samples, self.val_samples = batch_size, samples, val_samples
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def _loader(self, n: int) -> torch.utils.data.DataLoader:
+        x = torch.randn(n, self.net[0].in_features, generator=torch.Generator().manual_seed(n))
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+    def train_dataloader(self):
+        return self._loader(self.samples)
+
+    def val_dataloader(self):
+        return self._loader(self.val_samples)

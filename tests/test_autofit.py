@@ -9,6 +9,7 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
+from helpers import Regression
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memkit import (
@@ -597,43 +598,11 @@ def test_accumulation_merged_into_a_larger_micro_batch_is_said(tmp_path, lightni
         assert len(normed) == int(warned)
 
 
-class _Short(L.LightningModule):
-    """44 samples in batches of 8: an epoch of 6 batches, the last of 4."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batch_size = 8
-        self.net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        return self.training_step(batch, batch_idx)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def _loader(self, n):
-        g = torch.Generator().manual_seed(n)
-        data = torch.utils.data.TensorDataset(
-            torch.randn(n, 256, generator=g), torch.randn(n, 1, generator=g)
-        )
-        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
-
-    def train_dataloader(self):
-        return self._loader(44)
-
-    def val_dataloader(self):
-        return self._loader(8)
-
-
 def test_an_interval_of_the_users_whole_epoch_stays_within_the_planned_epoch(tmp_path):
     """``val_check_interval=6``, the user's epoch: scaled to 12 micro-batches of 4 it was past the planned
     epoch's 11 (its last batch holds 4 samples, not 8) and Lightning refused the run."""
     torch.manual_seed(0)
-    module = _Short()
+    module = Regression(width=256, hidden=512, samples=44, val_samples=8)  # 6 batches, the last of 4
     batch = next(iter(module.train_dataloader()))
     whole = estimate_memory(module, batch, device="cpu").peak
     half = estimate_memory(module, batch_slice(batch, 4), device="cpu").peak

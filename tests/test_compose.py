@@ -9,10 +9,9 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import Losses, cpu_trainer, tiny_gpt
+from helpers import Losses, Regression, cpu_trainer, tiny_gpt
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import (
     ActivationCheckpointing,
@@ -211,24 +210,8 @@ class _Broken(Logger):
             raise OSError("disk full")
 
 
-class _Plain(pl.LightningModule):
-    """A module that logs nothing itself: whatever reaches the logger is the callback's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batch_size = 8
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=self.batch_size)
+def _Plain() -> Regression:
+    return Regression()
 
 
 @pytest.mark.parametrize(
