@@ -146,7 +146,10 @@ class SparseBatches(SparseInput):
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size, collate_fn=collate)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("coo", marks=pytest.mark.slow), "csr", "bsr"])
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param("coo", marks=pytest.mark.slow), "csr", pytest.param("bsr", marks=pytest.mark.slow)],
+)
 def test_autofit_plans_a_sparse_batch_and_the_run_fits_the_plan(tmp_path, layout):
     """AutoFit raised in its planning (``aten::as_strided`` on SparseCPU; ``Sparse CSR tensors do not have
     is_contiguous``). At a budget the batch of 16 does not fit, it cuts the micro-batch, and the steps peak
@@ -182,7 +185,7 @@ class SparseMatmul(SparseBatches):
         return ((self.net[1:](h).squeeze(-1) - y) ** 2).mean()
 
 
-@pytest.mark.parametrize("layout", ["csr", "csc"])
+@pytest.mark.parametrize("layout", ["csr", pytest.param("csc", marks=pytest.mark.slow)])
 def test_a_step_that_multiplies_a_compressed_batch_is_planned(tmp_path, layout):
     """``Sparse CSR tensors do not have strides``: the kernel check read a sparse operand's strides. And
     OptimizerSwap at a budget that changes nothing changed the losses: the dataloader it built for the
