@@ -336,8 +336,14 @@ def test_a_ready_made_dataloader_is_refused(tmp_path):
 def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
     module = _Device(rows=0)
     said = r"with full checkpointing, the strongest this model is planned with \(none, selective, "
-    with pytest.raises(RuntimeError, match=said + r"selective_half, full\): no leaner plan is"):
+    with (
+        pytest.raises(torch.OutOfMemoryError, match=said + r"selective_half, full\): no leaner plan is"),
+        pytest.warns(
+            UserWarning, match="AutoFit did not re-plan and retry: the leanest plan ran out"
+        ) as seen,
+    ):
         _fit_on_device(tmp_path, module)
+    assert sum("out of memory in the" in str(w.message) for w in seen) == 1  # explained, once
     assert all(p.requires_grad for p in module.parameters())
     assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
 

@@ -539,7 +539,8 @@ class AutoFit(Callback):
         self._batch_sizes, self._accumulate, self._counts = [], None, {}
 
     def _replan(self) -> FitPlan:
-        """Switch to the plan one notch leaner (`FitPlan.leaner`) after an OOM; raises if none is left.
+        """Switch to the plan one notch leaner (`FitPlan.leaner`) after an OOM; raises an OOM that says so
+        if none is left.
 
         The checkpointing changes at once; the micro-batch by cutting batches (`StepGuard`): the Trainer's
         accumulation and the dataloader stay as they are, so the global batch does.
@@ -548,7 +549,8 @@ class AutoFit(Callback):
         leaner = self.plan.leaner(self.checkpointing)
         if leaner is None:
             allowed = [m for m in self.checkpointing if m in self.plan.levels]
-            raise RuntimeError(
+            # An OOM still, so that the run's end explains it (`on_exception`), with the plan applied.
+            raise torch.OutOfMemoryError(
                 f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with "
                 f"{self.plan.checkpointing} checkpointing, the strongest this model is planned with "
                 f"({', '.join(allowed)}): no leaner plan is left; lower the budget given to AutoFit so that "
