@@ -333,7 +333,8 @@ def _layout_of(like: Tensor, coo: Tensor) -> Tensor:
         blocks = tuple(like.values().shape[1:3])
         if all(n % b == 0 for n, b in zip(coo.shape[-2:], blocks, strict=True)):
             return coo.to_sparse(layout=like.layout, blocksize=blocks)
-        # Too few rows for one block (a planner's micro-batch of 1): compressed rows (columns) instead.
+        # Rows (columns) that the blocks do not divide (a planner's micro-batch of 1, a slice across a
+        # block): compressed rows (columns) instead, the same values.
         return coo.to_sparse(layout=torch.sparse_csr if like.layout == torch.sparse_bsr else torch.sparse_csc)
     return coo.to_sparse(layout=like.layout)
 

@@ -338,7 +338,7 @@ class AutoFit(Callback):
         changed, rounded_up = [], False
         for name in _BATCH_COUNTS:
             given = self._counts.get(name)
-            if not _whole(given) or given == 0:
+            if ratio == 1 or not _whole(given) or given == 0:  # nothing to scale (nor a loader to build)
                 continue
             scaled = max(1, math.ceil(given * ratio))  # at least the samples asked for
             if name == "val_check_interval" and trainer.check_val_every_n_epoch is not None:
