@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch import nn
@@ -193,6 +193,14 @@ def call_logger(logger: Any, what: str, call: Callable[[], Any], who: str, warne
                 f"{who}: {key} raised {err!r}; training goes on, and this logger's further failures are "
                 "not reported again."
             )
+
+
+def autofit_in(trainer: pl.Trainer) -> Callback | None:
+    """The fit's `AutoFit`, or ``None``: the callbacks that decide what it plans (checkpointing, the
+    optimizer) defer to it."""
+    from lightning_memkit.callbacks.auto_fit import AutoFit  # auto_fit imports the callbacks that ask
+
+    return next((c for c in getattr(trainer, "callbacks", ()) if isinstance(c, AutoFit)), None)
 
 
 def fit_data_source(trainer: pl.Trainer) -> Any:

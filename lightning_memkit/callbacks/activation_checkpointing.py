@@ -27,6 +27,7 @@ from lightning_memkit._checkpointing import LEVELS, CheckpointHandle, Checkpoint
 from lightning_memkit._isolate import isolated
 from lightning_memkit.callbacks._trainer import (
     accumulates,
+    autofit_in,
     ddp_bucket_bytes,
     first_batch,
     fsdp_checkpointing,
@@ -169,7 +170,7 @@ class ActivationCheckpointing(Callback):
         self._deferring = False
         if reads_device(self._budget_given):
             self.budget = _device_budget(self._budget_given, trainer)
-        planner = _autofit_beside(self, trainer)
+        planner = autofit_in(trainer)
         if planner is not None:
             self._defer(planner)
             return
@@ -335,13 +336,6 @@ class ActivationCheckpointing(Callback):
             f"{{{', '.join(c.__name__ for c in classes)}}} ({len(names)} blocks, full)."
         )
         return True
-
-
-def _autofit_beside(callback: ActivationCheckpointing, trainer: pl.Trainer) -> Callback | None:
-    """The fit's `AutoFit`, which plans checkpointing itself, or ``None``."""
-    from lightning_memkit.callbacks.auto_fit import AutoFit  # auto_fit imports this module
-
-    return next((c for c in trainer.callbacks if isinstance(c, AutoFit)), None)
 
 
 def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:

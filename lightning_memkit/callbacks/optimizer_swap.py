@@ -61,6 +61,7 @@ from lightning_memkit._optimizers import (
 )
 from lightning_memkit.callbacks._trainer import (
     accumulates,
+    autofit_in,
     call_logger,
     ddp_bucket_bytes,
     first_batch,
@@ -212,7 +213,7 @@ class OptimizerSwap(Callback):
                 )
             rank_zero_warn(f"OptimizerSwap defers to {type(strategy).__name__}, {why}")
             self._disabled = True
-        elif (planner := _autofit_beside(trainer)) is not None:
+        elif (planner := autofit_in(trainer)) is not None:
             among = (
                 f"among AutoFit's optimizers={tuple(planner.optimizers)!r}"
                 if planner.optimizers is not None
@@ -411,10 +412,3 @@ class OptimizerSwap(Callback):
 def _simulates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether the step can be simulated: automatic optimization with one optimizer."""
     return pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1
-
-
-def _autofit_beside(trainer: pl.Trainer) -> Callback | None:
-    """The fit's `AutoFit`, which chooses the optimizer itself, or ``None``."""
-    from lightning_memkit.callbacks.auto_fit import AutoFit  # auto_fit imports this module
-
-    return next((c for c in getattr(trainer, "callbacks", ()) if isinstance(c, AutoFit)), None)
