@@ -227,14 +227,12 @@ def hides_memory(func: Any, args: tuple) -> bool:
     """Whether ``func``'s CPU kernel allocates outside the dispatcher on arguments like ``args``, and the
     helper can measure it. Not on a sparse operand: the helper rebuilds arguments from shapes and strides,
     which a sparse tensor does not have (what its kernel allocates inside is not counted)."""
-    if func in OPAQUE or (func not in MATMULS and _is_foreign(func)):
+    if func in OPAQUE:
         return not _any_sparse(args)
     if func not in MATMULS:
-        return False
+        return _is_foreign(func) and not _any_sparse(args)
     tensors = [a for a in args if isinstance(a, Tensor)]
-    if any(t.layout != torch.strided for t in tensors):
-        return False
-    return any(t.dtype in _16BIT or not _blas_ready(t) for t in tensors)
+    return not _any_sparse(tensors) and any(t.dtype in _16BIT or not _blas_ready(t) for t in tensors)
 
 
 def _any_sparse(x: Any) -> bool:
