@@ -58,7 +58,7 @@ import dataclasses
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -210,6 +210,12 @@ class _Search:
             self.whole[key] = self.estimate(m, checkpointing, optimizer=optimizer, precision=precision)
             self.cache[key] = self.per_rank(self.whole[key], precision)
         return self.cache[key]
+
+    def peaks(self, checkpointing: str, optimizer: str | None, precision: str) -> list[tuple[int, int]]:
+        """``(micro-batch, peak)`` of every step simulated with these settings so far."""
+        return [
+            (m, b.peak) for (m, *key), b in self.cache.items() if key == [checkpointing, optimizer, precision]
+        ]
 
     def per_rank(self, breakdown: MemoryBreakdown, precision: str) -> MemoryBreakdown:
         """One rank's share of a whole step's ``breakdown`` (`shard`); FSDP2's is simulated as one rank's
@@ -401,16 +407,39 @@ def _runnable(search: _Search, sizes: list[int], optimizer: str | None, precisio
     raise ValueError(f"The training step fails on every micro-batch of {sizes}: {refused}") from refused
 
 
-def _largest_fitting(fits: Callable[[int], bool], sizes: Sequence[int]) -> int | None:
-    """The largest size for which ``fits`` holds, assuming it is monotone (true, then false)."""
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(sizes[mid]):
-            best, lo = sizes[mid], mid + 1
-        else:
-            hi = mid - 1
-    return best
+def _largest_fitting(
+    peak: Callable[[int], int], limit: int, sizes: Sequence[int], known: Iterable[tuple[int, int]] = ()
+) -> int | None:
+    """The largest of ``sizes`` (ascending) whose ``peak`` is at most ``limit``, assuming the peak grows
+    with the size; ``None`` if none does. ``known``: ``(size, peak)`` pairs simulated already, of any size.
+
+    A bisection that probes where the line through the nearest known peaks either side of the limit crosses
+    it (a step's peak is close to linear in its micro-batch), so that once a size too large is known it
+    mostly ends after two probes, the size predicted and the next one up; the same answer as halving."""
+    seen = dict(known)
+    lo, hi = -1, len(sizes)  # sizes[lo] fits (or none is known to), sizes[hi] does not (or none is known)
+    for i, m in enumerate(sizes):
+        if m in seen:
+            lo, hi = (max(lo, i), hi) if seen[m] <= limit else (lo, min(hi, i))
+    while hi - lo > 1:
+        i = _probe(seen, limit, sizes, lo, hi)
+        seen[sizes[i]] = peak(sizes[i])
+        lo, hi = (i, hi) if seen[sizes[i]] <= limit else (lo, i)
+    return sizes[lo] if lo >= 0 else None
+
+
+def _probe(seen: dict[int, int], limit: int, sizes: Sequence[int], lo: int, hi: int) -> int:
+    """Which of ``sizes[lo + 1 : hi]`` to simulate next (`_largest_fitting`)."""
+    fitting = [(m, p) for m, p in seen.items() if p <= limit]
+    over = [(m, p) for m, p in seen.items() if p > limit]
+    if not fitting or not over:
+        return (lo + hi) // 2
+    (m0, p0), (m1, p1) = max(fitting), min(over)
+    if m1 <= m0 or p1 <= p0:  # not increasing there: halve
+        return (lo + hi) // 2
+    crossing = m0 + (limit - p0) * (m1 - m0) / (p1 - p0)
+    below = [i for i in range(lo + 1, hi) if sizes[i] <= crossing]
+    return below[-1] if below else lo + 1
 
 
 def plan_fit(
@@ -741,14 +770,21 @@ def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Opt
     reached = 0
     known = search.cache.get((sizes[0], "none", opt, prec))  # the FLOP count's step, if it was simulated
     if levels[0] == "none" and (known is None or known.peak <= limit):  # else no micro-batch fits without
-        m = _largest_fitting(lambda m: search.peak(m, "none", opt, prec).peak <= limit, sizes)
+        m = _largest_fitting(
+            lambda m: search.peak(m, "none", opt, prec).peak, limit, sizes, search.peaks("none", opt, prec)
+        )
         if m is not None:
             reached = m
             peak = search.peak(m, "none", opt, prec).peak
             options.append(_Option(step_cost.time(m, G // m), m, "none", peak, None))
     above = [m for m in sizes if m > reached]
     if levels != ("none",) and above:
-        top = _largest_fitting(lambda m: search.peak(m, levels[-1], opt, prec).peak <= limit, above)
+        top = _largest_fitting(
+            lambda m: search.peak(m, levels[-1], opt, prec).peak,
+            limit,
+            above,
+            search.peaks(levels[-1], opt, prec),
+        )
         # From the largest down: a smaller micro-batch takes more micro-steps, so once the best plan found
         # beats one's time without any recompute, that micro-batch needs no planner.
         for m in reversed([m for m in above if top is not None and m <= top]):

@@ -5,7 +5,9 @@ blocks': a 7B LLaMA's step is 32 copies of one block's ops between the embedding
 70B's 80. When the blocks are copies of one another (one class, the same parameters, the same settings
 but their index), the step of a model cut to ``k`` blocks is the step at ``k + 1`` with one block's ops
 taken out of each phase, and what every other op sees live moves by a fixed amount per block. So the step
-is simulated at 2, 3 and 4 blocks, with every candidate peak recorded (`History`):
+is simulated at 1, 2 and 3 blocks (at 2, 3 and 4 where the 1-block step fails or the three do not agree:
+`estimate_memory(checkpointing=...)` finds the blocks to checkpoint by their repetition), with every
+candidate peak recorded (`History`). Described for 2, 3 and 4 blocks (the rule is the same one lower):
 
 1. In each phase (forward, zero_grad, backward, optimizer), the step at 3 blocks is the step at 2 with
    runs of ops inserted, one for each loop over the blocks (most phases have one; FSDP2's forward views
@@ -22,7 +24,7 @@ is simulated at 2, 3 and 4 blocks, with every candidate peak recorded (`History`
 Where anything does not hold (blocks that differ in any setting, a non-uniform checkpointing plan, a
 step that fails when cut, a prediction that misses) the whole model is simulated instead. The tests hold
 it to the full simulation byte for byte on the zoo. A known limit: what the *parent's* loop does by a
-block's position past the fourth (checkpointing only the first N blocks by hand with
+block's position past the shallow steps' (checkpointing only the first N blocks by hand with
 ``torch.utils.checkpoint``, an extra op after every k-th block) is seen neither in the blocks' settings
 nor in the shallow steps, and is extrapolated as if absent (a strict xfail in the tests records it).
 """
@@ -54,9 +56,11 @@ __all__ = ["MIN_DEPTH", "History", "Shortcut", "cost_ratio", "shortcut"]
 
 log = logging.getLogger(__name__)
 
-#: Fewest repeated blocks for the shortcut: three shallow steps (2 + 3 + 4 blocks) must cost less than one.
+#: Fewest repeated blocks for the shortcut: three shallow steps (at most 2 + 3 + 4 blocks) must cost less
+#: than one.
 MIN_DEPTH = 12
-_DEPTHS = (2, 3, 4)
+#: The shallow steps tried, in order: 2, 3 and 4 blocks where 1, 2 and 3 fail or do not agree.
+_DEPTHS = ((1, 2, 3), (2, 3, 4))
 
 
 @dataclass(frozen=True)
@@ -289,41 +293,57 @@ def cost_ratio(model: nn.Module) -> float:
     """What the whole step of ``model`` costs against the shortcut's three shallow steps (a step that cannot
     take the shortcut, such as a per-block checkpointing plan's), by the blocks each runs."""
     run = repeated_run(model)
-    return 1.0 if run is None else run.total / sum(d + run.others for d in _DEPTHS)
+    return 1.0 if run is None else run.total / sum(d + run.others for d in _DEPTHS[0])
 
 
 def shortcut(model: nn.Module, simulate: Callable[[], Tracker], *, count: bool = False) -> Shortcut | None:
-    """``simulate()``'s step of ``model``, from its step at 2, 3 and 4 blocks; ``None`` where the shortcut
-    does not hold (`repeated_blocks`, the module docstring). ``count``: also the step's FLOPs and forward
-    and backward ops (``simulate`` must keep a timeline), which grow by the same amount with each block."""
+    """``simulate()``'s step of ``model``, from its step at 1, 2 and 3 blocks (or 2, 3 and 4); ``None`` where
+    the shortcut does not hold (`repeated_blocks`, the module docstring). ``count``: also the step's FLOPs
+    and forward and backward ops (``simulate`` must keep a timeline), which grow by the same amount with
+    each block."""
     run = repeated_run(model)
     if run is None:
         return None
-    depth = run.length
-    trackers, counts = [], []
-    for shallow in _DEPTHS:
-        counter = FlopCounterMode(display=False) if count else contextlib.nullcontext()
-        with truncated(run.container, shallow, run), counter as c:
-            try:
-                tracker = simulate()
-            except Exception as error:  # a step that needs all its blocks: simulate them all
-                log.debug("The %d-block step fails (%s): the whole model is simulated.", shallow, error)
-                return None
-        if tracker.history is None:  # type: ignore[attr-defined]
-            raise AssertionError("shortcut needs trackers with a history")
-        trackers.append(tracker)
-        if count:
-            ops = sum(e.phase in ("forward", "backward") for e in tracker.timeline)  # type: ignore[attr-defined]
-            counts.append((c.get_total_flops(), ops))
-    n = depth - _DEPTHS[0]
-    breakdown = _extrapolate(trackers, n)
+    steps: dict[int, tuple[Tracker, tuple[int, int] | None] | None] = {}
+
+    def step(shallow: int) -> tuple[Tracker, tuple[int, int] | None] | None:
+        if shallow not in steps:
+            counter = FlopCounterMode(display=False) if count else contextlib.nullcontext()
+            with truncated(run.container, shallow, run), counter as c:
+                try:
+                    tracker = simulate()
+                except Exception as error:  # a step that needs more blocks
+                    log.debug("The %d-block step fails (%s).", shallow, error)
+                    steps[shallow] = None
+                    return None
+            if tracker.history is None:  # type: ignore[attr-defined]
+                raise AssertionError("shortcut needs trackers with a history")
+            ops = sum(e.phase in ("forward", "backward") for e in tracker.timeline) if count else 0  # type: ignore[attr-defined]
+            steps[shallow] = (tracker, (c.get_total_flops(), ops) if count else None)
+        return steps[shallow]
+
+    for depths in _DEPTHS:
+        found = _from(run.length, [step(d) for d in depths], depths[0], count)
+        if found is not None:
+            return found
+        log.debug("The steps at %s blocks do not predict one another.", depths)
+    log.debug("No shallow steps predict the deep one: the whole model is simulated.")
+    return None
+
+
+def _from(depth: int, steps: list, first: int, count: bool) -> Shortcut | None:
+    """The deep step from three shallow ones, ``first`` blocks and one and two more; ``None`` if they
+    fail or do not predict one another."""
+    if any(s is None for s in steps):
+        return None
+    n = depth - first
+    breakdown = _extrapolate([tracker for tracker, _ in steps], n)
     if breakdown is None:
-        log.debug("The 4-block step is not the one the 2- and 3-block steps predict: simulated whole.")
         return None
     if not count:
         return Shortcut(breakdown)
     deep = []
-    for a, b, c in zip(*counts, strict=True):
+    for a, b, c in zip(*(counts for _, counts in steps), strict=True):
         if c - b != b - a:
             return None
         deep.append(a + n * (b - a))

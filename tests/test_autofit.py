@@ -23,7 +23,7 @@ from lightning_memkit import (
     measure,
     plan_fit,
 )
-from lightning_memkit._autofit import grid
+from lightning_memkit._autofit import _largest_fitting, grid
 from lightning_memkit._budget import parse_budget
 from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit._lightning import batch_slice
@@ -624,3 +624,31 @@ def test_an_interval_of_the_users_whole_epoch_stays_within_the_planned_epoch(tmp
     trainer.fit(module)
     assert autofit.plan.micro_batch_size == 4
     assert sum(schedule.sizes) == 2 * 44 and schedule.validations == [6, 12]  # each epoch's end, as asked
+
+
+@pytest.mark.parametrize("shape", ["linear", "convex", "steps"])
+def test_the_micro_batch_search_finds_what_halving_finds_in_fewer_probes(shape: str) -> None:
+    """`_largest_fitting` probes where the known peaks' line crosses the limit: the answer halving gives
+    on every limit, and on a line (a step's peak against its micro-batch) two probes once one size misses."""
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    peak = {
+        "linear": lambda m: 1000 + 37 * m,
+        "convex": lambda m: 1000 + m * m,
+        "steps": lambda m: 1000 + 500 * (m > 8) + 9 * m,
+    }[shape]
+    probes: list[int] = []
+
+    def probed(m: int) -> int:
+        probes.append(m)
+        return peak(m)
+
+    for limit in range(900, 1000 + 2 * peak(128), 97):
+        probes.clear()
+        found = _largest_fitting(probed, limit, sizes)
+        assert found == max((m for m in sizes if peak(m) <= limit), default=None)
+        assert len(probes) == len(set(probes)) <= 4  # halving 8 sizes: 3 or 4
+        known = [(1, peak(1)), (64, peak(64))]  # the floor and a size that missed (or not)
+        probes.clear()
+        assert _largest_fitting(probed, limit, sizes, known) == found
+        if shape == "linear" and peak(64) > limit >= peak(1):
+            assert len(probes) <= 2

@@ -3,6 +3,7 @@ breakdown as simulating every block, byte for byte, or no shortcut at all."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -10,12 +11,12 @@ import torch
 from torch import nn
 from zoo import MODELS, ZooModule, zoo_batch
 
-from lightning_memkit import _repeated
+from lightning_memkit import _repeated, apply_checkpointing
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._simulate import counted_step, estimate_memory, simulate_step
 from lightning_memkit.demos.gpt import GPTLightningModule
 
-DEPTH = 6  # deeper than the shallow steps (4 blocks) by two, so the extrapolation is not a lookup
+DEPTH = 6  # deeper than the shallow steps (at most 4 blocks) by two, so the extrapolation is not a lookup
 
 
 @pytest.fixture(autouse=True)
@@ -120,10 +121,34 @@ def test_estimate_memory_takes_the_shortcut_and_leaves_the_model_whole() -> None
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_repeated, "truncated", spy)
         fast = estimate_memory(module, zoo_batch("qwen2"), device="cpu")
-    assert calls == [2, 3, 4]
+    assert calls == [1, 2, 3]
     assert [name for name, _ in module.named_parameters()] == before
     assert len(module.model.model.layers) == DEPTH
     assert fast == simulate_step(module, zoo_batch("qwen2"), device="cpu").breakdown()
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "by_argument"])
+def test_checkpointed_steps_from_one_block_up_or_from_two(applied: bool) -> None:
+    """Checkpointing applied to the model (as the planners do) cuts it to 1, 2 and 3 blocks; asked of
+    `estimate_memory`, which finds the blocks by their repetition, a 1-block model has none to find, and the
+    steps at 2, 3 and 4 blocks stand for it. Both are the whole simulation's figures."""
+    module = DeepZoo("gpt2")
+    batch = zoo_batch("gpt2")
+    calls = []
+    original = _repeated.truncated
+
+    def spy(container, depth, run=None):
+        calls.append(depth)
+        return original(container, depth, run)
+
+    kwargs = {"device": "cpu"} if applied else {"device": "cpu", "checkpointing": "full"}
+    with apply_checkpointing(module, "full") if applied else contextlib.nullcontext():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_repeated, "truncated", spy)
+            fast = estimate_memory(module, batch, **kwargs)
+        whole = simulate_step(module, batch, **kwargs).breakdown()
+    assert calls == ([1, 2, 3] if applied else [1, 2, 3, 4])
+    assert fast == whole
 
 
 class Growing(nn.Module):
