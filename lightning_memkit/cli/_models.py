@@ -1,9 +1,13 @@
 """The model a command runs on, and how one training step of it is simulated.
 
-``--model`` is a preset of the bundled GPT demo (``tiny``, ``gpt2``, ... ``llama-7b``) or
+``--model`` is a preset of the bundled GPT demo (``tiny``, ``gpt2``, ... ``llama-7b``),
 ``package.module:factory``, a callable taking no arguments that returns an ``nn.Module`` or a
-``LightningModule``. The factory is called under ``torch.device("meta")``, so a model built the usual way
-is never allocated; the current directory is importable.
+``LightningModule``, or ``hf:<directory or org/name>``, a Hugging Face architecture built from its
+``config.json`` with random weights (`AutoModelForCausalLM`, else `AutoModel` for a family without a
+causal-LM head). An ``org/name`` is read from the local Hugging Face cache only (``HF_HUB_CACHE``,
+``HF_HOME``): planning a run never downloads anything. The factory, and the ``hf:`` model, are built under
+``torch.device("meta")``, so a model built the usual way is never allocated; the current directory is
+importable.
 
 The example batch, for any model: if the module has a method ``example_batch(batch_size, seq_len)``,
 what it returns is the batch (build it on the meta device to keep it free). Otherwise the batch is
@@ -33,6 +37,7 @@ import reprlib
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,15 +56,26 @@ from lightning_memkit.demos.gpt import PRESETS, GPTConfig, GPTLightningModule
 MAX_TOKENS = 2**40
 
 
+#: ``--model hf:<directory or org/name>``: a Hugging Face architecture from its ``config.json``.
+HF_PREFIX = "hf:"
+
+
 def load_model(spec: str) -> nn.Module:
-    """A preset's GPTLightningModule, or what ``package.module:factory`` returns, built on meta."""
+    """A preset's GPTLightningModule, what ``package.module:factory`` returns, or the Hugging Face model
+    ``hf:<directory or org/name>`` describes, built on meta."""
+    if spec.startswith(HF_PREFIX):
+        model = _hf_from_config(spec)
+        _check_trainable(model, spec)
+        return HFLanguageModel(model)
     if ":" not in spec:
         if spec not in PRESETS:
             module_name, _, attr = spec.rpartition(".")
-            dotted = f" (a factory is named with a colon: {module_name}:{attr})" if module_name else ""
+            hint = f" (a factory is named with a colon: {module_name}:{attr})" if module_name else ""
+            if "/" in spec:  # org/name, as the Hub spells a model
+                hint = f" (a Hugging Face model is named with hf:, read from its config.json: hf:{spec})"
             raise UsageError(
-                f"unknown preset {spec!r} for --model; valid: {', '.join(PRESETS)}, or package.module:factory"
-                + dotted
+                f"unknown preset {spec!r} for --model; valid: {', '.join(PRESETS)}, package.module:factory "
+                "or hf:<directory or org/name>" + hint
             )
         with torch.device("meta"):
             return GPTLightningModule(spec)
@@ -76,6 +92,113 @@ def load_model(spec: str) -> nn.Module:
     if _is_hf(model):
         return HFLanguageModel(model)
     return model
+
+
+def _hf_from_config(spec: str) -> nn.Module:
+    """The model ``hf:<directory or org/name>`` describes: its ``config.json`` read (an ``org/name`` from
+    the local cache only), then ``AutoModelForCausalLM.from_config`` (``AutoModel`` for a family without a
+    causal-LM head) on the meta device: random weights, nothing allocated or downloaded. The parameters
+    are fp32 whatever ``dtype`` the config records: ``--precision`` sets the training precision, as
+    Lightning's Trainer does."""
+    target = spec[len(HF_PREFIX) :].strip()
+    if not target:
+        raise UsageError(
+            f"--model {spec!r} names no model; give hf:<directory holding config.json> or hf:<org/name> "
+            "from the local Hugging Face cache"
+        )
+    path = Path(target).expanduser()
+    local = path.is_dir() or target.startswith((".", "~", os.sep)) or target.count("/") > 1
+    if local and not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise UsageError(
+            f"--model {spec}: {path} {what}; give the directory holding the model's config.json "
+            "(config.save_pretrained(directory) writes one)"
+        )
+    if local and not (path / "config.json").is_file():
+        raise UsageError(
+            f"--model {spec}: {path} has no config.json, which hf: builds the model from; give the directory "
+            "a model or its config was saved to (config.save_pretrained(directory) writes one)"
+        )
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(
+            _hf_unavailable(spec, target, "transformers is not installed (pip install transformers)")
+        ) from None
+    source = str(path / "config.json") if local else target
+    # trust_remote_code=False: a config that needs its repository's code is refused, never run or asked
+    # about; local_files_only and the hub offline: no request is made, whatever HF_HUB_OFFLINE says.
+    with (
+        _hf_offline(),
+        usage_error(
+            ValueError,
+            OSError,
+            context=f"--model {spec}: reading {source} failed",
+            fix="hf: builds the model families transformers ships (custom code is not run)",
+        ),
+    ):
+        if local:
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+        else:
+            cache = _hf_cache()
+            try:
+                config = transformers.AutoConfig.from_pretrained(
+                    target, local_files_only=True, cache_dir=cache, trust_remote_code=False
+                )
+            except OSError as e:
+                why = f"{target!r} is not a directory, nor in the local Hugging Face cache ({cache})"
+                raise UsageError(_hf_unavailable(spec, target, why)) from e
+    causal = type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    with (
+        _hf_offline(),
+        usage_error(
+            context=f"--model {spec}: building {auto.__name__}.from_config(<{source}>) failed",
+            fix=f"check {source} (build it in Python for the traceback)",
+        ),
+        torch.device("meta"),
+    ):
+        return auto.from_config(config, dtype=torch.float32, trust_remote_code=False)
+
+
+@contextlib.contextmanager
+def _hf_offline() -> Iterator[None]:
+    """huggingface_hub in offline mode, where every request it would make raises: ``local_files_only``
+    alone still lets it fetch what it wants besides the files (its user-agent's registry)."""
+    from huggingface_hub import constants
+
+    offline, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = offline
+
+
+def _hf_cache() -> str:
+    """The Hugging Face hub cache the environment names now (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else
+    huggingface_hub's default): huggingface_hub reads the variables once, when first imported."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _hf_unavailable(spec: str, target: str, why: str) -> str:
+    """One line for an ``hf:`` model that cannot be built here: why, that nothing is downloaded, and the
+    three ways on: a directory with its config.json, a preset of the same shape, a three-line factory."""
+    factory = (
+        "# mymodels.py | from transformers import AutoConfig, AutoModelForCausalLM | def build(): return "
+        f'AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("{target}"))'
+    )
+    return (
+        f"--model {spec}: {why}, and nothing is downloaded; give hf:<directory> holding its config.json "
+        f"(hf download {target} config.json --local-dir <directory>), a preset of the same shape "
+        "(llama-7b is LLaMA-2-7B's at a 2,048-token context, llama-70b LLaMA-2-70B's, gpt2 ... gpt2-xl "
+        f"GPT-2's), or write the factory [{factory}] and give --model mymodels:build"
+    )
 
 
 def _factory(spec: str) -> Callable[[], Any]:

@@ -50,9 +50,11 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         required=True,
-        metavar="PRESET|MODULE:FACTORY",
-        help=f"a GPT preset ({', '.join(PRESETS)}) or package.module:factory (no arguments, returns an "
-        "nn.Module or LightningModule; called under the meta device)",
+        metavar="PRESET|MODULE:FACTORY|hf:DIR",
+        help=f"a GPT preset ({', '.join(PRESETS)}), package.module:factory (no arguments, returns an "
+        "nn.Module or LightningModule; called under the meta device) or hf:<directory or org/name>: a "
+        "Hugging Face model from its config.json, random weights (an org/name from the local cache only: "
+        "nothing is downloaded)",
     )
 
 
