@@ -284,12 +284,13 @@ class _Search:
                     self.planners[key].remember(self.planners[key].uniform(level), breakdown)
         return self.planners[key]
 
-    def checkpoint_plan(
+    def checkpoint_plans(
         self, m: int, levels: tuple[str, ...], optimizer: str | None, precision: str, limit: int
-    ) -> tuple[CheckpointPlan, MemoryBreakdown] | None:
-        """The least recompute that fits ``limit`` at micro-batch ``m``: the planner's per-block plan, or
-        a uniform mode where one fits at less cost (the planner's search stops after a few rounds); with
-        one rank's breakdown. ``None`` if nothing fits."""
+    ) -> list[tuple[CheckpointPlan, MemoryBreakdown]]:
+        """The plans that fit ``limit`` at micro-batch ``m``, least recompute (in FLOPs) first, each with one
+        rank's breakdown: the planner's per-block plan, a uniform mode where one fits at less cost (the
+        planner's search stops after a few rounds), and the strongest mode (the floor, simulated anyway:
+        where the step is timed it can be the fastest, see `timed_recompute`). Empty if nothing fits."""
         planner = self.planner(m, levels, optimizer, precision)
         start = time.perf_counter()
         try:
@@ -314,11 +315,15 @@ class _Search:
                 continue  # the planner's peak model puts it clearly over: not worth a simulation
             if self.per_rank(planner.simulate(uniform), precision).peak <= limit:
                 options.append((planner.overhead(uniform), planner.plan_for(uniform)))
+        strongest = planner.uniform(levels[-1])
+        if all(tuple(b.policy for b in plan.blocks) != strongest for _, plan in options):
+            options.append((planner.overhead(strongest), planner.plan_for(strongest)))
+        fitting = []
         for _, option in sorted(options, key=lambda o: o[0]):
             breakdown = self.per_rank(option.breakdown, precision)
             if breakdown.peak <= limit:
-                return option, breakdown
-        return None
+                fitting.append((option, breakdown))
+        return fitting
 
     def timed_recompute(self, m: int, plan: CheckpointPlan) -> float:
         """What ``plan`` adds to a forward + backward of micro-batch ``m``, timed for real (`measured_cost`)
@@ -796,13 +801,13 @@ def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Opt
                     slowest = step_cost.time(m, G // m, FULL_RECOMPUTE)  # at most full's recompute
                     options.append(_Option(slowest, m, levels[-1], strongest.peak, None))
                 continue
-            found = search.checkpoint_plan(m, levels, opt, prec, limit)
-            if found is None:
-                continue
-            plan, breakdown = found
-            recompute = search.timed_recompute(m, plan) if step_cost.source == "measured" else plan.overhead
-            label = _label([b.policy for b in plan.blocks])
-            options.append(_Option(step_cost.time(m, G // m, recompute), m, label, breakdown.peak, plan))
+            found = search.checkpoint_plans(m, levels, opt, prec, limit)
+            # FLOPs rank the plans (the first); a timed step times each (its recompute is not its FLOPs)
+            timed = step_cost.source == "measured"
+            for plan, breakdown in found if timed else found[:1]:
+                recompute = search.timed_recompute(m, plan) if timed else plan.overhead
+                label = _label([b.policy for b in plan.blocks])
+                options.append(_Option(step_cost.time(m, G // m, recompute), m, label, breakdown.peak, plan))
     assert options, "the smallest runnable micro-batch at the strongest mode fits"
     return options
 
