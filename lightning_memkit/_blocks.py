@@ -23,18 +23,18 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
     """The blocks worth checkpointing, as ``(qualified name, module)`` in registration order.
 
     With ``layer_classes``, every instance of them (the outermost, where they nest). Otherwise the
-    repeated layers: children of ``nn.ModuleList``/``nn.Sequential`` containers grouped by class, the class
-    with two or more instances and the most parameters winning (a GPT's ``Block``, torch's
-    ``TransformerEncoderLayer``, Hugging Face's ``*DecoderLayer``, a ResNet's ``Bottleneck``). Children
-    without submodules (a lone ``Linear``) are not candidates: checkpointing one saves nothing, since its
-    input is kept either way.
+    repeated layers: children of ``nn.ModuleList``/``nn.Sequential`` containers grouped by class, every
+    class with two or more instances (a GPT's ``Block``, torch's ``TransformerEncoderLayer``, Hugging
+    Face's ``*DecoderLayer``, a ResNet's ``Bottleneck``; both stacks of an encoder-decoder such as
+    Whisper's ``WhisperEncoderLayer`` and ``WhisperDecoderLayer``, both towers of a two-tower model).
+    Children without submodules (a lone ``Linear``) are not candidates: checkpointing one saves nothing,
+    since its input is kept either way.
     """
     if layer_classes is not None:
         classes = block_classes(layer_classes)
-        found = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
-        return _outermost(found)
-    groups = _repeated(model)
-    return _outermost(groups[0]) if groups else []
+        return _outermost([(name, m) for name, m in model.named_modules() if isinstance(m, classes)])
+    repeated = {id(m) for group in _repeated_groups(model) for _, m in group}
+    return _outermost([(name, m) for name, m in model.named_modules() if id(m) in repeated])
 
 
 def block_classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
@@ -44,7 +44,7 @@ def block_classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
     return classes
 
 
-def _repeated(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+def _repeated_groups(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """The composite children of ``model``'s ``ModuleList``/``Sequential`` containers, grouped by class,
     for the classes with two or more; the heaviest group (parameters, then instances) first."""
     groups: dict[type, list[tuple[str, nn.Module]]] = {}
@@ -83,7 +83,7 @@ def no_blocks_message(model: nn.Module, option: str, layer_classes: LayerClasses
             f"checkpoint: {option}."
         )
     asked = " or ".join(c.__name__ for c in block_classes(layer_classes))
-    groups = _repeated(model)
+    groups = _repeated_groups(model)
     if not groups:
         return (
             f"No module of type {asked} is in {type(model).__name__}, so there is nothing to checkpoint; "

@@ -14,7 +14,7 @@ import pytest
 import torch
 from zoo import MODELS, ZooModule, zoo_batch
 
-from lightning_memkit import apply_checkpointing, estimate_memory, plan_checkpointing
+from lightning_memkit import advise, apply_checkpointing, estimate_memory, find_blocks, plan_checkpointing
 from lightning_memkit._checkpoint_planner import CheckpointPlanner
 from lightning_memkit._checkpointing import checkpoint_policies
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
@@ -155,6 +155,32 @@ def test_zoo_budget_plan_fits_and_trains_as_without(name):
     handle.remove()
     _assert_same_run(run, name, checkpointed=True)
     assert run["peak"] <= budget, f"real peak {run['peak']:,} > budget {budget:,} (plan {plan.policies})"
+
+
+@pytest.mark.slow  # plans, trains and advises: the full run's tier (20 s)
+def test_every_stack_of_repeated_blocks_is_checkpointed():
+    """Whisper's encoder and decoder layers are two classes: both stacks are blocks (only the heavier
+    class was, and the encoder was never checkpointed). A budget below what checkpointing the decoder alone
+    reaches is planned with encoder blocks, met on the allocator, and trains as without; ``advise`` names
+    the encoder's blocks."""
+    module, batch = _module("whisper"), zoo_batch("whisper")
+    names = [n for n, _ in find_blocks(module)]
+    assert names == [f"model.model.{stack}.layers.{i}" for stack in ("encoder", "decoder") for i in range(2)]
+    peak = lambda plan: estimate_memory(module, batch, checkpointing=plan, device="cpu").peak  # noqa: E731
+    decoder_only = peak({n: "full" for n in names if ".decoder." in n})
+    every_block = peak("full")
+    assert every_block < decoder_only < peak("none")
+    budget = (every_block + decoder_only) // 2  # out of reach when only the decoder is checkpointed
+    plan = plan_checkpointing(module, batch, budget, policy="full", cost="flops", device="cpu")
+    assert plan.peak <= budget
+    assert any(".encoder." in b.name and b.policy != "none" for b in plan.blocks)
+    handle = apply_checkpointing(module, plan)
+    run = _train(module, measure=1)
+    handle.remove()
+    _assert_same_run(run, "whisper", checkpointed=True)
+    assert run["peak"] <= budget, f"real peak {run['peak']:,} > budget {budget:,} (plan {plan.policies})"
+    advice = advise(module, batch, device="cpu")
+    assert any("in 4 blocks (model.model.encoder.layers.0, ...)" in f.what for f in advice.findings)
 
 
 def _fit(module: ZooModule, trainer_kwargs: dict, callbacks: list) -> dict:

@@ -218,9 +218,9 @@ def test_a_plan_with_a_few_blocks_apart_takes_the_shortcut_byte_for_byte(name: s
 
 def test_models_without_one_stack_of_copies_are_simulated_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_repeated, "MIN_DEPTH", 2)  # the zoo's ResNet has 4 blocks
-    for name in ("t5", "resnet"):  # two stacks (encoder, decoder); blocks of different widths
+    for name in ("t5", "whisper", "resnet"):  # two stacks (encoder, decoder); blocks of different widths
         assert _repeated.repeated_blocks(ZooModule(name)) is None
-    assert set(FAMILIES) | {"t5", "resnet"} == set(MODELS)
+    assert set(FAMILIES) | {"t5", "whisper", "resnet"} == set(MODELS)
 
 
 def test_the_checkpointing_planner_profiles_two_copies_for_all_of_them(

@@ -1,9 +1,10 @@
 """A zoo of models this project did not write, as users bring them: tiny random configs, default settings.
 
 Hugging Face families (BERT, T5, a LLaMA-family decoder with grouped-query attention, GPT-NeoX, GPT-2,
-ViT) are built from their config classes with random weights (nothing is downloaded) and keep every
-default a user would not change: ``use_cache=True``, dropout, the SDPA attention path. The CNN is a small
-ResNet with BatchNorm, written here (torchvision/timm would pull another torch build).
+ViT, Whisper: an encoder and a decoder of two layer classes) are built from their config classes with
+random weights (nothing is downloaded) and keep every default a user would not change: ``use_cache=True``,
+dropout, the SDPA attention path. The CNN is a small ResNet with BatchNorm, written here (torchvision/timm
+would pull another torch build).
 
 ``ZooModule(name)`` is a LightningModule over one of them; ``zoo_batch(name)`` a batch of its shape.
 """
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 VOCAB = 128
 SEQ = 32
 BATCH = 4
+MEL_BINS = 16  # Whisper's log-mel channels; its encoder takes 2 x max_source_positions frames
 
 
 def _bert() -> nn.Module:
@@ -78,6 +80,18 @@ def _vit() -> nn.Module:
     return ViTForImageClassification(cfg)
 
 
+def _whisper() -> nn.Module:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=MEL_BINS,
+        max_source_positions=SEQ, max_target_positions=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(cfg)
+
+
 class BasicBlock(nn.Module):
     """A ResNet basic block: conv-BN-ReLU-conv-BN plus the identity (or a strided 1x1 projection)."""
 
@@ -112,7 +126,8 @@ class ResNet(nn.Module):
         return self.head(self.blocks(self.stem(x)).mean((2, 3)))
 
 
-#: name -> (factory, kind): "mlm" / "seq2seq" / "causal" take token batches, "image" image batches.
+#: name -> (factory, kind): "mlm" / "seq2seq" / "causal" take token batches, "image" / "cnn" image
+#: batches, "speech" log-mel features and token labels.
 MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "bert": (_bert, "mlm"),
     "t5": (_t5, "seq2seq"),
@@ -120,6 +135,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "gpt_neox": (_neox, "causal"),
     "gpt2": (_gpt2, "causal"),
     "vit": (_vit, "image"),
+    "whisper": (_whisper, "speech"),
     "resnet": (ResNet, "cnn"),
 }
 
@@ -132,6 +148,12 @@ def zoo_batch(name: str, batch_size: int = BATCH, seq_len: int = SEQ, seed: int 
         pixels = torch.randn(batch_size, 3, 32, 32, generator=g)
         labels = torch.randint(0, 10, (batch_size,), generator=g)
         return {"pixel_values": pixels, "labels": labels}
+    if kind == "speech":  # the encoder's frames are fixed by the config (2 x max_source_positions)
+        features = torch.randn(batch_size, MEL_BINS, 2 * SEQ, generator=g)
+        return {
+            "input_features": features,
+            "labels": torch.randint(3, VOCAB, (batch_size, seq_len // 2), generator=g),
+        }
     ids = torch.randint(1, VOCAB, (batch_size, seq_len), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if kind == "mlm":
