@@ -1,10 +1,11 @@
 """The process `_kernels` asks what a CPU kernel allocates: ``python lightning_memkit/_kernel_worker.py``.
 
 Reads requests from stdin and answers on stdout, each a length-prefixed pickle. A request is
-``(op name, argument specs, keyword specs, settings)`` (threads, oneDNN on or off, fp32 matmul
-precision, deterministic algorithms: what selects a kernel besides its arguments). The answer is the
-highest total of the bytes the op allocated while it ran (outputs included, its inputs not), in
-torch.profiler's memory timeline, or ``None`` if the op could not be run on random data. It runs in its
+``(question, op name, argument specs, keyword specs, settings)`` (threads, oneDNN on or off, fp32 matmul
+precision, deterministic algorithms: what selects a kernel besides its arguments). To ``"peak"`` the
+answer is the highest total of the bytes the op allocated while it ran (outputs included, its inputs
+not), in torch.profiler's memory timeline; to ``"outputs"``, the bytes of each tensor output's storage
+(``None`` for other outputs); either is ``None`` if the op could not be run on random data. It runs in its
 own process because torch.profiler allows one session per process: the user's (or a test's) profiler
 stays free.
 """
@@ -58,10 +59,46 @@ def _op(name: str) -> Any:
     return getattr(packet, overload)
 
 
+def _rnn_layer_backward(func: Any, args: list, kwargs: dict) -> tuple[list, dict]:
+    """``mkldnn_rnn_layer_backward`` reads the workspace its forward wrote (random bytes crash the
+    process): the forward runs on the same inputs for the output, states and workspace it takes."""
+    names = [argument.name for argument in func._schema.arguments]
+    bound = {**dict(zip(names, args, strict=False)), **kwargs}
+    forward = [bound[n] for n in ("input", "weight1", "weight2", "weight3", "weight4", "hx_", "cx_tmp")]
+    forward += [bound[n] for n in ("reverse", "batch_sizes", "mode", "hidden_size", "num_layers")]
+    forward += [bound[n] for n in ("has_biases", "bidirectional", "batch_first", "train")]
+    output, hy, cy, workspace = torch.ops.aten.mkldnn_rnn_layer.default(*forward)
+    bound.update(output=output, hy_=hy, cy_=cy, workspace=workspace)
+    return [bound[n] for n in names], {}
+
+
+#: Ops whose arguments random data cannot stand for, and how to make them: ``(op, args, kwargs) -> (args,
+#: kwargs)``.
+_PREPARE = {"aten.mkldnn_rnn_layer_backward.default": _rnn_layer_backward}
+
+
+def _arguments(name: str, args: Any, kwargs: Any) -> tuple[Any, list, dict]:
+    """The op and random arguments of the specs (made valid where `_PREPARE` says how)."""
+    func = _op(name)
+    a, kw = _materialize(args), _materialize(kwargs)
+    if name in _PREPARE:
+        a, kw = _PREPARE[name](func, list(a), dict(kw))
+    return func, a, kw
+
+
+def output_nbytes(name: str, args: Any, kwargs: Any) -> list[int | None] | None:
+    try:
+        func, a, kw = _arguments(name, args, kwargs)
+        out = func(*a, **kw)
+    except Exception:
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [o.untyped_storage().nbytes() if isinstance(o, torch.Tensor) else None for o in outs]
+
+
 def internal_peak(name: str, args: Any, kwargs: Any) -> int | None:
     try:
-        func = _op(name)
-        a, kw = _materialize(args), _materialize(kwargs)
+        func, a, kw = _arguments(name, args, kwargs)
         func(*a, **kw)  # warm-up: one-time caches (oneDNN primitives) are not the step's memory
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
             out = func(*a, **kw)
@@ -109,12 +146,13 @@ def main() -> None:
             request = read_message(stdin)
         except EOFError:  # the parent is done
             return
-        name, args, kwargs, (threads, mkldnn, matmul_precision, deterministic) = request
+        question, name, args, kwargs, (threads, mkldnn, matmul_precision, deterministic) = request
         torch.set_num_threads(threads)
         torch.backends.mkldnn.enabled = mkldnn
         torch.set_float32_matmul_precision(matmul_precision)
         torch.use_deterministic_algorithms(deterministic)
-        write(stdout, internal_peak(name, args, kwargs))
+        answer = output_nbytes if question == "outputs" else internal_peak
+        write(stdout, answer(name, args, kwargs))
 
 
 if __name__ == "__main__":

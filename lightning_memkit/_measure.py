@@ -377,13 +377,16 @@ class Tracker(TorchDispatchMode):
                 before = self.current
             except Exception as err:
                 self._broke(err)
-        out = func(*args, **kwargs)  # the step's own op: its errors are the step's
+        out = self._run(func, args, kwargs)  # the step's own op: its errors are the step's
         if self.failure is None:
             try:
                 self._after_op(func, args, kwargs, out, before)
             except Exception as err:
                 self._broke(err)
         return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
 
     def _after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, before: int) -> None:
         self.clock += 1

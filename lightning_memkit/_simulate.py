@@ -57,7 +57,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_memkit import _fsdp2, _repeated, _shadow
+from lightning_memkit import _fsdp2, _kernels, _repeated, _shadow
 from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import valid_name, whole_number
@@ -186,6 +186,12 @@ class _SimTracker(Tracker):
             self.tracer.after_op(self)
         if self.timeline is not None and func.namespace not in _UNTIMED:
             self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
+        return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        if self.counts_cpu_kernels and func in _kernels.PLACEHOLDER_OUTPUTS:
+            out = _kernels.real_outputs(func, args, kwargs, out)  # a size the meta kernel leaves out
         return out
 
     # What the tracer (`advise`'s) is told; without one, the tracker's own methods run unchanged.
