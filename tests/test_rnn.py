@@ -10,11 +10,12 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-from lightning_memkit import AutoFit, estimate_memory
+from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
 from lightning_memkit._kernels import _Worker
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
@@ -96,11 +97,11 @@ def test_the_helper_answers_for_the_lstm_layer_and_its_backward():
 
 
 class TaggerModule(pl.LightningModule):
-    def __init__(self, batch_size: int = 8) -> None:
+    def __init__(self, batch_size: int = 8, rnn: type[nn.RNNBase] = nn.LSTM) -> None:
         super().__init__()
         self.batch_size = batch_size
         torch.manual_seed(0)
-        self.model = Tagger(nn.LSTM)
+        self.model = Tagger(rnn)
 
     def training_step(self, batch, batch_idx):
         ids, labels = batch
@@ -112,6 +113,22 @@ class TaggerModule(pl.LightningModule):
     def train_dataloader(self):
         data = [(ids, labels) for ids, labels in zip(*_batch(8 * self.batch_size), strict=True)]
         return DataLoader(data, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU])
+def test_the_monitor_is_the_allocators_every_step(rnn, tmp_path):
+    """Measured and unmeasured Trainer steps alike (the monitor reuses a measured twin's figures for the
+    unmeasured ones): every logged step within 0.1 % of the allocator's."""
+    peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=4, logger=CSVLogger(tmp_path),
+        callbacks=peaks.around(monitor), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(TaggerModule(batch_size=4, rnn=rnn))
+    assert len(monitor.history) == len(peaks.peaks) == 4
+    for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
+        assert measured.peak == pytest.approx(truth, rel=1e-3)
 
 
 @pytest.mark.slow  # plans and trains: the full run's tier
