@@ -1,54 +1,9 @@
 """Fit a training run to a memory budget from the estimate: micro-batch, accumulation, checkpointing,
 optimizer.
 
-"Make this run fit a 24 GB card" is answered here without a single trial OOM. Lightning's
-``BatchSizeFinder`` turns only the batch-size knob, by provoking OOMs, and lands at the limit; here every
-candidate is a simulated training step (`estimate_memory`, fake tensors), a reserve (``margin``) is kept
-below the budget, and all the levers are searched:
-
-- micro-batch ``m`` over the divisors of the per-rank global batch ``G`` (``accumulate = G / m``, so the
-  global batch stays what the user set; micro-batches are slices of the example batch along dim 0);
-- activation checkpointing, block by block, as `ActivationCheckpointing` plans it: at each micro-batch
-  where no checkpointing does not fit, the `CheckpointPlanner` measures every repeated block's saved bytes
-  and recompute cost and finds the cheapest per-block plan that fits; a model without repeated blocks (an
-  MLP, one layer) is planned without checkpointing, which the plan's `FitPlan.note` says;
-- the optimizer, in the catalogue's quality order (`DEFAULT_CANDIDATES`), starting at the model's own (a
-  model with AdamW may get AdamW8bit, never the reverse);
-- precision, only among the Lightning precision strings the caller allows, in the order given.
-
-Order of preference (lexicographic): the best-quality optimizer that fits at all, then the first allowed
-precision that fits with it, then the highest estimated throughput. Optimizer quality is never traded for
-speed: AdamW at micro-batch 1 with full checkpointing beats SGD at micro-batch 64, because a run that trains
-worse is not made good by training faster.
-
-Pruning (assumptions, each true of the models we know): the peak grows with ``m`` (binary search over the
-sorted divisors), and stronger checkpointing never raises the peak: the largest ``m`` without
-checkpointing and the largest with the strongest mode bound the micro-batches where a checkpointing plan
-is worth measuring, and one is skipped when even no recompute at that ``m`` could not beat the best time
-found. Before any simulation, an optimizer whose static memory (parameters + gradients + state, sharded)
-is over the limit is dropped. Every plan reported is a simulated step; nothing is extrapolated.
-
-Throughput model (`StepCost`): the time of one global batch is
-
-    accumulate * (t_fixed + t_per_sample * m * (1 + recompute))
-
-where ``recompute`` is the plan's recompute cost as a fraction of the checkpointed blocks' forward +
-backward: the planner's (`CheckpointPlan.overhead`, in FLOPs) for an offline plan; for a measured step cost,
-the plan's forward + backward timed for real against the same without checkpointing (on the CPU op-level
-selective checkpointing costs far more than the FLOPs it recomputes: its dispatch mode runs on every op).
-``t_fixed`` (per-micro-step overhead: kernel launches, Python) and
-``t_per_sample`` are measured, by timing real forward+backward passes at two micro-batch sizes when the
-model has real weights on the CPU, or counted when planning offline: FLOPs per sample
-(`torch.utils.flop_counter` over a simulated step) / `DEVICE_FLOPS`, and the number of forward and backward
-ops x `LAUNCH_SECONDS`. The optimizer step, once per global batch, is the same for every plan and left out.
-
-Why a margin (default 10 %): on the tiny GPT on CPU the measured peak exceeded the simulated one by up to
-1.7 % without checkpointing and up to 6 % (selective) and 9 % (full) with it (benchmarks/bench_autofit.py);
-on CUDA the allocator's fragmentation comes on top (`Budget` already keeps `FRAGMENTATION_RESERVE`).
-
-Memory of a multi-GPU plan is one rank's: the per-rank batch is ``G / n_gpus`` and the simulated step is
-sharded with `shard` for the strategy (``"fsdp"``, ``"deepspeed_stage_2"``, ...), whose Lightning name the
-plan reports; the run itself uses Lightning's strategies.
+Every candidate is a simulated training step (`estimate_memory`, fake tensors), kept a ``margin`` below the
+budget; the fastest candidate that fits wins (`StepCost`). `plan_fit` is the search, `FitPlan` its answer.
+Design notes, with the reasons and the measured margins: ``docs/design/plan-fit.md``.
 """
 
 from __future__ import annotations

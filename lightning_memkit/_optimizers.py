@@ -1,68 +1,8 @@
 """The optimizers a swap can choose from, and how to swap one for another.
 
-AdamW keeps two fp32 moments, 8 bytes per parameter: often the largest single consumer of a step. When
-the step does not fit, a lighter optimizer usually trains nearly as well. This module is the catalogue of
-those optimizers, in quality order (`CATALOGUE`), and the rules that carry AdamW's hyperparameters over
-to each (`swap_optimizer`, `rebind_scheduler`). Which one to use is decided in `_optim` (`fit_optimizer`,
-and the `OptimizerSwap` callback over it); this module estimates nothing.
-
-The catalogue (bytes of ``optimizer.state`` per parameter; `_optimizer_state.OPTIMIZERS` has the exact
-formulas):
-
-=================  ========================================  =====================================
-name               optimizer                                 state
-=================  ========================================  =====================================
-adamw              torch.optim.AdamW                         8 B (fp32 exp_avg, exp_avg_sq)
-adamw8bit          bitsandbytes.optim.AdamW8bit              ≈2 B (+ fp32 under 4096 elements)
-paged_adamw8bit    bitsandbytes.optim.PagedAdamW8bit         ≈2 B, in CUDA managed memory
-lion               bitsandbytes.optim.Lion (32-bit)          4 B (one fp32 momentum)
-lion8bit           bitsandbytes.optim.Lion8bit               ≈1 B (+ fp32 under 4096 elements)
-adafactor          torch.optim.Adafactor                     O(rows + columns) per matrix
-sgd_momentum       torch.optim.SGD(momentum=0.9)             4 B
-sgd                torch.optim.SGD                           0 B
-adamw_kahan        optimi.AdamW(kahan_sum=True)              8 B fp32; 6 B under bf16-true (+ Kahan)
-sgd_kahan          optimi.SGD(kahan_sum=True)                0 B fp32; 2 B under bf16-true (Kahan)
-=================  ========================================  =====================================
-
-The last two are the compensated updates for 16-bit weights (``precision="bf16-true"``): a bf16
-parameter keeps 8 bits of mantissa, so an update below 1/256 of the weight rounds away entirely (and
-late in a decayed schedule most do); torch-optimi's Kahan summation keeps the lost low bits in a bf16
-buffer and adds them back (Zamirai et al. 2020, "Revisiting BFloat16 Training"). For fp32 parameters they
-are AdamW and SGD. `plan_fit` plans bf16-true only with them (`COMPENSATED`).
-
-Translation rules, from AdamW's per-group ``lr`` and ``weight_decay`` (every rule multiplies, so a
-group without decay keeps none and a learning-rate schedule keeps its shape, scaled):
-
-- **AdamW8bit, PagedAdamW8bit**: the same ``lr``, ``weight_decay``, ``betas``, ``eps``. Dettmers et al.
-  2022 (8-bit Optimizers via Block-wise Quantization) use AdamW's hyperparameters unchanged.
-- **Lion**: ``lr / 10``, ``weight_decay * 10``, ``betas=(0.9, 0.99)``. Chen et al. 2023 (Symbolic
-  Discovery of Optimization Algorithms, §5) advise a learning rate 3–10× smaller than AdamW's, because
-  the sign update has a larger norm, and a weight decay 3–10× larger so that the decay per step,
-  ``lr * weight_decay``, stays the same; (0.9, 0.99) are the paper's default betas. On the tiny GPT
-  (300 steps, AdamW lr 3e-3, batch 16) lr / 3 reached a validation loss of 2.12 and lr / 10 1.98
-  (AdamW: 1.29), so the rule takes the paper's upper end. Lion's advantage grows with the batch size
-  (the paper's runs use large batches); at small batches expect it to trail AdamW.
-- **Adafactor** (torch's: relative step ``min(lr, 1/sqrt(t)) * max(1e-3, RMS(param))``, no first
-  moment, decoupled decay ``param *= 1 - lr * weight_decay``): ``lr * 10``, ``weight_decay / 10`` (the
-  decay per step stays AdamW's), ``beta2_decay=-0.8`` (Shazeer & Stern 2018's schedule, torch's
-  default). The step is relative to the parameter's scale, so AdamW's ``lr`` is far too small for it:
-  on the tiny GPT (150 steps, AdamW lr 3e-3) x1 reached a validation loss of 3.61, x10 2.06, x30 2.06.
-  10 is the smallest factor on that plateau, and maps AdamW's common 1e-3 to the paper's (and torch's
-  default) 1e-2.
-- **SGD with momentum**: ``lr * 30``, ``momentum=0.9``; torch's SGD decay is an L2 term in the
-  gradient, which momentum amplifies by ``1 / (1 - 0.9)``, so ``weight_decay / 300`` keeps AdamW's
-  decay per step. SGD is not normalized by the gradient's scale and needs a far larger learning rate
-  than Adam: on the tiny GPT x10 reached 3.05, x30 3.04 and x100 diverged; 30 is the largest stable.
-- **SGD**: ``lr * 300`` (momentum SGD's effective step is ``lr / (1 - 0.9)``, so the step size stays
-  that of the momentum rule) and ``weight_decay / 300``, the same decay per step.
-- **AdamW / SGD with Kahan summation** (torch-optimi): AdamW's and SGD's rules; optimi's AdamW decay is
-  decoupled (``lr * weight_decay``) as torch's, its SGD decay an L2 term as torch's.
-
-An original that is not AdamW is first carried back to AdamW's terms by the inverse of its own rule.
-Only ``lr``, ``weight_decay`` (and ``betas``/``eps`` between the Adam family) are carried; options such
-as ``amsgrad``, ``foreach``, ``fused`` are not. torch's ``Adam`` counts as AdamW: its L2 ``weight_decay``
-becomes a decoupled one of the same value. Other group keys (names, a scheduler's ``initial_lr``) are
-kept, learning rates among them scaled.
+`CATALOGUE` lists them in quality order; `swap_optimizer` and `rebind_scheduler` carry AdamW's
+hyperparameters over to each. Which one to use is decided in `_optim`; this module estimates nothing.
+The catalogue's table and the translation rules, with their sources: ``docs/design/optimizers.md``.
 """
 
 from __future__ import annotations
@@ -104,9 +44,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-#: AdamW's lr times this is torch Adafactor's (its weight decay divided by it); see the module docstring.
+#: AdamW's lr times this is torch Adafactor's (its weight decay divided by it); see docs/design/optimizers.md.
 ADAFACTOR_LR_SCALE = 10.0
-#: AdamW's lr times this is SGD's with momentum 0.9 (and 10x more for plain SGD); see the module docstring.
+#: AdamW's lr times this is SGD's with momentum 0.9 (10x more for plain SGD); see docs/design/optimizers.md.
 SGD_LR_SCALE = 30.0
 #: Keys of a param group that hold learning rates written by schedulers (every scheduler's
 #: ``initial_lr``, OneCycleLR's ``max_lr``/``min_lr``, SWALR's ``swa_lr``); scaled with ``lr``.
@@ -375,7 +315,7 @@ def swap_optimizer(optimizer: Optimizer, name: str, *, allow_unknown: bool = Fal
     =================================  ======  ============  ==========================
 
     Each keeps AdamW's decay per step (``lr * weight_decay``); the papers and measurements behind the
-    factors are in this function's module docstring. An optimizer the catalogue
+    factors are in docs/design/optimizers.md. An optimizer the catalogue
     (`CATALOGUE`) does not know raises unless ``allow_unknown=True``, which reads its ``lr`` and
     ``weight_decay`` as AdamW's. The new optimizer has no state yet; ``optimizer`` is left as it was.
 

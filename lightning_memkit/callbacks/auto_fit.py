@@ -1,73 +1,10 @@
 """AutoFit: fit a run to a memory budget from the estimate, before the first step; no trial OOMs.
 
-The search is the plain function `plan_fit`; this callback picks the moment and installs
-the plan in the Trainer.
-
-When. ``setup("fit")`` runs after the datamodule's ``setup`` and before the strategy builds the optimizers
-(``configure_optimizers``) and the fit loop makes the train dataloader, so the batch size attribute, the
-Trainer's ``accumulate_grad_batches`` (read by the fit loop at every batch), the checkpointing and the
-optimizer all take effect from the first step. Rank 0 plans and ``trainer.strategy.broadcast``\\s the plan's
-plain dict (or its error), so every rank applies the same plan. Layers a module builds in
-``configure_model``, which Lightning calls after ``setup``, are not in the plan: build them in ``__init__``
-(on the meta device for a large model) to have them planned.
-
-How. The global batch is the batch size attribute (found as ``BatchSizeFinder`` finds it:
-``lightning_hasattr``/``lightning_setattr`` on the module, its hparams and the datamodule) times the
-Trainer's ``accumulate_grad_batches`` times the ranks; the example batch is the train dataloader's first
-batch, repeated to the global size. The plan's micro-batch becomes the attribute and its accumulation the
-Trainer's. The plan is one rank's step under the Trainer's strategy: DDP's all-reduce buckets are
-counted; FSDP and DeepSpeed ZeRO divide what they shard; under ``ModelParallelStrategy`` over every rank
-(FSDP2, ``fully_shard`` in ``configure_model``) one rank's sharded step is simulated, each repeated block
-and then the model sharded, over a fake process group beside the job's (`AutoFitStrategy` also applies
-that layout and the plan's ``reshard_after_forward``; a ``configure_model`` of your own keeps its own).
-Precision is the Trainer's: a callback cannot change it, so only `plan_fit`/``memkit plan`` search precisions.
-
-No trace. Planning runs the user's ``training_step`` before the first step: on fake tensors for every
-simulated candidate, and for real to time it (``cost="measured"``, the default for a model on the CPU).
-All of it, and the first batch drawn from the train dataloader (its sampler draws from torch's RNG), runs
-`isolated`: the module's buffers (BatchNorm's statistics), gradients, train/eval flags, torchmetrics states
-and public list/dict/set/deque attributes, and the torch, Python and NumPy RNG streams are put back, and
-torch.compile neither compiles nor skips a frame for it. So a plan that changes nothing (a budget the run
-fits in as it is) leaves losses, parameters, buffers and the RNG bit-identical to the run without AutoFit.
-Not put back: what the step does beyond the module (globals, files, loggers) and attributes it rebinds
-(``self.calls += 1``) or keeps under a ``_`` name; ``self.log`` does nothing while planning.
-
-After. For the first ``verify_steps`` steps on CUDA the measured peak (``torch.cuda.max_memory_allocated``)
-is compared with the plan and a warning names both when it is over. In those steps an out-of-memory error
-in the forward or the backward (`StepGuard <lightning_memkit.callbacks._step_guard>`) frees what the failed
-attempt held, switches to `FitPlan.leaner` (stronger checkpointing first, then half the micro-batch) and
-runs the same batch again, cut into slices of the new micro-batch, without counting any gradient twice:
-the batch is not lost and the global batch is unchanged. This needs one device (``SingleDeviceStrategy``),
-a precision plugin that calls the module's ``backward`` hook and automatic optimization; an OOM in the
-optimizer step is not recovered from. An OOM that ends the run is explained before the traceback, while the
-plan is still applied: the phase, what the step needed by category and the plans that fit the budget, as
-code (`report_oom`; a `MemoryMonitor` in the Trainer says it, with its measurements, and only once).
-
-The batch size. During the fit the batch size attribute (on the module, its hparams, the datamodule and
-its hparams: wherever it is) holds the plan's micro-batch, and the Trainer's ``accumulate_grad_batches`` the
-plan's. The Trainer's whole numbers of training batches (``limit_train_batches=3``, ``val_check_interval=2``)
-are scaled to count the plan's micro-batches, so the fit covers the samples they asked for (one info line
-says so); ``limit_val_batches`` as a whole number is warned about where the plan changes the batch size. A
-plan may merge the user's accumulation into a larger micro-batch: the global batch is the same, but
-batch statistics (BatchNorm) see the larger batch, which a warning says. At the end of the fit
-(``teardown``, or an exception) all of them get the user's values back, and
-checkpoints store the user's batch size in their hyperparameters (the plan is in AutoFit's state), so a
-second fit, with the same AutoFit or a module loaded from the checkpoint, plans from the same global batch.
-
-Resume. The plan is saved with the callback's state; a resumed run installs the saved plan (its optimizer
-among it) before the optimizers are built, so the checkpoint's optimizer state loads into the same optimizer.
-Strategies that restore callbacks after building the optimizers (``restore_checkpoint_after_setup``: FSDP,
-DeepSpeed, ModelParallelStrategy) must plan the same again; a different plan raises, except under
-`AutoFitStrategy`, which reads the saved plan as it loads the checkpoint and rebuilds the optimizers for it
-before their state is loaded. Resume with an ``AutoFit`` in the Trainer's callbacks too: it installs the
-saved plan whatever its own arguments are now (its state is found under the key ``"AutoFit"``). A Trainer
-without it cannot read the plan: Lightning warns ("Please add the following callbacks: ['AutoFit']") and
-loads the plan's optimizer state into the module's own optimizer, whose first step then fails
-(``KeyError: 'exp_avg'`` for AdamW after Lion) and whose batch is the user's. At the end of the fit the
-module gets its own hooks, blocks and ``configure_optimizers`` back; the plan stays in `plan`.
-
-Logged (once, at the start of training): ``autofit/micro_batch_size``, ``autofit/accumulate_grad_batches``,
-``autofit/estimated_peak_mib`` (MiB, 2**20 bytes).
+The search is the plain function `plan_fit`; this callback picks the moment (``setup("fit")``, rank 0
+planning and broadcasting), installs the plan in the Trainer, puts everything back at the end of the fit,
+and keeps the plan for a resume. Logged once: ``autofit/micro_batch_size``,
+``autofit/accumulate_grad_batches``, ``autofit/estimated_peak_mib`` (MiB). Design notes, with the reasons:
+``docs/design/autofit-callback.md``.
 """
 
 from __future__ import annotations
@@ -152,7 +89,7 @@ class AutoFit(Callback):
             backward is recovered from (one process, automatic optimization); 0 turns both off.
 
     Resume a run saved with it with an ``AutoFit`` among the callbacks too: the checkpoint holds the
-    plan's optimizer state, which only the saved plan can load (see the module's notes on resuming).
+    plan's optimizer state, which only the saved plan can load (docs/design/autofit-callback.md, "Resume").
     """
 
     def __init__(

@@ -1,6 +1,5 @@
-"""Activation checkpointing, issue 12: the plan search (item 16), messages (item 15), a callback reused for
-another fit (item 8), GPU names as budgets (item 11), LBFGS (item 12), planning that leaves no trace (item 4).
-"""
+"""Activation checkpointing at its edges: the plan search, messages, a callback reused for another fit, GPU
+names as budgets, LBFGS, planning that leaves no trace."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""OptimizerSwap, issue 12: a reused callback decides afresh (item 8), a budget nothing fits fails at fit
-start with its figures (item 10), resuming needs the callback and restores the stored choice whatever it
-is configured with (item 15), optimizers whose step needs a closure are refused up front (item 12)."""
+"""OptimizerSwap at its edges: a reused callback decides afresh, a budget nothing fits fails at fit start with
+its figures, resuming needs the callback and restores the stored choice whatever it is configured with,
+optimizers whose step needs a closure are refused up front."""
 
 from __future__ import annotations
 

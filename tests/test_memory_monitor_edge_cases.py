@@ -1,4 +1,4 @@
-"""Issue 27: MemoryMonitor with sparse batches, an error of its own tracker inside the step, two monitors
+"""MemoryMonitor at its edges: sparse batches, an error of its own tracker inside the step, two monitors
 in one Trainer, ``fast_dev_run``, and the end-of-fit report's warning."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""AutoFit, plan_fit and estimate_memory on issue 12: planning leaves no trace (item 4), the batch size comes
-back after the fit (item 9), budgets and manual optimization are refused in AutoFit's terms (item 15), LBFGS
-(item 12) and empty batches (item 13)."""
+"""AutoFit, plan_fit and estimate_memory at their edges: planning leaves no trace, the batch size comes back
+after the fit, budgets and manual optimization are refused in AutoFit's terms, LBFGS and empty batches."""
 
 import math
 
