@@ -772,25 +772,23 @@ def _alternatives(
 ) -> tuple[Alternative, ...]:
     """Every configuration simulated, as rows: uniform modes, and the planner's plans with their times.
 
-    A row's time is relative to the chosen plan's; it is known for rows of the chosen optimizer and
-    precision: without checkpointing, where the recompute was measured (by the planner, or timed), and
-    ``None`` otherwise."""
+    A row's time (relative to the chosen plan's, and in seconds) is known for rows of the chosen optimizer
+    and precision, at the recompute `_uniform_recompute` gives; ``None`` otherwise."""
     rows: dict[tuple, Alternative] = {}
     fastest = min(options).time
     opt, prec = chosen
     for (m, level, o, p), breakdown in search.cache.items():
-        planner = search.planners.get((m, o, p))
-        recompute = 0.0 if level == "none" else planner.overhead(planner.uniform(level)) if planner else None
-        time = (
-            None if (o, p) != chosen or recompute is None else step_cost.time(m, G // m, recompute) / fastest
-        )
+        recompute = _uniform_recompute(search, m, level, o, p)
+        seconds = None if (o, p) != chosen or recompute is None else step_cost.time(m, G // m, recompute)
         rows[(m, level, o, p)] = Alternative(
-            m, G // m, level, o, p, breakdown.peak, time, breakdown.peak <= limit
-        )
+            m, G // m, level, o, p, breakdown.peak, None if seconds is None else seconds / fastest,
+            breakdown.peak <= limit, seconds,
+        )  # fmt: skip
     for option in options:  # the plans ranked, at the recompute they were ranked by
         row = Alternative(
-            option.m, G // option.m, option.label, opt, prec, option.peak, option.time / fastest, True
-        )
+            option.m, G // option.m, option.label, opt, prec, option.peak, option.time / fastest, True,
+            option.time,
+        )  # fmt: skip
         rows[(option.m, option.label, opt, prec)] = row
     order = {mode: i for i, mode in enumerate(CHECKPOINT_MODES)}
     return tuple(
@@ -805,6 +803,19 @@ def _alternatives(
             ),
         )
     )
+
+
+def _uniform_recompute(search, m: int, level: str, optimizer: str | None, precision: str) -> float | None:
+    """The recompute of ``level`` on every block as a fraction of the blocks' compute: as a planner measured
+    it at this micro-batch, else at another (the fraction hardly moves with the micro-batch: both scale
+    with it), else full checkpointing's one forward in three (`FULL_RECOMPUTE`); ``None`` for another mode
+    no planner measured."""
+    if level == "none":
+        return 0.0
+    planner = search.planners.get((m, optimizer, precision)) or next(iter(search.planners.values()), None)
+    if planner is not None and level in planner.levels:
+        return planner.overhead(planner.uniform(level))
+    return FULL_RECOMPUTE if level == "full" else None
 
 
 def _pairs(

@@ -127,7 +127,8 @@ def measured_cost(
 @dataclass(frozen=True)
 class Alternative:
     """One simulated configuration. ``peak`` is one rank's step peak in bytes; ``time`` is relative to the
-    chosen plan's (1.0; larger is slower), ``None`` for configurations without a cost."""
+    chosen plan's (1.0; larger is slower), ``seconds`` the same per global batch (per rank, by the plan's
+    `StepCost`); both ``None`` for configurations without a cost (another optimizer or precision)."""
 
     micro_batch_size: int
     accumulate_grad_batches: int
@@ -137,6 +138,7 @@ class Alternative:
     peak: int
     time: float | None
     fits: bool
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,7 @@ class FitPlan:
             + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + (
                 f"; transfers and the host's update add about {self.offload_seconds:.2g} s per global batch"
+                + (f" to {self.seconds - self.offload_seconds:.2g} s of compute" if self.seconds else "")
                 if self.offload_seconds
                 else ""
             )
@@ -335,8 +338,17 @@ class FitPlan:
             + (f"; {self.note}" if self.note else "")
         )
 
+    @property
+    def seconds(self) -> float | None:
+        """Seconds of one global batch (per rank) by the plan's `StepCost`: compute and, offloaded, the
+        transfers and the host's update; ``None`` without a cost."""
+        return next((a.seconds for a in self.alternatives if self._is_chosen(a)), None)
+
     def __str__(self) -> str:
-        header = ("m", "accumulate", "checkpointing", "optimizer", "precision", "peak", "rel. time", "fits")
+        header = (
+            "m", "accumulate", "checkpointing", "optimizer", "precision", "peak", "rel. time", "s / batch",
+            "fits",
+        )  # fmt: skip
         rows = [
             (
                 str(a.micro_batch_size),
@@ -346,6 +358,7 @@ class FitPlan:
                 a.precision,
                 format_bytes(a.peak),
                 "—" if a.time is None else f"{a.time:.2f}",
+                "—" if a.seconds is None else f"{a.seconds:.3g}",
                 ("chosen" if self._is_chosen(a) else "yes") if a.fits else "no",
             )
             for a in self.alternatives
@@ -353,11 +366,25 @@ class FitPlan:
         table = render_table(
             header,
             rows,
-            title="configurations simulated (peak per rank; time per global batch, 1.00 = chosen)",
+            title=(
+                "configurations simulated (peak per rank; time per global batch, 1.00 = chosen; "
+                f"{self._basis()})"
+            ),
             left=("checkpointing", "optimizer"),
             bold=lambda row: row[-1] == "chosen",
         )
         return "\n".join([self.summary(), table])
+
+    def _basis(self) -> str:
+        """Where the times come from, in a few words."""
+        if self.cost is None:
+            return "no time model"
+        if self.cost.source == "measured":
+            return "timed on this device"
+        rate = DEVICE_FLOPS.get(self.device, DEVICE_FLOPS["cuda"])
+        return f"compute from FLOPs at {rate / 1e12:g} TFLOP/s sustained" + (
+            ", plus the offload's transfers" if self.offload_seconds else ""
+        )
 
     def _is_chosen(self, a: Alternative) -> bool:
         return (a.micro_batch_size, a.checkpointing, a.optimizer, a.precision) == (

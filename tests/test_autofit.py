@@ -71,6 +71,19 @@ def test_plan_fits_and_is_the_fastest_configuration_simulated(module, batch, pla
     assert any(a.fits is False for a in plan.alternatives)
 
 
+def test_every_row_of_the_chosen_optimizer_has_its_time_in_seconds(plan):
+    """The plan table's rows of the chosen optimizer and precision all have a time (no "—" for a uniform
+    mode the planner did not profile at that micro-batch), in seconds and relative to the chosen plan's,
+    and the table says where the times come from."""
+    own = [a for a in plan.alternatives if (a.optimizer, a.precision) == (plan.optimizer, plan.precision)]
+    assert own and all(a.seconds is not None and a.time is not None for a in own)
+    for a in own:
+        assert a.time == pytest.approx(a.seconds / plan.seconds)
+    assert plan.seconds == min(a.seconds for a in own if a.fits)
+    assert "s / batch" in str(plan) and plan.cost is not None
+    assert ("timed on this device" if plan.cost.source == "measured" else "TFLOP/s sustained") in str(plan)
+
+
 def test_a_per_block_plan_is_the_planners_and_fits_when_simulated(module, batch, plan):
     checkpoints = plan.checkpoint_plan
     assert checkpoints is not None and plan.micro_batch_size > 2  # checkpointing bought a larger micro-batch

@@ -7,6 +7,7 @@ the fp32 masters' and survives a resume exactly; on the CPU (host = device) the 
 from __future__ import annotations
 
 import json
+import re
 
 import bitsandbytes as bnb
 import lightning.pytorch as pl
@@ -339,6 +340,8 @@ def test_memkit_plan_relaxes_what_was_left_open_and_offloads_where_nothing_else_
     assert status == 0, err
     assert "Nothing fits at 32-true without a step lever; this plan gives up:" in out
     assert "of host memory" in out and "optimizer adamw, 32-true" in out
+    # the offload's time beside the compute's, so its share shows
+    assert re.search(r"update add about [0-9.e+-]+ s per global batch to [0-9.e+-]+ s of compute", out)
     status, out, _ = run_cli([*argv, "--gpu", "543MB", "--json"])
     report = json.loads(out)
     assert (report["lever"], report["optimizer"], report["precision"]) == (
