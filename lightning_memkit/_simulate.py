@@ -133,6 +133,24 @@ def _placeholder_scalar(func: Any, args: tuple) -> Any:
     return None
 
 
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+def _is_float_not_bf16(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.bfloat16
+
+
+def _grouped_mm_output(args: tuple, kwargs: dict) -> Tensor:
+    """``_grouped_mm``'s output (mixture-of-experts layers' experts, all in one call) where its meta kernel
+    refuses the operands' dtype: it takes bf16 only, while the CPU and CUDA kernels run fp32 too. The
+    output's shape and strides are those of the same call in bf16, its dtype the operands' (or
+    ``out_dtype``). Called with the tracker off the stack: the bf16 stand-ins are not the step's."""
+    dtype = kwargs.get("out_dtype") or args[0].dtype
+    as_bf16 = [a.to(torch.bfloat16) if _is_float_not_bf16(a) else a for a in args]
+    shaped = _GROUPED_MM(*as_bf16, **{k: v for k, v in kwargs.items() if k != "out_dtype"})
+    return shaped.new_empty_strided(shaped.shape, shaped.stride(), dtype=dtype)
+
+
 class _Placeholders(TorchDispatchMode):
     """Answers ``.item()`` on fake tensors (used while the optimizer is warmed up, untracked)."""
 
@@ -189,7 +207,10 @@ class _SimTracker(Tracker):
         return out
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        out = func(*args, **kwargs)
+        if func is _GROUPED_MM and _is_float_not_bf16(args[0]):
+            out = _grouped_mm_output(args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if self.counts_cpu_kernels and func in _kernels.PLACEHOLDER_OUTPUTS:
             out = _kernels.real_outputs(func, args, kwargs, out)  # a size the meta kernel leaves out
         return out

@@ -1,5 +1,5 @@
 """What several test files share: a CPU Trainer that saves nothing, a callback keeping the losses, the tiny
-GPT example with its data and a batch, and ``memkit`` run in-process."""
+GPT example with its data and a batch, ``memkit`` run in-process, and a plain step against its estimate."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from lightning_memkit import estimate_memory
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
+from lightning_memkit.testing import allocator_peak
 
 B, T = 8, 64
 
@@ -101,3 +103,19 @@ class Regression(pl.LightningModule):
 
     def val_dataloader(self):
         return self._loader(self.val_samples)
+
+
+def steady_step_and_estimate(model, batch: tuple, optimizer, loss_fn) -> tuple[int, int]:
+    """A plain module's steady training step (after one that makes the optimizer's state): the allocator's
+    peak of it, and `estimate_memory`'s, on the CPU. ``batch`` is ``(inputs, target)``."""
+    inputs, target = batch
+
+    def step() -> None:
+        loss_fn(model(inputs), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    truth = allocator_peak(step)
+    estimate = estimate_memory(model, batch, optimizer=optimizer, loss_fn=loss_fn, device="cpu")
+    return truth, estimate.peak

@@ -50,7 +50,7 @@ def _both(model, batch, **kwargs):
     return shortcut, whole
 
 
-FAMILIES = ["bert", "qwen2", "gpt_neox", "gpt2", "vit"]
+FAMILIES = ["bert", "qwen2", "gpt_neox", "gpt2", "vit", "mixtral"]
 CONFIGS = {
     "steady": {},
     "first_step": {"first_step": True},

@@ -10,6 +10,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import steady_step_and_estimate
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
 from lightning_memkit._kernels import _Worker
-from lightning_memkit.testing import AllocatorPeaks, allocator_peak
+from lightning_memkit.testing import AllocatorPeaks
 
 VOCAB, SEQ = 100, 32
 
@@ -52,19 +53,10 @@ def test_the_estimate_is_the_allocators_steady_step(rnn, batch_size):
     torch.manual_seed(0)
     model = Tagger(rnn)
     optimizer = torch.optim.AdamW(model.parameters())
-    ids, labels = _batch(batch_size)
-
-    def step() -> None:
-        _loss(model(ids), labels).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()  # AdamW's state
-    truth = allocator_peak(step)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the helper answers: no "Could not measure" warning
-        estimate = estimate_memory(model, (ids, labels), optimizer=optimizer, loss_fn=_loss, device="cpu")
-    assert estimate.peak == pytest.approx(truth, rel=1e-3)
+        truth, estimate = steady_step_and_estimate(model, _batch(batch_size), optimizer, _loss)
+    assert estimate == pytest.approx(truth, rel=1e-3)
 
 
 def test_the_helper_answers_for_the_lstm_layer_and_its_backward():

@@ -1,10 +1,10 @@
 """A zoo of models this project did not write, as users bring them: tiny random configs, default settings.
 
 Hugging Face families (BERT, T5, a LLaMA-family decoder with grouped-query attention, GPT-NeoX, GPT-2,
-ViT, Whisper: an encoder and a decoder of two layer classes) are built from their config classes with
-random weights (nothing is downloaded) and keep every default a user would not change: ``use_cache=True``,
-dropout, the SDPA attention path. The CNN is a small ResNet with BatchNorm, written here (torchvision/timm
-would pull another torch build).
+ViT, Whisper: an encoder and a decoder of two layer classes; Mixtral: mixture-of-experts, its experts in
+one grouped matmul) are built from their config classes with random weights (nothing is downloaded) and
+keep every default a user would not change: ``use_cache=True``, dropout, the SDPA attention path. The CNN
+is a small ResNet with BatchNorm, written here (torchvision/timm would pull another torch build).
 
 ``ZooModule(name)`` is a LightningModule over one of them; ``zoo_batch(name)`` a batch of its shape.
 """
@@ -80,6 +80,16 @@ def _vit() -> nn.Module:
     return ViTForImageClassification(cfg)
 
 
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return MixtralForCausalLM(cfg)
+
+
 def _whisper() -> nn.Module:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
@@ -136,6 +146,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "gpt2": (_gpt2, "causal"),
     "vit": (_vit, "image"),
     "whisper": (_whisper, "speech"),
+    "mixtral": (_mixtral, "causal"),
     "resnet": (ResNet, "cnn"),
 }
 
