@@ -27,7 +27,7 @@ def _loss(out, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
 
-@pytest.mark.parametrize("batch_size", [2, 8])
+@pytest.mark.parametrize("batch_size", [pytest.param(2, marks=pytest.mark.slow), 8])
 def test_an_fp32_moe_step_is_estimated_as_the_allocator_counts_it(batch_size):
     torch.manual_seed(0)
     model = _qwen2_moe()

@@ -47,8 +47,15 @@ def _batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-@pytest.mark.parametrize("batch_size", [4, 8])
-@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize(
+    ("rnn", "batch_size"),
+    [
+        (nn.LSTM, 8),
+        (nn.GRU, 4),
+        pytest.param(nn.LSTM, 4, marks=pytest.mark.slow),  # the quick tier: one of each
+        pytest.param(nn.GRU, 8, marks=pytest.mark.slow),
+    ],
+)
 def test_the_estimate_is_the_allocators_steady_step(rnn, batch_size):
     torch.manual_seed(0)
     model = Tagger(rnn)
@@ -107,6 +114,7 @@ class TaggerModule(pl.LightningModule):
         return DataLoader(data, batch_size=self.batch_size)
 
 
+@pytest.mark.slow  # Trainer fits: the full run's tier
 @pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU])
 def test_the_monitor_is_the_allocators_every_step(rnn, tmp_path):
     """Measured and unmeasured Trainer steps alike (the monitor reuses a measured twin's figures for the
