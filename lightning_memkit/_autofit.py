@@ -772,8 +772,8 @@ def _alternatives(
 ) -> tuple[Alternative, ...]:
     """Every configuration simulated, as rows: uniform modes, and the planner's plans with their times.
 
-    A row's time (relative to the chosen plan's, and in seconds) is known for rows of the chosen optimizer
-    and precision, at the recompute `_uniform_recompute` gives; ``None`` otherwise."""
+    A row's time (relative to the chosen plan's, and in seconds per global batch) is known for rows of the
+    chosen optimizer and precision, at the recompute `_uniform_recompute` gives; ``None`` otherwise."""
     rows: dict[tuple, Alternative] = {}
     fastest = min(options).time
     opt, prec = chosen

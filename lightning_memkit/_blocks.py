@@ -23,18 +23,30 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
     """The blocks worth checkpointing, as ``(qualified name, module)`` in registration order.
 
     With ``layer_classes``, every instance of them (the outermost, where they nest). Otherwise the
-    repeated layers: children of ``nn.ModuleList``/``nn.Sequential`` containers grouped by class, every
-    class with two or more instances (a GPT's ``Block``, torch's ``TransformerEncoderLayer``, Hugging
-    Face's ``*DecoderLayer``, a ResNet's ``Bottleneck``; both stacks of an encoder-decoder such as
-    Whisper's ``WhisperEncoderLayer`` and ``WhisperDecoderLayer``, both towers of a two-tower model).
-    Children without submodules (a lone ``Linear``) are not candidates: checkpointing one saves nothing,
-    since its input is kept either way.
+    repeated layers: children of ``nn.ModuleList``/``nn.Sequential`` containers grouped by class, two or
+    more of a class (a GPT's ``Block``, torch's ``TransformerEncoderLayer``, Hugging Face's
+    ``*DecoderLayer``, a ResNet's ``Bottleneck``). The heaviest class (parameters, then instances) is a
+    stack, and so is every other class of `_stacks` (both stacks of an encoder-decoder such as Whisper's
+    ``WhisperEncoderLayer`` and ``WhisperDecoderLayer``, both towers of a two-tower model), but not a pair
+    of small heads or embeddings beside them. Children without submodules (a lone ``Linear``) are not
+    candidates: checkpointing one saves nothing, since its input is kept either way.
     """
     if layer_classes is not None:
         classes = block_classes(layer_classes)
         return _outermost([(name, m) for name, m in model.named_modules() if isinstance(m, classes)])
-    repeated = {id(m) for group in _repeated_groups(model) for _, m in group}
-    return _outermost([(name, m) for name, m in model.named_modules() if id(m) in repeated])
+    chosen = {id(m) for group in _stacks(model) for _, m in group}
+    return _outermost([(name, m) for name, m in model.named_modules() if id(m) in chosen])
+
+
+def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The groups of `_repeated_groups` that are stacks of layers: the heaviest, and each other with at least
+    a quarter of its parameters and half its instances (an encoder of 4 layers beside a decoder of 6 is a
+    stack; 2 heads beside 8 layers, or 2 nested containers of 3 layers each, are not)."""
+    groups = _repeated_groups(model)
+    if not groups:
+        return []
+    weight, count = _weight(groups[0]), len(groups[0])
+    return [g for g in groups if 4 * _weight(g) >= weight and 2 * len(g) >= count]
 
 
 def block_classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
@@ -60,10 +72,15 @@ def _repeated_groups(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
                 (f"{prefix}.{child_name}" if prefix else child_name, child)
             )
 
-    def weight(found: list[tuple[str, nn.Module]]) -> tuple[int, int]:
-        return sum(p.numel() for _, m in found for p in m.parameters()), len(found)
+    return sorted(
+        (found for found in groups.values() if len(found) >= 2),
+        key=lambda g: (_weight(g), len(g)),
+        reverse=True,
+    )
 
-    return sorted((found for found in groups.values() if len(found) >= 2), key=weight, reverse=True)
+
+def _weight(group: list[tuple[str, nn.Module]]) -> int:
+    return sum(p.numel() for _, m in group for p in m.parameters())
 
 
 def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

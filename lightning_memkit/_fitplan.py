@@ -127,8 +127,9 @@ def measured_cost(
 @dataclass(frozen=True)
 class Alternative:
     """One simulated configuration. ``peak`` is one rank's step peak in bytes; ``time`` is relative to the
-    chosen plan's (1.0; larger is slower), ``seconds`` the same per global batch (per rank, by the plan's
-    `StepCost`); both ``None`` for configurations without a cost (another optimizer or precision)."""
+    chosen plan's (1.0; larger is slower), ``step_seconds`` the same in seconds per global batch (per rank,
+    by the plan's `StepCost`); both ``None`` for configurations without a cost (another optimizer or
+    precision)."""
 
     micro_batch_size: int
     accumulate_grad_batches: int
@@ -138,7 +139,7 @@ class Alternative:
     peak: int
     time: float | None
     fits: bool
-    seconds: float | None = None
+    step_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,11 @@ class FitPlan:
             + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + (
                 f"; transfers and the host's update add about {self.offload_seconds:.2g} s per global batch"
-                + (f" to {self.seconds - self.offload_seconds:.2g} s of compute" if self.seconds else "")
+                + (
+                    f" to {self.step_seconds - self.offload_seconds:.2g} s of compute"
+                    if self.step_seconds
+                    else ""
+                )
                 if self.offload_seconds
                 else ""
             )
@@ -339,10 +344,10 @@ class FitPlan:
         )
 
     @property
-    def seconds(self) -> float | None:
+    def step_seconds(self) -> float | None:
         """Seconds of one global batch (per rank) by the plan's `StepCost`: compute and, offloaded, the
         transfers and the host's update; ``None`` without a cost."""
-        return next((a.seconds for a in self.alternatives if self._is_chosen(a)), None)
+        return next((a.step_seconds for a in self.alternatives if self._is_chosen(a)), None)
 
     def __str__(self) -> str:
         header = (
@@ -358,7 +363,7 @@ class FitPlan:
                 a.precision,
                 format_bytes(a.peak),
                 "—" if a.time is None else f"{a.time:.2f}",
-                "—" if a.seconds is None else f"{a.seconds:.3g}",
+                "—" if a.step_seconds is None else f"{a.step_seconds:.3g}",
                 ("chosen" if self._is_chosen(a) else "yes") if a.fits else "no",
             )
             for a in self.alternatives
@@ -381,9 +386,11 @@ class FitPlan:
             return "no time model"
         if self.cost.source == "measured":
             return "timed on this device"
-        rate = DEVICE_FLOPS.get(self.device, DEVICE_FLOPS["cuda"])
-        return f"compute from FLOPs at {rate / 1e12:g} TFLOP/s sustained" + (
-            ", plus the offload's transfers" if self.offload_seconds else ""
+        device = self.device if self.device in DEVICE_FLOPS else "cuda"
+        return (
+            f"FLOPs at {DEVICE_FLOPS[device] / 1e12:g} TFLOP/s sustained and "
+            f"{LAUNCH_SECONDS[device] * 1e6:g} µs a kernel launch"
+            + (", plus the offload's transfers" if self.offload_seconds else "")
         )
 
     def _is_chosen(self, a: Alternative) -> bool:

@@ -82,6 +82,42 @@ def test_find_blocks_takes_repeated_layers():
     assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())) == []
 
 
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+class _Head(_Wrapped):
+    pass
+
+
+class _Layer(nn.Sequential):
+    pass
+
+
+def test_find_blocks_takes_every_stack_but_not_small_pairs_beside_one():
+    """Two stacks of different layer classes are both blocks (an encoder-decoder); a pair of wrapped
+    embeddings or heads beside a stack of 8 is not, nor are 2 containers nesting the stack's layers."""
+
+    def layer() -> nn.Module:
+        return _Layer(nn.LayerNorm(16), nn.Linear(16, 16))
+
+    two_stacks = nn.Module()
+    two_stacks.encoder = nn.ModuleList(nn.TransformerEncoderLayer(16, 2, 32) for _ in range(2))
+    two_stacks.decoder = nn.ModuleList(nn.TransformerDecoderLayer(16, 2, 32) for _ in range(3))
+    assert [n for n, _ in find_blocks(two_stacks)] == [
+        *(f"encoder.{i}" for i in range(2)), *(f"decoder.{i}" for i in range(3))
+    ]  # fmt: skip
+    with_pairs = nn.Module()
+    with_pairs.embeddings = nn.ModuleList(_Wrapped(nn.Embedding(20, 16)) for _ in range(2))
+    with_pairs.blocks = nn.ModuleList(layer() for _ in range(8))
+    with_pairs.heads = nn.ModuleList(_Head(nn.Linear(16, 20)) for _ in range(2))
+    assert [n for n, _ in find_blocks(with_pairs)] == [f"blocks.{i}" for i in range(8)]
+    nested = nn.Sequential(*(nn.Sequential(*(layer() for _ in range(3))) for _ in range(2)))
+    assert [n for n, _ in find_blocks(nested)] == [f"{i}.{j}" for i in range(2) for j in range(3)]
+
+
 def test_apply_patches_forward_in_place_never_twice_and_undoes():
     gpt = GPT(GPTConfig(**SMALL))
     keys, params = list(gpt.state_dict()), [id(p) for p in gpt.parameters()]
