@@ -386,10 +386,9 @@ class FitPlan:
             return "no time model"
         if self.cost.source == "measured":
             return "timed on this device"
-        device = self.device if self.device in DEVICE_FLOPS else "cuda"
         return (
-            f"FLOPs at {DEVICE_FLOPS[device] / 1e12:g} TFLOP/s sustained and "
-            f"{LAUNCH_SECONDS[device] * 1e6:g} µs a kernel launch"
+            f"FLOPs at {DEVICE_FLOPS[self.device] / 1e12:g} TFLOP/s sustained and "
+            f"{LAUNCH_SECONDS[self.device] * 1e6:g} µs a kernel launch"
             + (", plus the offload's transfers" if self.offload_seconds else "")
         )
 

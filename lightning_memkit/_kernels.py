@@ -42,6 +42,7 @@ _aten = torch.ops.aten
 
 
 def _ops(*names: str) -> frozenset:
+    """The default overloads of the aten ops named, those this torch has."""
     return frozenset(getattr(_aten, n).default for n in names if hasattr(getattr(_aten, n, None), "default"))
 
 
@@ -254,7 +255,7 @@ def kernel_peak(func: Any, args: tuple, kwargs: dict) -> int | None:
 #: Ops whose meta kernels give an output a placeholder size, by output index: oneDNN's LSTM/GRU layer
 #: returns its workspace (what its backward reads; kept from forward to backward) empty on fake tensors,
 #: where the real kernel's holds the gates of every time step.
-PLACEHOLDER_OUTPUTS = {_aten.mkldnn_rnn_layer.default: (3,)}
+PLACEHOLDER_OUTPUTS = {op: (3,) for op in _ops("mkldnn_rnn_layer")}
 
 
 def real_outputs(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:

@@ -133,7 +133,8 @@ def _placeholder_scalar(func: Any, args: tuple) -> Any:
     return None
 
 
-_GROUPED_MM = torch.ops.aten._grouped_mm.default
+#: ``aten._grouped_mm``, in the torch versions that have it
+_GROUPED_MM = _kernels._ops("_grouped_mm")
 
 
 def _is_float_not_bf16(t: Any) -> bool:
@@ -147,7 +148,9 @@ def _grouped_mm_output(args: tuple, kwargs: dict) -> Tensor:
     ``out_dtype``). Called with the tracker off the stack: the bf16 stand-ins are not the step's."""
     dtype = kwargs.get("out_dtype") or args[0].dtype
     as_bf16 = [a.to(torch.bfloat16) if _is_float_not_bf16(a) else a for a in args]
-    shaped = _GROUPED_MM(*as_bf16, **{k: v for k, v in kwargs.items() if k != "out_dtype"})
+    shaped = torch.ops.aten._grouped_mm.default(
+        *as_bf16, **{k: v for k, v in kwargs.items() if k != "out_dtype"}
+    )
     return shaped.new_empty_strided(shaped.shape, shaped.stride(), dtype=dtype)
 
 
@@ -207,7 +210,7 @@ class _SimTracker(Tracker):
         return out
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if func is _GROUPED_MM and _is_float_not_bf16(args[0]):
+        if func in _GROUPED_MM and _is_float_not_bf16(args[0]):
             out = _grouped_mm_output(args, kwargs)
         else:
             out = func(*args, **kwargs)

@@ -44,14 +44,24 @@ def _t5() -> nn.Module:
     return T5ForConditionalGeneration(cfg)
 
 
-def _qwen2() -> nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _grouped_query_decoder(family: str) -> Callable[[], nn.Module]:
+    """A LLaMA-family decoder with grouped-query attention (``Qwen2``, ``Mixtral``: its MLP a mixture of
+    experts), the same tiny sizes for each."""
 
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return Qwen2ForCausalLM(cfg)
+    def build() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, f"{family}Config")(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        )  # fmt: skip
+        return getattr(transformers, f"{family}ForCausalLM")(cfg)
+
+    return build
+
+
+_qwen2 = _grouped_query_decoder("Qwen2")  # module-level: `memkit --model zoo:_qwen2` names it
+_mixtral = _grouped_query_decoder("Mixtral")
 
 
 def _neox() -> nn.Module:
@@ -78,16 +88,6 @@ def _vit() -> nn.Module:
         num_attention_heads=2, intermediate_size=64, num_labels=10,
     )  # fmt: skip
     return ViTForImageClassification(cfg)
-
-
-def _mixtral() -> nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return MixtralForCausalLM(cfg)
 
 
 def _whisper() -> nn.Module:
