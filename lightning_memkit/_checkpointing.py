@@ -147,12 +147,17 @@ class SelectiveCheckpoint:
         self.name = "selective" if save_every == 1 else "selective_half"
 
     def context(self) -> Any:
-        matmuls = itertools.count()  # a fresh count for every forward: the policy sees forward ops only
+        # A fresh count for every checkpointed call, one for its forward and one for its recompute: torch
+        # before 2.12 asks the policy again as it recomputes and takes the saved outputs of an op in order,
+        # so the recompute must keep the same matmuls as the forward did (one count running on would keep
+        # the k-projection's where the forward kept the q-projection's: a wrong shape, or wrong gradients
+        # where the two shapes are alike). Later torch remembers each op's answer and asks only forward.
+        matmuls = {False: itertools.count(), True: itertools.count()}
 
         def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             if op in ATTENTION_OPS:
                 return CheckpointPolicy.MUST_SAVE
-            if op in MATMUL_OPS and next(matmuls) % self.save_every == 0:
+            if op in MATMUL_OPS and next(matmuls[ctx.is_recompute]) % self.save_every == 0:
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
