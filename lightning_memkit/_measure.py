@@ -194,12 +194,13 @@ def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None)
     """Bytes of the distinct storages behind ``tensors`` (views and tied weights counted once; a sharded
     DTensor by its local shard).
 
-    With ``device``, only tensors on that device count, in the allocator's rounding for it.
+    With ``device``, only tensors on that device count, in the allocator's rounding for it; a device without
+    an index (``"cuda"``) takes every device of its type.
     """
     seen: set[int] = set()
     total = 0
     for t in (leaf for tensor in tensors for leaf in leaves(tensor)):
-        if device is not None and t.device != device:
+        if device is not None and not _on(t.device, torch.device(device)):
             continue
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -208,6 +209,10 @@ def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None)
         seen.add(ptr)
         total += rounded(storage.nbytes(), allocation_rounding(t.device))
     return total
+
+
+def _on(place: torch.device, device: torch.device) -> bool:
+    return place.type == device.type and device.index in (None, place.index)
 
 
 class Storage:

@@ -369,14 +369,14 @@ def test_plan_prints_its_set_up_as_code_that_runs(monkeypatch, tmp_path):
 
 def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     """A card too small for the micro-batch of 16 without checkpointing, 8 ranks, one optimizer allowed."""
-    argv = ["plan", "--model", "tiny", "--gpu", "560MB", "--gpus", "8", "--strategy", "fsdp"]
+    argv = ["plan", "--model", "tiny", "--gpu", "648MB", "--gpus", "8", "--strategy", "fsdp"]
     argv += ["--global-batch", "128", "--seq-len", "64", "--precision", "bf16-mixed"]
     report = _json([*argv, "--optimizer", "adamw8bit", "--margin", "0.2"])
     assert report["micro_batch_size"] == 16 and report["checkpointing"] != "none"
     code = report["code"]
     autofit, by_hand = _trainer_calls(code)
     sharded = {"precision": "bf16-mixed", "strategy": "fsdp", "devices": 8}
-    usable = parse_budget("560MB", device_size=True).usable  # the card less the CUDA context and reserve
+    usable = parse_budget("648MB", device_size=True).usable  # the card less the CUDA context and reserve
     callback = f"[AutoFit(budget={usable}, margin=0.2, optimizers=['adamw8bit'])]"
     assert autofit == {**sharded, "callbacks": callback}
     # One policy for every block: a per-block split ("2 selective, 2 full") is written as its strongest
@@ -390,7 +390,7 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     }
     if len(modes) > 1:
         assert f"under fsdp every block gets {strongest}: it fits too" in code
-    assert "here 16;" in code and "\nbatch_size = 16\n" in code and "a 560MB card leaves" in code
+    assert "here 16;" in code and "\nbatch_size = 16\n" in code and "a 648MB card leaves" in code
     assert '#    return lightning_memkit.swap_optimizer(optimizer, "adamw8bit")' in code
     assert "adamw8bit in place of adamw" in code
     # Run it with a Trainer that records its arguments (8 GPUs are not here); the callbacks are real.

@@ -272,10 +272,10 @@ def test_estimate_on_a_gpu_it_does_not_fit_prints_plans_that_do():
     assert status == 0, err
     assert re.search(r"^Fits: [\d.]+ MiB of the [\d.]+ MiB usable on 1GiB\.$", out, re.M)
     assert "Plans that fit" not in out
-    status, out, err = _run([*argv, "--gpu", "520MiB"])  # 8 MiB once the CUDA context is taken
+    status, out, err = _run([*argv, "--gpu", "588MiB"])  # ~8 MiB once the CUDA context and cuBLAS take theirs
     assert status == 0, err
-    budget = parse_budget("520MiB", device_size=True)
-    assert f"more than the {budget.usable / 2**20:.2f} MiB usable on 520MiB." in out
+    budget = parse_budget("588MiB", device_size=True)
+    assert f"more than the {budget.usable / 2**20:.2f} MiB usable on 588MiB." in out
     plans = _PLAN.findall(out)
     assert plans and {p[2] for p in plans} == {"none"}  # nothing to checkpoint: the micro-batch is the lever
     with torch.device("meta"):
