@@ -1,7 +1,8 @@
 """The GPU truth (issue 17): the figures the README measured on the CPU, measured on one CUDA device.
 
-    python benchmarks/validate_cuda.py             # one CUDA device: one table (about 8 minutes on an H200)
+    python benchmarks/validate_cuda.py             # one CUDA device: one table (about 5 minutes on an H200)
     python benchmarks/validate_cuda.py --dry-run   # the CPU at tiny sizes: what CI runs, so it cannot rot
+    python benchmarks/validate_cuda.py --minutes 7 --out t.md  # a lease's worth; the table kept as it grows
 
 On the device the exit status says whether every bar is met; with ``--dry-run`` only whether every row ran
 (a row that raises is a row of the table, not the end of the run): a bar meant for a 1B model on a GPU,
@@ -46,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -249,6 +251,18 @@ class _Clock(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
+class _StateOnDevice(pl.Callback):
+    """The optimizer's class and its state's bytes on the device as training ends: Lightning's teardown
+    then moves the state to the CPU, so reading it after ``fit`` finds none on a CUDA device."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.name, self.nbytes = torch.device(device), "", 0
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.name = type(trainer.optimizers[0]).__name__
+        self.nbytes = storage_bytes(optimizer_tensors(trainer.optimizers), self.device)
+
+
 class Bench:
     """Runs fits on one device and keeps the rows."""
 
@@ -379,21 +393,23 @@ def checkpointing(bench: Bench) -> None:
 
 
 def optimizer_swap(bench: Bench) -> None:
-    """Row 4: OptimizerSwap to bitsandbytes' 8-bit AdamW; the real state bytes against the estimate's."""
+    """Row 4: OptimizerSwap to bitsandbytes' 8-bit AdamW; the real state bytes against the estimate's. The
+    budget lies halfway between the two optimizers' estimated peaks: AdamW does not fit, 8-bit AdamW does."""
     module = bench.gpt()
+    batch = example_batch(module)
     estimate = estimate_memory(
-        module, example_batch(module), optimizer="adamw8bit", precision=bench.precision, device=bench.device
+        module, batch, optimizer="adamw8bit", precision=bench.precision, device=bench.device
     )
-    swap = OptimizerSwap(budget=estimate.peak + estimate.peak // 10, candidates=["adamw8bit"])
-    run = bench.fit(module, [swap])
-    real = storage_bytes(optimizer_tensors(run.trainer.optimizers), torch.device(bench.device))
-    name = type(run.trainer.optimizers[0]).__name__
-    figure = f"{name}: {real:,} B real vs {estimate.optimizer_state:,} B estimated"
+    adamw = estimate_memory(module, batch, optimizer="adamw", precision=bench.precision, device=bench.device)
+    swap = OptimizerSwap(budget=(estimate.peak + adamw.peak) // 2, candidates=["adamw8bit"])
+    state = _StateOnDevice(bench.device)
+    bench.fit(module, [swap, state])
+    figure = f"{state.name}: {state.nbytes:,} B real vs {estimate.optimizer_state:,} B estimated"
     bench.add(
         "4. OptimizerSwap to adamw8bit, state",
         figure,
         "equal",
-        name == "AdamW8bit" and real == estimate.optimizer_state,
+        state.name == "AdamW8bit" and state.nbytes == estimate.optimizer_state,
     )
 
 
@@ -433,6 +449,8 @@ def autofit_and_plan(bench: Bench) -> None:
     """Rows 5 and 8: AutoFit on the LLaMA model with the device capped below what its default run needs
     (`capped_budget`); `plan_fit`'s estimate of its plan (the same AutoFit makes) against the real peak;
     throughput against the grid's cells that fit."""
+    if not bench.llama_peak:
+        bench.llama_peak = bench.fit(bench.llama()).steady
     budget = capped_budget(bench)
     kwargs = dict(cost="flops", optimizers=["adamw"], checkpointing=bench.sizes.checkpointing)
     before = _ooms()
@@ -445,7 +463,7 @@ def autofit_and_plan(bench: Bench) -> None:
     figure = f"{error:+.2%} ({_label(plan)}: {plan.estimated_peak / MiB:,.1f} vs {real / MiB:,.1f} MiB)"
     bench.add("8. plan_fit at the capped size vs real", figure, "≤ 2 %", abs(error) <= 0.02)
     throughput = autofit.plan.micro_batch_size / run.step_time  # samples/s: a training batch is a micro-batch
-    best, b = 0.0, bench.sizes.llama_batch[0]
+    best, best_cell, b = 0.0, "none fits", bench.sizes.llama_batch[0]
     for micro, policy in bench.sizes.grid:
         module = bench.llama()
         module.batch_size = b // micro
@@ -457,10 +475,15 @@ def autofit_and_plan(bench: Bench) -> None:
                 )
         except torch.OutOfMemoryError:
             continue
-        if max(cell.peaks) <= autofit.plan.limit:  # held to the limit AutoFit plans to (its margin kept)
-            best = max(best, module.batch_size / cell.step_time)
+        held = max(cell.peaks) <= autofit.plan.limit  # held to the limit AutoFit plans to (its margin kept)
+        if held and module.batch_size / cell.step_time > best:
+            best = module.batch_size / cell.step_time
+            best_cell = f"micro-batch {module.batch_size} x {micro}, {policy}: {b / best:.3f} s"
     ratio = throughput / best if best else math.nan
-    figure = f"{ooms} OOMs, peak {real / MiB:,.1f} ≤ {budget / MiB:,.1f} MiB, x{ratio:.2f} the grid's best"
+    figure = (
+        f"{ooms} OOMs, peak {real / MiB:,.1f} ≤ {budget / MiB:,.1f} MiB, x{ratio:.2f} the grid's best "
+        f"({b / throughput:.3f} s a batch of {b}; best {best_cell})"
+    )
     fits = ooms == 0 and real <= budget
     note = "" if bench.cuda else "(CPU: the throughput is not judged)"
     met = fits and (ratio >= 0.95 or not bench.cuda)
@@ -556,11 +579,12 @@ def offload(bench: Bench) -> None:
     try:
         batch = example_batch(module)
         estimate = estimate_memory(module, batch, precision="bf16-true", device=bench.device, offload=True)
-        run = bench.fit(module, [OptimizerOffload()])
+        state = _StateOnDevice(bench.device)
+        run = bench.fit(module, [OptimizerOffload(), state])
     finally:
         bench.precision = precision
     error = _error(estimate.peak, run.steady)
-    on_device = storage_bytes(optimizer_tensors(run.trainer.optimizers), torch.device(bench.device))
+    on_device = state.nbytes
     bench.add(
         "9. OptimizerOffload, bf16 weights",
         f"{error:+.2%} ({estimate.peak / MiB:,.1f} vs {run.steady / MiB:,.1f} MiB); state on the device "
@@ -571,16 +595,18 @@ def offload(bench: Bench) -> None:
     )
 
 
+#: The quick rows first: a run cut short by ``--minutes`` keeps the most figures. Row 5's cap needs row 1's
+#: LLaMA peak (measured again when that row was not run).
 ROWS = (
     gpt_monitor_and_estimate,
     llama_monitor_and_estimate,
-    checkpointing,
-    optimizer_swap,
-    autofit_and_plan,
-    oom_recovery,
-    monitor_overhead,
-    offload,
     fsdp2,
+    optimizer_swap,
+    offload,
+    checkpointing,
+    oom_recovery,
+    autofit_and_plan,
+    monitor_overhead,
 )
 
 
@@ -601,24 +627,43 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (what CI runs)")
+    names = [row.__name__ for row in ROWS]
+    parser.add_argument(
+        "--rows", default=",".join(names), help=f"the rows to run, comma-separated, of: {', '.join(names)}"
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=math.inf,
+        help="start no row after this many minutes: the rows left are listed as not run (a device's lease)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, help="also write the table here, again after every row")
     args = parser.parse_args(argv)
+    chosen = [name.strip() for name in args.rows.split(",") if name.strip()]
+    if unknown := sorted(set(chosen) - set(names)):
+        parser.error(f"no row named {', '.join(unknown)}; the rows are {', '.join(names)}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here: run with --dry-run for the CPU check")
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_memkit").setLevel(logging.ERROR)
+    device = torch.cuda.get_device_name(0) if not args.dry_run else "CPU (--dry-run)"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         bench = Bench(DRY if args.dry_run else CUDA, cuda=not args.dry_run, root=Path(root))
-        for row in ROWS:
+        for row in (row for row in ROWS if row.__name__ in chosen):
             began = time.perf_counter()
-            try:
-                row(bench)
-            except Exception as error:  # one failed row is a row of the table; the device time is not lost
-                bench.add(f"{row.__name__} raised", f"{type(error).__name__}: {error}"[:300], "runs", False)
-                bench.raised.append(row.__name__)
-            print(f"  ({row.__name__}: {time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
-    device = torch.cuda.get_device_name(0) if bench.cuda else "CPU (--dry-run)"
+            if began - start > 60 * args.minutes:
+                bench.add(f"{row.__name__} not run", f"out of time ({args.minutes:g} min)", "runs", None)
+            else:
+                try:
+                    row(bench)
+                except Exception as error:  # a failed row is a row of the table; the device time is not lost
+                    traceback.print_exc()
+                    figure = f"{type(error).__name__}: {error}"[:300]
+                    bench.add(f"{row.__name__} raised", figure, "runs", False)
+                    bench.raised.append(row.__name__)
+                print(f"  ({row.__name__}: {time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
+            if args.out:
+                args.out.write_text(table(bench, device, time.perf_counter() - start) + "\n")
     print(table(bench, device, time.perf_counter() - start))
     if args.dry_run:  # the bars are for the device: at tiny CPU sizes a row only has to run
         return 1 if bench.raised else 0
