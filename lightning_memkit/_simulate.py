@@ -432,15 +432,23 @@ def cublas_workspace_bytes() -> int:
     """The cuBLAS workspaces a CUDA training step keeps in the caching allocator (bytes): one per thread
     that multiplies matrices, each made at its first matmul and kept for the process's life (torch's
     ``getNewWorkspace``): the forward's thread and the autograd engine's device thread, where the backward
-    (and a checkpointed recompute) runs. Torch sizes each from ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT``
-    pairs, SIZE in KiB), else 32 MiB on compute capability 9 and later, 8 MiB + 128 KiB before. Without a
-    CUDA device to ask, the larger: a plan made on a laptop errs towards fitting. Measured on an H200 with
-    torch 2.11: 64 MiB held at every step's start that no tensor accounts for."""
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    pairs = re.findall(r":(\d+):(\d+)", config or "")
-    if pairs:
+    (and a checkpointed recompute) runs. Measured on an H200 with torch 2.11: 64 MiB held at every step's
+    start that no tensor accounts for.
+
+    Each one's size: torch's own answer (``torch.backends.cuda.cublas_workspace_size()``) once CUDA is
+    initialized in this process; else ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` pairs, SIZE in KiB);
+    else 32 MiB, torch's size on compute capability 9 and later (8 MiB + 128 KiB before), read only from an
+    initialized device: asking would initialize CUDA, which a forked DDP start refuses afterwards, and
+    the device planned for may not be this one. A plan for an older card errs towards fitting.
+    """
+    initialized = torch.cuda.is_available() and torch.cuda.is_initialized()
+    query = getattr(torch.backends.cuda, "cublas_workspace_size", None)
+    pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG") or "")
+    if initialized and query is not None:
+        each = query()
+    elif pairs:
         each = sum(int(size) * int(count) for size, count in pairs) * 1024
-    elif torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+    elif initialized and torch.cuda.get_device_capability() < (9, 0):
         each = 4096 * 1024 * 2 + 16 * 1024 * 8
     else:
         each = 4096 * 1024 * 8
@@ -471,7 +479,7 @@ def _track(
     tracker.adopt(model, step.optimizers)
     if device.type == "cuda":
         with FakeTensorMode():  # what cuBLAS keeps between steps: no op makes it, so no op shows it
-            tracker.workspaces = torch.empty(cublas_workspace_bytes(), dtype=torch.uint8)
+            tracker.workspaces = torch.empty(cublas_workspace_bytes(), dtype=torch.uint8, device=_SIM_DEVICE)
         for rec in tracker.records(tracker.workspaces, preexisting=True):
             rec.category = "temporary"
     modules = tracer.watching_modules() if tracer is not None else contextlib.nullcontext()

@@ -79,6 +79,13 @@ def encoder_step(d_model=64, n_layer=2, batch=8, seq_len=64, vocab=256, foreach=
     return model, opt, step
 
 
+@pytest.fixture(autouse=True)
+def cublas_workspaces_as_on_a_hopper(monkeypatch):
+    """CUDA estimates count cuBLAS's two workspaces, whose size follows ``CUBLAS_WORKSPACE_CONFIG``: the
+    tests' small cards are sized for 32 MiB each (an H100's), whatever the machine's environment sets."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run as fast on one thread, and a shared CPU cannot stall them: with two, every op's

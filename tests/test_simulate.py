@@ -295,3 +295,23 @@ def test_errors_name_the_valid_choices():
     with pytest.raises(TypeError, match="needs optimizer="):
         estimate_memory(model, batch, loss_fn=F.mse_loss)
     assert model.weight.grad is None
+
+
+def test_cublas_workspaces_follow_torchs_sizes(monkeypatch):
+    """Two workspaces (the forward's thread and the autograd engine's), each as torch sizes it: the
+    environment's ``:SIZE:COUNT`` pairs (KiB), else 32 MiB; counted in every CUDA estimate's temporaries,
+    never on the CPU, and on a model built under ``torch.device("meta")`` too."""
+    from lightning_memkit._simulate import cublas_workspace_bytes
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cublas_workspace_bytes() == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    assert cublas_workspace_bytes() == 2 * 32 * 2**20  # no CUDA initialized here: the larger size
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+    loss_fn = lambda out, _: out.sum()  # noqa: E731
+    on_cpu = estimate_memory(model, (x, None), optimizer="sgd", loss_fn=loss_fn, device="cpu")
+    on_cuda = estimate_memory(model, (x, None), optimizer="sgd", loss_fn=loss_fn, device="cuda")
+    assert on_cpu.temporary < 2**20 <= 64 * 2**20 <= on_cuda.temporary < 65 * 2**20
+    with torch.device("meta"):
+        meta = estimate_memory(model, (x, None), optimizer="sgd", loss_fn=loss_fn, device="cuda")
+    assert meta.temporary == on_cuda.temporary

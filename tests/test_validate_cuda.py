@@ -56,7 +56,7 @@ def test_a_lease_runs_the_rows_asked_for_and_keeps_the_table_as_it_grows(capsys,
     out = tmp_path / "table.md"
     assert script.main(["--dry-run", "--rows", "first", "--out", str(out)]) == 0
     assert ran == ["first"] and "| first | figure" in out.read_text()
-    assert script.main(["--dry-run", "--minutes", "0", "--out", str(out)]) == 0
+    assert script.main(["--dry-run", "--minutes", "0", "--out", str(out)]) == 1  # rows left unrun
     assert ran == ["first"]  # nothing started once the time was up
     table = out.read_text()
     assert "| first not run | out of time (0 min)" in table and "| second not run |" in table
