@@ -274,6 +274,7 @@ class Bench:
         self.rows: list[Row] = []
         self.llama_peak = 0  # the LLaMA model's default run's steady peak (row 1), capped below in row 5
         self.raised: list[str] = []  # the rows that raised instead of giving a figure
+        self.not_run: list[str] = []  # the rows `--minutes` left out
 
     def gpt(self) -> Gpt:
         b, t = self.sizes.gpt_batch
@@ -623,6 +624,23 @@ def table(bench: Bench, device: str, seconds: float) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Warnings and Lightning's and the project's info logs off while the rows run, and back as they were
+    after (a test runs `main` in a process whose other tests read them)."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning_memkit")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -643,17 +661,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no row named {', '.join(unknown)}; the rows are {', '.join(names)}")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here: run with --dry-run for the CPU check")
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning_memkit").setLevel(logging.ERROR)
     device = torch.cuda.get_device_name(0) if not args.dry_run else "CPU (--dry-run)"
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as root:
+    with _quiet(), tempfile.TemporaryDirectory() as root:
         bench = Bench(DRY if args.dry_run else CUDA, cuda=not args.dry_run, root=Path(root))
         for row in (row for row in ROWS if row.__name__ in chosen):
             began = time.perf_counter()
             if began - start > 60 * args.minutes:
                 bench.add(f"{row.__name__} not run", f"out of time ({args.minutes:g} min)", "runs", None)
+                bench.not_run.append(row.__name__)
             else:
                 try:
                     row(bench)
@@ -666,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 args.out.write_text(table(bench, device, time.perf_counter() - start) + "\n")
     print(table(bench, device, time.perf_counter() - start))
-    unfinished = bench.raised or any(r.what.endswith(" not run") for r in bench.rows)
+    unfinished = bench.raised or bench.not_run
     if args.dry_run:  # the bars are for the device: at tiny CPU sizes a row only has to run
         return 1 if unfinished else 0
     return 0 if not unfinished and all(r.met is not False for r in bench.rows) else 1

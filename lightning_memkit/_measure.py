@@ -190,7 +190,7 @@ def leaves(t: Tensor) -> Iterator[Tensor]:
             yield from leaves(inner)
 
 
-def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None) -> int:
+def storage_bytes(tensors: Iterable[Tensor], device: torch.device | str | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and tied weights counted once; a sharded
     DTensor by its local shard).
 
@@ -199,8 +199,9 @@ def storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None)
     """
     seen: set[int] = set()
     total = 0
+    device = None if device is None else torch.device(device)
     for t in (leaf for tensor in tensors for leaf in leaves(tensor)):
-        if device is not None and not _on(t.device, torch.device(device)):
+        if device is not None and not _on(t.device, device):
             continue
         storage = t.untyped_storage()
         ptr = storage.data_ptr()

@@ -441,7 +441,7 @@ def cublas_workspace_bytes() -> int:
     initialized device: asking would initialize CUDA, which a forked DDP start refuses afterwards, and
     the device planned for may not be this one. A plan for an older card errs towards fitting.
     """
-    initialized = torch.cuda.is_available() and torch.cuda.is_initialized()
+    initialized = torch.cuda.is_initialized()  # False on a CPU-only build too
     query = getattr(torch.backends.cuda, "cublas_workspace_size", None)
     pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG") or "")
     if initialized and query is not None:
