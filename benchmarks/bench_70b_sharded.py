@@ -17,8 +17,8 @@ import time
 import torch
 
 from lightning_memkit import estimate_memory
-from lightning_memkit._analytic import PRESETS, _block_shapes, count_parameters
 from lightning_memkit._breakdown import GiB
+from lightning_memkit._estimating.analytic import PRESETS, _block_shapes, count_parameters
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 SEQ = 4096

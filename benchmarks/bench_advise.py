@@ -37,7 +37,7 @@ from lightning_memkit import (
     GradientRelease,
     advise,
 )
-from lightning_memkit._advise import LOSS_CHUNKS
+from lightning_memkit._diagnosis.advise import LOSS_CHUNKS
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 

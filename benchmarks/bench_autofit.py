@@ -23,7 +23,7 @@ import time
 import torch
 
 from lightning_memkit import apply_checkpointing, measure, plan_fit
-from lightning_memkit._autofit import grid
+from lightning_memkit._fitting.search import grid
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 G, T, MARGIN = 16, 64, 0.1

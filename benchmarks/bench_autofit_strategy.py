@@ -35,7 +35,7 @@ from test_autofit_strategy import WORLD, Llama, SameSharding
 
 from lightning_memkit import AutoFitStrategy, apply_checkpointing, parse_bytes
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._report import render_table
+from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
 BUDGETS = ("1000KiB", "800KiB", "600KiB")

@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_memkit import apply_checkpointing, measure
 from lightning_memkit._breakdown import MiB
-from lightning_memkit._checkpoint_planner import CheckpointPlanner
+from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit.demos.gpt import GPT, GPTConfig
 
 

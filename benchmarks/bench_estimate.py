@@ -20,9 +20,9 @@ from collections import Counter
 
 import torch
 
-from lightning_memkit._analytic import TransformerShape, estimate_analytic
 from lightning_memkit._breakdown import CATEGORIES, format_bytes
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit._estimating.analytic import TransformerShape, estimate_analytic
+from lightning_memkit._estimating.simulate import estimate_memory
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 TARGET_SECONDS = 30.0

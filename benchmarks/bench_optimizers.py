@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_memkit import CATALOGUE, OptimizerSwap, estimate_memory, format_bytes, storage_bytes
-from lightning_memkit._optimizers import DEFAULT_CANDIDATES
+from lightning_memkit._optimizers.swap import DEFAULT_CANDIDATES
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 
 TOLERANCE = 0.02  # 8-bit AdamW's final validation loss may be at most 2 % above AdamW's

@@ -1,4 +1,5 @@
-"""How long `memkit plan` takes on deep models, with `_repeated`'s shortcut (three shallow steps stand for
+"""How long `memkit plan` takes on deep models, with `_estimating.repeated`'s shortcut (three shallow steps
+stand for
 the whole one) and without it (every block simulated), and that both give the same plan.
 
     python benchmarks/bench_plan_speed.py [--skip-70b]
@@ -15,7 +16,7 @@ import contextlib
 import io
 import time
 
-from lightning_memkit import _repeated
+from lightning_memkit._estimating import repeated
 from lightning_memkit.cli import main as memkit
 
 COMMANDS = {
@@ -27,8 +28,8 @@ COMMANDS = {
 
 
 def plan(arguments: str, shortcut: bool) -> tuple[float, str]:
-    saved = _repeated.MIN_DEPTH
-    _repeated.MIN_DEPTH = saved if shortcut else 10**9
+    saved = repeated.MIN_DEPTH
+    repeated.MIN_DEPTH = saved if shortcut else 10**9
     out = io.StringIO()
     try:
         start = time.perf_counter()
@@ -36,7 +37,7 @@ def plan(arguments: str, shortcut: bool) -> tuple[float, str]:
             memkit(["plan", *arguments.split()])
         seconds = time.perf_counter() - start
     finally:
-        _repeated.MIN_DEPTH = saved
+        repeated.MIN_DEPTH = saved
     # the answer, without the lines that report the planning time
     return seconds, "\n".join(line for line in out.getvalue().splitlines() if "planned in" not in line)
 

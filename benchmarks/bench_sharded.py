@@ -20,8 +20,8 @@ from test_fsdp import BATCH, BF16_POLICY, SCENARIOS, SEQ, STEPS, ShardedLlama, p
 from zoo import zoo_batch
 
 from lightning_memkit import estimate_memory
-from lightning_memkit._analytic import shard
 from lightning_memkit._breakdown import format_bytes
+from lightning_memkit._estimating.analytic import shard
 
 #: Each configuration as `estimate_memory(strategy="fsdp2")` simulates it: its keywords.
 SIMULATED = {

@@ -30,28 +30,28 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__` imports each on first use
-    from lightning_memkit._advise import Advice, Finding, advise
-    from lightning_memkit._autofit import plan_fit
-    from lightning_memkit._blocks import find_blocks
     from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
     from lightning_memkit._budget import GPUS, Budget, parse_budget, parse_bytes
-    from lightning_memkit._checkpoint_planner import plan_checkpointing
-    from lightning_memkit._checkpointing import (
+    from lightning_memkit._checkpointing.blocks import find_blocks
+    from lightning_memkit._checkpointing.planner import plan_checkpointing
+    from lightning_memkit._checkpointing.policies import (
         CHECKPOINT_MODES,
         BlockPlan,
         CheckpointMode,
         CheckpointPlan,
         apply_checkpointing,
     )
-    from lightning_memkit._chunked_loss import chunked_cross_entropy
-    from lightning_memkit._fitplan import Alternative, FitPlan, StepCost
-    from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
-    from lightning_memkit._gradient_release import release_gradients
-    from lightning_memkit._measure import MemoryMeasurement, measure, storage_bytes
-    from lightning_memkit._offload import Offload, offload_optimizer
-    from lightning_memkit._optim import OptimizerChoice, fit_optimizer
-    from lightning_memkit._optimizers import CATALOGUE, swap_optimizer
-    from lightning_memkit._simulate import TimelineEvent, estimate_memory
+    from lightning_memkit._diagnosis.advise import Advice, Finding, advise
+    from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
+    from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost
+    from lightning_memkit._fitting.search import plan_fit
+    from lightning_memkit._levers.chunked_loss import chunked_cross_entropy
+    from lightning_memkit._levers.fused_step import FusedStep, fuse_optimizer_step
+    from lightning_memkit._levers.gradient_release import release_gradients
+    from lightning_memkit._levers.offload import Offload, offload_optimizer
+    from lightning_memkit._measuring.tracker import MemoryMeasurement, measure, storage_bytes
+    from lightning_memkit._optimizers.choice import OptimizerChoice, fit_optimizer
+    from lightning_memkit._optimizers.swap import CATALOGUE, swap_optimizer
     from lightning_memkit.callbacks import (
         ActivationCheckpointing,
         AutoFit,
@@ -115,11 +115,11 @@ __all__ = [
 
 #: Each public name -> the module it is imported from on first use.
 _EXPORTS: dict[str, str] = {
-    "Advice": "lightning_memkit._advise",
-    "Finding": "lightning_memkit._advise",
-    "advise": "lightning_memkit._advise",
-    "plan_fit": "lightning_memkit._autofit",
-    "find_blocks": "lightning_memkit._blocks",
+    "Advice": "lightning_memkit._diagnosis.advise",
+    "Finding": "lightning_memkit._diagnosis.advise",
+    "advise": "lightning_memkit._diagnosis.advise",
+    "plan_fit": "lightning_memkit._fitting.search",
+    "find_blocks": "lightning_memkit._checkpointing.blocks",
     "CATEGORIES": "lightning_memkit._breakdown",
     "MemoryBreakdown": "lightning_memkit._breakdown",
     "format_bytes": "lightning_memkit._breakdown",
@@ -127,30 +127,30 @@ _EXPORTS: dict[str, str] = {
     "GPUS": "lightning_memkit._budget",
     "parse_budget": "lightning_memkit._budget",
     "parse_bytes": "lightning_memkit._budget",
-    "plan_checkpointing": "lightning_memkit._checkpoint_planner",
-    "BlockPlan": "lightning_memkit._checkpointing",
-    "CHECKPOINT_MODES": "lightning_memkit._checkpointing",
-    "CheckpointMode": "lightning_memkit._checkpointing",
-    "CheckpointPlan": "lightning_memkit._checkpointing",
-    "apply_checkpointing": "lightning_memkit._checkpointing",
-    "chunked_cross_entropy": "lightning_memkit._chunked_loss",
-    "Alternative": "lightning_memkit._fitplan",
-    "FitPlan": "lightning_memkit._fitplan",
-    "StepCost": "lightning_memkit._fitplan",
-    "FusedStep": "lightning_memkit._fused_step",
-    "fuse_optimizer_step": "lightning_memkit._fused_step",
-    "release_gradients": "lightning_memkit._gradient_release",
-    "MemoryMeasurement": "lightning_memkit._measure",
-    "measure": "lightning_memkit._measure",
-    "storage_bytes": "lightning_memkit._measure",
-    "Offload": "lightning_memkit._offload",
-    "offload_optimizer": "lightning_memkit._offload",
-    "OptimizerChoice": "lightning_memkit._optim",
-    "fit_optimizer": "lightning_memkit._optim",
-    "CATALOGUE": "lightning_memkit._optimizers",
-    "swap_optimizer": "lightning_memkit._optimizers",
-    "TimelineEvent": "lightning_memkit._simulate",
-    "estimate_memory": "lightning_memkit._simulate",
+    "plan_checkpointing": "lightning_memkit._checkpointing.planner",
+    "BlockPlan": "lightning_memkit._checkpointing.policies",
+    "CHECKPOINT_MODES": "lightning_memkit._checkpointing.policies",
+    "CheckpointMode": "lightning_memkit._checkpointing.policies",
+    "CheckpointPlan": "lightning_memkit._checkpointing.policies",
+    "apply_checkpointing": "lightning_memkit._checkpointing.policies",
+    "chunked_cross_entropy": "lightning_memkit._levers.chunked_loss",
+    "Alternative": "lightning_memkit._fitting.plan",
+    "FitPlan": "lightning_memkit._fitting.plan",
+    "StepCost": "lightning_memkit._fitting.plan",
+    "FusedStep": "lightning_memkit._levers.fused_step",
+    "fuse_optimizer_step": "lightning_memkit._levers.fused_step",
+    "release_gradients": "lightning_memkit._levers.gradient_release",
+    "MemoryMeasurement": "lightning_memkit._measuring.tracker",
+    "measure": "lightning_memkit._measuring.tracker",
+    "storage_bytes": "lightning_memkit._measuring.tracker",
+    "Offload": "lightning_memkit._levers.offload",
+    "offload_optimizer": "lightning_memkit._levers.offload",
+    "OptimizerChoice": "lightning_memkit._optimizers.choice",
+    "fit_optimizer": "lightning_memkit._optimizers.choice",
+    "CATALOGUE": "lightning_memkit._optimizers.swap",
+    "swap_optimizer": "lightning_memkit._optimizers.swap",
+    "TimelineEvent": "lightning_memkit._estimating.simulate",
+    "estimate_memory": "lightning_memkit._estimating.simulate",
     "ActivationCheckpointing": "lightning_memkit.callbacks",
     "AutoFit": "lightning_memkit.callbacks",
     "FusedOptimizerStep": "lightning_memkit.callbacks",

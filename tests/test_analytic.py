@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_memkit import estimate_memory
-from lightning_memkit._analytic import (
+from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
+from lightning_memkit._estimating.analytic import (
     STRATEGIES,
     PrecisionScheme,
     TransformerShape,
@@ -27,9 +29,7 @@ from lightning_memkit._analytic import (
     shard,
     static_breakdown,
 )
-from lightning_memkit._breakdown import MemoryBreakdown
-from lightning_memkit._checkpointing import CHECKPOINT_MODES
-from lightning_memkit._optimizer_state import (
+from lightning_memkit._estimating.optimizer_state import (
     BNB_BLOCK_SIZE,
     BNB_MIN_8BIT_SIZE,
     OPTIMIZERS,

@@ -23,10 +23,10 @@ from lightning_memkit import (
     measure,
     plan_fit,
 )
-from lightning_memkit._autofit import _largest_fitting, grid
 from lightning_memkit._budget import parse_budget
-from lightning_memkit._checkpointing import checkpoint_policies
-from lightning_memkit._lightning import batch_slice
+from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._estimating.lightning_step import batch_slice
+from lightning_memkit._fitting.search import _largest_fitting, grid
 from lightning_memkit.callbacks import auto_fit
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.cli import main
@@ -104,7 +104,7 @@ def test_past_refine_seconds_no_planner_runs_and_the_note_says_so(module, batch,
     plan get the strongest mode simulated, every block fully checkpointed (here slower than a smaller
     micro-batch without checkpointing); the plan still fits, and its note says the search was cut. The
     plan above, with time, is a per-block one."""
-    with mock.patch("lightning_memkit._autofit.CheckpointPlanner") as planner:
+    with mock.patch("lightning_memkit._fitting.search.CheckpointPlanner") as planner:
         quick = plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST, refine_seconds=0)
     assert not planner.called and quick.checkpoint_plan is None
     assert quick.checkpointing in ("none", "full") and quick.estimated_peak <= quick.limit
@@ -160,7 +160,7 @@ def test_leaner_and_dict_round_trip(plan):
 
 
 def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, monkeypatch):
-    import lightning_memkit._autofit as autofit
+    import lightning_memkit._fitting.search as autofit
 
     lines = []
     monkeypatch.setattr(autofit, "PROGRESS_AFTER_S", 0.0)  # as if every simulation were slow

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import StepCost, parse_budget, plan_fit
-from lightning_memkit._autofit import grid
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit._estimating.simulate import estimate_memory
+from lightning_memkit._fitting.search import grid
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.testing import cpu_profiler, profile_peak
 

@@ -33,9 +33,9 @@ from lightning_memkit import (
     parse_bytes,
     plan_fit,
 )
-from lightning_memkit._fitplan import StepCost
-from lightning_memkit._fsdp2 import Link, collective_seconds, shard_bytes
-from lightning_memkit._oom import plan_code
+from lightning_memkit._diagnosis.oom import plan_code
+from lightning_memkit._fitting.plan import StepCost
+from lightning_memkit._sharding.fsdp2 import Link, collective_seconds, shard_bytes
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
 #: the tests that read the ranks' runs: one set of rank processes at a time, with test_ddp's and test_fsdp's

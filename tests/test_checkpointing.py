@@ -29,8 +29,8 @@ from lightning_memkit import (
     measure,
     plan_checkpointing,
 )
-from lightning_memkit._checkpoint_planner import CheckpointPlanner
-from lightning_memkit._checkpointing import POLICIES, checkpoint_policies
+from lightning_memkit._checkpointing.planner import CheckpointPlanner
+from lightning_memkit._checkpointing.policies import POLICIES, checkpoint_policies
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.demos._data import GPTDataModule
 from lightning_memkit.demos.gpt import GPT, Block, GPTConfig, GPTLightningModule

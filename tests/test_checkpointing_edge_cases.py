@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import apply_checkpointing, estimate_memory, parse_budget, plan_checkpointing
-from lightning_memkit._checkpoint_planner import CheckpointPlanner
-from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit._checkpointing.planner import CheckpointPlanner
+from lightning_memkit._checkpointing.policies import checkpoint_policies
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.demos.gpt import GPT, GPTConfig
 from lightning_memkit.testing import AllocatorPeaks

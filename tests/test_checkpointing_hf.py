@@ -15,8 +15,8 @@ import torch
 from zoo import MODELS, ZooModule, zoo_batch
 
 from lightning_memkit import advise, apply_checkpointing, estimate_memory, find_blocks, plan_checkpointing
-from lightning_memkit._checkpoint_planner import CheckpointPlanner
-from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit._checkpointing.planner import CheckpointPlanner
+from lightning_memkit._checkpointing.policies import checkpoint_policies
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.testing import allocator_peak
 
@@ -222,7 +222,7 @@ def test_use_cache_turned_off_said_once_and_restored(caplog):
     module = _module("t5")
     before = _cache_flags(module)
     assert before["model.decoder"] is True and before["model.encoder"] is False
-    with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing"):
+    with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing.policies"):
         handle = apply_checkpointing(module, "full")
         again = apply_checkpointing(module, "selective")  # another plan on top: nothing more to turn off
     lines = [r.getMessage() for r in caplog.records if CACHE_LINE in r.getMessage()]
@@ -239,7 +239,7 @@ def test_use_cache_turned_off_said_once_and_restored(caplog):
 def test_the_cache_line_is_said_once_per_config_however_often_planned(caplog):
     """Planning checkpoints the model many times over (each simulated plan): the line is said once."""
     module, batch = _module("qwen2"), zoo_batch("qwen2")
-    with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing"):
+    with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing.policies"):
         for policy in ("full", "selective", "full"):
             estimate_memory(module, batch, checkpointing=policy, device="cpu")
         apply_checkpointing(module, "full").remove()
@@ -253,7 +253,7 @@ def test_nothing_checkpointed_leaves_use_cache(caplog):
     ``use_cache`` as it was, and so does planning."""
     module = _module("qwen2")
     batch = zoo_batch("qwen2")
-    with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing"):
+    with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing.policies"):
         plan = plan_checkpointing(module, batch, "1GiB", policy="full", cost="flops", device="cpu")
         assert module.model.config.use_cache is True
         assert all(b.policy == "none" for b in plan.blocks)

@@ -24,9 +24,9 @@ from lightning_memkit import (
     parse_budget,
     plan_fit,
 )
-from lightning_memkit._analytic import TransformerShape, estimate_analytic, shard
-from lightning_memkit._checkpointing import CheckpointPlan
-from lightning_memkit._fitplan import FitPlan
+from lightning_memkit._checkpointing.policies import CheckpointPlan
+from lightning_memkit._estimating.analytic import TransformerShape, estimate_analytic, shard
+from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit.cli._plan import plan_code
 from lightning_memkit.demos.gpt import GPTConfig, GPTLightningModule
 
@@ -464,9 +464,9 @@ def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback()
 
 
 def test_plan_prints_the_plan_its_alternatives_and_the_code(monkeypatch):
-    import lightning_memkit._autofit
+    import lightning_memkit._fitting.search
 
-    monkeypatch.setattr(lightning_memkit._autofit, "PROGRESS_AFTER_S", 0.0)  # as if planning were slow
+    monkeypatch.setattr(lightning_memkit._fitting.search, "PROGRESS_AFTER_S", 0.0)  # as if planning were slow
     argv = ["plan", "--model", "zoo:_gpt2", "--gpu", "T4", "--global-batch", "4", "--seq-len", "16"]
     status, out, err = _run(argv)
     assert status == 0, err

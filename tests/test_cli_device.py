@@ -10,7 +10,7 @@ from helpers import run_cli
 
 from lightning_memkit import estimate_memory, format_bytes
 from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE
-from lightning_memkit._fitplan import FitPlan
+from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 PLAN = ["plan", "--model", "tiny", "--global-batch", "16", "--seq-len", "128"]

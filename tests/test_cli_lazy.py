@@ -151,7 +151,10 @@ def test_every_public_name_resolves_here():
 
 def test_the_parsers_names_are_the_librarys():
     """The names the parsers accept come from the torch-free modules the library itself reads."""
-    from lightning_memkit import _analytic, _autofit, _checkpointing, _simulate
+    from lightning_memkit._checkpointing import policies as _checkpointing
+    from lightning_memkit._estimating import analytic as _analytic
+    from lightning_memkit._estimating import simulate as _simulate
+    from lightning_memkit._fitting import search as _autofit
     from lightning_memkit.cli import _parsers, parser
     from lightning_memkit.demos import gpt
 

@@ -22,8 +22,8 @@ from lightning_memkit import (
     OptimizerOffload,
     OptimizerSwap,
 )
-from lightning_memkit._checkpointing import checkpoint_policies
-from lightning_memkit._optimizers import identify, lighter_candidates
+from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._optimizers.swap import identify, lighter_candidates
 from lightning_memkit.demos.gpt import Block
 from lightning_memkit.testing import AllocatorPeaks
 

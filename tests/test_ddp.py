@@ -35,8 +35,8 @@ from lightning_memkit import (
     apply_checkpointing,
     estimate_memory,
 )
-from lightning_memkit._analytic import shard
-from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._estimating.analytic import shard
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
 MiB = 2**20  # the unit of the logged keys

@@ -42,9 +42,9 @@ from lightning_memkit import (
     apply_checkpointing,
     estimate_memory,
 )
-from lightning_memkit._analytic import shard
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._measure import SHARDED_KINDS, storage_bytes
+from lightning_memkit._estimating.analytic import shard
+from lightning_memkit._measuring.tracker import SHARDED_KINDS, storage_bytes
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
 pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes at a time, with test_ddp's
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes a
 STEPS = 3  # optimizer steps of each fit: the first (no optimizer state yet) and two steady ones
 BATCH, SEQ = 4, 32  # a rank's micro-batch
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-OOM_BUDGET = "850KiB"  # `_oom`'s pretend device: below the first step's need at 2 and 4 ranks
+OOM_BUDGET = "850KiB"  # `_diagnosis.oom`'s pretend device: below the first step's need at 2 and 4 ranks
 
 #: name -> how the module is sharded and trained (ShardedLlama's and the Trainer's arguments)
 SCENARIOS = {
@@ -245,8 +245,8 @@ def staged_bytes() -> int:
     """The most a gloo all-gather can hold in gloo's own worker thread at a rank's peak: the largest
     unit's gathered parameters (in fp32). gloo sometimes stages a gather there, where no op of the step
     shows it; whether the copy overlaps the peak is a matter of timing (README, "Known gaps")."""
-    from lightning_memkit._blocks import find_blocks
-    from lightning_memkit._fsdp2 import largest_unit_shard
+    from lightning_memkit._checkpointing.blocks import find_blocks
+    from lightning_memkit._sharding.fsdp2 import largest_unit_shard
 
     module = ShardedLlama(1)
     return largest_unit_shard(module, [name for name, _ in find_blocks(module)], 1, itemsize=4)
@@ -486,8 +486,8 @@ def test_the_unsharded_twin_of_a_sharded_model_simulates_as_the_model_did():
     left as it was."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from lightning_memkit._fsdp2 import fake_mesh, is_sharded
-    from lightning_memkit._oom import simulable
+    from lightning_memkit._diagnosis.oom import simulable
+    from lightning_memkit._sharding.fsdp2 import fake_mesh, is_sharded
 
     batch = zoo_batch("qwen2", BATCH, SEQ)
     for checkpointing in (None, "full"):
@@ -538,8 +538,8 @@ def test_copies_of_the_model_leave_torchs_composable_apis_and_hook_owners_alone(
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_memkit._fsdp2 import fake_mesh
-    from lightning_memkit._oom import simulable
+    from lightning_memkit._diagnosis.oom import simulable
+    from lightning_memkit._sharding.fsdp2 import fake_mesh
 
     registry = importlib.import_module("torch.distributed._composable.contract").REGISTRY_KEY
     module, batch = ShardedLlama(2), zoo_batch("qwen2", BATCH, SEQ)

@@ -27,7 +27,7 @@ from lightning_memkit import (
     estimate_memory,
     fuse_optimizer_step,
 )
-from lightning_memkit._analytic import model_static
+from lightning_memkit._estimating.analytic import model_static
 from lightning_memkit.callbacks.fused_step import refusal
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks

@@ -63,7 +63,7 @@ def test_every_preset_has_a_tested_count():
 def test_grouped_query_attention_is_attention_with_shared_key_value_heads():
     """n_kv_head=2 of 4: each key/value head serves two query heads; the same as full attention whose
     key/value projections repeat the grouped ones, and counted as the analytic shape counts it."""
-    from lightning_memkit._analytic import TransformerShape, count_parameters
+    from lightning_memkit._estimating.analytic import TransformerShape, count_parameters
 
     torch.manual_seed(0)
     grouped = GPT(small_config(n_head=4, n_kv_head=2, **LLAMA_LIKE))

@@ -1,4 +1,4 @@
-"""Planning work leaves no trace: `_isolate.isolated` (issue 12, item 4)."""
+"""Planning work leaves no trace: `_estimating.isolate.isolated` (issue 12, item 4)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torchmetrics
 from torch import nn
 
-from lightning_memkit._isolate import isolated
+from lightning_memkit._estimating.isolate import isolated
 
 
 class Net(nn.Module):

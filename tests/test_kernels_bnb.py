@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_memkit import MemoryMonitor, estimate_memory, measure
-from lightning_memkit._kernels import _WORKER, _coarse, hides_memory
+from lightning_memkit._measuring.kernels import _WORKER, _coarse, hides_memory
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
 bnb = pytest.importorskip("bitsandbytes")

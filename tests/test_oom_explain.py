@@ -17,18 +17,18 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_memkit
-import lightning_memkit._autofit as autofit
+import lightning_memkit._fitting.search as autofit
 from lightning_memkit import (
     CATEGORIES,
     AutoFit,
     FusedOptimizerStep,
     MemoryMonitor,
-    _oom,
     estimate_memory,
     format_bytes,
     parse_budget,
 )
-from lightning_memkit._lightning import batch_slice
+from lightning_memkit._diagnosis import oom
+from lightning_memkit._estimating.lightning_step import batch_slice
 from lightning_memkit.callbacks import _oom_report
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks, PretendOOM
@@ -298,9 +298,9 @@ def test_planning_stops_after_plan_seconds(monkeypatch):
     """An explanation never hangs on a model that takes long to plan: past `PLAN_SECONDS` (here 0, with
     every simulation reported) it gives the AutoFit line that plans as the fit starts."""
     monkeypatch.setattr(autofit, "PROGRESS_AFTER_S", 0.0)
-    monkeypatch.setattr(_oom, "PLAN_SECONDS", 0.0)
+    monkeypatch.setattr(oom, "PLAN_SECONDS", 0.0)
     x = torch.zeros(4, 8, dtype=torch.long)
-    lines = _oom.plans_section(
+    lines = oom.plans_section(
         _lm(), (x, x), parse_budget(10**6), loss_fn=lambda out, y: out.sum(), device="cpu"
     )
     assert lines == ["  No plan within 0 s of simulation; AutoFit plans as the fit starts: "

@@ -29,7 +29,9 @@ from lightning_memkit import (
     storage_bytes,
     swap_optimizer,
 )
-from lightning_memkit._optimizer_state import OPTIMIZERS  # the formulas the simulated bytes must equal
+from lightning_memkit._estimating.optimizer_state import (
+    OPTIMIZERS,  # the formulas the simulated bytes must equal
+)
 from lightning_memkit.demos.gpt import WarmupCosine
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -269,7 +271,9 @@ def test_bitsandbytes_without_fake_kernels_falls_back_to_sgd_plus_state(monkeypa
             raise NotImplementedError("no fake kernel for bitsandbytes::optimizer_update_8bit_blockwise")
         return estimate_memory(*args, optimizer=optimizer, **kwargs)
 
-    monkeypatch.setattr("lightning_memkit._optim.estimate_memory", no_bnb_kernels)  # the decision's simulator
+    monkeypatch.setattr(
+        "lightning_memkit._optimizers.choice.estimate_memory", no_bnb_kernels
+    )  # the decision's simulator
     assert fit_optimizer(model, optimizer, "1GiB", batch=_batch(), device="cpu").breakdown == full
     assert fit_optimizer(model, optimizer, "1GiB", device="cpu").breakdown == static
     assert static.optimizer_state == full.optimizer_state

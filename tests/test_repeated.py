@@ -1,4 +1,5 @@
-"""The simulated step of a deep stack of identical blocks, from three shallow ones (`_repeated`): the same
+"""The simulated step of a deep stack of identical blocks, from three shallow ones (`_estimating.repeated`):
+the same
 breakdown as simulating every block, byte for byte, or no shortcut at all."""
 
 from __future__ import annotations
@@ -11,9 +12,15 @@ import torch
 from torch import nn
 from zoo import MODELS, ZooModule, zoo_batch
 
-from lightning_memkit import _repeated, apply_checkpointing
-from lightning_memkit._blocks import find_blocks
-from lightning_memkit._simulate import counted_step, cublas_workspace_bytes, estimate_memory, simulate_step
+from lightning_memkit import apply_checkpointing
+from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._estimating import repeated
+from lightning_memkit._estimating.simulate import (
+    counted_step,
+    cublas_workspace_bytes,
+    estimate_memory,
+    simulate_step,
+)
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 DEPTH = 6  # deeper than the shallow steps (at most 4 blocks) by two, so the extrapolation is not a lookup
@@ -21,7 +28,7 @@ DEPTH = 6  # deeper than the shallow steps (at most 4 blocks) by two, so the ext
 
 @pytest.fixture(autouse=True)
 def _shallow_enough(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_repeated, "MIN_DEPTH", DEPTH - 1)
+    monkeypatch.setattr(repeated, "MIN_DEPTH", DEPTH - 1)
 
 
 def _layers_key(config) -> str:
@@ -43,7 +50,7 @@ class DeepZoo(ZooModule):
 
 def _both(model, batch, **kwargs):
     """The shortcut's breakdown and the whole simulation's."""
-    shortcut = _repeated.shortcut(
+    shortcut = repeated.shortcut(
         model, functools.partial(simulate_step, model, batch, history=True, **kwargs)
     )
     whole = simulate_step(model, batch, **kwargs).breakdown()
@@ -91,8 +98,8 @@ def test_a_peak_that_moves_with_depth_is_followed() -> None:
     module = GPTLightningModule({"n_layer": 16, "n_embd": 128, "n_head": 4, "vocab_size": 4096})
     x = torch.randint(0, 4096, (2, 64))
     kwargs = {"precision": "bf16-true", "checkpointing": "full", "device": "cuda", "optimizer": "adamw"}
-    container, _ = _repeated.repeated_blocks(module)
-    with _repeated.truncated(container, 2):
+    container, _ = repeated.repeated_blocks(module)
+    with repeated.truncated(container, 2):
         shallow = simulate_step(module, (x, x), **kwargs).breakdown()
     shortcut, whole = _both(module, (x, x), **kwargs)
     assert shortcut is not None and shortcut.breakdown == whole
@@ -105,7 +112,7 @@ def test_counted_step_extrapolates_flops_and_ops_exactly() -> None:
     module = DeepZoo("gpt2")
     batch = zoo_batch("gpt2")
     fast = counted_step(module, batch, device="cpu")
-    _repeated.MIN_DEPTH = 10**6  # restored by the fixture's monkeypatch
+    repeated.MIN_DEPTH = 10**6  # restored by the fixture's monkeypatch
     assert counted_step(module, batch, device="cpu") == fast
 
 
@@ -113,14 +120,14 @@ def test_estimate_memory_takes_the_shortcut_and_leaves_the_model_whole() -> None
     module = DeepZoo("qwen2")
     before = [name for name, _ in module.named_parameters()]
     calls = []
-    original = _repeated.truncated
+    original = repeated.truncated
 
     def spy(container, depth, run=None):
         calls.append(depth)
         return original(container, depth, run)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_repeated, "truncated", spy)
+        patch.setattr(repeated, "truncated", spy)
         fast = estimate_memory(module, zoo_batch("qwen2"), device="cpu")
     assert calls == [1, 2, 3]
     assert [name for name, _ in module.named_parameters()] == before
@@ -136,7 +143,7 @@ def test_checkpointed_steps_from_one_block_up_or_from_two(applied: bool) -> None
     module = DeepZoo("gpt2")
     batch = zoo_batch("gpt2")
     calls = []
-    original = _repeated.truncated
+    original = repeated.truncated
 
     def spy(container, depth, run=None):
         calls.append(depth)
@@ -145,7 +152,7 @@ def test_checkpointed_steps_from_one_block_up_or_from_two(applied: bool) -> None
     kwargs = {"device": "cpu"} if applied else {"device": "cpu", "checkpointing": "full"}
     with apply_checkpointing(module, "full") if applied else contextlib.nullcontext():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(_repeated, "truncated", spy)
+            patch.setattr(repeated, "truncated", spy)
             fast = estimate_memory(module, batch, **kwargs)
         whole = simulate_step(module, batch, **kwargs).breakdown()
     assert calls == ([1, 2, 3] if applied else [1, 2, 3, 4])
@@ -174,16 +181,16 @@ def test_a_step_the_rule_does_not_predict_is_not_extrapolated() -> None:
     batch = (torch.randn(4, 8), None)
     kwargs = {"loss_fn": lambda out, _: out, "optimizer": "sgd", "device": "cpu"}
     shortcut, whole = _both(model, batch, **kwargs)
-    assert _repeated.repeated_blocks(model) is not None  # it looks like copies of one block
+    assert repeated.repeated_blocks(model) is not None  # it looks like copies of one block
     assert shortcut is None  # but the 4-block step is not the one the rule predicts
     assert estimate_memory(model, batch, **kwargs) == whole
 
 
 def test_blocks_that_differ_are_simulated_whole() -> None:
     module = DeepZoo("qwen2")
-    assert _repeated.repeated_blocks(module) is not None
+    assert repeated.repeated_blocks(module) is not None
     module.model.model.layers[DEPTH - 1].self_attn.scaling = 0.5  # one block unlike the others
-    assert _repeated.repeated_blocks(module) is None
+    assert repeated.repeated_blocks(module) is None
 
 
 def test_a_per_block_checkpointing_plan_without_a_long_run_is_simulated_whole() -> None:
@@ -192,10 +199,10 @@ def test_a_per_block_checkpointing_plan_without_a_long_run_is_simulated_whole() 
     module = DeepZoo("gpt2")
     names = [f"model.transformer.h.{i}" for i in range(DEPTH)]
     with apply_checkpointing(module, {name: "full" if i < 2 else "none" for i, name in enumerate(names)}):
-        assert _repeated.repeated_blocks(module) is None
-        assert _repeated.repeated_run(module) is None  # 4 alike of 6: shorter than MIN_DEPTH
+        assert repeated.repeated_blocks(module) is None
+        assert repeated.repeated_run(module) is None  # 4 alike of 6: shorter than MIN_DEPTH
     with apply_checkpointing(module, "full"):
-        assert _repeated.repeated_blocks(module) is not None
+        assert repeated.repeated_blocks(module) is not None
 
 
 @pytest.mark.parametrize("other", [0, DEPTH - 1], ids=["first", "last"])
@@ -210,29 +217,29 @@ def test_a_plan_with_a_few_blocks_apart_takes_the_shortcut_byte_for_byte(name: s
     names = [n for n, _ in find_blocks(module)]
     plan = {n: "selective" if i == other else "full" for i, n in enumerate(names)}
     with apply_checkpointing(module, plan):
-        run = _repeated.repeated_run(module)
+        run = repeated.repeated_run(module)
         assert run is not None and (run.start, run.length) == (int(other == 0), DEPTH - 1)
-        assert _repeated.repeated_blocks(module) is None  # not every block: the planner profiles them all
+        assert repeated.repeated_blocks(module) is None  # not every block: the planner profiles them all
         shortcut, whole = _both(module, zoo_batch(name), device="cpu")
     assert shortcut is not None and shortcut.breakdown == whole
 
 
 def test_models_without_one_stack_of_copies_are_simulated_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_repeated, "MIN_DEPTH", 2)  # the zoo's ResNet has 4 blocks
+    monkeypatch.setattr(repeated, "MIN_DEPTH", 2)  # the zoo's ResNet has 4 blocks
     for name in ("t5", "whisper", "resnet"):  # two stacks (encoder, decoder); blocks of different widths
-        assert _repeated.repeated_blocks(ZooModule(name)) is None
+        assert repeated.repeated_blocks(ZooModule(name)) is None
     assert set(FAMILIES) | {"t5", "whisper", "resnet"} == set(MODELS)
 
 
 def test_the_checkpointing_planner_profiles_two_copies_for_all_of_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from lightning_memkit._checkpoint_planner import CheckpointPlanner
+    from lightning_memkit._checkpointing.planner import CheckpointPlanner
 
     module = DeepZoo("gpt2")
     kwargs = {"cost": "flops", "device": "cpu", "policy": ("none", "selective", "full")}
     fast = CheckpointPlanner(module, zoo_batch("gpt2"), **kwargs)
-    monkeypatch.setattr(_repeated, "MIN_DEPTH", 10**6)
+    monkeypatch.setattr(repeated, "MIN_DEPTH", 10**6)
     whole = CheckpointPlanner(module, zoo_batch("gpt2"), **kwargs)
     assert len(fast.blocks) == DEPTH
     assert fast.blocks == whole.blocks and fast.baseline == whole.baseline
@@ -303,8 +310,8 @@ class _Stack(nn.Module):
 @pytest.mark.parametrize("block", [_TupleBlock, _PrivateBlock, _ConfigBlock])
 def test_blocks_that_differ_past_the_fourth_in_any_setting_are_simulated_whole(block: type[_Block]) -> None:
     """A setting the shallow steps never see differ: a tuple, an underscore attribute, an object's field."""
-    assert _repeated.repeated_blocks(_Stack(block)) is None
-    assert _repeated.repeated_blocks(_Stack(block, wide_from=16)) is not None  # all alike: it applies
+    assert repeated.repeated_blocks(_Stack(block)) is None
+    assert repeated.repeated_blocks(_Stack(block, wide_from=16)) is not None  # all alike: it applies
 
 
 @pytest.mark.xfail(strict=True, reason="known limit: what the parent's loop does by position is not seen")

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from lightning_memkit._breakdown import CATEGORIES, GiB, MemoryBreakdown, MiB
-from lightning_memkit._report import plot_history, render_summary, render_table
+from lightning_memkit._diagnosis.report import plot_history, render_summary, render_table
 
 STEPS = list(range(5))
 

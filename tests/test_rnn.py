@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
-from lightning_memkit._kernels import _Worker
+from lightning_memkit._measuring.kernels import _Worker
 from lightning_memkit.testing import AllocatorPeaks
 
 VOCAB, SEQ = 100, 32

@@ -18,8 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import TimelineEvent, _analytic, estimate_memory
-from lightning_memkit._optimizer_state import adamw_state_bytes
+from lightning_memkit import TimelineEvent, estimate_memory
+from lightning_memkit._estimating import analytic
+from lightning_memkit._estimating.optimizer_state import adamw_state_bytes
 from lightning_memkit.demos.gpt import GPT, GPTConfig, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak, profile_peak
 
@@ -260,7 +261,7 @@ def test_optimizer_state_by_name_equals_the_analytic_bytes(name):
     module = GPTLightningModule("tiny")
     estimate = estimate_memory(module, _tokens(2, 32), optimizer=name, device="cpu")
     shapes = [tuple(p.shape) for p in module.parameters()]
-    assert estimate.optimizer_state == _analytic.optimizer_state_bytes(name, shapes)
+    assert estimate.optimizer_state == analytic.optimizer_state_bytes(name, shapes)
 
 
 def test_a_factory_optimizer_is_built_over_the_fake_parameters():
@@ -301,7 +302,7 @@ def test_cublas_workspaces_follow_torchs_sizes(monkeypatch):
     """Two workspaces (the forward's thread and the autograd engine's), each as torch sizes it: the
     environment's ``:SIZE:COUNT`` pairs (KiB), else 32 MiB; counted in every CUDA estimate's temporaries,
     never on the CPU, and on a model built under ``torch.device("meta")`` too."""
-    from lightning_memkit._simulate import cublas_workspace_bytes
+    from lightning_memkit._estimating.simulate import cublas_workspace_bytes
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
     assert cublas_workspace_bytes() == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)

@@ -1,4 +1,4 @@
-"""The simulated step takes the branches the real batch takes (`lightning_memkit._shadow`).
+"""The simulated step takes the branches the real batch takes (`lightning_memkit._estimating.shadow`).
 
 Values the step reads from the batch (a padding mask's ``.all()``, positions built with ``torch.arange``,
 the size of a boolean-mask selection) are computed for real, so the estimate follows the real step's

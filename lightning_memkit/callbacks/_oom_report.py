@@ -1,5 +1,6 @@
 """What `MemoryMonitor` and `AutoFit` print when a training step runs out of memory: the run read from the
-Trainer (its budget or plan, precision, sharding, step levers, optimizer), explained by `_oom.explain_oom`."""
+Trainer (its budget or plan, precision, sharding, step levers, optimizer), explained by
+`_diagnosis.oom.explain_oom`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import Budget
-from lightning_memkit._checkpointing import CHECKPOINT_MODES
-from lightning_memkit._fitplan import FitPlan
-from lightning_memkit._lightning import batch_size
-from lightning_memkit._oom import StepInFlight, explain_oom, run_candidates, simulable, step_need
-from lightning_memkit._optimizers import identify
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
+from lightning_memkit._diagnosis.oom import StepInFlight, explain_oom, run_candidates, simulable, step_need
+from lightning_memkit._estimating.lightning_step import batch_size
+from lightning_memkit._fitting.plan import FitPlan
+from lightning_memkit._optimizers.swap import identify
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
     into_gradients,

@@ -48,8 +48,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_memkit._fitplan import FitPlan
-from lightning_memkit._lightning import batch_size, pieces
+from lightning_memkit._estimating.lightning_step import batch_size, pieces
+from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit.callbacks._trainer import logging_as_training_step
 
 __all__ = ["StepGuard"]

@@ -15,8 +15,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch import nn
 
-from lightning_memkit._analytic import model_static, scheme
-from lightning_memkit._isolate import rng_kept
+from lightning_memkit._estimating.analytic import model_static, scheme
+from lightning_memkit._estimating.isolate import rng_kept
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
 from lightning_memkit.callbacks.offload import OptimizerOffload
@@ -69,7 +69,7 @@ def on_rank_zero(trainer: pl.Trainer, decide: Callable[[], T], what: str) -> T:
 
 
 def sharding(trainer: pl.Trainer) -> tuple[str, int]:
-    """The Trainer's strategy as `_analytic.STRATEGIES` names it, and its number of ranks."""
+    """The Trainer's strategy as `_estimating.analytic.STRATEGIES` names it, and its number of ranks."""
     ranks, strategy = trainer.world_size, trainer.strategy
     kind = type(strategy).__name__
     if kind == "ModelParallelStrategy" or isinstance(strategy, ModelParallelStrategy):
@@ -95,7 +95,8 @@ def sharding(trainer: pl.Trainer) -> tuple[str, int]:
 
 def ddp_bucket_bytes(trainer: pl.Trainer, module: nn.Module) -> int:
     """Bytes of DDP's all-reduce buckets on each rank: a copy of every trainable parameter's gradient in
-    the precision the run trains in (`_analytic.shard`); 0 unless the strategy is DDP (one rank too: the
+    the precision the run trains in (`_estimating.analytic.shard`); 0 unless the strategy is DDP (one rank
+    too: the
     model is wrapped all the same)."""
     if not isinstance(trainer.strategy, DDPStrategy):
         return 0

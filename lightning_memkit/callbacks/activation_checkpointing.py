@@ -19,12 +19,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_memkit._blocks import block_classes, find_blocks, no_blocks_message
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget, parse_budget, reads_device
-from lightning_memkit._checkpoint_planner import plan_checkpointing
-from lightning_memkit._checkpointing import LEVELS, CheckpointHandle, CheckpointPlan, apply_checkpointing
-from lightning_memkit._isolate import isolated
+from lightning_memkit._checkpointing.blocks import block_classes, find_blocks, no_blocks_message
+from lightning_memkit._checkpointing.planner import plan_checkpointing
+from lightning_memkit._checkpointing.policies import (
+    LEVELS,
+    CheckpointHandle,
+    CheckpointPlan,
+    apply_checkpointing,
+)
+from lightning_memkit._estimating.isolate import isolated
 from lightning_memkit.callbacks._trainer import (
     accumulates,
     autofit_in,

@@ -30,7 +30,6 @@ from lightning.pytorch.utilities.parsing import (
 )
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_memkit._autofit import plan_fit
 from lightning_memkit._breakdown import MiB, format_bytes
 from lightning_memkit._budget import (
     Budget,
@@ -41,12 +40,13 @@ from lightning_memkit._budget import (
     valid_name,
     whole_number,
 )
-from lightning_memkit._checkpointing import CHECKPOINT_MODES
-from lightning_memkit._fitplan import FitPlan, StepCost
-from lightning_memkit._isolate import isolated, rng_kept
-from lightning_memkit._lightning import repeat_rows
-from lightning_memkit._oom import StepInFlight
-from lightning_memkit._optimizers import CATALOGUE, lighter_candidates
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
+from lightning_memkit._diagnosis.oom import StepInFlight
+from lightning_memkit._estimating.isolate import isolated, rng_kept
+from lightning_memkit._estimating.lightning_step import repeat_rows
+from lightning_memkit._fitting.plan import FitPlan, StepCost
+from lightning_memkit._fitting.search import plan_fit
+from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
@@ -137,7 +137,7 @@ class AutoFit(Callback):
         self._cpu_offload: bool | None = False
         #: AutoFitStrategy's: a bf16-mixed run sharded with FSDP2's bf16 MixedPrecisionPolicy
         self._mixed_precision_policy = False
-        #: the ranks' collectives, timed by AutoFitStrategy (else `_fsdp2.LINKS`' for the device)
+        #: the ranks' collectives, timed by AutoFitStrategy (else `_sharding.fsdp2.LINKS`' for the device)
         self._link: Any = None
 
     # --- planning -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
-from lightning_memkit._fused_step import FusedStep, fuse_optimizer_step
+from lightning_memkit._levers.fused_step import FusedStep, fuse_optimizer_step
 from lightning_memkit.callbacks._step_hooks import StepHooks
 
 __all__ = ["FusedOptimizerStep"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torch.utils.hooks import RemovableHandle
 
-from lightning_memkit._gradient_release import release_gradients
+from lightning_memkit._levers.gradient_release import release_gradients
 from lightning_memkit.callbacks._step_hooks import StepHooks
 
 __all__ = ["GradientRelease"]

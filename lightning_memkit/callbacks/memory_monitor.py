@@ -38,13 +38,19 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_memkit._advise import Advice, advise
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
 from lightning_memkit._budget import flag, parse_budget, reads_device, whole_number
-from lightning_memkit._fsdp2 import explain_mixed_tensors, is_sharded
-from lightning_memkit._measure import MemoryMeasurement, leaves, measure, optimizer_tensors, storage_bytes
-from lightning_memkit._oom import StepInFlight, on_cpu, simulable
-from lightning_memkit._report import plot_history, render_summary
+from lightning_memkit._diagnosis.advise import Advice, advise
+from lightning_memkit._diagnosis.oom import StepInFlight, on_cpu, simulable
+from lightning_memkit._diagnosis.report import plot_history, render_summary
+from lightning_memkit._measuring.tracker import (
+    MemoryMeasurement,
+    leaves,
+    measure,
+    optimizer_tensors,
+    storage_bytes,
+)
+from lightning_memkit._sharding.fsdp2 import explain_mixed_tensors, is_sharded
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._trainer import (
     accumulating_now,

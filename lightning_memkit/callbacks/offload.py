@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_memkit._fused_step import needs_closure
-from lightning_memkit._offload import Offload, offload_optimizer
+from lightning_memkit._levers.fused_step import needs_closure
+from lightning_memkit._levers.offload import Offload, offload_optimizer
 from lightning_memkit.callbacks._step_hooks import StepHooks
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 

@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MemoryBreakdown, MiB
 from lightning_memkit._budget import Budget, flag, parse_budget, reads_device
-from lightning_memkit._optim import (
+from lightning_memkit._optimizers.choice import (
     Estimator,
     OptimizerChoice,
     choose_optimizer,
@@ -50,7 +50,7 @@ from lightning_memkit._optim import (
     simulated_estimator,
     static_estimator,
 )
-from lightning_memkit._optimizers import (
+from lightning_memkit._optimizers.swap import (
     CATALOGUE,
     DEFAULT_CANDIDATES,
     identify,

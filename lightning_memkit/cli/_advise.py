@@ -12,7 +12,7 @@ import time
 
 from lightning.pytorch import LightningModule
 
-from lightning_memkit._advise import advise
+from lightning_memkit._diagnosis.advise import advise
 from lightning_memkit.cli._models import (
     analytic_shape,
     check_seq_len,

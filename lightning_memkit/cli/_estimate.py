@@ -20,17 +20,17 @@ from typing import Any
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_memkit._analytic import (
+from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
+from lightning_memkit._diagnosis.oom import plans_section, run_candidates
+from lightning_memkit._diagnosis.report import render_table
+from lightning_memkit._estimating.analytic import (
     STRATEGIES,
     TransformerShape,
     estimate_analytic,
     model_static,
     shard,
 )
-from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
-from lightning_memkit._oom import plans_section, run_candidates
-from lightning_memkit._report import render_table
-from lightning_memkit._simulate import TimelineEvent, estimate_memory
+from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
 from lightning_memkit.cli._models import (
     analytic_shape,
     check_seq_len,

@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_memkit._analytic import TransformerShape, count_parameters
-from lightning_memkit._lightning import lightning_stand_ins, optimizers_from
-from lightning_memkit._optimizers import identify
+from lightning_memkit._estimating.analytic import TransformerShape, count_parameters
+from lightning_memkit._estimating.lightning_step import lightning_stand_ins, optimizers_from
+from lightning_memkit._optimizers.swap import identify
 from lightning_memkit.cli._args import UsageError, usage_error
 from lightning_memkit.cli._parsers import add_model_argument, add_step_arguments  # noqa: F401 (the old home)
 from lightning_memkit.demos.gpt import PRESETS, GPTConfig, GPTLightningModule

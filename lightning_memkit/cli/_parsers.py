@@ -2,11 +2,13 @@
 
 ``memkit --help``, ``memkit plan --help`` and a usage error are answered from here in a fraction of a
 second; only once the arguments parse does `main` call the subcommand's ``run``, which imports its
-module (`lightning_memkit.cli._estimate`, ``_plan``, ``_advise``) and with it torch and Lightning.
+module (`lightning_memkit.cli._estimate`, ``_plan``, ``_diagnosis.advise``) and with it torch and Lightning.
 
 The names the arguments accept are the library's own, from its torch-free modules: the GPU table
-(`lightning_memkit._budget.GPUS`), the optimizers (`lightning_memkit._optimizer_state.OPTIMIZERS`), the
-presets and strategies (`lightning_memkit._analytic`) and the rest (`lightning_memkit._vocabulary`).
+(`lightning_memkit._budget.GPUS`), the optimizers
+(`lightning_memkit._estimating.optimizer_state.OPTIMIZERS`), the
+presets and strategies (`lightning_memkit._estimating.analytic`) and the rest
+(`lightning_memkit._vocabulary`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from lightning_memkit import _analytic
 from lightning_memkit._budget import GPUS
-from lightning_memkit._optimizer_state import OPTIMIZERS
+from lightning_memkit._estimating import analytic as _analytic
+from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
 from lightning_memkit.cli._args import gpu, gpu_or_memory, margin, names, one_of, positive_int
 

@@ -18,16 +18,16 @@ from typing import Any
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_memkit._analytic import model_static, shard
-from lightning_memkit._autofit import LEVER_CALLBACKS, LOWER_PRECISION_HINT, plan_fit, static_floor
-from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE, GPUS, Budget, parse_budget
-from lightning_memkit._fitplan import FitPlan
-from lightning_memkit._lightning import batch_slice
-from lightning_memkit._oom import plan_code
-from lightning_memkit._optimizers import COMPENSATED, KAHAN, lighter_candidates
-from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._diagnosis.oom import plan_code
+from lightning_memkit._estimating.analytic import model_static, shard
+from lightning_memkit._estimating.lightning_step import batch_slice
+from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit._fitting.plan import FitPlan
+from lightning_memkit._fitting.search import LEVER_CALLBACKS, LOWER_PRECISION_HINT, plan_fit, static_floor
+from lightning_memkit._optimizers.swap import COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit.cli._args import UsageError, usage_error
 from lightning_memkit.cli._models import (
     analytic_shape,

@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-from lightning_memkit import _analytic
-from lightning_memkit._chunked_loss import chunked_cross_entropy
-from lightning_memkit._optimizers import swap_optimizer
+from lightning_memkit._estimating import analytic as _analytic
+from lightning_memkit._levers.chunked_loss import chunked_cross_entropy
+from lightning_memkit._optimizers.swap import swap_optimizer
 from lightning_memkit.demos._data import GPTDataModule, decode, encode
 
 __all__ = ["GPT", "Block", "GPTConfig", "GPTDataModule", "GPTLightningModule", "WarmupCosine"]

@@ -59,11 +59,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_memkit import _fsdp2
-from lightning_memkit._blocks import find_blocks
 from lightning_memkit._budget import flag
-from lightning_memkit._checkpointing import CHECKPOINT_MODES
-from lightning_memkit._fitplan import FitPlan
+from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
+from lightning_memkit._fitting.plan import FitPlan
+from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit.callbacks.auto_fit import AutoFit
 
 __all__ = ["AutoFitStrategy"]

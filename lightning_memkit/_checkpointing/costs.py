@@ -36,9 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from lightning_memkit._checkpointing import POLICIES, CheckpointedForward, mutates_cached_output
-from lightning_memkit._kernels import hashable
-from lightning_memkit._measure import Storage, rounded
+from lightning_memkit._checkpointing.policies import POLICIES, CheckpointedForward, mutates_cached_output
+from lightning_memkit._measuring.kernels import hashable
+from lightning_memkit._measuring.tracker import Storage, rounded
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ class BlockProfiler:
 
     def alike(self, names: Sequence[str]) -> None:
         """The blocks ``names``, in order, profiled as the last one profiled: copies of one block
-        (`_repeated.repeated_blocks`) of which only the first ran."""
+        (`_estimating.repeated.repeated_blocks`) of which only the first ran."""
         last = self.order[-1]
         for name in names:
             if name not in self.signature:

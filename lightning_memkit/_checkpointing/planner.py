@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit._blocks import LayerClasses, find_blocks, no_blocks_message
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
-from lightning_memkit._checkpoint_costs import BlockCosts, BlockProfiler, OpTimer, block_options
-from lightning_memkit._checkpointing import (
+from lightning_memkit._checkpointing.blocks import LayerClasses, find_blocks, no_blocks_message
+from lightning_memkit._checkpointing.costs import BlockCosts, BlockProfiler, OpTimer, block_options
+from lightning_memkit._checkpointing.policies import (
     CHECKPOINT_MODES,
     LEVELS,
     MUTATED_NOTE,
@@ -59,9 +59,9 @@ from lightning_memkit._checkpointing import (
     checkpoint_policies,
     without_cache,
 )
-from lightning_memkit._measure import allocation_rounding, model_device
-from lightning_memkit._repeated import repeated_blocks, truncated
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit._estimating.repeated import repeated_blocks, truncated
+from lightning_memkit._estimating.simulate import estimate_memory
+from lightning_memkit._measuring.tracker import allocation_rounding, model_device
 
 __all__ = ["CheckpointPlanner", "plan_checkpointing"]
 
@@ -258,7 +258,8 @@ class CheckpointPlanner:
         with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
             if repeated is None:
                 estimate_memory(model, batch, **unsharded)
-            else:  # copies of one block (`_repeated`): the first two are profiled, the rest are alike
+            # copies of one block (`_estimating.repeated`): the first two are profiled, the rest are alike
+            else:
                 with truncated(repeated[0], 2):
                     estimate_memory(model, batch, **unsharded)
                 profiler.alike([name for name, _ in found])

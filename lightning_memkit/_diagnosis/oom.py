@@ -26,22 +26,22 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_memkit import _fsdp2
-from lightning_memkit._analytic import model_static, shard
-from lightning_memkit._autofit import plan_fit
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget
-from lightning_memkit._checkpointing import CHECKPOINT_MODES, apply_plan
-from lightning_memkit._fitplan import FitPlan
-from lightning_memkit._lightning import batch_size, repeat_rows
-from lightning_memkit._optimizers import (
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, apply_plan
+from lightning_memkit._estimating.analytic import model_static, shard
+from lightning_memkit._estimating.lightning_step import batch_size, repeat_rows
+from lightning_memkit._estimating.simulate import estimate_memory
+from lightning_memkit._fitting.plan import FitPlan
+from lightning_memkit._fitting.search import plan_fit
+from lightning_memkit._optimizers.swap import (
     COMPENSATED,
     DEFAULT_CANDIDATES,
     KAHAN,
     lighter_candidates,
     own_optimizer,
 )
-from lightning_memkit._simulate import estimate_memory
+from lightning_memkit._sharding import fsdp2 as _fsdp2
 
 __all__ = [
     "MAX_PLANS",
@@ -131,7 +131,7 @@ def step_need(
 def simulable(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
     """``model`` and ``optimizer`` as a simulation can copy them: a model ``fully_shard`` was applied to (in
     ``configure_model``, before the step that failed) as its unsharded twin, and the optimizer over the twin's
-    parameters (`_fsdp2.unsharded_twin`); any other model as it is."""
+    parameters (`_sharding.fsdp2.unsharded_twin`); any other model as it is."""
     if not _fsdp2.is_sharded(model):
         return model, optimizer
     twin, tensors = _fsdp2.unsharded_twin(model)

@@ -1,7 +1,7 @@
 """Which optimizer to train with: the best one of the catalogue whose training step fits the budget.
 
 The catalogue and the rules that carry AdamW's hyperparameters over to each lighter optimizer are in
-`_optimizers`. This module estimates a step with a given set of optimizers and decides: the originals
+`_optimizers.swap`. This module estimates a step with a given set of optimizers and decides: the originals
 when they fit, else the first candidate whose *whole step* fits the budget, estimated on the user's own
 model. `fit_optimizer` is the decision for a plain training loop; the `OptimizerSwap` callback takes it
 inside a Trainer (`choose_optimizer`, with the Trainer's own estimate).
@@ -11,7 +11,8 @@ How a candidate is judged to fit: the peak of a whole training step with it, est
 most the budget. bitsandbytes registers fake kernels for its optimizer updates (0.50 does), so the 8-bit
 steps are simulated like any other; with an older bitsandbytes whose kernels cannot run on fake tensors,
 the step is simulated with plain SGD (no state, no temporaries in ``step()``) and the 8-bit state bytes
-from `_analytic` are added: exact where the 8-bit update works in place, as the fused CUDA kernels do.
+from `_estimating.analytic` are added: exact where the 8-bit update works in place, as the fused CUDA kernels
+do.
 Where no step can be simulated (manual optimization, several optimizers, no example batch) the decision
 is on the *static* memory: parameters + gradients + the optimizers' state after one simulated
 ``step()``, so the budget must leave room for the activations.
@@ -32,10 +33,11 @@ from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
-from lightning_memkit._fused_step import needs_closure
-from lightning_memkit._measure import allocation_rounding, model_device, rounded
-from lightning_memkit._optimizer_state import OPTIMIZERS
-from lightning_memkit._optimizers import (
+from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
+from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit._levers.fused_step import needs_closure
+from lightning_memkit._measuring.tracker import allocation_rounding, model_device, rounded
+from lightning_memkit._optimizers.swap import (
     CATALOGUE,
     COMPENSATED,
     DEFAULT_CANDIDATES,
@@ -46,7 +48,6 @@ from lightning_memkit._optimizers import (
     rebind_scheduler,
     swap_optimizer,
 )
-from lightning_memkit._simulate import estimate_memory, sixteen_bit_weights
 
 __all__ = [
     "Estimator",
@@ -101,7 +102,8 @@ def state_bytes(optimizer: Optimizer, *, device: str | torch.device = "cpu") -> 
         name = identify(optimizer)
         if name is None or not CATALOGUE[name].needs_bitsandbytes:
             raise
-    # A bitsandbytes without fake kernels: `_analytic`'s formulas, exact against bitsandbytes 0.43-0.50.
+    # A bitsandbytes without fake kernels: `_estimating.analytic`'s formulas, exact against bitsandbytes
+    # 0.43-0.50.
     return _analytic_state_bytes(name, params)
 
 
@@ -110,7 +112,8 @@ def _output(output: Tensor, target: Tensor) -> Tensor:
 
 
 def _analytic_state_bytes(name: str, params: Sequence[Tensor]) -> int:
-    """`_analytic`'s bytes for ``params``; torch.optim state takes each parameter's element size. The
+    """`_estimating.analytic`'s bytes for ``params``; torch.optim state takes each parameter's element size.
+    The
     CUDA allocator's 512-byte rounding of each state tensor is not added (under 0.1 % for real models)."""
     by_size: dict[int, list[tuple[int, ...]]] = {}
     for p in params:

@@ -13,7 +13,7 @@ Categories are assigned afterwards from identity, not guessed from sizes:
 
 Some CPU kernels (oneDNN convolutions, 16-bit matmuls, flash attention) allocate buffers straight from
 the allocator, where no op shows them; for those ops the kernel's own highest allocation is measured once
-per shape in a helper process (`_kernels`) and counted as ``temporary``.
+per shape in a helper process (`_measuring.kernels`) and counted as ``temporary``.
 
 This is the accounting of torch's own allocator trace: on CPU it agrees with torch.profiler's memory
 timeline (the tests hold it to 0.1 %), and on CUDA the peak itself is read from the caching allocator
@@ -59,9 +59,9 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass_type,
 )
 
-from lightning_memkit import _fsdp2
 from lightning_memkit._breakdown import MemoryBreakdown
-from lightning_memkit._kernels import hides_memory, kernel_peak
+from lightning_memkit._measuring.kernels import hides_memory, kernel_peak
+from lightning_memkit._sharding import fsdp2
 
 __all__ = ["MemoryMeasurement", "gradient_consumed", "measure", "storage_bytes"]
 
@@ -225,7 +225,7 @@ class Storage:
         self.nbytes = nbytes
         #: what a sharded step holds it as (`SHARDED_KINDS`), where FSDP2 runs; ``None`` elsewhere
         self.kind: str | None = None
-        self.origin: Any = None  # what created it, when a tracer asks (`_simulate.trace_step`)
+        self.origin: Any = None  # what created it, when a tracer asks (`_estimating.simulate.trace_step`)
         self.category: str | None = None  # "parameters" / "optimizer_state", fixed by identity
         self.grad_at: int | None = None  # clock when it became some parameter's .grad
         self.saved_at: int | None = None  # clock when autograd first saved it for backward
@@ -260,7 +260,8 @@ class Tracker(TorchDispatchMode):
         #: why the step could not be followed (a torch.func transform turned saved-tensor hooks off)
         self.unfollowed: str | None = None
         self._hooks: tuple[Any, Any] | None = None
-        #: whether what CPU kernels allocate outside the dispatcher (`_kernels`) is this device's memory
+        #: whether what CPU kernels allocate outside the dispatcher (`_measuring.kernels`) is this device's
+        #: memory
         self.counts_cpu_kernels = device.type == "cpu"
         #: the sizes of `peak_live`'s storages at the peak, once a storage has been resized in the step
         #: (FSDP2's unsharded parameters): a record's ``nbytes`` is its size now, not then
@@ -425,7 +426,8 @@ class Tracker(TorchDispatchMode):
                 rec.grad_at, rec.kind = self.clock, "sharded_gradients"
 
     def _unseen(self, before: int, func: Any, args: tuple, kwargs: dict) -> None:
-        """Count what ``func``'s CPU kernel allocated where no op shows it (see `_kernels`) at its highest:
+        """Count what ``func``'s CPU kernel allocated where no op shows it (see `_measuring.kernels`) at its
+        highest:
         ``before`` (live when the op began) plus the kernel's own highest total is a candidate peak."""
         if not self.counts_fakes and any(map(_is_fake, _iter_tensors(args))):
             return  # a simulation run inside the measured step
@@ -503,10 +505,10 @@ class Tracker(TorchDispatchMode):
         start and again at its end, when the first step's copies exist and its gradients are reduced.
         Returns whether ``model`` has FSDP2 units."""
         sharded_model = False
-        for fsdp_param in _fsdp2.fsdp_params(model):
+        for fsdp_param in fsdp2.fsdp_params(model):
             sharded_model = True
-            sharded = _fsdp2.sharded_param(fsdp_param)
-            unsharded = _fsdp2.unsharded_param(fsdp_param)
+            sharded = fsdp2.sharded_param(fsdp_param)
+            unsharded = fsdp2.unsharded_param(fsdp_param)
             for t, kind in ((sharded, "sharded_parameters"), (unsharded, "unsharded_parameters")):
                 for rec in () if t is None else self.records(t, preexisting=preexisting):
                     rec.category, rec.kind = "parameters", kind
@@ -539,8 +541,8 @@ class Tracker(TorchDispatchMode):
         handles = [
             p.register_post_accumulate_grad_hook(self.on_grad) for p in model.parameters() if p.requires_grad
         ]
-        for fsdp_param in _fsdp2.fsdp_params(model):
-            p = _fsdp2.unsharded_param(fsdp_param)
+        for fsdp_param in fsdp2.fsdp_params(model):
+            p = fsdp2.unsharded_param(fsdp_param)
             if p is not None and p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(self.on_unsharded_grad))
         try:

@@ -1,4 +1,5 @@
-"""The process `_kernels` asks what a CPU kernel allocates: ``python lightning_memkit/_kernel_worker.py``.
+"""The process `_measuring.kernels` asks what a CPU kernel allocates: ``python
+lightning_memkit/_measuring/kernel_worker.py``.
 
 Reads requests from stdin and answers on stdout, each a length-prefixed pickle. A request is
 ``(question, op name, argument specs, keyword specs, settings)`` (threads, oneDNN on or off, fp32 matmul

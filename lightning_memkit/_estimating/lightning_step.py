@@ -25,8 +25,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_memkit._fused_step import fuse_optimizer_step, needs_closure
-from lightning_memkit._offload import Offload
+from lightning_memkit._levers.fused_step import fuse_optimizer_step, needs_closure
+from lightning_memkit._levers.offload import Offload
 
 __all__ = [
     "TrainingStep",

@@ -1,7 +1,8 @@
 """The optimizers a swap can choose from, and how to swap one for another.
 
 `CATALOGUE` lists them in quality order; `swap_optimizer` and `rebind_scheduler` carry AdamW's
-hyperparameters over to each. Which one to use is decided in `_optim`; this module estimates nothing.
+hyperparameters over to each. Which one to use is decided in `_optimizers.choice`; this module estimates
+nothing.
 The catalogue's table and the translation rules, with their sources: ``docs/design/optimizers.md``.
 """
 
@@ -22,8 +23,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_memkit._budget import valid_name
-from lightning_memkit._lightning import is_lightning, lightning_stand_ins, optimizers_from
-from lightning_memkit._measure import model_device
+from lightning_memkit._estimating.lightning_step import is_lightning, lightning_stand_ins, optimizers_from
+from lightning_memkit._measuring.tracker import model_device
 
 __all__ = [
     "ADAFACTOR_LR_SCALE",

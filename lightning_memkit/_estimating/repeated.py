@@ -45,12 +45,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown
-from lightning_memkit._checkpointing import checkpoint_policies
+from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._checkpointing.policies import checkpoint_policies
 
 if TYPE_CHECKING:
-    from lightning_memkit._measure import Storage, Tracker
+    from lightning_memkit._measuring.tracker import Storage, Tracker
 
 __all__ = ["MIN_DEPTH", "History", "Shortcut", "cost_ratio", "shortcut"]
 

@@ -2,9 +2,11 @@
 
 oneDNN (mkldnn) kernels, which run CPU convolutions, copy their input and weight into blocked layouts
 and keep a scratchpad, straight from the CPU allocator: no aten op is called, so neither a
-TorchDispatchMode (`_measure`) nor fake tensors (`_simulate`) can see it, yet the allocator counts it
+TorchDispatchMode (`_measuring.tracker`) nor fake tensors (`_estimating.simulate`) can see it, yet the
+allocator counts it
 (a Conv2d step reads 28 % low without it). For these ops the highest total a call allocates is asked of
-a helper process (`_kernel_worker`), which runs the op once on random data of the same shapes, strides
+a helper process (`_measuring.kernel_worker`), which runs the op once on random data of the same shapes,
+strides
 and dtypes under torch.profiler's memory timeline: a separate process, because the profiler allows one
 session per process and that one belongs to the user. The answer depends only on the op, its argument
 specs and the settings that select a kernel (threads, oneDNN on or off, fp32 matmul precision,
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memkit._kernel_worker import read_message, write
+from lightning_memkit._measuring.kernel_worker import read_message, write
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +172,7 @@ class _Worker:
         if self.process is None:
             env = {**os.environ, "PYTHONWARNINGS": "ignore"}
             self.process = subprocess.Popen(  # the file itself: the package's imports are not needed there
-                [sys.executable, str(Path(__file__).with_name("_kernel_worker.py"))],
+                [sys.executable, str(Path(__file__).with_name("kernel_worker.py"))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             )  # fmt: skip
         assert self.process.stdin is not None and self.process.stdout is not None

@@ -9,7 +9,7 @@ shapes; nothing here allocates a tensor. Where each figure comes from:
   against the released checkpoints: GPT-2 (Radford et al. 2019; 124,439,808 parameters as on Hugging
   Face) and LLaMA-7B (Touvron et al. 2023; 6,738,415,616, a three-matrix SwiGLU MLP).
 - ``optimizer_state``: what each optimizer allocates per parameter shape in torch 2.x and bitsandbytes
-  0.50 (`lightning_memkit._optimizer_state`: each ``*_state_bytes`` function gives its formula and
+  0.50 (`lightning_memkit._estimating.optimizer_state`: each ``*_state_bytes`` function gives its formula and
   source), plus an fp32 master copy when the precision keeps one, as ZeRO counts it (Rajbhandari et al.
   2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3.1: mixed-precision
   Adam keeps 2 + 2 + K bytes per parameter, K = 12 for the fp32 master weights, momentum and variance).
@@ -35,7 +35,7 @@ from typing import Any
 
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import valid_name
-from lightning_memkit._optimizer_state import OPTIMIZERS, Shape
+from lightning_memkit._estimating.optimizer_state import OPTIMIZERS, Shape
 from lightning_memkit._vocabulary import CHECKPOINT_MODES
 
 

@@ -19,23 +19,24 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lightning_memkit import _fsdp2, _repeated
-from lightning_memkit._analytic import STRATEGIES, model_static, shard
-from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name
-from lightning_memkit._checkpoint_planner import CheckpointPlanner
-from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
-from lightning_memkit._fitplan import Alternative, FitPlan, StepCost, flops_cost, measured_cost
-from lightning_memkit._lightning import (
+from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._checkpointing.planner import CheckpointPlanner
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
+from lightning_memkit._estimating import repeated as _repeated
+from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
+from lightning_memkit._estimating.lightning_step import (
     batch_size,
     batch_slice,
     is_lightning,
 )
-from lightning_memkit._measure import model_device
-from lightning_memkit._offload import transfer_seconds
-from lightning_memkit._optimizers import CATALOGUE, COMPENSATED, KAHAN, lighter_candidates
-from lightning_memkit._simulate import counted_step, estimate_memory, sixteen_bit_weights
+from lightning_memkit._estimating.simulate import counted_step, estimate_memory, sixteen_bit_weights
+from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost, flops_cost, measured_cost
+from lightning_memkit._levers.offload import transfer_seconds
+from lightning_memkit._measuring.tracker import model_device
+from lightning_memkit._optimizers.swap import CATALOGUE, COMPENSATED, KAHAN, lighter_candidates
+from lightning_memkit._sharding import fsdp2 as _fsdp2
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -210,7 +211,7 @@ class _Search:
         if key not in self.planners:
             self._report(f"measuring the blocks' checkpointing costs at micro-batch {m}")
             # A per-block plan's step is simulated whole: for copies of one block, costlier than the
-            # uniform modes' steps (`_repeated`'s shortcut) by the blocks it runs.
+            # uniform modes' steps (`_estimating.repeated`'s shortcut) by the blocks it runs.
             per_plan = self.seconds / max(len(self.cache), 1) * _repeated.cost_ratio(self.model)
             start = time.perf_counter()
             try:
@@ -469,8 +470,9 @@ def plan_fit(
             checkpointing plan (a planner costs several simulated steps, seconds each for a 7B model): the
             micro-batches left are planned with every block fully checkpointed, where that was simulated
             already, and `FitPlan.note` says so. ``None``: no limit.
-        link: with ``strategy="fsdp2"``, how fast the ranks' collectives run (`_fsdp2.Link`; default
-            `_fsdp2.LINKS` for ``device``): each micro-step's all-gathers and reduce-scatters are added to
+        link: with ``strategy="fsdp2"``, how fast the ranks' collectives run (`_sharding.fsdp2.Link`; default
+            `_sharding.fsdp2.LINKS` for ``device``): each micro-step's all-gathers and reduce-scatters are
+            added to
             its time (`collective_seconds`), so fewer, larger micro-batches rank higher.
         cpu_offload: with ``strategy="fsdp2"``, plan for FSDP2's ``CPUOffloadPolicy`` (the sharded
             parameters, gradients and optimizer state in host memory; `_Search.offloaded`: an upper bound

@@ -3,9 +3,10 @@
 This is the simulated half of the estimator. `estimate_memory` runs one real training step of the
 user's model — forward, backward, ``optimizer.step()``, ``zero_grad()``, with the user's own code — but
 every parameter, buffer, batch tensor and intermediate is a ``FakeTensor``: it has a shape, a dtype and a
-storage size, and no data. The same storage tracker `measure` uses (`_measure.Tracker`) watches the
+storage size, and no data. The same storage tracker `measure` uses (`_measuring.tracker.Tracker`) watches the
 step, so the result is the breakdown `measure` would report for the real step, and a 70B model can be
-planned on a laptop. Compared with `_analytic`, nothing is assumed about the architecture: whatever the
+planned on a laptop. Compared with `_estimating.analytic`, nothing is assumed about the architecture:
+whatever the
 code allocates is counted.
 
 How the pieces are faked, in order:
@@ -40,7 +41,8 @@ The batch is real, though, and so the step takes the branches the real batch tak
 from a tensor (``.item()``, ``bool(mask.all())``) that depends only on the batch and on constants (the
 attention mask, positions built with ``torch.arange``) is computed for real on small "shadow" copies, and
 so is the shape of a boolean-mask selection; transformers' ``is_tracing`` is told that the simulation's
-fake tensors are no trace (see `_shadow`). Any other value read, one that depends on the weights (a NaN
+fake tensors are no trace (see `_estimating.shadow`). Any other value read, one that depends on the weights
+(a NaN
 check on the loss), is a placeholder: ``1`` for numbers, ``False`` for booleans. Data-dependent shapes
 of values that are not known (``nonzero`` of an activation) cannot be simulated and raise.
 """
@@ -63,24 +65,27 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_memkit import _fsdp2, _kernels, _repeated, _shadow
-from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import valid_name, whole_number
-from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
-from lightning_memkit._isolate import isolated
-from lightning_memkit._lightning import (
+from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
+from lightning_memkit._estimating import repeated
+from lightning_memkit._estimating import shadow as _shadow
+from lightning_memkit._estimating.isolate import isolated
+from lightning_memkit._estimating.lightning_step import (
     TrainingStep,
     is_lightning,
     lightning_stand_ins,
     loss_of,
     optimizers_from,
 )
-from lightning_memkit._measure import Storage, Tracker, allocation_rounding
-from lightning_memkit._offload import offload_optimizer
-from lightning_memkit._optimizer_state import OPTIMIZERS
-from lightning_memkit._optimizers import load_bitsandbytes
-from lightning_memkit._trace import Tracer
+from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
+from lightning_memkit._estimating.trace import Tracer
+from lightning_memkit._levers.offload import offload_optimizer
+from lightning_memkit._measuring import kernels as _kernels
+from lightning_memkit._measuring.tracker import Storage, Tracker, allocation_rounding
+from lightning_memkit._optimizers.swap import load_bitsandbytes
+from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._vocabulary import DEVICES, PRECISIONS
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "counted_step", "estimate_memory", "sixteen_bit_weights"]
@@ -183,15 +188,17 @@ class _SimTracker(Tracker):
     ) -> None:
         super().__init__(_SIM_DEVICE)
         self.rounding = allocation_rounding(target)
-        # Checkpointing's RNG states are real CPU tensors, and CPU kernels' own buffers (`_kernels`) are
+        # Checkpointing's RNG states are real CPU tensors, and CPU kernels' own buffers
+        # (`_measuring.kernels`) are
         # the CPU's: device memory only when the target is the CPU.
         self.counts_rng_states = self.counts_cpu_kernels = target.type == "cpu"
         self.shadows = shadows  # the real values the batch gives (see _shadow)
         self.phase = "forward"
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
         self.tracer = tracer
-        #: every candidate peak and every storage's life, to read the step at any point (`_repeated`)
-        self.history: _repeated.History | None = _repeated.History() if history else None
+        #: every candidate peak and every storage's life, to read the step at any point
+        #: (`_estimating.repeated`)
+        self.history: repeated.History | None = repeated.History() if history else None
         self.workspaces: Tensor | None = None  # cuBLAS's, for a CUDA target (`cublas_workspace_bytes`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -248,7 +255,7 @@ class _SimTracker(Tracker):
         if entry is not None and self.history is not None:
             self.history.died(entry[1])
 
-    # What the history is told (`_repeated`); without one, the tracker's own methods run unchanged.
+    # What the history is told (`_estimating.repeated`); without one, the tracker's own methods run unchanged.
 
     def _register(self, storage: torch.UntypedStorage, nbytes: int, *, preexisting: bool) -> Storage:
         rec = super()._register(storage, nbytes, preexisting=preexisting)
@@ -669,9 +676,10 @@ def estimate_memory(
         mp_policy=mp_policy,
     )
     # A deep stack of identical blocks: its step from three shallow ones, exactly, or not at all
-    # (`_repeated`). Not for an optimizer built over the whole model's parameters, nor a per-block plan.
+    # (`_estimating.repeated`). Not for an optimizer built over the whole model's parameters, nor a per-block
+    # plan.
     if not return_timeline and _may_shortcut(optimizer, checkpointing):
-        shortcut = _repeated.shortcut(model, functools.partial(step, history=True))
+        shortcut = repeated.shortcut(model, functools.partial(step, history=True))
         if shortcut is not None:
             return shortcut.breakdown
     tracker = step(timeline=return_timeline)
@@ -683,7 +691,8 @@ def estimate_memory(
 
 
 def _may_shortcut(optimizer: Any, checkpointing: Any) -> bool:
-    """Whether `_repeated`'s shallow steps can stand for the step: not for an optimizer built over the whole
+    """Whether `_estimating.repeated`'s shallow steps can stand for the step: not for an optimizer built over
+    the whole
     model's parameters, nor for a per-block checkpointing plan (the blocks would not run alike)."""
     return not isinstance(optimizer, torch.optim.Optimizer) and (
         checkpointing is None or isinstance(checkpointing, str)
@@ -695,7 +704,7 @@ def counted_step(model: nn.Module, batch: Any, **kwargs: Any) -> tuple[MemoryBre
     its forward and backward ops: for deep stacks of identical blocks from three shallow steps too."""
     step = functools.partial(simulate_step, model, batch, **kwargs, timeline=True)
     if _may_shortcut(kwargs.get("optimizer"), kwargs.get("checkpointing")):
-        shortcut = _repeated.shortcut(model, functools.partial(step, history=True), count=True)
+        shortcut = repeated.shortcut(model, functools.partial(step, history=True), count=True)
         if shortcut is not None:
             assert shortcut.flops is not None and shortcut.ops is not None
             return shortcut.breakdown, shortcut.flops, shortcut.ops
@@ -729,7 +738,7 @@ def simulate_step(
     history: bool = False,
 ) -> _SimTracker:
     """`estimate_memory`'s step, returning its tracker (``tracer``: also what created each storage;
-    ``history``: every candidate peak, `_repeated.History`)."""
+    ``history``: every candidate peak, `_estimating.repeated.History`)."""
     precision = valid_name("precision", precision, PRECISION_DTYPES)
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     target = torch.device(device)

@@ -1,6 +1,7 @@
 """Bytes of ``optimizer.state`` after the first step, per parameter shape: the exact formula of each
 optimizer in the catalogue, as torch 2.x and bitsandbytes 0.50 allocate it (checked against real steps
-in ``tests/test_analytic.py``). `optimizer_state_bytes <lightning_memkit._analytic.optimizer_state_bytes>`
+in ``tests/test_analytic.py``). `optimizer_state_bytes
+<lightning_memkit._estimating.analytic.optimizer_state_bytes>`
 looks a name up in `OPTIMIZERS`."""
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `estimate_memory` only needs how many bytes of each category are live at the peak. To name the waste, the
 advisor also needs *what* is live there: the op and the module that created each storage, the phase it
 ran in, its dtype and shape, and which storages are the size of the logits. A `Tracer` handed to the
-simulation (`_simulate.simulate_step`) records that; it costs a few attribute writes per op and is never on
+simulation (`_estimating.simulate.simulate_step`) records that; it costs a few attribute writes per op and is
+never on
 the path of `estimate_memory` or `MemoryMonitor`.
 """
 
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_memkit._measure import Storage, rounded
+from lightning_memkit._measuring.tracker import Storage, rounded
 
 
 class Origin(NamedTuple):
@@ -33,7 +34,8 @@ class Origin(NamedTuple):
 
 
 class Tracer:
-    """Follows, on a `_simulate._SimTracker`, what creates each storage and how many bytes of logits are live.
+    """Follows, on a `_estimating.simulate._SimTracker`, what creates each storage and how many bytes of
+    logits are live.
 
     Args:
         model: the simulated model (module names, and its output head: `output_head`).
@@ -108,7 +110,7 @@ class Tracer:
         self.series.append((tracker.current, self.logits_live))
         if tracker.peak_clock == tracker.clock:
             self.peak_phase = tracker.phase
-            if tracker.peak > tracker.current:  # a CPU kernel's own buffers (`_kernels`)
+            if tracker.peak > tracker.current:  # a CPU kernel's own buffers (`_measuring.kernels`)
                 self.series.append((tracker.peak, self.logits_live))
 
     # --- around the step -------------------------------------------------------------------------
@@ -139,7 +141,7 @@ class Tracer:
 
     def finish(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], tracker: Any) -> None:
         """Name the trainable parameters no optimizer steps, and those no gradient reached (``tracker``:
-        the `_simulate._SimTracker` that ran the step)."""
+        the `_estimating.simulate._SimTracker` that ran the step)."""
         stepped = {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
         params = dict(model.named_parameters())  # a shared parameter once
         if not stepped & {id(p) for p in params.values()}:

@@ -21,12 +21,17 @@ from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget
-from lightning_memkit._checkpointing import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
-from lightning_memkit._isolate import isolated
-from lightning_memkit._lightning import batch_slice, is_lightning, lightning_stand_ins, loss_of
-from lightning_memkit._measure import model_device
-from lightning_memkit._optimizers import identify, lr_factor, rebind_scheduler, swap_optimizer
-from lightning_memkit._report import render_table
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
+from lightning_memkit._diagnosis.report import render_table
+from lightning_memkit._estimating.isolate import isolated
+from lightning_memkit._estimating.lightning_step import (
+    batch_slice,
+    is_lightning,
+    lightning_stand_ins,
+    loss_of,
+)
+from lightning_memkit._measuring.tracker import model_device
+from lightning_memkit._optimizers.swap import identify, lr_factor, rebind_scheduler, swap_optimizer
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 

@@ -49,8 +49,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from lightning_memkit._blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
+from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, CheckpointMode
 
 __all__ = [

@@ -34,14 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit._blocks import find_blocks
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
-from lightning_memkit._checkpoint_planner import CheckpointPlanner
-from lightning_memkit._checkpointing import CheckpointPlan
-from lightning_memkit._measure import state_tensors, storage_bytes
-from lightning_memkit._report import render_table
-from lightning_memkit._simulate import OptimizerLike, estimate_memory, simulate_step
-from lightning_memkit._trace import Tracer
+from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._checkpointing.planner import CheckpointPlanner
+from lightning_memkit._checkpointing.policies import CheckpointPlan
+from lightning_memkit._diagnosis.report import render_table
+from lightning_memkit._estimating.simulate import OptimizerLike, estimate_memory, simulate_step
+from lightning_memkit._estimating.trace import Tracer
+from lightning_memkit._measuring.tracker import state_tensors, storage_bytes
 
 __all__ = ["Advice", "Finding", "advise"]
 

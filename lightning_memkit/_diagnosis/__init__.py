@@ -1,0 +1,1 @@
+"""Diagnosis: the advisor, the out-of-memory explanation and the printed reports."""
