@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median taken)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--cost", default="time", choices=["time", "flops"])
+    parser.add_argument("--cost", default="measured", choices=["measured", "flops"])
     parser.add_argument(
         "--clock",
         default="wall",

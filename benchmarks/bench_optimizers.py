@@ -2,7 +2,7 @@
 
 Each run trains the ``tiny`` GPT preset (AdamW, decay / no-decay groups, warmup-cosine) for ``--steps``
 optimizer steps from the same seed, on the same batches. The baseline keeps AdamW; every other run puts
-``OptimizerSwap(budget=..., candidates=(name,))`` in the Trainer with a budget the candidate's simulated
+``OptimizerSwap(budget=..., optimizers=(name,))`` in the Trainer with a budget the candidate's simulated
 step fits and AdamW's does not, so the swap, the hyperparameter translation and the scheduler rebinding
 are exactly what a user gets. Reported per candidate: the translated hyperparameters, the bytes of the
 real ``optimizer.state`` after training (and per parameter), the estimated step peak, and the final
@@ -74,7 +74,7 @@ def train(name: str, args: argparse.Namespace, data: GPTDataModule) -> dict:
     callbacks: list[pl.Callback] = [lr := _Lr()]
     swap = None
     if name != "adamw":
-        swap = OptimizerSwap(budget=budget_for(name, args), candidates=(name,))
+        swap = OptimizerSwap(budget=budget_for(name, args), optimizers=(name,))
         callbacks.insert(0, swap)
     pl.seed_everything(args.seed, verbose=False)
     model = GPTLightningModule("tiny", learning_rate=args.learning_rate, max_steps=args.steps)

@@ -403,7 +403,7 @@ def optimizer_swap(bench: Bench) -> None:
         module, batch, optimizer="adamw8bit", precision=bench.precision, device=bench.device
     )
     adamw = estimate_memory(module, batch, optimizer="adamw", precision=bench.precision, device=bench.device)
-    swap = OptimizerSwap(budget=(estimate.peak + adamw.peak) // 2, candidates=["adamw8bit"])
+    swap = OptimizerSwap(budget=(estimate.peak + adamw.peak) // 2, optimizers=["adamw8bit"])
     state = _StateOnDevice(bench.device)
     bench.fit(module, [swap, state])
     figure = f"{state.name}: {state.nbytes:,} B real vs {estimate.optimizer_state:,} B estimated"

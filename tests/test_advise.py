@@ -58,6 +58,7 @@ def gpt_advice():
 
 
 @pytest.mark.xdist_group("gpt_advice")  # one worker computes the fixture
+@pytest.mark.slow
 def test_gpt_example_findings_are_what_their_fixes_save(gpt_advice):
     advice, plain = gpt_advice
     assert advice.breakdown.peak == pytest.approx(plain, rel=0.01)  # the advisor's step is the real one
@@ -89,6 +90,7 @@ def test_gpt_example_findings_say_what_and_how(gpt_advice):
 
 
 @pytest.mark.xdist_group("gpt_advice")  # one worker computes the fixture
+@pytest.mark.slow
 def test_memory_monitor_advises_at_the_end_of_fit_and_changes_nothing(gpt_advice, tmp_path):
     """``MemoryMonitor(advise=True)``: the advice on the first batch (the figures `advise` gives for that
     step), printed and logged as ``memory/advice/{kind}`` in MiB; the run is the run without it."""
@@ -166,6 +168,7 @@ def test_hugging_face_findings_are_what_their_fixes_save():
     assert saving(frozen_head=True) == pytest.approx(advice["untrained_gradients"].saved, rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_layer_no_batch_reaches_is_its_weights():
     """A layer run in each step whose output the loss never reaches: removing it saves its weights. The
     simulated step also counts gradients and AdamW state for it, as a batch that reached it would leave

@@ -18,11 +18,13 @@ from lightning_memkit import (
     MemoryBreakdown,
     MemoryMonitor,
     OptimizerSwap,
+    fit_optimizer,
     format_bytes,
     fuse_optimizer_step,
     measure,
     parse_budget,
     parse_bytes,
+    plan_checkpointing,
     release_gradients,
     swap_optimizer,
 )
@@ -93,16 +95,16 @@ def test_autofit_margin_is_a_share_of_the_budget(value, error, shown):
         AutoFit("1GB", margin=float("nan"))
 
 
-def test_autofit_checkpointing_and_batch_size_attr():
+def test_autofit_checkpointing_and_batch_arg_name():
     assert AutoFit("1GB", checkpointing="full").checkpointing == ("full",)  # not ('f', 'u', 'l', 'l')
     with pytest.raises(ValueError, match=r"Unknown checkpointing 'fulll'.*Did you mean 'full'"):
         AutoFit("1GB", checkpointing=["none", "fulll"])
     with pytest.raises(ValueError, match=r"checkpointing is empty"):
         AutoFit("1GB", checkpointing=())
-    with pytest.raises(TypeError, match=r"batch_size_attr must name the attribute .* got 32"):
-        AutoFit("1GB", batch_size_attr=32)
-    with pytest.raises(ValueError, match=r"batch_size_attr must name the attribute"):
-        AutoFit("1GB", batch_size_attr="")
+    with pytest.raises(TypeError, match=r"batch_arg_name must name the attribute .* got 32"):
+        AutoFit("1GB", batch_arg_name=32)
+    with pytest.raises(ValueError, match=r"batch_arg_name must name the attribute"):
+        AutoFit("1GB", batch_arg_name="")
 
 
 def test_autofit_valid_arguments_are_kept_as_given():
@@ -160,15 +162,15 @@ def test_checkpointing_policy_of_the_wrong_type(policy):
     """``policy=1`` said "'int' object is not iterable"."""
     with pytest.raises(TypeError, match=r"policy must be one of 'auto'.*layer classes such as \{MyBlock\}"):
         ActivationCheckpointing(policy=policy)
-    assert ActivationCheckpointing(policy={nn.Linear}).layer_classes == (nn.Linear,)
+    assert ActivationCheckpointing(blocks={nn.Linear}).layer_classes == (nn.Linear,)
 
 
 def test_optimizer_swap_arguments():
-    with pytest.raises(TypeError, match=r"candidates must be an optimizer name or a list of them .*got 3"):
-        OptimizerSwap("1GB", candidates=3)
+    with pytest.raises(TypeError, match=r"optimizers must be an optimizer name or a list of them .*got 3"):
+        OptimizerSwap("1GB", optimizers=3)
     with pytest.raises(TypeError, match=r"allow_unknown must be True or False; got 'yes'"):
         OptimizerSwap("1GB", allow_unknown="yes")
-    assert OptimizerSwap("1GB", candidates="lion").candidates == ("lion",)
+    assert OptimizerSwap("1GB", optimizers="lion").optimizers == ("lion",)
 
 
 # --- the functions -------------------------------------------------------------------------------
@@ -252,3 +254,39 @@ def test_cli_gpu_too_large_is_one_line(capfd, gpu, command):
     assert err.startswith(f"memkit {command}: error: argument {flag}: Cannot read "), err
     assert err.count("\n") == 1, err
     assert "too large to count in bytes" in err
+
+
+# --- the old spellings, kept for one release ------------------------------------------------------
+
+
+def test_the_old_keywords_still_work_and_name_the_new_ones():
+    """Issue 28, one word per idea: Lightning's ``batch_arg_name``, ``optimizers=`` for the candidate
+    optimizers everywhere, ``cost="measured"`` in both planners. The old spellings still run, saying so."""
+    with pytest.warns(
+        FutureWarning, match=r"AutoFit\(batch_size_attr=\.\.\.\) is deprecated.*batch_arg_name"
+    ):
+        assert AutoFit("1GB", batch_size_attr="bs").batch_arg_name == "bs"
+    with pytest.warns(FutureWarning, match=r"AutoFitStrategy\(batch_size_attr=\.\.\.\) is deprecated"):
+        assert AutoFitStrategy("1GB", batch_size_attr="bs").autofit.batch_arg_name == "bs"
+    with pytest.warns(FutureWarning, match=r"OptimizerSwap\(candidates=\.\.\.\) is deprecated.*optimizers="):
+        assert OptimizerSwap("1GB", candidates=("lion",)).optimizers == ("lion",)
+    with pytest.warns(FutureWarning, match=r"ActivationCheckpointing\(cost='time'\).*cost='measured'"):
+        assert ActivationCheckpointing(cost="time").cost == "measured"
+    optimizer = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    with pytest.warns(FutureWarning, match=r"fit_optimizer\(candidates=\.\.\.\) is deprecated"):
+        choice = fit_optimizer(nn.Module(), optimizer, 10, step_peak=lambda opts: 1, candidates=("sgd",))
+    assert choice.optimizer is optimizer  # it fits: kept
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+    batch = (torch.randn(2, 4), torch.randn(2, 4))
+    kwargs = {"optimizer": "sgd", "loss_fn": nn.functional.mse_loss, "device": "cpu"}
+    with pytest.warns(FutureWarning, match=r"plan_checkpointing\(cost='time'\)"):
+        assert plan_checkpointing(model, batch, cost="time", **kwargs).cost == "measured"
+    with pytest.warns(
+        FutureWarning, match=r"ActivationCheckpointing\(policy=\.\.\.\).*blocks= now, with policy='full'"
+    ):
+        old = ActivationCheckpointing(policy={nn.Linear})
+    assert (old.policy, old.layer_classes) == ("full", (nn.Linear,))
+    with pytest.raises(TypeError, match=r"old spelling of blocks=\{MyBlock\}: give one of them"):
+        ActivationCheckpointing(policy={nn.Linear}, blocks={nn.Linear})
+    with pytest.raises(ValueError, match=r"Unknown cost 'seconds'; choose 'measured' or 'flops'"):
+        ActivationCheckpointing(cost="seconds")

@@ -55,6 +55,7 @@ def plan(module, batch):
     return plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST)
 
 
+@pytest.mark.slow
 def test_plan_fits_and_is_the_fastest_configuration_simulated(module, batch, plan):
     assert plan.estimated_peak <= plan.limit == int(BUDGET * 0.9)
     assert plan.micro_batch_size * plan.accumulate_grad_batches == G
@@ -99,6 +100,7 @@ def test_a_per_block_plan_is_the_planners_and_fits_when_simulated(module, batch,
     assert 0.0 <= checkpoints.overhead < 0.5
 
 
+@pytest.mark.slow
 def test_past_refine_seconds_no_planner_runs_and_the_note_says_so(module, batch, plan):
     """With no time to refine (``refine_seconds=0``), the micro-batches that would get a block-by-block
     plan get the strongest mode simulated, every block fully checkpointed (here slower than a smaller
@@ -159,6 +161,7 @@ def test_leaner_and_dict_round_trip(plan):
     assert len({peak for peak in simulated.values()}) > 1  # the peaks the steps name are not all one
 
 
+@pytest.mark.slow
 def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, monkeypatch):
     import lightning_memkit._fitting.search as autofit
 
@@ -191,6 +194,7 @@ def test_multi_gpu_plan_is_per_rank(module, batch):
     assert plan.micro_batch_size * plan.accumulate_grad_batches == G // 4
 
 
+@pytest.mark.slow
 def test_autofit_in_trainer(tmp_path):
     torch.manual_seed(0)
     module = GPTLightningModule("tiny", max_steps=4)
@@ -281,6 +285,7 @@ def reference(tmp_path_factory):
 
 @on_the_pretend_device
 @pytest.mark.parametrize(("where", "at"), [("forward", 0), ("backward", 1)])
+@pytest.mark.slow
 def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     """An OOM re-plans leaner until the step fits and loses no sample and counts no gradient twice: the
     optimizer sees the same gradients as the run without OOM. Batch 1 is the second micro-batch of the
@@ -347,6 +352,7 @@ def test_a_ready_made_dataloader_is_refused(tmp_path):
 
 
 @on_the_pretend_device
+@pytest.mark.slow
 def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
     module = _Device(rows=0)
     said = r"with full checkpointing, the strongest this model is planned with \(none, selective, "
@@ -519,6 +525,7 @@ def test_cli_plan_of_a_factory_without_repeated_blocks(capsys):
 
 
 @on_the_pretend_device
+@pytest.mark.slow
 def test_a_batch_that_needs_two_halvings_stops_at_the_micro_batch_that_fits(tmp_path):
     """From (8, none) on a device that takes 2 rows: the checkpointing modes, then micro-batch 4 (the first
     4-row slice fails), then 2. The slice still queued at 4 rows is cut too, not run and failed again."""
@@ -531,6 +538,7 @@ def test_a_batch_that_needs_two_halvings_stops_at_the_micro_batch_that_fits(tmp_
 
 
 @on_the_pretend_device
+@pytest.mark.slow
 def test_a_resumed_run_recovers_from_the_saved_plans_micro_batch(tmp_path):
     """The resumed run installs the saved plan (8, none) over its fresh one (a smaller micro-batch): an OOM
     then cuts the 8-row batches, as the saved plan's loader gives them."""
@@ -597,6 +605,7 @@ class _Normed(GPTLightningModule):
         self.norm = torch.nn.BatchNorm1d(32)  # batch statistics: the micro-batch is part of the model
 
 
+@pytest.mark.slow
 def test_accumulation_merged_into_a_larger_micro_batch_is_said(tmp_path, lightning_log):
     """The user's 4 x accumulate 2 became 8 x 1 in silence; with BatchNorm in the model, a warning."""
     for module, warned in ((GPTLightningModule("tiny", max_steps=2), False), (_Normed(), True)):

@@ -432,6 +432,7 @@ def test_a_slow_link_plans_fewer_larger_micro_batches():
     assert seconds == pytest.approx((3 + 2 + 3) * 0.1 + 0.5 * (8000 + 4000) / 1e6)
 
 
+@pytest.mark.slow
 def test_one_rank_of_fsdp2_plans_no_optimizer_dtensor_cannot_run():
     """On one rank the step still runs on DTensors: the same optimizers are left out as on many."""
     plan = plan_fit(Llama(), zoo_batch("qwen2", 4, SEQ), "1GiB", strategy="fsdp2", n_gpus=1, device="cpu",

@@ -137,9 +137,9 @@ def test_plan_is_the_cheapest_that_fits_by_brute_force():
 
 
 def test_layer_class_not_in_the_model_says_so_and_names_the_repeated_ones(tmp_path):
-    expected = r"No module of type GRU is in Net.*Block \(x3, blocks\.0.*policy=\{Block\}"
+    expected = r"No module of type GRU is in Net.*Block \(x3, blocks\.0.*blocks=\{Block\}"
     with pytest.raises(ValueError, match=expected):
-        _trainer(tmp_path, [ActivationCheckpointing(policy={nn.GRU})]).fit(Net())
+        _trainer(tmp_path, [ActivationCheckpointing(policy="full", blocks={nn.GRU})]).fit(Net())
     with pytest.raises(ValueError, match=r"No module of type GRU is in Net.*blocks=\{Block\}"):
         plan_checkpointing(Net(), next(iter(Net().train_dataloader())), "1GB", blocks={nn.GRU}, cost="flops")
     with pytest.raises(

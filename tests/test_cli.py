@@ -367,6 +367,7 @@ def test_plan_prints_its_set_up_as_code_that_runs(monkeypatch, tmp_path):
     assert namespace["batch_size"] == report["micro_batch_size"]
 
 
+@pytest.mark.slow
 def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     """A card too small for the micro-batch of 16 without checkpointing, 8 ranks, one optimizer allowed."""
     argv = ["plan", "--model", "tiny", "--gpu", "648MB", "--gpus", "8", "--strategy", "fsdp"]
@@ -439,6 +440,7 @@ def test_plan_at_bf16_true_prints_the_kahan_optimizer_for_both_set_ups():
     assert 'return lightning_memkit.swap_optimizer(optimizer, "adamw_kahan")' in report["code"]
 
 
+@pytest.mark.slow
 def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback():
     """``--fused-step``: the step inside backward cannot accumulate, so the micro-batch is the global batch,
     and both Trainers in the code carry FusedOptimizerStep; on several GPUs it is

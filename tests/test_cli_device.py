@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import run_cli
 
@@ -22,6 +23,7 @@ def _plan(*argv: str) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow
 def test_a_cpu_plan_takes_nothing_off_the_size_and_simulates_the_cpu_step():
     plan = _plan("--device", "cpu", "--memory", "40MB")
     assert plan["device"] == "cpu"
@@ -52,6 +54,7 @@ def test_the_same_size_on_cuda_loses_the_context_first():
     assert "accelerator" not in plan["code"]
 
 
+@pytest.mark.slow
 def test_the_table_says_what_is_taken_off():
     status, out, err = run_cli([*PLAN, "--gpu", "2GB"])
     assert status == 0, err
@@ -72,6 +75,7 @@ def test_a_gpu_name_or_offload_on_the_cpu_is_a_usage_error():
     assert status == 2 and "--device cpu has no GPU" in err
 
 
+@pytest.mark.slow
 def test_a_decimal_size_that_names_a_card_in_binary_units_is_flagged():
     """``--gpu 24GB`` is 24 x 10^9 bytes, 1.6 GiB less than the 24 GiB of the cards users mean by it."""
     status, out, err = run_cli([*PLAN, "--gpu", "24GB"])

@@ -63,6 +63,7 @@ def test_plan_fit_plans_bf16_weights_with_the_kahan_twin():
         plan_fit(module, (x, x), 12_500_000, precision="bf16-true", **{**kwargs, "optimizers": ["lion"]})
 
 
+@pytest.mark.slow
 def test_the_bf16_step_with_kahan_is_as_estimated(tmp_path):
     """bf16-true with AdamW swapped for the Kahan-summed one (as `memkit plan` prints it) in a Trainer:
     the allocator's first and steady peaks are the estimates, and the state holds the bf16 moments and

@@ -46,6 +46,7 @@ def _orders(a: Callback, b: Callback) -> list[list[Callback]]:
 
 
 @pytest.mark.parametrize("first", ["autofit", pytest.param("checkpointing", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_activation_checkpointing_defers_to_autofit_in_either_order(tmp_path, first):
     torch.manual_seed(0)
     model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
@@ -73,9 +74,11 @@ def test_activation_checkpointing_defers_to_autofit_in_either_order(tmp_path, fi
 @pytest.mark.parametrize("order", [0, 1])
 def test_checkpointing_of_named_blocks_beside_autofit_is_refused_at_setup(tmp_path, order):
     model, data, _ = tiny_gpt(batch_size=8)
-    pair = _orders(AutoFit(budget=TIGHT, cost="flops"), ActivationCheckpointing(policy={Block}))[order]
+    pair = _orders(
+        AutoFit(budget=TIGHT, cost="flops"), ActivationCheckpointing(policy="full", blocks={Block})
+    )[order]
     losses = Losses()
-    with pytest.raises(ValueError, match=r"policy=\{Block\}\) names the blocks .* AutoFit is among"):
+    with pytest.raises(ValueError, match=r"blocks=\{Block\}\) names the blocks .* AutoFit is among"):
         cpu_trainer(tmp_path, [*pair, losses]).fit(model, data)
     assert losses.losses == []  # before any training work
 
@@ -89,13 +92,14 @@ def test_a_policy_autofit_cannot_plan_is_refused_with_the_modes_to_give():
 
 
 @pytest.mark.parametrize("order", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_optimizer_swap_defers_to_autofit_in_either_order(tmp_path, order, lightning_log):
     """Both chose the optimizer: AutoFit planned AdamW, OptimizerSwap then swapped to another, so the run
     trained with an optimizer the plan had not fitted (and AutoFit warned of a backward that did not run,
     from OptimizerSwap's probe of its wrapped step)."""
     model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
     autofit = AutoFit(budget=TIGHT, cost="flops", verify_steps=2)
-    swap = OptimizerSwap(budget="18MB", candidates=("adafactor",))  # alone: AdamW -> Adafactor
+    swap = OptimizerSwap(budget="18MB", optimizers=("adafactor",))  # alone: AdamW -> Adafactor
     trained = []
     recorder = _OnFirstBatch(lambda trainer: trained.append(identify(trainer.optimizers[0])))
     peaks = AllocatorPeaks()
@@ -114,9 +118,9 @@ def test_optimizer_swap_defers_to_autofit_in_either_order(tmp_path, order, light
 
 def test_autofit_plans_the_swaps_candidates_after_the_modules_own():
     """The first candidate was dropped when the module's own optimizer was not among them: beside
-    ``OptimizerSwap(candidates=("adafactor",))`` AutoFit planned AdamW alone and found that nothing fit."""
+    ``OptimizerSwap(optimizers=("adafactor",))`` AutoFit planned AdamW alone and found that nothing fit."""
     module, _, _ = tiny_gpt()  # AdamW
-    trainer = pl.Trainer(callbacks=[OptimizerSwap("1GB", candidates=("adafactor",))], logger=False)
+    trainer = pl.Trainer(callbacks=[OptimizerSwap("1GB", optimizers=("adafactor",))], logger=False)
     assert AutoFit(budget="1GB")._optimizers(trainer, module) == ("adamw", "adafactor")
     assert lighter_candidates(module, ("sgd", "adafactor")) == ("adamw", "sgd", "adafactor")
     assert lighter_candidates(module, ("lion", "adamw", "sgd")) == ("adamw", "sgd")  # lighter than its own
@@ -127,12 +131,12 @@ def test_resuming_a_swapped_run_beside_autofit_says_how_to_resume(tmp_path):
     """The checkpoint holds Adafactor's state; beside AutoFit, OptimizerSwap defers and AutoFit built
     AdamW, whose first step failed with ``KeyError: 'betas'``."""
     model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
-    trainer = cpu_trainer(tmp_path, [OptimizerSwap(budget="28MB", candidates=("adafactor",))], max_steps=1)
+    trainer = cpu_trainer(tmp_path, [OptimizerSwap(budget="28MB", optimizers=("adafactor",))], max_steps=1)
     trainer.fit(model, data)
     assert identify(trainer.optimizers[0]) == "adafactor"
     trainer.save_checkpoint(tmp_path / "swapped.ckpt")
     model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
-    pair = [AutoFit(budget="1000GB", cost="flops"), OptimizerSwap(budget="28MB", candidates=("adafactor",))]
+    pair = [AutoFit(budget="1000GB", cost="flops"), OptimizerSwap(budget="28MB", optimizers=("adafactor",))]
     losses = Losses()
     with pytest.raises(
         RuntimeError, match=r"trained with OptimizerSwap's choice, adafactor.*without AutoFit"

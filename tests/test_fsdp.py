@@ -462,6 +462,7 @@ def test_an_oom_under_fsdp2_is_explained_per_rank(fsdp):
 
 
 @needs_distributed
+@pytest.mark.slow
 def test_the_simulated_sharded_step_runs_beside_the_jobs_own_group(tmp_path):
     """A Trainer's rank plans its sharded step with its own process group up: the simulation's fake group
     is one beside it, the figure is the one a process without a group gets, and the job's group is left

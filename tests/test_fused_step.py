@@ -65,6 +65,7 @@ def _run(make, fused: bool, tmp_path):
     [_gpt, pytest.param(_zoo("qwen2"), marks=pytest.mark.slow), _zoo("resnet")],
     ids=["gpt", "qwen2", "resnet"],
 )
+@pytest.mark.slow
 def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
     """The unchanged LightningModule with and without FusedOptimizerStep: the same losses, parameters and
     buffers (the CNN's BatchNorm statistics);

@@ -141,6 +141,7 @@ def test_the_callback_removes_its_hooks_after_the_fit(tmp_path):
 
 
 @pytest.mark.parametrize("lever", [GradientRelease, FusedOptimizerStep])
+@pytest.mark.slow
 def test_the_budget_callbacks_plan_for_the_step_the_levers_make(lever, tmp_path):
     """At 31 MB the GPT example's AdamW step fits only without all its gradients (32.4 MB with them, 29.5
     MB released after the step or stepped inside backward): OptimizerSwap keeps AdamW beside either lever

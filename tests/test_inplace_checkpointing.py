@@ -100,6 +100,7 @@ def test_selective_without_a_budget_is_the_next_mode_on_those_blocks(net_and_bat
     assert all(b.note == plan.blocks[0].note != "" for b in plan.blocks)
 
 
+@pytest.mark.slow
 def test_autofit_and_advise_plan_around_it(net_and_batch):
     model, batch = net_and_batch
     none, full = _estimate(model, batch, "none").peak, _estimate(model, batch, "full").peak

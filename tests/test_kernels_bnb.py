@@ -54,6 +54,7 @@ def _plain_steps(model, opt, x):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.slow
 def test_measure_matches_the_allocator_at_step_0_and_later(name, one_thread):
     """The update dequantizes the state into fp32 copies and works on a copy of the gradient: -49 %
     (AdamW8bit), -33 % (Lion) without them."""

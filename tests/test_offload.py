@@ -63,6 +63,7 @@ def _fit(make, offload: bool, tmp_path, watch: bool = False, **kwargs):
     [_gpt, _zoo("qwen2"), pytest.param(_zoo("resnet"), marks=pytest.mark.slow)],
     ids=["gpt", "qwen2", "resnet"],
 )
+@pytest.mark.slow
 def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
     """fp32 weights, two micro-batches per step and gradient clipping: the same losses, parameters and
     buffers (the CNN's BatchNorm statistics) with the optimizer offloaded as without. One micro-batch per
@@ -224,6 +225,7 @@ def test_a_weight_changed_outside_the_optimizer_reaches_its_master(tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_fp32_masters_and_the_state(tmp_path):
     """bf16-true on one batch seen over and over: four steps straight, or two, a checkpoint and two
     resumed, give the same losses and weights, because the checkpoint carries the fp32 masters the bf16

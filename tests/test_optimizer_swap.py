@@ -122,7 +122,7 @@ def _catalogue_name(optimizer: torch.optim.Optimizer) -> str | None:
 def _decided(optimizer: torch.optim.Optimizer, name: str):
     """`fit_optimizer`'s choice for ``optimizer`` when only ``name`` fits (a given step peak)."""
     return fit_optimizer(
-        nn.Module(), optimizer, 1, step_peak=lambda opts: 2 if opts[0] is optimizer else 0, candidates=(name,)
+        nn.Module(), optimizer, 1, step_peak=lambda opts: 2 if opts[0] is optimizer else 0, optimizers=(name,)
     )
 
 
@@ -417,7 +417,7 @@ def test_callback_rebinds_the_warmup_cosine(trainer_kwargs):
         return record
 
     reference = run([])
-    swapped = run([OptimizerSwap(budget=_between("lion", "adamw"), candidates=("lion",))])
+    swapped = run([OptimizerSwap(budget=_between("lion", "adamw"), optimizers=("lion",))])
     assert swapped.types == ["Lion"] * 2 * N_BATCHES
     assert len(set(map(tuple, reference.lrs))) > 3  # the schedule moves: warmup, then cosine
     for ref, new in zip(reference.lrs, swapped.lrs, strict=True):
@@ -560,7 +560,7 @@ def test_strategies_that_own_the_optimizer_are_skipped():
 
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="Unknown optimizer candidate 'adam8bit'"):
-        OptimizerSwap("1GiB", candidates=("adam8bit",))
+        OptimizerSwap("1GiB", optimizers=("adam8bit",))
     with pytest.raises(ValueError, match="Unknown GPU or size 'lots'"):
         OptimizerSwap("lots")
     assert OptimizerSwap("A100-40GB").budget < 40 * 2**30  # the CUDA context and a reserve taken off

@@ -90,7 +90,7 @@ def test_a_reused_callback_decides_afresh_for_each_fit(tmp_path):
     """Small (AdamW fits), big (it does not: SGD), small again (AdamW again), with one callback."""
     budget = _between(64, "sgd", "adamw")
     assert _peak(8, "adamw") < budget
-    swap = OptimizerSwap(budget, candidates=("sgd",))
+    swap = OptimizerSwap(budget, optimizers=("sgd",))
     for width, kind in [(8, torch.optim.AdamW), (64, torch.optim.SGD), (8, torch.optim.AdamW)]:
         trainer = _trainer(tmp_path, swap)
         trainer.fit(Net(width))
@@ -109,7 +109,7 @@ def test_a_budget_nothing_fits_fails_before_any_forward_with_the_figures(tmp_pat
     floor = 2 * 4 * sum(p.numel() for p in model.parameters())  # parameters + gradients, fp32
     kb = (floor + _peak(64, "sgd")) // 2 // 1000  # over the static floor, under the step: activations
     assert floor < kb * 1000 < _peak(64, "sgd")
-    trainer = _trainer(tmp_path, OptimizerSwap(f"{kb}KB", candidates=("adafactor", "sgd")))
+    trainer = _trainer(tmp_path, OptimizerSwap(f"{kb}KB", optimizers=("adafactor", "sgd")))
     with pytest.raises(ValueError, match=re.escape(f"budget of {kb}KB ({format_bytes(kb * 1000)})")) as err:
         trainer.fit(model)
     assert model.events == []  # no sanity check, no training batch, no optimizer step
@@ -125,7 +125,7 @@ def test_a_decimal_budget_is_shown_in_mib_too():
     model = Net(width=64)
     optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match=r"budget of 0\.01MB \(9\.77 KiB\).*parameters and gradients alone"):
-        fit_optimizer(model, optimizer, "0.01MB", candidates=("sgd",), device="cpu")
+        fit_optimizer(model, optimizer, "0.01MB", optimizers=("sgd",), device="cpu")
 
 
 def test_the_early_decision_leaves_data_order_and_rng_alone(tmp_path):
@@ -140,7 +140,7 @@ def test_the_early_decision_leaves_data_order_and_rng_alone(tmp_path):
 
     alone = run()
     budget = _between(64, "sgd", "adamw")
-    for swap in (OptimizerSwap("1GiB"), OptimizerSwap(budget, candidates=("sgd",))):
+    for swap in (OptimizerSwap("1GiB"), OptimizerSwap(budget, optimizers=("sgd",))):
         batches, after = run(swap)
         torch.testing.assert_close(batches, alone[0], rtol=0, atol=0)
         assert after == alone[1]
@@ -160,7 +160,7 @@ class LateData(Net):
 
 def test_no_batch_at_fit_start_decides_at_the_first_batch(tmp_path):
     model = LateData(width=64)
-    trainer = _trainer(tmp_path, OptimizerSwap(_between(64, "sgd", "adamw"), candidates=("sgd",)))
+    trainer = _trainer(tmp_path, OptimizerSwap(_between(64, "sgd", "adamw"), optimizers=("sgd",)))
     trainer.fit(model)
     assert model.loaders == 2  # the empty one at fit start, the fit loop's
     assert type(trainer.optimizers[0]) is torch.optim.SGD
@@ -177,7 +177,7 @@ def test_a_none_first_batch_is_skipped_as_the_fit_loop_skips_it(tmp_path):
             return loader
 
     model = NoneFirst(width=64)
-    swap = OptimizerSwap(_between(64, "sgd", "adamw"), candidates=("sgd",))
+    swap = OptimizerSwap(_between(64, "sgd", "adamw"), optimizers=("sgd",))
     with pytest.warns(UserWarning, match="train_dataloader yielded None"):
         _trainer(tmp_path, swap).fit(model)
     assert swap.choice.name == "sgd" and swap.choice.method == "simulated"
@@ -202,7 +202,7 @@ def swapped_checkpoint(tmp_path_factory) -> tuple[str, dict]:
     """A checkpoint of ``Net(64)`` after two steps with AdamW swapped to SGD with momentum, and the
     optimizer's state in it."""
     tmp_path = tmp_path_factory.mktemp("swapped")
-    swap = OptimizerSwap(_between(64, "sgd_momentum", "adamw"), candidates=("sgd_momentum",))
+    swap = OptimizerSwap(_between(64, "sgd_momentum", "adamw"), optimizers=("sgd_momentum",))
     trainer = _trainer(tmp_path, swap)
     trainer.fit(Net(width=64))
     path = str(tmp_path / "swapped.ckpt")
@@ -227,7 +227,7 @@ def test_resume_with_a_differently_configured_callback_restores_the_stored_choic
 
     # Another budget (AdamW fits it), other candidates and allow_unknown, and a fit of its own before
     # (AdamW kept): the checkpoint's choice holds.
-    swap = OptimizerSwap("1GiB", candidates=("adafactor",), allow_unknown=True)
+    swap = OptimizerSwap("1GiB", optimizers=("adafactor",), allow_unknown=True)
     _trainer(tmp_path, swap).fit(Net(width=64))
     assert swap.state_dict()["swapped"] is False
     trainer = _trainer(tmp_path, swap, Inspect(), max_steps=3)

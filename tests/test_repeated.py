@@ -76,6 +76,7 @@ ZOO_GRID = [
 
 
 @pytest.mark.parametrize(("name", "config"), ZOO_GRID)
+@pytest.mark.slow
 def test_the_shortcut_is_the_whole_simulation_byte_for_byte_on_the_zoo(name: str, config: str) -> None:
     module = DeepZoo(name)
     shortcut, whole = _both(module, zoo_batch(name), device="cpu", **CONFIGS[config])
@@ -136,6 +137,7 @@ def test_estimate_memory_takes_the_shortcut_and_leaves_the_model_whole() -> None
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["applied", "by_argument"])
+@pytest.mark.slow
 def test_checkpointed_steps_from_one_block_up_or_from_two(applied: bool) -> None:
     """Checkpointing applied to the model (as the planners do) cuts it to 1, 2 and 3 blocks; asked of
     `estimate_memory`, which finds the blocks by their repetition, a 1-block model has none to find, and the
@@ -207,6 +209,7 @@ def test_a_per_block_checkpointing_plan_without_a_long_run_is_simulated_whole() 
 
 @pytest.mark.parametrize("other", [0, DEPTH - 1], ids=["first", "last"])
 @pytest.mark.parametrize("name", ["gpt2", pytest.param("qwen2", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_a_plan_with_a_few_blocks_apart_takes_the_shortcut_byte_for_byte(name: str, other: int) -> None:
     """The checkpointing planner's plans give a few blocks at one end another mode: the run of the rest is
     extrapolated, the blocks apart simulated in every shallow step, and the step is the whole simulation's

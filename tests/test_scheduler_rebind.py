@@ -151,7 +151,7 @@ def test_the_choice_rebinds_with_its_factor():
     optimizer = _optimizer()
     scheduler = S.CosineAnnealingLR(optimizer, T_max=8, eta_min=1e-3)
     only_sgd_fits = lambda opts: 2 if opts[0] is optimizer else 0  # noqa: E731
-    choice = fit_optimizer(nn.Module(), optimizer, 1, step_peak=only_sgd_fits, candidates=("sgd_momentum",))
+    choice = fit_optimizer(nn.Module(), optimizer, 1, step_peak=only_sgd_fits, optimizers=("sgd_momentum",))
     assert choice.changed and choice.lr_factors == (pytest.approx(30.0),)
     choice.rebind(scheduler)
     assert scheduler.optimizer is choice.optimizer
@@ -293,7 +293,7 @@ def test_optimizer_swap_keeps_a_cosine_decaying_to_the_scaled_eta_min(trainer_kw
         return record
 
     reference = run([])
-    swapped = run([OptimizerSwap(budget=(lion + adamw) // 2, candidates=("lion",))])
+    swapped = run([OptimizerSwap(budget=(lion + adamw) // 2, optimizers=("lion",))])
     assert swapped.types == ["Lion"] * N_BATCHES and reference.types == ["AdamW"] * N_BATCHES
     factor = lr_factor("adamw", "lion")
     assert swapped.lrs == [

@@ -73,6 +73,7 @@ def _trainer_peak(module, batch, precision, index, trainer_kwargs):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.slow
 def test_gpt_lightning_module_against_a_real_trainer_step(precision, trainer_kwargs):
     """The demo's own training_step and configure_optimizers (AdamW, 2 groups, LambdaLR), as Trainer runs
     them: training_step, zero_grad, backward, step, with the previous step's gradients live."""

@@ -7,7 +7,7 @@ those of the real step). Each distinct block is run forward and backward once pe
 - ``R``: bytes the block keeps after its forward (what autograd saved, SAC's cache, checkpoint inputs);
 - ``X``: the block's highest footprint during its backward (``R`` + recomputed tensors + gradients);
 - the ops recomputed: those of forward+backward under the policy beyond those without it, with their FLOPs
-  by ``torch.utils.flop_counter``'s formulas. Their cost is, with ``cost="time"``, their time benchmarked
+  by ``torch.utils.flop_counter``'s formulas. Their cost is, with ``cost="measured"``, their time benchmarked
   one by one on the device with random data of their shapes; with ``cost="flops"``, their count.
 
 The ledger is not `measure`'s storage tracker, though it counts storages the same way (one record per
@@ -291,7 +291,7 @@ class OpTimer:
 def block_options(runs: dict[str, _Run], cost: str, timer: OpTimer | None) -> tuple[dict[str, _Option], int]:
     """Per policy, the DP's option; and the block's forward+backward cost without checkpointing.
 
-    The recomputed ops are those run under the policy beyond the ones run without it. ``cost="time"``:
+    The recomputed ops are those run under the policy beyond the ones run without it. ``cost="measured"``:
     their benchmarked time, in integer nanoseconds (the DP's sums stay exact). ``cost="flops"``: their FLOP
     formula, or the elements they write where there is none.
     """

@@ -62,6 +62,7 @@ from lightning_memkit._checkpointing.policies import (
 from lightning_memkit._estimating.repeated import repeated_blocks, truncated
 from lightning_memkit._estimating.simulate import estimate_memory
 from lightning_memkit._measuring.tracker import allocation_rounding, model_device
+from lightning_memkit._vocabulary import renamed_cost
 
 __all__ = ["CheckpointPlanner", "plan_checkpointing"]
 
@@ -164,7 +165,7 @@ def plan_checkpointing(
     *,
     policy: str = "auto",
     blocks: LayerClasses | None = None,
-    cost: str = "time",
+    cost: str = "measured",
     device: str | torch.device | None = None,
     **estimate_kwargs: Any,
 ) -> CheckpointPlan:
@@ -183,8 +184,9 @@ def plan_checkpointing(
         policy: the policies each block may get: ``"auto"`` (all four), ``"selective"`` /
             ``"selective_half"`` / ``"full"`` (that one or none).
         blocks: layer classes whose instances are the candidates (default: `find_blocks`).
-        cost: what the DP minimises for the recomputed ops: ``"time"`` (benchmarked op by op on the
-            device; ``"flops"`` when that device is not present) or ``"flops"`` (FLOP formulas for matmuls
+        cost: what the DP minimises for the recomputed ops: ``"measured"`` (their time, benchmarked op by
+            op on the device; ``"flops"`` when that device is not present; ``"time"`` is its deprecated
+            name) or ``"flops"`` (FLOP formulas for matmuls
             and attention, elements written for other ops).
         device: the device type the run will use, ``"cuda"`` or ``"cpu"`` (default: the model's; ``"cuda"``
             for a model on the meta device).
@@ -222,16 +224,17 @@ class CheckpointPlanner:
         *,
         policy: str | Sequence[str] = "auto",
         blocks: LayerClasses | None = None,
-        cost: str = "time",
+        cost: str = "measured",
         device: str | torch.device | None = None,
         max_rounds: int = 8,
         **estimate_kwargs: Any,
     ) -> None:
         levels = _levels(policy)
-        if cost not in ("time", "flops"):
-            raise ValueError(f"Unknown cost {cost!r}; choose 'time' or 'flops'")
+        cost = renamed_cost("plan_checkpointing", cost)
+        if cost not in ("measured", "flops"):
+            raise ValueError(f"Unknown cost {cost!r}; choose 'measured' or 'flops'")
         target = torch.device(torch.device(device).type if device is not None else model_device(model).type)
-        if cost == "time" and target.type == "cuda" and not torch.cuda.is_available():
+        if cost == "measured" and target.type == "cuda" and not torch.cuda.is_available():
             log.info("No CUDA device to time the recomputed ops on: cost='flops' instead.")
             cost = "flops"
         found = find_blocks(model, blocks)
@@ -265,7 +268,7 @@ class CheckpointPlanner:
                 profiler.alike([name for name, _ in found])
         if not profiler.order:
             raise ValueError(f"None of the {len(found)} candidate blocks ran in the training step.")
-        timer = OpTimer(target) if cost == "time" else None
+        timer = OpTimer(target) if cost == "measured" else None
         options = {sig: block_options(runs, cost, timer) for sig, runs in profiler.runs.items()}
         if timer is not None and timer.failed:
             log.info("Not timed (counted as free): %s", ", ".join(sorted(map(str, timer.failed))))

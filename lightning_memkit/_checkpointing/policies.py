@@ -511,7 +511,7 @@ class BlockPlan:
         recompute_flops: FLOPs of the ops recomputed in backward (``torch.utils.flop_counter``'s formulas:
             matmuls, convolutions and attention kernels; pointwise ops count zero).
         recompute_time: seconds of the recomputed ops, benchmarked op by op on the device
-            (``cost="time"``; on CPU one thread's CPU time).
+            (``cost="measured"``; on CPU one thread's CPU time).
         note: why the block does not have a policy it was asked for (``""``: it has), e.g. selective
             checkpointing refused where the block mutates an output the policy would keep.
     """
@@ -536,7 +536,7 @@ class CheckpointPlan:
         peak_full: the simulated peak with every block fully checkpointed (the lowest checkpointing reaches).
         overhead: recompute cost as a fraction of the blocks' forward+backward cost (the rest of the step,
             embeddings, head, loss and optimizer, is not counted, so the share of the whole step is lower).
-        cost: what ``overhead`` and the choice were measured in: ``"time"`` or ``"flops"``.
+        cost: what ``overhead`` and the choice were measured in: ``"measured"`` (time) or ``"flops"``.
         breakdown: the simulated `MemoryBreakdown` of the step with the plan (not saved by `as_dict`).
     """
 

@@ -48,6 +48,7 @@ from lightning_memkit._optimizers.swap import (
     rebind_scheduler,
     swap_optimizer,
 )
+from lightning_memkit._vocabulary import renamed
 
 __all__ = [
     "Estimator",
@@ -476,7 +477,7 @@ def fit_optimizer(
     batch: Any = None,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     step_peak: Callable[[Sequence[Optimizer]], int | MemoryBreakdown] | None = None,
-    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    optimizers: Sequence[str] = DEFAULT_CANDIDATES,
     allow_unknown: bool = False,
     precision: str = "32-true",
     device: str | torch.device | None = None,
@@ -484,6 +485,7 @@ def fit_optimizer(
     release_gradients: bool = False,
     fused_step: bool = False,
     offload: bool = False,
+    candidates: Sequence[str] | None = None,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -504,7 +506,8 @@ def fit_optimizer(
         loss_fn: ``(output, target) -> loss`` for a plain module with ``batch``.
         step_peak: instead of the estimators, ``step_peak(optimizers)`` returns the step's peak (bytes
             or a `MemoryBreakdown`) with those (fresh, not yet stepped) optimizers.
-        candidates: catalogue names to try in order (see `CATALOGUE`).
+        optimizers: catalogue names to try in order (see `CATALOGUE`); ``candidates=`` is its deprecated
+            name.
         allow_unknown: also swap an optimizer the catalogue does not know, reading its ``lr`` and
             ``weight_decay`` as AdamW's. Otherwise it is left alone with a warning.
         precision: the Lightning precision string the step runs in (simulated step only).
@@ -532,11 +535,13 @@ def fit_optimizer(
         choice.rebind(scheduler)
         print(choice.summary())
     """
+    if candidates is not None:
+        optimizers = renamed("fit_optimizer", "candidates", "optimizers", candidates)
     budget = parse_budget(budget)
-    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    given = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
     if step_peak is not None:
         estimate, method = _given(step_peak), "given"
-    elif batch is not None and len(optimizers) == 1 and not _manual(model):
+    elif batch is not None and len(given) == 1 and not _manual(model):
         estimate = simulated_estimator(
             model,
             batch,
@@ -552,9 +557,9 @@ def fit_optimizer(
     else:
         gradients = not (fused_step or offload)
         estimate, method = static_estimator(model, device=device, gradients=gradients), "static"
-    candidates = compensated_candidates(candidates, optimizers, precision)
+    names = compensated_candidates(optimizers, given, precision)
     return choose_optimizer(
-        optimizers, budget, estimate, candidates=candidates, allow_unknown=allow_unknown, method=method
+        given, budget, estimate, candidates=names, allow_unknown=allow_unknown, method=method
     )
 
 

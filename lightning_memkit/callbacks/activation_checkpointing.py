@@ -30,6 +30,7 @@ from lightning_memkit._checkpointing.policies import (
     apply_checkpointing,
 )
 from lightning_memkit._estimating.isolate import isolated
+from lightning_memkit._vocabulary import renamed, renamed_cost
 from lightning_memkit.callbacks._trainer import (
     accumulates,
     autofit_in,
@@ -42,7 +43,7 @@ from lightning_memkit.callbacks._trainer import (
     step_levers,
 )
 
-_OPTION = "ActivationCheckpointing(policy={MyBlock})"
+_OPTION = "ActivationCheckpointing(blocks={MyBlock})"
 
 
 class ActivationCheckpointing(Callback):
@@ -94,12 +95,13 @@ class ActivationCheckpointing(Callback):
             name (``"A100-40GB"``, ``"H200"``: the card's memory less the CUDA context and a 5 % reserve),
             or, read from the CUDA device the run trains on at ``setup``, a fraction of it (``0.9``) or
             ``"auto"``. ``None``: no planning.
-        policy: ``"auto"`` (the planner may use every policy), ``"selective"``, ``"selective_half"``,
-            ``"full"`` (that policy or none per block), or a set of layer classes to checkpoint, the form
-            ``FSDPStrategy(activation_checkpointing_policy=...)`` takes (full checkpointing of those layers;
-            with a budget, the planner picks which of them).
-        cost: what the planner minimises: ``"time"`` (recomputed ops benchmarked on the device) or
-            ``"flops"``.
+        policy: ``"auto"`` (the planner may use every mode; without a budget, ``"selective"``),
+            ``"selective"``, ``"selective_half"``, ``"full"`` (that mode or none per block).
+        blocks: the layer classes whose instances are the blocks (default: `find_blocks`, the repeated
+            layers), the set ``FSDPStrategy(activation_checkpointing_policy=...)`` takes. The old form
+            ``policy={MyBlock}`` is deprecated: it is ``blocks={MyBlock}, policy="full"``.
+        cost: what the planner minimises: ``"measured"`` (the recomputed ops' time, benchmarked on the
+            device; ``"time"`` is its deprecated name) or ``"flops"``.
 
     Example::
 
@@ -108,8 +110,8 @@ class ActivationCheckpointing(Callback):
     Raises:
         ValueError: at once for a budget that is no size, GPU name, fraction or ``"auto"``; at setup, if the
             budget is below what full checkpointing reaches (the message gives that floor in bytes and what
-            else would help), if the model has no repeated blocks (pass ``policy={MyBlock}``) or none of
-            the classes in ``policy``.
+            else would help), if the model has no repeated blocks (pass ``blocks={MyBlock}``) or none of
+            the classes in ``blocks``.
         MisconfigurationException: at setup, with a budget under FSDPStrategy or manual optimization, a
             fraction or ``"auto"`` on a run without CUDA, or when FSDPStrategy is already configured with
             ``activation_checkpointing_policy``.
@@ -118,9 +120,10 @@ class ActivationCheckpointing(Callback):
     def __init__(
         self,
         budget: int | float | str | Budget | None = None,
-        policy: str | Iterable[type[nn.Module]] = "auto",
+        policy: str = "auto",
         *,
-        cost: str = "time",
+        blocks: Iterable[type[nn.Module]] | None = None,
+        cost: str = "measured",
     ) -> None:
         self._budget_given = budget
         #: The budget in bytes; one read from the device (a fraction, ``"auto"``) is known from ``setup`` on.
@@ -129,25 +132,30 @@ class ActivationCheckpointing(Callback):
             self.budget = parse_budget(budget).usable
         if policy is None:
             raise TypeError(
-                f"policy=None: choose one of {', '.join(map(repr, LEVELS))}, or a set of layer classes "
-                "such as {MyBlock}; to turn checkpointing off, leave ActivationCheckpointing out of the "
-                "callbacks."
+                f"policy=None: choose one of {', '.join(map(repr, LEVELS))} (layer classes such as "
+                "{MyBlock} go in blocks=); to turn checkpointing off, leave ActivationCheckpointing out of "
+                "the callbacks."
             )
         if not isinstance(policy, (str, type, Iterable)):
             raise TypeError(
-                f"policy must be one of {', '.join(map(repr, LEVELS))}, or a set of layer classes such as "
-                f"{{MyBlock}}; got {policy!r} ({type(policy).__name__})"
+                f"policy must be one of {', '.join(map(repr, LEVELS))} (layer classes such as {{MyBlock}} go "
+                f"in blocks=); got {policy!r} ({type(policy).__name__})"
             )
-        if isinstance(policy, str):
-            if policy not in LEVELS:
-                raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")
-            self.layer_classes: tuple[type[nn.Module], ...] | None = None
-            self.policy = policy
-        else:
-            self.layer_classes = block_classes(policy)
-            self.policy = "full"
-        if cost not in ("time", "flops"):
-            raise ValueError(f"Unknown cost {cost!r}; choose 'time' or 'flops'")
+        if not isinstance(policy, str):  # the old form of ``blocks``, with full checkpointing
+            if blocks is not None:
+                raise TypeError("policy={MyBlock} is the old spelling of blocks={MyBlock}: give one of them")
+            blocks = renamed(
+                "ActivationCheckpointing", "policy", "blocks", policy, also=", with policy='full'"
+            )
+            policy = "full"
+        if policy not in LEVELS:
+            raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")
+        self.policy = policy
+        #: The layer classes whose instances are the blocks; ``None``: the repeated layers (`find_blocks`).
+        self.layer_classes = None if blocks is None else block_classes(blocks)
+        cost = renamed_cost("ActivationCheckpointing", cost)
+        if cost not in ("measured", "flops"):
+            raise ValueError(f"Unknown cost {cost!r}; choose 'measured' or 'flops'")
         self.cost = cost
         #: The plan in use (block name -> policy, with the figures behind it when planned for a budget).
         self.plan: CheckpointPlan | None = None
@@ -190,7 +198,7 @@ class ActivationCheckpointing(Callback):
         if self.layer_classes is not None:
             names = ", ".join(sorted(c.__name__ for c in self.layer_classes))
             raise ValueError(
-                f"ActivationCheckpointing(policy={{{names}}}) names the blocks to checkpoint, but {planner} "
+                f"ActivationCheckpointing(blocks={{{names}}}) names the blocks to checkpoint, but {planner} "
                 f"is among the callbacks too and plans the checkpointing itself, of the repeated blocks it "
                 f"finds, with the micro-batch and the optimizer; it cannot be told which blocks. Keep one: "
                 f"{planner} alone (it checkpoints the model's repeated blocks where the budget needs it), or "

@@ -47,6 +47,7 @@ from lightning_memkit._estimating.lightning_step import repeat_rows
 from lightning_memkit._fitting.plan import FitPlan, StepCost
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
+from lightning_memkit._vocabulary import COSTS, renamed
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
@@ -64,7 +65,6 @@ from lightning_memkit.callbacks.optimizer_swap import OptimizerSwap
 __all__ = ["AutoFit"]
 
 #: the throughput models `plan_fit` reads by name
-COSTS = ("auto", "measured", "flops")
 #: the Trainer's arguments that count training batches, scaled to the plan's micro-batches
 _BATCH_COUNTS = ("limit_train_batches", "val_check_interval")
 
@@ -77,7 +77,9 @@ class AutoFit(Callback):
             CUDA device (a float in (0, 1]) or ``"auto"`` (the current CUDA device). On CPU give a size.
             Sizes and names are read here; a fraction or ``"auto"`` at ``setup``, on the run's device.
         margin: share of the budget kept free for what the estimate cannot see.
-        batch_size_attr: the attribute holding the micro-batch size (``BatchSizeFinder``'s default).
+        batch_arg_name: the attribute holding the micro-batch size, on the module, its ``hparams`` or the
+            datamodule (Lightning's word and default, as ``BatchSizeFinder``'s); ``batch_size_attr=`` is its
+            deprecated name.
         optimizers: candidate catalogue names in quality order (default: the module's own, then lighter;
             beside an `OptimizerSwap`, which defers to AutoFit, the module's own, then the swap's
             ``candidates``).
@@ -97,18 +99,21 @@ class AutoFit(Callback):
         budget: int | float | str = "auto",
         *,
         margin: float = 0.1,
-        batch_size_attr: str = "batch_size",
+        batch_arg_name: str = "batch_size",
         optimizers: Sequence[str] | None = None,
         checkpointing: Sequence[str] = CHECKPOINT_MODES,
         cost: str = "auto",
         verify_steps: int = 3,
+        batch_size_attr: str | None = None,
     ) -> None:
+        if batch_size_attr is not None:
+            batch_arg_name = renamed("AutoFit", "batch_size_attr", "batch_arg_name", batch_size_attr)
         _check_budget(budget)
         margin = share("margin", margin, of="the budget kept free")
-        if not isinstance(batch_size_attr, str) or not batch_size_attr:
-            raise (TypeError if not isinstance(batch_size_attr, str) else ValueError)(
-                "batch_size_attr must name the attribute that holds the micro-batch size, such as "
-                f"'batch_size'; got {batch_size_attr!r}"
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            raise (TypeError if not isinstance(batch_arg_name, str) else ValueError)(
+                "batch_arg_name must name the attribute that holds the micro-batch size, such as "
+                f"'batch_size'; got {batch_arg_name!r}"
             )
         if optimizers is not None:  # a name alone is one candidate, not its letters
             optimizers = names("optimizers", optimizers, CATALOGUE, none=True)
@@ -116,7 +121,7 @@ class AutoFit(Callback):
         if not isinstance(cost, StepCost):  # a StepCost is plan_fit's too
             cost = valid_name("cost", cost, COSTS)
         verify_steps = whole_number("verify_steps", verify_steps, of="steps", at_least=0)
-        self.budget, self.margin, self.batch_size_attr = budget, margin, batch_size_attr
+        self.budget, self.margin, self.batch_arg_name = budget, margin, batch_arg_name
         self.optimizers, self.checkpointing, self.cost = optimizers, checkpointing, cost
         self.verify_steps = verify_steps
         self.plan: FitPlan | None = None
@@ -145,10 +150,10 @@ class AutoFit(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not lightning_hasattr(pl_module, self.batch_size_attr):
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
             raise AttributeError(
-                f"AutoFit sets the micro-batch through `{self.batch_size_attr}`, which neither the module, "
-                "its hparams nor the datamodule has; set batch_size_attr= to the attribute your dataloader "
+                f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, which neither the module, "
+                "its hparams nor the datamodule has; set batch_arg_name= to the attribute your dataloader "
                 "reads."
             )
         if not pl_module.automatic_optimization:
@@ -161,8 +166,8 @@ class AutoFit(Callback):
             )
         modes = self._modes(trainer)  # refused before any planning work if they cannot be honoured
         # Each fit plans afresh from the user's settings (a resume then installs its saved plan instead).
-        holders = _lightning_get_all_attr_holders(pl_module, self.batch_size_attr)
-        self._batch_sizes = [(holder, _get(holder, self.batch_size_attr)) for holder in holders]
+        holders = _lightning_get_all_attr_holders(pl_module, self.batch_arg_name)
+        self._batch_sizes = [(holder, _get(holder, self.batch_arg_name)) for holder in holders]
         self._accumulate = (trainer, trainer.accumulate_grad_batches)
         self._counts = {name: getattr(trainer, name) for name in _BATCH_COUNTS}
 
@@ -188,7 +193,7 @@ class AutoFit(Callback):
         if self.optimizers is not None:
             return self.optimizers
         swap = next((c for c in trainer.callbacks if isinstance(c, OptimizerSwap)), None)
-        return None if swap is None else lighter_candidates(pl_module, swap.candidates)
+        return None if swap is None else lighter_candidates(pl_module, swap.optimizers)
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
         strategy, ranks = sharding(trainer)
@@ -196,7 +201,7 @@ class AutoFit(Callback):
         source = fit_data_source(trainer)
         if not source.is_module():
             raise ValueError(
-                f"AutoFit sets the micro-batch through `{self.batch_size_attr}`, but the train dataloader "
+                f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, but the train dataloader "
                 "was passed to fit() ready-made and will not read it: pass a LightningDataModule, or build "
                 "the dataloader in the module's train_dataloader() from that attribute."
             )
@@ -205,7 +210,7 @@ class AutoFit(Callback):
             what = "yields no batch" if example is None else "yields a first batch of 0 samples (dim 0)"
             raise ValueError(
                 f"AutoFit plans from the train dataloader's first batch, but the dataloader {what}, with "
-                f"{self.batch_size_attr} = {lightning_getattr(pl_module, self.batch_size_attr)}: planning "
+                f"{self.batch_arg_name} = {lightning_getattr(pl_module, self.batch_arg_name)}: planning "
                 "needs at least one sample; check the dataset's length and the batch size."
             )
         # (micro, ...) -> (micro * accumulate * ranks, ...): the global batch of one optimizer step.
@@ -255,7 +260,7 @@ class AutoFit(Callback):
     def _install(self, plan: FitPlan) -> None:
         assert self._target is not None
         trainer, pl_module = self._target
-        lightning_setattr(pl_module, self.batch_size_attr, plan.micro_batch_size)
+        lightning_setattr(pl_module, self.batch_arg_name, plan.micro_batch_size)
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
         self._scale_counts(trainer, plan)
         self._apply(plan)
@@ -315,7 +320,7 @@ class AutoFit(Callback):
         if ratio != 1 and _whole(limit) and limit > 0 and "limit_val_batches" not in self._warned:
             self._warned.add("limit_val_batches")
             rank_zero_warn(
-                f"AutoFit sets `{self.batch_size_attr}` to the micro-batch {plan.micro_batch_size} (you gave "
+                f"AutoFit sets `{self.batch_arg_name}` to the micro-batch {plan.micro_batch_size} (you gave "
                 f"{users}): a val_dataloader that reads it gives batches of that size, and "
                 f"limit_val_batches={limit} then validates on {float(ratio):.3g}x fewer samples. Give "
                 "limit_val_batches as a fraction, or a val_dataloader with a batch size of its own."
@@ -445,10 +450,10 @@ class AutoFit(Callback):
         for obj, key in ((pl_module, pl.LightningModule), (trainer.datamodule, pl.LightningDataModule)):
             stored = checkpoint.get(key.CHECKPOINT_HYPER_PARAMS_KEY)
             hparams = getattr(obj, "hparams", None) if obj is not None else None
-            if stored is None or id(hparams) not in users or self.batch_size_attr not in stored:
+            if stored is None or id(hparams) not in users or self.batch_arg_name not in stored:
                 continue
             stored = copy.copy(stored)  # an omegaconf container there is the module's own hparams
-            stored[self.batch_size_attr] = users[id(hparams)]
+            stored[self.batch_arg_name] = users[id(hparams)]
             checkpoint[key.CHECKPOINT_HYPER_PARAMS_KEY] = stored
 
     def _release(self) -> None:
@@ -465,9 +470,9 @@ class AutoFit(Callback):
         """The batch size attribute and the Trainer's accumulation back at the user's values."""
         for holder, value in self._batch_sizes:
             if isinstance(holder, dict):
-                holder[self.batch_size_attr] = value
+                holder[self.batch_arg_name] = value
             else:
-                setattr(holder, self.batch_size_attr, value)
+                setattr(holder, self.batch_arg_name, value)
         if self._accumulate is not None:
             trainer, accumulate = self._accumulate
             trainer.accumulate_grad_batches = accumulate

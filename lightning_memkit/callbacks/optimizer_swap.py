@@ -59,6 +59,7 @@ from lightning_memkit._optimizers.swap import (
     swap_optimizer,
     valid_candidates,
 )
+from lightning_memkit._vocabulary import renamed
 from lightning_memkit.callbacks._trainer import (
     accumulates,
     autofit_in,
@@ -144,8 +145,9 @@ class OptimizerSwap(Callback):
             GPU name (``"A100-40GB"``, ``"H200"``), a fraction of the current CUDA device (``0.9``) or
             ``"auto"`` (`lightning_memkit.parse_budget`; devices lose the CUDA context and a
             fragmentation reserve).
-        candidates: catalogue names to try, best first (default: adamw, adamw8bit, lion, lion8bit,
-            adafactor, sgd_momentum, sgd).
+        optimizers: catalogue names to try, best first (default: adamw, adamw8bit, lion, lion8bit,
+            adafactor, sgd_momentum, sgd); `AutoFit`'s word for the same list. ``candidates=`` is its
+            deprecated name.
         allow_unknown: also swap optimizers the catalogue does not know.
 
     Example::
@@ -159,20 +161,25 @@ class OptimizerSwap(Callback):
     def __init__(
         self,
         budget: int | float | str | Budget,
-        candidates: Sequence[str] = DEFAULT_CANDIDATES,
+        optimizers: Sequence[str] = DEFAULT_CANDIDATES,
         allow_unknown: bool = False,
+        *,
+        candidates: Sequence[str] | None = None,
     ) -> None:
         self._budget_spec = budget
         # "auto" and fractions are read from the device in ``setup``; anything else is checked now.
         self._budget: Budget | None = None if reads_device(budget) else parse_budget(budget)
         #: Bytes the step's peak may reach (``None`` until ``setup`` for ``"auto"`` or a fraction).
         self.budget: int | None = None if self._budget is None else self._budget.usable
-        if not isinstance(candidates, Iterable):  # a name alone is one candidate
+        if candidates is not None:
+            optimizers = renamed("OptimizerSwap", "candidates", "optimizers", candidates)
+        if not isinstance(optimizers, Iterable):  # a name alone is one candidate
             raise TypeError(
-                f"candidates must be an optimizer name or a list of them from {', '.join(CATALOGUE)}; got "
-                f"{candidates!r} ({type(candidates).__name__})"
+                f"optimizers must be an optimizer name or a list of them from {', '.join(CATALOGUE)}; got "
+                f"{optimizers!r} ({type(optimizers).__name__})"
             )
-        self.candidates = valid_candidates(candidates)
+        #: The catalogue names to try, best first.
+        self.optimizers = valid_candidates(optimizers)
         self.allow_unknown = flag("allow_unknown", allow_unknown)
         self._reset()
 
@@ -217,7 +224,7 @@ class OptimizerSwap(Callback):
             among = (
                 f"among AutoFit's optimizers={tuple(planner.optimizers)!r}"
                 if planner.optimizers is not None
-                else f"among the module's own and then this callback's candidates {self.candidates!r}"
+                else f"among the module's own and then this callback's candidates {self.optimizers!r}"
             )
             rank_zero_info(
                 f"OptimizerSwap defers to AutoFit (its budget={self._budget_spec!r} is not used): AutoFit "
@@ -300,7 +307,7 @@ class OptimizerSwap(Callback):
             if simulated and batch is None:
                 return False, None
             estimate, method = self._estimator(trainer, pl_module, batch)
-            candidates = compensated_candidates(self.candidates, optimizers, precision(trainer))
+            candidates = compensated_candidates(self.optimizers, optimizers, precision(trainer))
             choice = choose_optimizer(
                 optimizers, budget, estimate, candidates=candidates, allow_unknown=self.allow_unknown,
                 method=method, info=rank_zero_info, warn=rank_zero_warn,

@@ -64,6 +64,7 @@ from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._sharding import fsdp2 as _fsdp2
+from lightning_memkit._vocabulary import renamed
 from lightning_memkit.callbacks.auto_fit import AutoFit
 
 __all__ = ["AutoFitStrategy"]
@@ -76,7 +77,8 @@ class AutoFitStrategy(ModelParallelStrategy):
     Args:
         budget: per rank, as `AutoFit`'s: bytes, ``"80GB"``, a GPU name (``"H100-80GB"``), a fraction of
             the current CUDA device or ``"auto"`` (it). On CPU give a size.
-        margin, batch_size_attr, optimizers, checkpointing: as `AutoFit`'s.
+        margin, batch_arg_name, optimizers, checkpointing: as `AutoFit`'s (``batch_size_attr=``: the
+            deprecated name of ``batch_arg_name``).
         cost: the throughput model (`plan_fit`'s): ``"auto"`` (timed for real on rank 0 for a run on the
             CPU, FLOPs otherwise), ``"measured"``, ``"flops"``.
         save_distributed_checkpoint, process_group_backend, timeout: ``ModelParallelStrategy``'s.
@@ -89,14 +91,17 @@ class AutoFitStrategy(ModelParallelStrategy):
         budget: int | float | str = "auto",
         *,
         margin: float = 0.1,
-        batch_size_attr: str = "batch_size",
+        batch_arg_name: str = "batch_size",
         optimizers: Sequence[str] | None = None,
         checkpointing: Sequence[str] = CHECKPOINT_MODES,
         cost: str = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        batch_size_attr: str | None = None,
     ) -> None:
+        if batch_size_attr is not None:
+            batch_arg_name = renamed("AutoFitStrategy", "batch_size_attr", "batch_arg_name", batch_size_attr)
         flag("save_distributed_checkpoint", save_distributed_checkpoint)
         if process_group_backend is not None and not isinstance(process_group_backend, str):
             raise TypeError(
@@ -118,7 +123,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         self.autofit = AutoFit(
             budget,
             margin=margin,
-            batch_size_attr=batch_size_attr,
+            batch_arg_name=batch_arg_name,
             optimizers=optimizers,
             checkpointing=checkpointing,
             cost=cost,
