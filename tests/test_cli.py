@@ -377,8 +377,10 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     code = report["code"]
     autofit, by_hand = _trainer_calls(code)
     sharded = {"precision": "bf16-mixed", "strategy": "fsdp", "devices": 8}
-    usable = parse_budget("648MB", device_size=True).usable  # the card less the CUDA context and reserve
-    callback = f"[AutoFit(budget={usable}, margin=0.2, optimizers=['adamw8bit'])]"
+    # the card less the CUDA context and reserve, written as the user gave it (not its usable bytes)
+    callback = (
+        "[AutoFit(budget=parse_budget('648MB', device_size=True), margin=0.2, optimizers=['adamw8bit'])]"
+    )
     assert autofit == {**sharded, "callbacks": callback}
     # One policy for every block: a per-block split ("2 selective, 2 full") is written as its strongest
     # mode, since ActivationCheckpointing cannot plan a budget under FSDP.
@@ -405,7 +407,9 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     first = ast.Module(body=tree.body[:2], type_ignores=[])
     exec(compile(first, "<memkit plan>", "exec"), namespace)
     assert isinstance(namespace["trainer"]["callbacks"][0], AutoFit)
-    assert namespace["trainer"]["callbacks"][0].budget == usable
+    assert namespace["trainer"]["callbacks"][0].budget == parse_budget(
+        "648MB", device_size=True
+    )  # as planned
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_3"])
@@ -451,7 +455,7 @@ def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback()
     autofit, by_hand = _trainer_calls(report["code"])
     assert autofit["callbacks"].endswith(", FusedOptimizerStep()]")
     assert by_hand["callbacks"] == "[FusedOptimizerStep()]"
-    assert "from lightning_memkit import AutoFit, FusedOptimizerStep\n" in report["code"]
+    assert "from lightning_memkit import AutoFit, FusedOptimizerStep, parse_budget\n" in report["code"]
     namespace = {"Trainer": dict}
     exec(report["code"].replace("from lightning.pytorch import Trainer\n", ""), namespace)
     assert isinstance(namespace["trainer"]["callbacks"][0], FusedOptimizerStep)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import run_cli
 
-from lightning_memkit import estimate_memory, format_bytes
+from lightning_memkit import AutoFit, estimate_memory, format_bytes, parse_budget
 from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit.demos.gpt import GPTLightningModule
@@ -39,7 +39,7 @@ def test_a_cpu_plan_takes_nothing_off_the_size_and_simulates_the_cpu_step():
     )  # fmt: skip
     assert plan["estimated_peak"] == cpu.peak
     assert (
-        'Trainer(accelerator="cpu", precision="32-true", callbacks=[AutoFit(budget=40_000_000)])'
+        'Trainer(accelerator="cpu", precision="32-true", callbacks=[AutoFit(budget="40MB")])'
         in (plan["code"])
     )
     assert FitPlan.from_dict(plan).device == "cpu"
@@ -52,6 +52,10 @@ def test_the_same_size_on_cuda_loses_the_context_first():
     usable = int((2_000_000_000 - CUDA_CONTEXT_BYTES) * (1 - FRAGMENTATION_RESERVE))
     assert plan["device"] == "cuda" and plan["budget"]["usable"] == usable
     assert "accelerator" not in plan["code"]
+    # The budget as written (issue 29 item 3), in the form AutoFit reads as this card's: not its bytes.
+    assert "from lightning_memkit import AutoFit, parse_budget" in plan["code"]
+    assert 'AutoFit(budget=parse_budget("2GB", device_size=True))' in plan["code"]
+    assert AutoFit(budget=parse_budget("2GB", device_size=True)).budget.usable == usable
 
 
 @pytest.mark.slow

@@ -127,7 +127,7 @@ def test_plan_of_a_config_directory(configs):
     assert chosen[0]["micro_batch_size"] == report["micro_batch_size"]
     assert report["micro_batch_size"] * report["accumulate_grad_batches"] == 4
     assert report["estimated_peak"] == chosen[0]["peak"] <= report["limit"]
-    assert report["model"] == model and "AutoFit(budget=16_000_000)" in report["code"]
+    assert report["model"] == model and 'AutoFit(budget="16MB")' in report["code"]
 
 
 def test_an_id_in_the_local_cache(configs, tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
-from lightning_memkit._budget import GPUS, Budget
+from lightning_memkit._budget import GPUS, Budget, parse_budget
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, apply_plan
 from lightning_memkit._estimating.analytic import model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_size, repeat_rows
@@ -245,7 +245,7 @@ def plans_section(
     ]
     fsdp2 = _by_the_strategy(plan)
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
-    names = {planner}
+    names = {planner, *_budget_imports(plan.budget)}
     for i, (option, relative) in enumerate(ranked, 1):
         lines.append(
             f"  {i}. {_brief(option)}: peak {format_bytes(option.estimated_peak)}, time {relative:.2f}x"
@@ -310,7 +310,7 @@ def plan_code(
     named = plan.budget.source in GPUS
     fsdp2 = _by_the_strategy(plan)
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
-    imports = sorted({planner, *(c.split("(")[0] for c in _levers(plan))})
+    imports = sorted({planner, *(c.split("(")[0] for c in _levers(plan)), *_budget_imports(plan.budget)})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
     named = named or plan.budget.usable == plan.budget.total  # a plain limit: nothing was taken off
     per_gpu = global_batch // plan.n_gpus
@@ -414,9 +414,26 @@ def _levers(plan: FitPlan) -> list[str]:
 
 
 def _budget_argument(budget: Budget) -> str:
-    """``budget`` as AutoFit takes it: a GPU by name, else the step's limit in bytes (AutoFit reads a size
-    as that, not as a card's)."""
-    return json.dumps(budget.source) if budget.source in GPUS else f"{budget.usable:_}"
+    """``budget`` as the user wrote it, in a form AutoFit reads as the same budget: a GPU by name, a size
+    that is the step's limit as given (``"40MB"``), or a card's size (``--gpu 24GB``), which AutoFit would
+    read as a limit, through ``parse_budget(..., device_size=True)``. Bytes only where the source does not
+    read back (a budget built from bytes)."""
+    if budget.source in GPUS:
+        return json.dumps(budget.source)
+    for device_size in (False, True):
+        try:
+            read = parse_budget(budget.source, device_size=device_size)
+        except (TypeError, ValueError):
+            break
+        if read == budget:
+            written = json.dumps(budget.source)
+            return f"parse_budget({written}, device_size=True)" if device_size else written
+    return f"{budget.usable:_}"
+
+
+def _budget_imports(budget: Budget) -> list[str]:
+    """What `_budget_argument`'s form needs imported beside the callbacks."""
+    return ["parse_budget"] if _budget_argument(budget).startswith("parse_budget(") else []
 
 
 def _strongest(plan: FitPlan) -> str:

@@ -75,7 +75,9 @@ class AutoFit(Callback):
     Args:
         budget: per device: bytes, ``"24GB"``, a GPU name (``"A100-40GB"``), a fraction of the current
             CUDA device (a float in (0, 1]) or ``"auto"`` (the current CUDA device). On CPU give a size.
-            Sizes and names are read here; a fraction or ``"auto"`` at ``setup``, on the run's device.
+            A size is the step's limit as given; a card's size less its CUDA context and reserve is
+            ``parse_budget("24GB", device_size=True)``. Sizes and names are read here; a fraction or
+            ``"auto"`` at ``setup``, on the run's device.
         margin: share of the budget kept free for what the estimate cannot see.
         batch_arg_name: the attribute holding the micro-batch size, on the module, its ``hparams`` or the
             datamodule (Lightning's word and default, as ``BatchSizeFinder``'s); ``batch_size_attr=`` is its
@@ -96,7 +98,7 @@ class AutoFit(Callback):
 
     def __init__(
         self,
-        budget: int | float | str = "auto",
+        budget: int | float | str | Budget = "auto",
         *,
         margin: float = 0.1,
         batch_arg_name: str = "batch_size",

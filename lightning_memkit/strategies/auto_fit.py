@@ -59,7 +59,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_memkit._budget import flag
+from lightning_memkit._budget import Budget, flag
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
 from lightning_memkit._fitting.plan import FitPlan
@@ -88,7 +88,7 @@ class AutoFitStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        budget: int | float | str = "auto",
+        budget: int | float | str | Budget = "auto",
         *,
         margin: float = 0.1,
         batch_arg_name: str = "batch_size",
