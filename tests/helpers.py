@@ -19,13 +19,15 @@ from lightning_memkit.testing import allocator_peak
 B, T = 8, 64
 
 
-def cpu_trainer(tmp_path, callbacks, max_steps=4, **kwargs) -> pl.Trainer:
-    """A one-CPU Trainer without validation, progress bar, summary or checkpoints, logging to CSV."""
-    return pl.Trainer(
+def cpu_trainer(tmp_path, callbacks, max_steps=4, **overrides) -> pl.Trainer:
+    """The suite's Trainer: one CPU, no validation, progress bar, summary or checkpoints, logging to CSV;
+    ``overrides`` replace any of these (``logger=False``) or add to them."""
+    defaults = dict(
         default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
-        logger=CSVLogger(tmp_path), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, **kwargs,
+        logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
     )  # fmt: skip
+    return pl.Trainer(callbacks=list(callbacks), **{**defaults, **overrides})
 
 
 class Losses(pl.Callback):

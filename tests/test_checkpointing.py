@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import EncoderLM
+from helpers import cpu_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import FSDPStrategy
@@ -368,11 +369,9 @@ class _SpyGPT(GPTLightningModule):
 
 
 def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
-    return pl.Trainer(callbacks=callbacks, **{**defaults, **kwargs})
+    return cpu_trainer(
+        tmp_path, callbacks, **{"max_steps": 2, "logger": False, "limit_val_batches": None, **kwargs}
+    )
 
 
 def test_callback_plans_for_a_budget_in_setup(tmp_path, lightning_log):

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cpu_trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -79,11 +80,7 @@ class Manual(Net):
 
 
 def _trainer(tmp_path, callbacks) -> pl.Trainer:
-    return pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        callbacks=callbacks,
-    )  # fmt: skip
+    return cpu_trainer(tmp_path, callbacks, max_steps=2, logger=False, limit_val_batches=None)
 
 
 def _peaks(module: Net) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import cpu_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
@@ -61,11 +62,9 @@ class ValidatedNet(Net):
 
 
 def _trainer(tmp_path, *callbacks, **kwargs) -> pl.Trainer:
-    settings = dict(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-    )  # fmt: skip
-    return pl.Trainer(callbacks=list(callbacks), **{**settings, **kwargs})
+    return cpu_trainer(
+        tmp_path, callbacks, **{"max_steps": 2, "logger": False, "limit_val_batches": None, **kwargs}
+    )
 
 
 @functools.cache
