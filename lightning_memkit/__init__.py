@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__`
         apply_checkpointing,
     )
     from lightning_memkit._diagnosis.advise import Advice, Finding, advise
+    from lightning_memkit._diagnosis.snapshot import memory_snapshot
     from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
     from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost
     from lightning_memkit._fitting.search import plan_fit
@@ -103,6 +104,7 @@ __all__ = [
     "format_bytes",
     "fuse_optimizer_step",
     "measure",
+    "memory_snapshot",
     "offload_optimizer",
     "parse_budget",
     "parse_bytes",
@@ -118,6 +120,7 @@ _EXPORTS: dict[str, str] = {
     "Advice": "lightning_memkit._diagnosis.advise",
     "Finding": "lightning_memkit._diagnosis.advise",
     "advise": "lightning_memkit._diagnosis.advise",
+    "memory_snapshot": "lightning_memkit._diagnosis.snapshot",
     "plan_fit": "lightning_memkit._fitting.search",
     "find_blocks": "lightning_memkit._checkpointing.blocks",
     "CATEGORIES": "lightning_memkit._breakdown",

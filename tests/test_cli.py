@@ -439,8 +439,8 @@ def test_plan_at_bf16_true_prints_the_kahan_optimizer_for_both_set_ups():
     report = _json([*argv, "--precision", "bf16-true"])
     assert (report["optimizer"], report["precision"]) == ("adamw_kahan", "bf16-true")
     autofit, _ = _trainer_calls(report["code"])
-    usable = parse_budget("1GB", device_size=True).usable
-    assert autofit["callbacks"] == f"[AutoFit(budget={usable}, optimizers=['adamw_kahan', 'sgd_kahan'])]"
+    budget = "parse_budget('1GB', device_size=True)"  # the card as the user named it
+    assert autofit["callbacks"] == f"[AutoFit(budget={budget}, optimizers=['adamw_kahan', 'sgd_kahan'])]"
     assert 'return lightning_memkit.swap_optimizer(optimizer, "adamw_kahan")' in report["code"]
 
 

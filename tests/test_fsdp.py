@@ -244,7 +244,7 @@ def run_ranks(out: Path, world: int) -> None:
 def staged_bytes() -> int:
     """The most a gloo all-gather can hold in gloo's own worker thread at a rank's peak: the largest
     unit's gathered parameters (in fp32). gloo sometimes stages a gather there, where no op of the step
-    shows it; whether the copy overlaps the peak is a matter of timing (README, "Known gaps")."""
+    shows it; whether the copy overlaps the peak is a matter of timing (docs/sharded.md)."""
     from lightning_memkit._checkpointing.blocks import find_blocks
     from lightning_memkit._sharding.fsdp2 import largest_unit_shard
 

@@ -184,7 +184,7 @@ class _SimTracker(Tracker):
         timeline: bool,
         shadows: _shadow.Shadows,
         tracer: Tracer | None = None,
-        history: bool = False,
+        history: bool | repeated.History = False,
     ) -> None:
         super().__init__(_SIM_DEVICE)
         self.rounding = allocation_rounding(target)
@@ -197,8 +197,10 @@ class _SimTracker(Tracker):
         self.timeline: list[TimelineEvent] | None = [] if timeline else None
         self.tracer = tracer
         #: every candidate peak and every storage's life, to read the step at any point
-        #: (`_estimating.repeated`)
-        self.history: repeated.History | None = repeated.History() if history else None
+        #: (`_estimating.repeated`; a given one: `_diagnosis.snapshot`'s)
+        self.history: repeated.History | None = (
+            history if isinstance(history, repeated.History) else repeated.History() if history else None
+        )
         self.workspaces: Tensor | None = None  # cuBLAS's, for a CUDA target (`cublas_workspace_bytes`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -469,7 +471,7 @@ def _track(
     timeline: bool,
     shadows: _shadow.Shadows,
     tracer: Tracer | None = None,
-    history: bool = False,
+    history: bool | repeated.History = False,
 ) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
     tracker = _SimTracker(device, timeline, shadows, tracer, history)
@@ -489,6 +491,8 @@ def _track(
             tracker.workspaces = torch.empty(cublas_workspace_bytes(), dtype=torch.uint8, device=_SIM_DEVICE)
         for rec in tracker.records(tracker.workspaces, preexisting=True):
             rec.category = "temporary"
+    if tracer is not None:
+        tracer.started(tracker, model, step.optimizers)
     modules = tracer.watching_modules() if tracer is not None else contextlib.nullcontext()
     with tracker.watching(model), modules:
         step.run(tracker)
@@ -735,10 +739,10 @@ def simulate_step(
     mp_policy: Any = None,
     timeline: bool = False,
     tracer: Tracer | None = None,
-    history: bool = False,
+    history: bool | repeated.History = False,
 ) -> _SimTracker:
     """`estimate_memory`'s step, returning its tracker (``tracer``: also what created each storage;
-    ``history``: every candidate peak, `_estimating.repeated.History`)."""
+    ``history``: every candidate peak, `_estimating.repeated.History`, or the one given)."""
     precision = valid_name("precision", precision, PRECISION_DTYPES)
     param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
     target = torch.device(device)

@@ -69,6 +69,10 @@ class Tracer:
 
     # --- called by the tracker -------------------------------------------------------------------
 
+    def started(self, tracker: Any, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """The step is about to run: ``tracker`` holds what is live at its start (for `_diagnosis.snapshot`,
+        which names those storages)."""
+
     def before_op(
         self, func: Any, args: tuple, kwargs: dict, live: Mapping[int, tuple[Any, Storage]]
     ) -> None:
@@ -131,13 +135,8 @@ class Tracer:
             if self.names.get(id(module)) == self.head and isinstance(output, Tensor):
                 self._head_nodes |= _nodes_between(output.grad_fn, self._head_inputs)
 
-        pre = nn.modules.module.register_module_forward_pre_hook(enter)
-        post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
-        try:
+        with module_hooks(enter, leave):
             yield
-        finally:
-            pre.remove()
-            post.remove()
 
     def finish(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], tracker: Any) -> None:
         """Name the trainable parameters no optimizer steps, and those no gradient reached (``tracker``:
@@ -195,3 +194,16 @@ def output_head(model: nn.Module) -> tuple[str | None, int | None]:
         ):
             return name, module.out_features
     return None, None
+
+
+@contextlib.contextmanager
+def module_hooks(enter: Any, leave: Any) -> Iterator[None]:
+    """``enter`` and ``leave`` as every module's forward pre-hook and forward hook (``leave`` even when the
+    forward raises) while the block runs."""
+    pre = nn.modules.module.register_module_forward_pre_hook(enter)
+    post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()

@@ -112,7 +112,7 @@ class MemoryMonitor(Callback):
     first. Where the need fits the memory by these figures, it says so (fragmentation, another process)
     and plans for the need. With `AutoFit` in the Trainer it is said once, while AutoFit's plan is still
     applied. The error itself propagates unchanged; a failure to explain it is one line. Nothing is added
-    to a step that does not fail; see the README's "When a run runs out of memory".
+    to a step that does not fail; see docs/oom.md.
 
     Args:
         budget: the memory you want the step to fit: bytes or a size (``"24GB"``, ``"6GiB"``), a GPU name

@@ -23,6 +23,7 @@ from torch import nn
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._diagnosis.oom import plans_section, run_candidates
 from lightning_memkit._diagnosis.report import render_table
+from lightning_memkit._diagnosis.snapshot import simulated_snapshot, write_snapshot
 from lightning_memkit._estimating.analytic import (
     STRATEGIES,
     TransformerShape,
@@ -71,6 +72,12 @@ def run_estimate(args: argparse.Namespace) -> int:
         simulated, at_peak = _simulate(model, args)
     seconds = time.perf_counter() - start
     notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
+    if args.snapshot is not None:
+        notes.append(
+            f"snapshot of the simulated step written to {args.snapshot}: open it with `python -m "
+            f"torch.cuda._memory_viz trace_plot {args.snapshot} -o snapshot.html`, or drop it on "
+            "https://pytorch.org/memory_viz"
+        )
     if args.strategy == "fsdp2":
         analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
         notes.append(
@@ -129,11 +136,11 @@ def _fit(model: nn.Module, args: argparse.Namespace, simulated: MemoryBreakdown)
 
 
 def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdown, TimelineEvent | None]:
-    """The simulated step's breakdown and the op at which its peak falls (the first of the highest)."""
+    """The simulated step's breakdown and the op at which its peak falls (the first of the highest); with
+    ``--snapshot``, the same simulation also writes the step as a PyTorch memory snapshot."""
     lightning = isinstance(model, LightningModule)
-    breakdown, timeline = estimate_memory(
-        model,
-        example_batch(model, args.model, args.batch_size, args.seq_len),
+    batch = example_batch(model, args.model, args.batch_size, args.seq_len)
+    kwargs: dict[str, Any] = dict(
         optimizer=args.optimizer if lightning else args.optimizer or "adamw",
         loss_fn=None if lightning else lm_loss,
         precision=args.precision,
@@ -142,8 +149,13 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdo
         accumulating=args.accumulate > 1,
         strategy="fsdp2" if args.strategy == "fsdp2" else None,
         world_size=args.gpus if args.strategy == "fsdp2" else 1,  # the others divide the one-device step
-        return_timeline=True,
     )
+    if args.snapshot is None:
+        breakdown, timeline = estimate_memory(model, batch, **kwargs, return_timeline=True)
+    else:
+        snapshot, tracker = simulated_snapshot(model, batch, timeline=True, **kwargs)
+        write_snapshot(snapshot, args.snapshot)
+        breakdown, timeline = tracker.breakdown(), tracker.timeline or []
     return breakdown, max(timeline, key=lambda event: event.live, default=None)
 
 

@@ -149,6 +149,14 @@ def add_estimate(subparsers: Any) -> None:
         help=f"{_GPU_HELP} the step should fit: when it does not, the fastest plans that do (micro-batch, "
         "accumulation, checkpointing, optimizer), as code",
     )
+    p.add_argument(
+        "--snapshot",
+        default=None,
+        metavar="FILE",
+        help="also write the simulated step as a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot's "
+        "pickle; one rank's step with --strategy fsdp2, else the one-device step) to open in torch's memory "
+        "viewer: python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html, or pytorch.org/memory_viz",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=deferred("_estimate", "run_estimate"))
 
