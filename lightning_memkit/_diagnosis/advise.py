@@ -150,10 +150,11 @@ def advise(
     effects: none), then again once per fix to price it: nothing is allocated and no GPU is needed.
 
     Args:
-        model, batch, optimizer, loss_fn, precision, checkpointing, device, accumulating, release_gradients,
-            fused_step, offload, strategy, world_size: the step as `estimate_memory` takes it
-            (``strategy="fsdp2"``: one rank's sharded step, each fix priced on it). An optimizer instance
-            is also read for state it keeps for parameters that no longer train.
+        model: the step as `estimate_memory` takes it, with ``batch``, ``optimizer``, ``loss_fn``,
+            ``precision``, ``checkpointing``, ``device``, ``accumulating``, ``release_gradients``,
+            ``fused_step``, ``offload``, ``strategy`` and ``world_size`` (``strategy="fsdp2"``: one rank's
+            sharded step, each fix priced on it). An optimizer instance is also read for state it keeps for
+            parameters that no longer train.
         memory_stats: ``torch.cuda.memory_stats()`` of a run, for the ``fragmentation`` finding (default:
             the current CUDA device's when ``device`` is CUDA and one is present).
 
