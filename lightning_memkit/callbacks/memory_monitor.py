@@ -43,6 +43,7 @@ from lightning_memkit._budget import flag, parse_budget, reads_device, whole_num
 from lightning_memkit._diagnosis.advise import Advice, advise
 from lightning_memkit._diagnosis.oom import StepInFlight, on_cpu, simulable
 from lightning_memkit._diagnosis.report import plot_history, render_summary
+from lightning_memkit._diagnosis.snapshot import simulated_snapshot, write_snapshot
 from lightning_memkit._measuring.tracker import (
     MemoryMeasurement,
     leaves,
@@ -135,6 +136,10 @@ class MemoryMonitor(Callback):
             ``advice``. With gradient accumulation, the micro-batch that adds to the gradients is advised.
             It simulates a few steps (seconds for a small model, about a minute for 7B); a module with
             manual optimization gets a warning instead.
+        snapshot: at the end of fit (rank 0), simulate the first training batch's step as run (the same
+            step ``advise`` reads) and save it as a PyTorch memory snapshot, ``memory_snapshot.pickle``
+            beside ``memory.png``, for torch's memory viewer (`lightning_memkit.memory_snapshot`). It is
+            the simulated twin of a measured step, and says both peaks.
 
     Example::
 
@@ -152,10 +157,11 @@ class MemoryMonitor(Callback):
         plot: bool = True,
         summary: bool = True,
         advise: bool = False,
+        snapshot: bool = False,
     ) -> None:
         if log_every_n_steps is not None:  # None: the Trainer's
             log_every_n_steps = whole_number("log_every_n_steps", log_every_n_steps, of="steps", at_least=1)
-        for name, value in (("plot", plot), ("summary", summary), ("advise", advise)):
+        for name, value in (("plot", plot), ("summary", summary), ("advise", advise), ("snapshot", snapshot)):
             flag(name, value)
         remeasure = remeasure_every_n_steps
         if isinstance(remeasure, bool) or not isinstance(remeasure, numbers.Integral):  # numpy's: yes
@@ -174,6 +180,7 @@ class MemoryMonitor(Callback):
         self.plot = plot
         self.summary = summary
         self.advise = advise
+        self.snapshot = snapshot
         self._reset()
 
     def _reset(self) -> None:
@@ -209,7 +216,8 @@ class MemoryMonitor(Callback):
         self._explained = False
         #: what `advise` found at the end of fit (with ``advise=True``)
         self.advice: Advice | None = None
-        self._advice_batch: Any = None
+        #: a CPU copy of the first training batch, for ``advise`` and ``snapshot`` at the end of fit
+        self._first_batch: Any = None
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
@@ -232,8 +240,8 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step.start(batch, batch_idx)
-        if self.advise and self._advice_batch is None and trainer.is_global_zero:
-            self._advice_batch = on_cpu(batch, copy=True)
+        if (self.advise or self.snapshot) and self._first_batch is None and trainer.is_global_zero:
+            self._first_batch = on_cpu(batch, copy=True)
         if self._disabled or self._failure is not None:
             return
         self._in_step = True
@@ -325,12 +333,17 @@ class MemoryMonitor(Callback):
         except Exception as err:
             where = f" ({path})" if path is not None else ""
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report{where}: {err!r}")
-        if self.advise and self._advice_batch is not None:
+        if self.advise and self._first_batch is not None:
             try:
                 self._advise(trainer, pl_module)
             except Exception as err:
                 self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
-            self._advice_batch = None
+        if self.snapshot and self._first_batch is not None and path is not None:
+            try:
+                self._save_snapshot(trainer, pl_module, path.with_name("memory_snapshot.pickle"))
+            except Exception as err:
+                self._warn_once("snapshot", f"MemoryMonitor could not save the step's snapshot: {err!r}")
+        self._first_batch = None
 
     @property
     def state_key(self) -> str:
@@ -503,28 +516,45 @@ class MemoryMonitor(Callback):
         for logger in trainer.loggers:
             self._safely(logger, "log_image", lambda lg=logger: _log_image(lg, figure, path, last))
 
-    def _advise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
+    def _step_as_run(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[torch.nn.Module, dict]:
+        """The model and `estimate_memory`'s arguments for the first batch's step as this run takes it.
+        Under FSDP2 the module is sharded by now: its unsharded twin's sharded step stands for it."""
         strategy, ranks = sharding(trainer)
         fsdp2 = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
-        # Under FSDP2 the module is sharded by now: its unsharded twin's sharded step is advised.
         model, optimizer = simulable(pl_module, the_optimizer(trainer))
-        self.advice = advise(
-            model,
-            self._advice_batch,
-            optimizer=optimizer,
-            precision=precision(trainer),
-            device=self._device.type,
-            accumulating=trainer.accumulate_grad_batches
-            > 1,  # a micro-batch adding to gradients: the highest
+        return model, {
+            "optimizer": optimizer,
+            "precision": precision(trainer),
+            "device": self._device.type,
+            "accumulating": trainer.accumulate_grad_batches > 1,  # a micro-batch adding to gradients
             **step_levers(trainer),
             **fsdp2,
-        )
+        }
+
+    def _advise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
+        model, kwargs = self._step_as_run(trainer, pl_module)
+        self.advice = advise(model, self._first_batch, **kwargs)
         rank_zero_info(f"MemoryMonitor: memory advice for the first batch's step\n{self.advice}")
         metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}
         for logger in trainer.loggers:
             log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
             self._safely(logger, "log_metrics", log)
+
+    def _save_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, path: Path) -> None:
+        model, kwargs = self._step_as_run(trainer, pl_module)
+        snapshot, tracker = simulated_snapshot(model, self._first_batch, **kwargs)
+        write_snapshot(snapshot, path)
+        simulated = tracker.breakdown().peak
+        measured = max((b.peak for _, b in self.history), default=0)
+        rank_zero_info(
+            f"MemoryMonitor: the first batch's step, simulated (peak {format_bytes(simulated)}; the highest "
+            f"measured step: {format_bytes(measured)}), saved as a PyTorch memory snapshot to "
+            f"{path}: open it at pytorch.org/memory_viz, or `python -m torch.cuda._memory_viz trace_plot "
+            f"{path} -o step.html`"
+        )
 
     # --- never crash the run we observe -------------------------------------------------------
 
