@@ -1,7 +1,9 @@
 """``memkit advise``: where a step's peak holds memory it need not, each finding with its bytes and fix.
 
 The step is simulated as ``memkit estimate`` simulates it (`lightning_memkit.advise`), then once more per
-fix to price it; nothing is allocated and no GPU is needed.
+fix to price it; nothing is allocated and no GPU is needed. With ``--html FILE`` the step is simulated once
+more as a memory snapshot (`_diagnosis.snapshot`) and written as one self-contained HTML page
+(`_diagnosis.html_report`): its timeline, the breakdown and top modules at the peak, and the findings.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 from lightning.pytorch import LightningModule
 
-from lightning_memkit._diagnosis.advise import advise
+from lightning_memkit._diagnosis.advise import Advice, advise
+from lightning_memkit._diagnosis.html_report import html_report
+from lightning_memkit._diagnosis.snapshot import simulated_snapshot
 from lightning_memkit.cli._models import (
     analytic_shape,
     check_seq_len,
@@ -30,27 +35,50 @@ def run_advise(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     check_seq_len(model, analytic_shape(model)[0], args.seq_len)
     lightning = isinstance(model, LightningModule)
+    kwargs: dict[str, Any] = dict(
+        optimizer=args.optimizer if lightning else args.optimizer or "adamw",
+        loss_fn=None if lightning else lm_loss,
+        precision=args.precision,
+        checkpointing=None if args.checkpointing == "none" else args.checkpointing,
+        device=args.device,
+        strategy=None if args.fsdp2 is None else "fsdp2",
+        world_size=args.fsdp2 or 1,
+    )
     start = time.perf_counter()
     with step_errors(model, args.model, args.batch_size, args.seq_len):
-        advice = advise(
-            model,
-            example_batch(model, args.model, args.batch_size, args.seq_len),
-            optimizer=args.optimizer if lightning else args.optimizer or "adamw",
-            loss_fn=None if lightning else lm_loss,
-            precision=args.precision,
-            checkpointing=None if args.checkpointing == "none" else args.checkpointing,
-            device=args.device,
-            strategy=None if args.fsdp2 is None else "fsdp2",
-            world_size=args.fsdp2 or 1,
-        )
+        batch = example_batch(model, args.model, args.batch_size, args.seq_len)
+        advice = advise(model, batch, **kwargs)
     seconds = time.perf_counter() - start
+    step = f"micro-batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.device}"
+    if args.fsdp2 is not None:
+        step += f", one rank of {args.fsdp2} under FSDP2"
+    if args.html is not None:
+        with step_errors(model, args.model, args.batch_size, args.seq_len):
+            snapshot, _ = simulated_snapshot(model, batch, **kwargs)
+        _write_html(args, snapshot, advice, step)
     if args.json:
-        print(json.dumps({"model": args.model, **advice.as_dict(), "seconds": seconds}, indent=2))
+        html = {"html": args.html} if args.html is not None else {}
+        print(json.dumps({"model": args.model, **advice.as_dict(), "seconds": seconds, **html}, indent=2))
     else:
-        step = f"micro-batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.device}"
-        if args.fsdp2 is not None:
-            step += f", one rank of {args.fsdp2} under FSDP2"
         print(f"{args.model}, {step}:")
         print(advice)
         print(f"advised in {seconds:.1f} s (simulated steps; nothing allocated)")
+        if args.html is not None:
+            print(f"HTML report of the step and its findings written to {args.html} (self-contained)")
     return 0
+
+
+def _write_html(args: argparse.Namespace, snapshot: dict, advice: Advice, step: str) -> None:
+    """Write ``--html``'s page: the step's snapshot (its peak must be the advice's) and the findings."""
+    page = html_report(
+        snapshot,
+        advice.breakdown,
+        advice.findings,
+        title=f"{args.model}: one training step, {step}",
+        notes=[
+            f"memkit advise: the step peaks in the {advice.peak_phase}; each finding priced by simulating "
+            "the step with its fix (nothing allocated)."
+        ],
+    )
+    with open(args.html, "w", encoding="utf-8") as f:
+        f.write(page)

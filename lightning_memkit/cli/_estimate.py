@@ -7,7 +7,9 @@ parameter; otherwise a note says why not), the ``simulated`` one the step run on
 table say which to plan with (the simulated one: the model's own code ran) and why they differ, from the
 figures: the categories that differ most and what the analytic model leaves out there (the logits and the
 loss's buffers, gradients not yet made at the simulated peak). With ``--gpu`` a line says whether the
-simulated step fits the card and, when it does not, the fastest plans that do follow, as code.
+simulated step fits the card and, when it does not, the fastest plans that do follow, as code. With
+``--html FILE`` the same simulation is also written as one self-contained HTML page
+(`_diagnosis.html_report`): the step's timeline by category, the breakdown and top modules at its peak.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
+from lightning_memkit._diagnosis.html_report import html_report
 from lightning_memkit._diagnosis.oom import plans_section, run_candidates
 from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit._diagnosis.snapshot import simulated_snapshot, write_snapshot
@@ -69,9 +72,12 @@ def run_estimate(args: argparse.Namespace) -> int:
         )
     start = time.perf_counter()
     with step_errors(model, args.model, args.batch_size, args.seq_len):
-        simulated, at_peak = _simulate(model, args)
+        simulated, at_peak, snapshot = _simulate(model, args)
     seconds = time.perf_counter() - start
     notes.append(f"simulated: one step on fake tensors in {seconds:.1f} s")
+    if args.html is not None:
+        assert snapshot is not None
+        notes.append(_write_html(args, snapshot, simulated))
     if args.snapshot is not None:
         notes.append(
             f"snapshot of the simulated step written to {args.snapshot}: open it with `python -m "
@@ -135,9 +141,12 @@ def _fit(model: nn.Module, args: argparse.Namespace, simulated: MemoryBreakdown)
     ]
 
 
-def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdown, TimelineEvent | None]:
-    """The simulated step's breakdown and the op at which its peak falls (the first of the highest); with
-    ``--snapshot``, the same simulation also writes the step as a PyTorch memory snapshot."""
+def _simulate(
+    model: nn.Module, args: argparse.Namespace
+) -> tuple[MemoryBreakdown, TimelineEvent | None, dict | None]:
+    """The simulated step's breakdown, the op at which its peak falls (the first of the highest) and, with
+    ``--snapshot`` or ``--html``, the step as a PyTorch memory snapshot from the same simulation (written to
+    ``--snapshot``'s file)."""
     lightning = isinstance(model, LightningModule)
     batch = example_batch(model, args.model, args.batch_size, args.seq_len)
     kwargs: dict[str, Any] = dict(
@@ -150,13 +159,43 @@ def _simulate(model: nn.Module, args: argparse.Namespace) -> tuple[MemoryBreakdo
         strategy="fsdp2" if args.strategy == "fsdp2" else None,
         world_size=args.gpus if args.strategy == "fsdp2" else 1,  # the others divide the one-device step
     )
-    if args.snapshot is None:
+    snapshot = None
+    if args.snapshot is None and args.html is None:
         breakdown, timeline = estimate_memory(model, batch, **kwargs, return_timeline=True)
     else:
         snapshot, tracker = simulated_snapshot(model, batch, timeline=True, **kwargs)
-        write_snapshot(snapshot, args.snapshot)
+        if args.snapshot is not None:
+            write_snapshot(snapshot, args.snapshot)
         breakdown, timeline = tracker.breakdown(), tracker.timeline or []
-    return breakdown, max(timeline, key=lambda event: event.live, default=None)
+    return breakdown, max(timeline, key=lambda event: event.live, default=None), snapshot
+
+
+def _write_html(args: argparse.Namespace, snapshot: dict, simulated: MemoryBreakdown) -> str:
+    """Write ``--html``'s page of the simulated step (before any division over ranks: the step simulated)
+    and return the note saying where."""
+    title = (
+        f"{args.model}: one training step, batch {args.batch_size} x {args.seq_len}, {args.precision}, "
+        f"{args.optimizer_used}, {args.device}"
+    )
+    notes = ["memkit estimate: the simulated column's step, on fake tensors (nothing allocated)."]
+    if args.strategy == "fsdp2":
+        title += f", one rank of {args.gpus} under FSDP2"
+    elif args.gpus > 1 or args.strategy != "ddp":
+        notes.append(
+            f"The one-device step, as simulated: the table divides it per rank ({args.strategy} over "
+            f"{args.gpus} GPU(s))."
+        )
+    page = html_report(
+        snapshot,
+        simulated,
+        title=title,
+        notes=notes,
+        no_findings=f"Run memkit advise --model {args.model} with the same arguments for what the peak "
+        "holds that it need not, with the bytes each fix saves and the fix.",
+    )
+    with open(args.html, "w", encoding="utf-8") as f:
+        f.write(page)
+    return f"HTML report of the simulated step written to {args.html} (self-contained: open it in a browser)"
 
 
 def _difference(analytic: MemoryBreakdown, simulated: MemoryBreakdown) -> dict[str, int]:

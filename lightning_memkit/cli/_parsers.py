@@ -104,6 +104,18 @@ def add_step_arguments(
     )
 
 
+def _add_html(p: argparse.ArgumentParser, *, findings: str = "") -> None:
+    """``--html FILE``: the simulated step's peak as one self-contained HTML page."""
+    p.add_argument(
+        "--html",
+        default=None,
+        metavar="FILE",
+        help="also write one self-contained HTML page (inline SVG, nothing fetched) of the simulated step: "
+        "its timeline by category with the phases and the peak marked, the breakdown and the top modules "
+        f"at the peak{findings}",
+    )
+
+
 def add_estimate(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "estimate",
@@ -157,6 +169,7 @@ def add_estimate(subparsers: Any) -> None:
         "pickle; one rank's step with --strategy fsdp2, else the one-device step) to open in torch's memory "
         "viewer: python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html, or pytorch.org/memory_viz",
     )
+    _add_html(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=deferred("_estimate", "run_estimate"))
 
@@ -243,5 +256,6 @@ def add_advise(subparsers: Any) -> None:
         help="advise one rank's step of FSDP2 over N ranks (fully_shard on each block, then the model), "
         "simulated in this process",
     )
+    _add_html(p, findings=", and the findings with their fixes")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=deferred("_advise", "run_advise"))
