@@ -41,6 +41,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
 from lightning_memkit._budget import flag, parse_budget, reads_device, whole_number
 from lightning_memkit._diagnosis.advise import Advice, advise
+from lightning_memkit._diagnosis.html_report import html_report
 from lightning_memkit._diagnosis.oom import StepInFlight, on_cpu, simulable
 from lightning_memkit._diagnosis.report import plot_history, render_summary
 from lightning_memkit._diagnosis.snapshot import simulated_snapshot, write_snapshot
@@ -140,6 +141,9 @@ class MemoryMonitor(Callback):
             step ``advise`` reads) and save it as a PyTorch memory snapshot, ``memory_snapshot.pickle``
             beside ``memory.png``, for torch's memory viewer (`lightning_memkit.memory_snapshot`). It is
             the simulated twin of a measured step, and says both peaks.
+        report: at the end of fit (rank 0), the same simulated step as one self-contained HTML page,
+            ``memory_report.html`` beside ``memory.png``: its timeline stacked by category with the phases
+            and the peak, the top modules at the peak and, with ``advise=True``, the advice.
 
     Example::
 
@@ -158,10 +162,12 @@ class MemoryMonitor(Callback):
         summary: bool = True,
         advise: bool = False,
         snapshot: bool = False,
+        report: bool = False,
     ) -> None:
         if log_every_n_steps is not None:  # None: the Trainer's
             log_every_n_steps = whole_number("log_every_n_steps", log_every_n_steps, of="steps", at_least=1)
-        for name, value in (("plot", plot), ("summary", summary), ("advise", advise), ("snapshot", snapshot)):
+        flags = {"plot": plot, "summary": summary, "advise": advise, "snapshot": snapshot, "report": report}
+        for name, value in flags.items():
             flag(name, value)
         remeasure = remeasure_every_n_steps
         if isinstance(remeasure, bool) or not isinstance(remeasure, numbers.Integral):  # numpy's: yes
@@ -181,6 +187,7 @@ class MemoryMonitor(Callback):
         self.summary = summary
         self.advise = advise
         self.snapshot = snapshot
+        self.report = report
         self._reset()
 
     def _reset(self) -> None:
@@ -240,7 +247,11 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step.start(batch, batch_idx)
-        if (self.advise or self.snapshot) and self._first_batch is None and trainer.is_global_zero:
+        if (
+            (self.advise or self.snapshot or self.report)
+            and self._first_batch is None
+            and trainer.is_global_zero
+        ):
             self._first_batch = on_cpu(batch, copy=True)
         if self._disabled or self._failure is not None:
             return
@@ -338,11 +349,11 @@ class MemoryMonitor(Callback):
                 self._advise(trainer, pl_module)
             except Exception as err:
                 self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
-        if self.snapshot and self._first_batch is not None and path is not None:
+        if (self.snapshot or self.report) and self._first_batch is not None and path is not None:
             try:
-                self._save_snapshot(trainer, pl_module, path.with_name("memory_snapshot.pickle"))
+                self._save_step(trainer, pl_module, path.parent)
             except Exception as err:
-                self._warn_once("snapshot", f"MemoryMonitor could not save the step's snapshot: {err!r}")
+                self._warn_once("snapshot", f"MemoryMonitor could not save the simulated step: {err!r}")
         self._first_batch = None
 
     @property
@@ -543,18 +554,29 @@ class MemoryMonitor(Callback):
             log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
             self._safely(logger, "log_metrics", log)
 
-    def _save_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, path: Path) -> None:
+    def _save_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path) -> None:
+        """The first batch's step, simulated once, as ``snapshot`` and ``report`` ask, into ``folder``."""
         model, kwargs = self._step_as_run(trainer, pl_module)
         snapshot, tracker = simulated_snapshot(model, self._first_batch, **kwargs)
-        write_snapshot(snapshot, path)
-        simulated = tracker.breakdown().peak
+        breakdown = tracker.breakdown()
         measured = max((b.peak for _, b in self.history), default=0)
-        rank_zero_info(
-            f"MemoryMonitor: the first batch's step, simulated (peak {format_bytes(simulated)}; the highest "
-            f"measured step: {format_bytes(measured)}), saved as a PyTorch memory snapshot to "
-            f"{path}: open it at pytorch.org/memory_viz, or `python -m torch.cuda._memory_viz trace_plot "
-            f"{path} -o step.html`"
-        )
+        peaks = f"simulated peak {format_bytes(breakdown.peak)}; highest measured: {format_bytes(measured)}"
+        if self.snapshot:
+            path = folder / "memory_snapshot.pickle"
+            write_snapshot(snapshot, path)
+            rank_zero_info(
+                f"MemoryMonitor: the first batch's step ({peaks}) saved as a PyTorch memory snapshot to "
+                f"{path}: open it at pytorch.org/memory_viz, or `python -m torch.cuda._memory_viz trace_plot "
+                f"{path} -o step.html`"
+            )
+        if self.report:
+            path = folder / "memory_report.html"
+            findings = None if self.advice is None else self.advice.findings
+            notes = [f"The first training batch's step as this run takes it, simulated; {peaks}."]
+            no_findings = "MemoryMonitor(advise=True) adds what the peak holds that it need not."
+            page = html_report(snapshot, breakdown, findings, notes=notes, no_findings=no_findings)
+            path.write_text(page, encoding="utf-8")
+            rank_zero_info(f"MemoryMonitor: the first batch's step ({peaks}) as a page: {path}")
 
     # --- never crash the run we observe -------------------------------------------------------
 
