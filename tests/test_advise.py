@@ -76,6 +76,7 @@ def test_gpt_example_findings_are_what_their_fixes_save(gpt_advice):
 
 
 @pytest.mark.xdist_group("gpt_advice")  # one worker computes the fixture
+@pytest.mark.slow
 def test_gpt_example_findings_say_what_and_how(gpt_advice):
     advice, _ = gpt_advice
     assert "GradientRelease()" in advice["gradients"].fix

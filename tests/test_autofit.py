@@ -72,6 +72,7 @@ def test_plan_fits_and_is_the_fastest_configuration_simulated(module, batch, pla
     assert any(a.fits is False for a in plan.alternatives)
 
 
+@pytest.mark.xdist_group("autofit_plan")  # one worker computes the module's plan
 def test_every_row_of_the_chosen_optimizer_has_its_time_in_seconds(plan):
     """The plan table's rows of the chosen optimizer and precision all have a time (no "—" for a uniform
     mode the planner did not profile at that micro-batch), in seconds and relative to the chosen plan's,
@@ -140,6 +141,7 @@ def test_apply_swaps_optimizer_and_checkpoints(module):
     assert checkpoint_policies(module) == {}
 
 
+@pytest.mark.xdist_group("autofit_plan")  # one worker computes the module's plan
 def test_leaner_and_dict_round_trip(plan):
     assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))) == plan
     p = plan

@@ -254,6 +254,7 @@ def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_is_the_cheapest_of_all_sixteen_that_fit():
     """A 2-block GPT under ``policy="auto"``: every budget between (and at) the simulated peaks of its 16
     plans gets a plan that fits and costs the least recompute among the plans that fit; among the 4 plans

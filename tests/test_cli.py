@@ -97,6 +97,7 @@ def test_sharding_applies_to_both_columns_per_rank():
     assert any("fsdp over 4 GPU(s)" in note for note in report["notes"])
 
 
+@pytest.mark.slow
 def test_fsdp2_simulates_one_ranks_sharded_step():
     """``--strategy fsdp2``: the simulated column is one rank's FSDP2 step (estimate_memory's), above the
     one-device step divided, which leaves out the unsharded units."""

@@ -42,6 +42,7 @@ def test_kahan_keeps_the_updates_bf16_rounds_away():
     assert moved["bf16 kahan"] == pytest.approx(moved["fp32"], abs=2**-8)  # within a bf16 rounding
 
 
+@pytest.mark.slow
 def test_plan_fit_plans_bf16_weights_with_the_kahan_twin():
     """A budget AdamW's fp32 parameters, gradients and state do not fit (14 MB): the plan falls to
     bf16-true, with AdamW's Kahan-summed twin, not AdamW rounding its updates away (``compensate=False``,

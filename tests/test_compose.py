@@ -127,6 +127,7 @@ def test_autofit_plans_the_swaps_candidates_after_the_modules_own():
     assert lighter_candidates(module)[:2] == ("adamw", "adamw8bit")
 
 
+@pytest.mark.slow
 def test_resuming_a_swapped_run_beside_autofit_says_how_to_resume(tmp_path):
     """The checkpoint holds Adafactor's state; beside AutoFit, OptimizerSwap defers and AutoFit built
     AdamW, whose first step failed with ``KeyError: 'betas'``."""

@@ -128,6 +128,7 @@ def _csv(tmp_path) -> CSVLogger:
     return CSVLogger(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_forward_oom_names_the_phase_the_need_and_plans_that_really_fit(tmp_path):
     """Step 1 needs more than the budget: the message says so, by category, simulated for its batch (step 0,
     without optimizer state, had another signature), and plan 1's code, run for real, peaks under the

@@ -93,6 +93,7 @@ def test_the_shortcut_holds_for_one_fsdp2_rank(world_size: int) -> None:
     assert shortcut is not None and shortcut.breakdown == whole
 
 
+@pytest.mark.slow
 def test_a_peak_that_moves_with_depth_is_followed() -> None:
     """At a few blocks the peak is at the loss (the logits); at 16 it is in the optimizer's foreach step
     (a temporary as large as every parameter): no straight line through the shallow peaks finds it."""
