@@ -26,6 +26,7 @@ Findings (each only where it saves something):
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -174,8 +175,27 @@ def advise(
         strategy=strategy,
         world_size=world_size,
     )
-    tracer = Tracer(model)
-    tracker = simulate_step(model, batch, first_step=False, tracer=tracer, **kwargs)
+    return advise_traced(model, batch, Tracer(model), memory_stats=memory_stats, **kwargs)[0]
+
+
+def advise_traced(
+    model: nn.Module,
+    batch: Any,
+    tracer: Tracer,
+    *,
+    history: Any = False,
+    memory_stats: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Advice, Any]:
+    """`advise` on the step simulated with ``tracer`` and ``history`` (`simulate_step`'s), returning the
+    advice and that step's tracker: a caller that also records the step (`_diagnosis.snapshot`) simulates
+    it once. ``kwargs`` are `advise`'s, with its defaults."""
+    bound = inspect.signature(advise).bind(model, batch, memory_stats=memory_stats, **kwargs)
+    bound.apply_defaults()
+    kwargs = {k: v for k, v in bound.arguments.items() if k not in ("model", "batch", "memory_stats")}
+    optimizer, device = kwargs["optimizer"], kwargs["device"]
+    strategy, world_size = kwargs["strategy"], kwargs["world_size"]
+    tracker = simulate_step(model, batch, first_step=False, tracer=tracer, history=history, **kwargs)
     breakdown = tracker.breakdown()
     peak = breakdown.peak
 
@@ -194,7 +214,7 @@ def advise(
     findings = [f for f in findings if f.saved > 0]
     findings.sort(key=lambda f: -f.saved)
     scope = f"one rank of {world_size} under FSDP2" if strategy == "fsdp2" else ""
-    return Advice(breakdown, tracer.peak_phase, tuple(findings), scope)
+    return Advice(breakdown, tracer.peak_phase, tuple(findings), scope), tracker
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_memkit._diagnosis.advise import Advice, advise_traced
 from lightning_memkit._estimating.repeated import History
 from lightning_memkit._estimating.simulate import _SimTracker, simulate_step
 from lightning_memkit._estimating.trace import Tracer, module_hooks
@@ -98,6 +99,19 @@ def simulated_snapshot(
     namer = _Namer(model, recorder)
     tracker = simulate_step(model, batch, timeline=timeline, tracer=namer, history=recorder, **kwargs)
     return _build(tracker, recorder, namer), tracker
+
+
+def advised_snapshot(
+    model: nn.Module, batch: Any, *, memory_stats: Any = None, **kwargs: Any
+) -> tuple[Advice, dict]:
+    """`advise`'s advice and `memory_snapshot`'s dict of the step it advises, from one simulation of that
+    step (``kwargs``: as `advise_traced` takes them)."""
+    recorder = _Recorder()
+    namer = _Namer(model, recorder)
+    advice, tracker = advise_traced(
+        model, batch, namer, history=recorder, memory_stats=memory_stats, **kwargs
+    )
+    return advice, _build(tracker, recorder, namer)
 
 
 def write_snapshot(snapshot: dict, path: str | os.PathLike) -> None:

@@ -44,7 +44,7 @@ from lightning_memkit._diagnosis.advise import Advice, advise
 from lightning_memkit._diagnosis.html_report import html_report
 from lightning_memkit._diagnosis.oom import StepInFlight, on_cpu, simulable
 from lightning_memkit._diagnosis.report import plot_history, render_summary
-from lightning_memkit._diagnosis.snapshot import simulated_snapshot, write_snapshot
+from lightning_memkit._diagnosis.snapshot import advised_snapshot, simulated_snapshot, write_snapshot
 from lightning_memkit._measuring.tracker import (
     MemoryMeasurement,
     leaves,
@@ -344,17 +344,9 @@ class MemoryMonitor(Callback):
         except Exception as err:
             where = f" ({path})" if path is not None else ""
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report{where}: {err!r}")
-        if self.advise and self._first_batch is not None:
-            try:
-                self._advise(trainer, pl_module)
-            except Exception as err:
-                self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
-        if (self.snapshot or self.report) and self._first_batch is not None and path is not None:
-            try:
-                self._save_step(trainer, pl_module, path.parent)
-            except Exception as err:
-                self._warn_once("snapshot", f"MemoryMonitor could not save the simulated step: {err!r}")
-        self._first_batch = None
+        if self._first_batch is not None:
+            self._first_step(trainer, pl_module, None if path is None else path.parent)
+            self._first_batch = None
 
     @property
     def state_key(self) -> str:
@@ -533,7 +525,7 @@ class MemoryMonitor(Callback):
         """The model and `estimate_memory`'s arguments for the first batch's step as this run takes it.
         Under FSDP2 the module is sharded by now: its unsharded twin's sharded step stands for it."""
         strategy, ranks = sharding(trainer)
-        fsdp2 = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
+        fsdp2 = strategy == "fsdp2"
         model, optimizer = simulable(pl_module, the_optimizer(trainer))
         return model, {
             "optimizer": optimizer,
@@ -541,24 +533,49 @@ class MemoryMonitor(Callback):
             "device": self._device.type,
             "accumulating": trainer.accumulate_grad_batches > 1,  # a micro-batch adding to gradients
             **step_levers(trainer),
-            **fsdp2,
+            "strategy": "fsdp2" if fsdp2 else None,
+            "world_size": ranks if fsdp2 else 1,
         }
 
-    def _advise(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
-        model, kwargs = self._step_as_run(trainer, pl_module)
-        self.advice = advise(model, self._first_batch, **kwargs)
-        rank_zero_info(f"MemoryMonitor: memory advice for the first batch's step\n{self.advice}")
-        metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}
-        for logger in trainer.loggers:
-            log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
-            self._safely(logger, "log_metrics", log)
+    def _first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path | None) -> None:
+        """``advise``, ``snapshot`` and ``report`` on the first batch's step as this run takes it, simulated
+        once for all three (``folder``: where the files go; ``None``: no files, as under fast_dev_run)."""
+        saves = (self.snapshot or self.report) and folder is not None
+        try:
+            model, kwargs = self._step_as_run(trainer, pl_module)
+        except Exception as err:
+            self._warn_once("first step", f"MemoryMonitor could not simulate the first batch's step: {err!r}")
+            return
+        snapshot: dict | None = None
+        if self.advise:
+            rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
+            try:
+                if saves:
+                    self.advice, snapshot = advised_snapshot(model, self._first_batch, **kwargs)
+                else:
+                    self.advice = advise(model, self._first_batch, **kwargs)
+            except Exception as err:
+                self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
+            else:
+                rank_zero_info(f"MemoryMonitor: memory advice for the first batch's step\n{self.advice}")
+                metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}
+                for logger in trainer.loggers:
+                    log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
+                    self._safely(logger, "log_metrics", log)
+        if not saves:
+            return
+        try:
+            if snapshot is None:  # no advice asked, or it failed: the step alone
+                snapshot, tracker = simulated_snapshot(model, self._first_batch, **kwargs)
+                breakdown = tracker.breakdown()
+            else:
+                breakdown = self.advice.breakdown
+            self._save_step(folder, snapshot, breakdown)
+        except Exception as err:
+            self._warn_once("snapshot", f"MemoryMonitor could not save the simulated step: {err!r}")
 
-    def _save_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path) -> None:
-        """The first batch's step, simulated once, as ``snapshot`` and ``report`` ask, into ``folder``."""
-        model, kwargs = self._step_as_run(trainer, pl_module)
-        snapshot, tracker = simulated_snapshot(model, self._first_batch, **kwargs)
-        breakdown = tracker.breakdown()
+    def _save_step(self, folder: Path, snapshot: dict, breakdown: MemoryBreakdown) -> None:
+        """The first batch's simulated step into ``folder``, as ``snapshot`` and ``report`` ask."""
         measured = max((b.peak for _, b in self.history), default=0)
         peaks = f"simulated peak {format_bytes(breakdown.peak)}; highest measured: {format_bytes(measured)}"
         if self.snapshot:

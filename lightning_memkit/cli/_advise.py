@@ -1,8 +1,8 @@
 """``memkit advise``: where a step's peak holds memory it need not, each finding with its bytes and fix.
 
 The step is simulated as ``memkit estimate`` simulates it (`lightning_memkit.advise`), then once more per
-fix to price it; nothing is allocated and no GPU is needed. With ``--html FILE`` the step is simulated once
-more as a memory snapshot (`_diagnosis.snapshot`) and written as one self-contained HTML page
+fix to price it; nothing is allocated and no GPU is needed. With ``--html FILE`` the advised step is also
+recorded as a memory snapshot (`_diagnosis.snapshot`) and written as one self-contained HTML page
 (`_diagnosis.html_report`): its timeline, the breakdown and top modules at the peak, and the findings.
 """
 
@@ -17,7 +17,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_memkit._diagnosis.advise import Advice, advise
 from lightning_memkit._diagnosis.html_report import html_report
-from lightning_memkit._diagnosis.snapshot import simulated_snapshot
+from lightning_memkit._diagnosis.snapshot import advised_snapshot
 from lightning_memkit.cli._models import (
     analytic_shape,
     check_seq_len,
@@ -47,14 +47,15 @@ def run_advise(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with step_errors(model, args.model, args.batch_size, args.seq_len):
         batch = example_batch(model, args.model, args.batch_size, args.seq_len)
-        advice = advise(model, batch, **kwargs)
+        if args.html is None:
+            advice = advise(model, batch, **kwargs)
+        else:  # the advised step itself recorded, for the page
+            advice, snapshot = advised_snapshot(model, batch, **kwargs)
     seconds = time.perf_counter() - start
     step = f"micro-batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.device}"
     if args.fsdp2 is not None:
         step += f", one rank of {args.fsdp2} under FSDP2"
     if args.html is not None:
-        with step_errors(model, args.model, args.batch_size, args.seq_len):
-            snapshot, _ = simulated_snapshot(model, batch, **kwargs)
         _write_html(args, snapshot, advice, step)
     if args.json:
         html = {"html": args.html} if args.html is not None else {}
