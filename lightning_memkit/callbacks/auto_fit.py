@@ -264,6 +264,7 @@ class AutoFit(Callback):
         trainer, pl_module = self._target
         lightning_setattr(pl_module, self.batch_arg_name, plan.micro_batch_size)
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        _drop_train_loader(trainer)
         self._scale_counts(trainer, plan)
         self._apply(plan)
         if self._guard is None and self.verify_steps > 0 and _unrecoverable(trainer, pl_module) is None:
@@ -549,6 +550,22 @@ def _unrecoverable(trainer: pl.Trainer, module: pl.LightningModule) -> str | Non
             "again. Without FusedOptimizerStep, AutoFit re-plans one notch leaner and runs the batch again"
         )
     return None
+
+
+def _drop_train_loader(trainer: pl.Trainer) -> None:
+    """Drop a train loader the fit loop built before the plan, at the user's batch size, so that the loop
+    builds it again as it starts (``_FitLoop.setup_data``), at the micro-batch, as Lightning's
+    ``BatchSizeFinder`` does (``_reset_dataloaders``). ``trainer.estimated_stepping_batches`` builds it
+    when ``configure_optimizers``, which planning runs, reads it (a learning-rate schedule's length) and
+    ``max_epochs`` is set; kept, the fit would run the user's batches, accumulated by the plan's count, and
+    the progress bar, the schedule and ``val_check_interval`` would count them."""
+    loop = trainer.fit_loop
+    if loop._combined_loader is None:
+        return
+    if loop._data_fetcher is not None:  # its iterator, and any workers, read the dropped loader
+        loop._data_fetcher.teardown()
+        loop._data_fetcher = None
+    loop._combined_loader = None
 
 
 def _whole(value: Any) -> bool:
