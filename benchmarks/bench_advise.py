@@ -79,7 +79,7 @@ def _fix(name: str, kind: str, fix: str) -> tuple[list[pl.Callback], bool] | Non
         fused = fix.startswith("Trainer(callbacks=[FusedOptimizerStep")
         return [FusedOptimizerStep() if fused else GradientRelease()], False
     if kind == "activations":
-        return [ActivationCheckpointing(policy="full")], False
+        return [ActivationCheckpointing(checkpointing="full")], False
     if kind == "logits" and name in ("gpt", *CAUSAL):
         return [], True
     return None

@@ -134,7 +134,7 @@ def _rank(rank: int, out: Path, rounds: int) -> None:
                 continue  # the same configuration as a grid point: timed there
             checkpointing = p["checkpoint_plan"]["blocks"] if p["checkpoint_plan"] else p["checkpointing"]
             if isinstance(checkpointing, list):
-                checkpointing = {b["name"]: b["policy"] for b in checkpointing}
+                checkpointing = {b["name"]: b["mode"] for b in checkpointing}
             module = Configured(p["micro_batch_size"], checkpointing, p["reshard_after_forward"])
             run = _fit(plain(), module, p["accumulate_grad_batches"])
             results["planned"].setdefault(run_key, []).append(run)

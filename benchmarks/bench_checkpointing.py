@@ -7,7 +7,7 @@ interleaved rounds (every configuration once per round, so a change in the machi
 
 Configurations:
 
-- none, and every block under one policy: full, selective, selective_half;
+- none, and every block under one mode: full, selective, selective_half;
 - "full k/8": the first k blocks fully checkpointed (the usual hand-made plan);
 - our plans for budgets between the no-checkpointing and the full-checkpointing peaks (fraction f: the
   budget is ``peak_full + f * (peak_none - peak_full)``), f = 0.5 being the issue's halfway budget.
@@ -122,8 +122,8 @@ def main() -> None:
     )
 
     configs: dict[str, object] = {"none": "none"}
-    for policy in ("selective", "selective_half", "full"):
-        configs[f"all {policy}"] = policy
+    for mode in ("selective", "selective_half", "full"):
+        configs[f"all {mode}"] = mode
     for k in range(2, n, 2):
         configs[f"full {k}/{n}"] = {name: "full" for name in blocks[:k]}
     plans = {}
@@ -131,7 +131,7 @@ def main() -> None:
         budget = int(full + fraction * (none - full))
         start = time.perf_counter()
         plans[fraction] = plan = planner.plan(budget)
-        counts = {p: list(plan.policies.values()).count(p) for p in ("selective", "selective_half", "full")}
+        counts = {p: list(plan.modes.values()).count(p) for p in ("selective", "selective_half", "full")}
         summary = ", ".join(f"{c} {p}" for p, c in counts.items() if c) or "none"
         seconds = time.perf_counter() - start
         print(f"plan f={fraction}: budget {budget / MiB:.1f} MiB -> {summary} (planned in {seconds:.1f} s)")

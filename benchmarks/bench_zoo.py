@@ -51,8 +51,8 @@ def monitor_and_estimate(name: str) -> tuple[float, float]:
     return monitor_error, estimate / max(peaks.peaks[1:]) - 1
 
 
-def _real_peak(name: str, policy: str) -> int:
-    """The allocator's peak of a plain step (backward, step, zero_grad) with ``policy`` on every block."""
+def _real_peak(name: str, mode: str) -> int:
+    """The allocator's peak of a plain step (backward, step, zero_grad) with ``mode`` on every block."""
     module, batch = ZooModule(name), zoo_batch(name)
     if hasattr(module.model, "config"):  # as checkpointing turns it off: the same computation
         module.model.config.use_cache = False
@@ -63,7 +63,7 @@ def _real_peak(name: str, policy: str) -> int:
         opt.step()
         opt.zero_grad()
 
-    with apply_checkpointing(module, policy):
+    with apply_checkpointing(module, mode):
         step()
         return allocator_peak(step)
 

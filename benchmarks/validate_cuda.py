@@ -91,7 +91,6 @@ class Sizes:
     rounds: int  # interleaved rounds of timed fits
     checkpointing: tuple[str, ...]  # the modes AutoFit's and ActivationCheckpointing's plans may give a block
     grid: tuple[tuple[int, str], ...]  # (accumulation, checkpointing) cells AutoFit's throughput is held to
-    policy: str  # ActivationCheckpointing's policy at the halfway budget (row 3)
 
 
 DRY = Sizes(
@@ -99,7 +98,7 @@ DRY = Sizes(
     llama=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=128),
     llama_batch=(4, 16), steps=2, timed_steps=3, rounds=1, checkpointing=("none", "full"),
-    grid=((2, "full"), (4, "full")), policy="full",
+    grid=((2, "full"), (4, "full")),
 )  # fmt: skip
 #: TinyLlama-1.1B's shape.
 CUDA = Sizes(
@@ -107,7 +106,7 @@ CUDA = Sizes(
     llama=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
     llama_batch=(8, 1024), steps=4, timed_steps=12, rounds=3, checkpointing=CHECKPOINT_MODES,
-    grid=tuple((k, mode) for k in (1, 2, 4) for mode in ("none", "selective", "full")), policy="auto",
+    grid=tuple((k, mode) for k in (1, 2, 4) for mode in ("none", "selective", "full")),
 )  # fmt: skip
 
 
@@ -369,7 +368,7 @@ def checkpointing(bench: Bench) -> None:
     plan = plan_checkpointing(
         module,
         example_batch(module),
-        policy="full",
+        checkpointing="full",
         device=bench.device,
         precision=bench.precision,
         cost="flops",
@@ -377,9 +376,9 @@ def checkpointing(bench: Bench) -> None:
     budget = plan.peak + 6 * (plan.peak_none - plan.peak) // 10  # past halfway: not on a plan's own peak
     runs = {}
     for label, callback in (
-        ("planned", ActivationCheckpointing(budget=budget, policy=bench.sizes.policy)),
+        ("planned", ActivationCheckpointing(budget=budget, checkpointing=bench.sizes.checkpointing)),
         ("none", None),
-        ("full", ActivationCheckpointing(policy="full")),
+        ("full", ActivationCheckpointing(checkpointing="full")),
     ):
         module = bench.gpt()
         runs[label] = bench.fit(module, [callback] if callback else [], steps=bench.sizes.timed_steps)
@@ -466,10 +465,10 @@ def autofit_and_plan(bench: Bench) -> None:
     bench.add("8. plan_fit at the capped size vs real", figure, "≤ 2 %", abs(error) <= 0.02)
     throughput = autofit.plan.micro_batch_size / run.step_time  # samples/s: a training batch is a micro-batch
     best, best_cell, b = 0.0, "none fits", bench.sizes.llama_batch[0]
-    for micro, policy in bench.sizes.grid:
+    for micro, mode in bench.sizes.grid:
         module = bench.llama()
         module.batch_size = b // micro
-        callbacks = [ActivationCheckpointing(policy=policy)] if policy != "none" else []
+        callbacks = [ActivationCheckpointing(checkpointing=mode)] if mode != "none" else []
         try:
             with capped(bench, budget):
                 cell = bench.fit(
@@ -480,7 +479,7 @@ def autofit_and_plan(bench: Bench) -> None:
         held = max(cell.peaks) <= autofit.plan.limit  # held to the limit AutoFit plans to (its margin kept)
         if held and module.batch_size / cell.step_time > best:
             best = module.batch_size / cell.step_time
-            best_cell = f"micro-batch {module.batch_size} x {micro}, {policy}: {b / best:.3f} s"
+            best_cell = f"micro-batch {module.batch_size} x {micro}, {mode}: {b / best:.3f} s"
     ratio = throughput / best if best else math.nan
     figure = (
         f"{ooms} OOMs, peak {real / MiB:,.1f} ≤ {budget / MiB:,.1f} MiB, x{ratio:.2f} the grid's best "

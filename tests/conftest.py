@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from filelock import FileLock
+from helpers import trainer_arguments
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,16 +107,10 @@ def lightning_log(caplog, monkeypatch):
 
 @pytest.fixture
 def trainer_kwargs(tmp_path):
-    return dict(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    """`helpers.trainer_arguments` as keywords to extend, logging every step, with Lightning's own
+    validation and logger (the monitor's tests read both)."""
+    kwargs = trainer_arguments(tmp_path, log_every_n_steps=1)
+    return {k: v for k, v in kwargs.items() if k not in ("logger", "limit_val_batches")}
 
 
 @pytest.fixture(scope="session")

@@ -19,15 +19,20 @@ from lightning_memkit.testing import allocator_peak
 B, T = 8, 64
 
 
-def cpu_trainer(tmp_path, callbacks, max_steps=4, **overrides) -> pl.Trainer:
-    """The suite's Trainer: one CPU, no validation, progress bar, summary or checkpoints, logging to CSV;
-    ``overrides`` replace any of these (``logger=False``) or add to them."""
+def trainer_arguments(tmp_path, max_steps=4, **overrides) -> dict:
+    """The suite's Trainer arguments: one CPU, no validation, progress bar, summary or checkpoints, logging
+    to CSV; ``overrides`` replace any of these (``logger=False``) or add to them."""
     defaults = dict(
         default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
         logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False,
     )  # fmt: skip
-    return pl.Trainer(callbacks=list(callbacks), **{**defaults, **overrides})
+    return {**defaults, **overrides}
+
+
+def cpu_trainer(tmp_path, callbacks, max_steps=4, **overrides) -> pl.Trainer:
+    """The suite's Trainer (`trainer_arguments`) with ``callbacks``."""
+    return pl.Trainer(callbacks=list(callbacks), **trainer_arguments(tmp_path, max_steps, **overrides))
 
 
 class Losses(pl.Callback):

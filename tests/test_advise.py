@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from models import lm_loss
 from torch import nn
 from zoo import ChunkedLossModule, ZooModule, zoo_batch
 
@@ -66,7 +67,7 @@ def test_gpt_example_findings_are_what_their_fixes_save(gpt_advice):
     assert [f.saved for f in advice] == sorted((f.saved for f in advice), reverse=True)
     fixes = {
         "gradients": ({}, [GradientRelease()]),
-        "activations": ({}, [ActivationCheckpointing(policy="full")]),
+        "activations": ({}, [ActivationCheckpointing(checkpointing="full")]),
         "logits": ({"loss_chunks": 8}, []),
     }
     for kind, (module_kwargs, callbacks) in fixes.items():
@@ -81,7 +82,7 @@ def test_gpt_example_findings_say_what_and_how(gpt_advice):
     advice, _ = gpt_advice
     assert "GradientRelease()" in advice["gradients"].fix
     assert "through the forward" in advice["gradients"].what
-    assert "ActivationCheckpointing(policy='full')" in advice["activations"].fix
+    assert "ActivationCheckpointing(checkpointing='full')" in advice["activations"].fix
     assert "4 blocks" in advice["activations"].what and "addmm" in advice["activations"].what
     assert "chunked_cross_entropy(hidden, model.lm_head," in advice["logits"].fix
     assert "(256)" in advice["logits"].what
@@ -163,7 +164,7 @@ def test_hugging_face_findings_are_what_their_fixes_save():
         return plain - _steady_peak(fixed, None, callbacks)
 
     assert saving([GradientRelease()]) == pytest.approx(advice["gradients"].saved, rel=0.05)
-    checkpointed = saving([ActivationCheckpointing(policy="full")])
+    checkpointed = saving([ActivationCheckpointing(checkpointing="full")])
     assert checkpointed == pytest.approx(advice["activations"].saved, rel=0.05)
     assert saving(chunked=True) == pytest.approx(advice["logits"].saved, rel=0.05)
     assert saving(frozen_head=True) == pytest.approx(advice["untrained_gradients"].saved, rel=0.05)
@@ -193,31 +194,27 @@ def _tiny_lm():
     return model, (x, x.roll(-1, 1))
 
 
-def _lm_loss(logits, targets):
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def test_state_kept_for_frozen_parameters():
     model, batch = _tiny_lm()
     optimizer = torch.optim.AdamW(model.parameters())
-    _lm_loss(model(batch[0]), batch[1]).backward()
+    lm_loss(model(batch[0]), batch[1]).backward()
     optimizer.step()
     model[0].weight.requires_grad_(False)  # frozen after training began
     model.zero_grad(set_to_none=True)
-    advice = advise(model, batch, optimizer=optimizer, loss_fn=_lm_loss, device="cpu")
+    advice = advise(model, batch, optimizer=optimizer, loss_fn=lm_loss, device="cpu")
     finding = advice["stale_optimizer_state"]
     assert finding.saved == 2 * model[0].weight.numel() * 4 + 4  # exp_avg, exp_avg_sq and the step counter
     assert "0.weight" in finding.what and "optimizer.state.pop" in finding.fix
     optimizer.state.pop(model[0].weight)
     assert "stale_optimizer_state" not in advise(
-        model, batch, optimizer=optimizer, loss_fn=_lm_loss, device="cpu"
+        model, batch, optimizer=optimizer, loss_fn=lm_loss, device="cpu"
     )
 
 
 def test_fragmentation_is_read_from_the_allocator_statistics():
     model, batch = _tiny_lm()
     stats = {"reserved_bytes.all.peak": 10 << 30, "allocated_bytes.all.peak": 7 << 30, "num_alloc_retries": 3}
-    kwargs = dict(optimizer="sgd", loss_fn=_lm_loss, device="cpu")
+    kwargs = dict(optimizer="sgd", loss_fn=lm_loss, device="cpu")
     finding = advise(model, batch, memory_stats=stats, **kwargs)["fragmentation"]
     assert finding.saved == 3 << 30 and "3 time(s)" in finding.what
     assert "expandable_segments:True" in finding.fix
@@ -247,7 +244,7 @@ def test_memkit_advise_prints_the_findings(capsys):
     advice = json.loads(capsys.readouterr().out)
     fixes = {f["kind"]: f["fix"] for f in advice["findings"]}
     assert "GradientRelease()" in fixes["gradients"]
-    assert "ActivationCheckpointing(policy='full')" in fixes["activations"]
+    assert "ActivationCheckpointing(checkpointing='full')" in fixes["activations"]
     assert advice["breakdown"]["peak"] > sum(f["saved"] for f in advice["findings"]) > 0
 
 

@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 from lightning_memkit import (
+    CHECKPOINT_MODES,
     ActivationCheckpointing,
     AutoFit,
+    CheckpointPlan,
+    FitPlan,
     MemoryBreakdown,
     MemoryMonitor,
     OptimizerSwap,
@@ -28,6 +31,7 @@ from lightning_memkit import (
     release_gradients,
     swap_optimizer,
 )
+from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit.cli import main
 from lightning_memkit.strategies import AutoFitStrategy
 
@@ -96,7 +100,10 @@ def test_autofit_margin_is_a_share_of_the_budget(value, error, shown):
 
 
 def test_autofit_checkpointing_and_batch_arg_name():
-    assert AutoFit("1GB", checkpointing="full").checkpointing == ("full",)  # not ('f', 'u', 'l', 'l')
+    # One mode is that one or none, as ActivationCheckpointing and plan_checkpointing read it (not letters).
+    assert AutoFit("1GB", checkpointing="full").checkpointing == ("none", "full")
+    assert AutoFit("1GB", checkpointing=("full",)).checkpointing == ("full",)
+    assert AutoFit("1GB", checkpointing="auto").checkpointing == CHECKPOINT_MODES
     with pytest.raises(ValueError, match=r"Unknown checkpointing 'fulll'.*Did you mean 'full'"):
         AutoFit("1GB", checkpointing=["none", "fulll"])
     with pytest.raises(ValueError, match=r"checkpointing is empty"):
@@ -157,11 +164,13 @@ def test_monitor_switches_are_bools(name, value):
 # --- ActivationCheckpointing, OptimizerSwap --------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [1, 2.5, object()])
-def test_checkpointing_policy_of_the_wrong_type(policy):
+@pytest.mark.parametrize("checkpointing", [1, 2.5, object()])
+def test_checkpointing_of_the_wrong_type(checkpointing):
     """``policy=1`` said "'int' object is not iterable"."""
-    with pytest.raises(TypeError, match=r"policy must be one of 'auto'.*layer classes such as \{MyBlock\}"):
-        ActivationCheckpointing(policy=policy)
+    with pytest.raises(
+        TypeError, match=r"checkpointing must be 'auto', one of .*layer classes such as \{MyBlock\}"
+    ):
+        ActivationCheckpointing(checkpointing=checkpointing)
     assert ActivationCheckpointing(blocks={nn.Linear}).layer_classes == (nn.Linear,)
 
 
@@ -282,10 +291,37 @@ def test_the_old_keywords_still_work_and_name_the_new_ones():
     with pytest.warns(FutureWarning, match=r"plan_checkpointing\(cost='time'\)"):
         assert plan_checkpointing(model, batch, cost="time", **kwargs).cost == "measured"
     with pytest.warns(
-        FutureWarning, match=r"ActivationCheckpointing\(policy=\.\.\.\).*blocks= now, with policy='full'"
+        FutureWarning,
+        match=r"ActivationCheckpointing\(policy=\.\.\.\).*blocks= now, with checkpointing='full'",
     ):
         old = ActivationCheckpointing(policy={nn.Linear})
-    assert (old.policy, old.layer_classes) == ("full", (nn.Linear,))
+    assert (old.checkpointing, old.layer_classes) == ("full", (nn.Linear,))
+    # 0.1's name for the checkpointing mode, everywhere it was one word and ``checkpointing=`` another.
+    with pytest.warns(FutureWarning, match=r"ActivationCheckpointing\(policy=\.\.\.\).*checkpointing= now"):
+        assert ActivationCheckpointing(policy="full").modes == ("none", "full")
+    with pytest.warns(FutureWarning, match=r"plan_checkpointing\(policy=\.\.\.\).*checkpointing= now"):
+        plan = plan_checkpointing(model, batch, "1GB", cost="flops", policy="full", **kwargs)
+    assert set(plan.modes.values()) <= {"none", "full"}
+    with pytest.warns(FutureWarning, match=r"CheckpointPlanner\.plan\(levels=\.\.\.\).*modes= now"):
+        CheckpointPlanner(model, batch, cost="flops", **kwargs).plan(None, levels=("none", "full"))
+    with pytest.warns(
+        FutureWarning, match=r"CheckpointPlan\.policies is deprecated: it is CheckpointPlan\.modes"
+    ):
+        assert plan.policies == plan.modes
+    with pytest.warns(FutureWarning, match=r"BlockPlan\.policy is deprecated: it is BlockPlan\.mode"):
+        assert [b.policy for b in plan.blocks] == list(plan.modes.values())
+    saved = {
+        **plan.as_dict(),
+        "blocks": [
+            {"policy" if k == "mode" else k: v for k, v in b.items()} for b in plan.as_dict()["blocks"]
+        ],
+    }
+    assert CheckpointPlan.from_dict(saved) == plan  # a plan saved by 0.1 (``policy`` per block) loads
+    fit = FitPlan(1, 1, "none", "sgd", "32-true", 10, parse_budget("1GB"), modes=("none",))
+    with pytest.warns(FutureWarning, match=r"FitPlan\.levels is deprecated: it is FitPlan\.modes"):
+        assert fit.levels == ("none",)
+    old_fit = {k: v for k, v in fit.as_dict().items() if k != "modes"} | {"levels": ("none", "full")}
+    assert FitPlan.from_dict(old_fit).modes == ("none", "full")  # a FitPlan saved by 0.1 loads
     with pytest.raises(TypeError, match=r"old spelling of blocks=\{MyBlock\}: give one of them"):
         ActivationCheckpointing(policy={nn.Linear}, blocks={nn.Linear})
     with pytest.raises(ValueError, match=r"Unknown cost 'seconds'; choose 'measured' or 'flops'"):

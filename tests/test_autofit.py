@@ -24,7 +24,7 @@ from lightning_memkit import (
     plan_fit,
 )
 from lightning_memkit._budget import parse_budget
-from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._checkpointing.policies import applied_modes
 from lightning_memkit._estimating.lightning_step import batch_slice
 from lightning_memkit._fitting.search import _largest_fitting, grid
 from lightning_memkit.callbacks import auto_fit
@@ -91,7 +91,7 @@ def test_a_per_block_plan_is_the_planners_and_fits_when_simulated(module, batch,
     checkpoints = plan.checkpoint_plan
     assert checkpoints is not None and plan.micro_batch_size > 2  # checkpointing bought a larger micro-batch
     assert [b.name for b in checkpoints.blocks] == [name for name, _ in find_blocks(module)]
-    modes = list(checkpoints.policies.values())
+    modes = list(checkpoints.modes.values())
     counts = ", ".join(f"{modes.count(mode)} {mode}" for mode in CHECKPOINT_MODES if mode in modes)
     assert plan.checkpointing == (modes[0] if len(set(modes)) == 1 else counts)
     m = plan.micro_batch_size
@@ -136,9 +136,9 @@ def test_apply_swaps_optimizer_and_checkpoints(module):
         config = module.configure_optimizers()
         assert type(config["optimizer"]) is torch.optim.SGD
         assert config["lr_scheduler"]["scheduler"].optimizer is config["optimizer"]
-        assert set(checkpoint_policies(module).values()) == {"full"}
+        assert set(applied_modes(module).values()) == {"full"}
     assert type(module.configure_optimizers()["optimizer"]) is torch.optim.AdamW
-    assert checkpoint_policies(module) == {}
+    assert applied_modes(module) == {}
 
 
 @pytest.mark.xdist_group("autofit_plan")  # one worker computes the module's plan
@@ -281,7 +281,7 @@ def reference(tmp_path_factory):
     module = _Device()
     _, callback = _fit_on_device(tmp_path_factory.mktemp("reference"), module)
     assert (callback.plan.micro_batch_size, callback.plan.accumulate_grad_batches) == (4, 2)
-    assert set(callback.plan.checkpoint_plan.policies.values()) == {"none", "selective"}
+    assert set(callback.plan.checkpoint_plan.modes.values()) == {"none", "selective"}
     return module
 
 
@@ -310,7 +310,7 @@ def test_oom_replans_and_keeps_the_batch(tmp_path, reference, where, at):
     assert not any(o["twice"].requires_grad for o in module.outputs)  # no graph kept alive
     assert all(p.requires_grad for p in module.parameters())
     assert module.__dict__["training_step"] == module.pretend.training_step  # AutoFit gave it back
-    assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
+    assert "backward" not in module.__dict__ and applied_modes(module) == {}
 
 
 @pytest.mark.slow  # planning-heavy: the full run's tier
@@ -367,7 +367,7 @@ def test_oom_with_no_leaner_plan_left_says_so(tmp_path):
         _fit_on_device(tmp_path, module)
     assert sum("out of memory in the" in str(w.message) for w in seen) == 1  # explained, once
     assert all(p.requires_grad for p in module.parameters())
-    assert "backward" not in module.__dict__ and checkpoint_policies(module) == {}
+    assert "backward" not in module.__dict__ and applied_modes(module) == {}
 
 
 def test_leaner_keeps_to_the_allowed_checkpointing():
@@ -489,13 +489,13 @@ def test_a_model_without_repeated_blocks_is_planned_without_checkpointing():
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     plan = plan_fit(_MLP(), (x, y), "100TB", device="cpu", cost=COST)
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (8, 1, "none")
-    assert plan.levels == ("none",)
+    assert plan.modes == ("none",)
     assert {a.checkpointing for a in plan.alternatives} == {"none"}
     assert "selective, selective_half, full not planned: _MLP has no repeated blocks" in plan.summary()
     half = next(a for a in plan.alternatives if a.micro_batch_size == 4)  # never checkpoints
     expected = replace(plan, micro_batch_size=4, accumulate_grad_batches=2, estimated_peak=half.peak)
     assert plan.leaner() == expected
-    assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))).levels == ("none",)
+    assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))).modes == ("none",)
     # A plain nn.Module with a loss function too.
     layer = torch.nn.Linear(16, 4)
     plan = plan_fit(layer, (x, y), "100TB", device="cpu", cost=COST, loss_fn=torch.nn.functional.mse_loss)
@@ -520,7 +520,7 @@ def test_autofit_runs_a_model_without_repeated_blocks(tmp_path, monkeypatch):
 
 
 def test_cli_plan_of_a_factory_without_repeated_blocks(capsys):
-    argv = ["plan", "--model", "test_cli:tiny_lm", "--gpu", "100TB", "--global-batch", "4", "--seq-len", "8"]
+    argv = ["plan", "--model", "models:tiny_lm", "--gpu", "100TB", "--global-batch", "4", "--seq-len", "8"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "checkpointing none" in out and "no repeated blocks" in out

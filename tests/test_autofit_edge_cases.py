@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from helpers import cpu_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,12 +53,8 @@ class Net(L.LightningModule):
         return DataLoader(data, batch_size=self.batch_size, shuffle=True)  # the sampler draws from the RNG
 
 
-def _fit(tmp_path, module, callbacks, **kwargs):
-    defaults = dict(
-        default_root_dir=tmp_path, max_steps=2, logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks,
-    )  # fmt: skip
-    trainer = L.Trainer(**{**defaults, **kwargs})
+def _fit(tmp_path, module, callbacks, **overrides):
+    trainer = cpu_trainer(tmp_path, callbacks, **{"max_steps": 2, "logger": False, **overrides})
     trainer.fit(module)
     return trainer
 

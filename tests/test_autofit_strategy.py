@@ -359,7 +359,7 @@ def test_autofit_and_activation_checkpointing_plan_the_sharded_step_under_model_
         )
         checkpointed = read(runs / "checkpointing_callback", rank)
         plan = checkpointed["callback_plans"]["ActivationCheckpointing"]
-        assert {block["policy"] for block in plan["blocks"]} - {"none"}, plan  # it had to checkpoint
+        assert {block["mode"] for block in plan["blocks"]} - {"none"}, plan  # it had to checkpoint
         assert max(checkpointed["allocator"]) <= budget
         assert matches_the_rank(plan["peak"], checkpointed["allocator"][-1]), checkpointed["allocator"]
 

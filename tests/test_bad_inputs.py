@@ -38,9 +38,11 @@ def test_monitor_remeasure_every_n_steps_must_be_an_int():
         MemoryMonitor(remeasure_every_n_steps=None)
 
 
-def test_checkpointing_policy_none_says_what_to_choose():
-    with pytest.raises(TypeError, match=r"policy=None: choose one of 'auto'.*leave ActivationCheckpointing"):
-        ActivationCheckpointing(policy=None)
+def test_checkpointing_none_says_what_to_choose():
+    with pytest.raises(
+        TypeError, match=r"checkpointing=None: choose 'auto' or one of .*leave ActivationCheckpointing"
+    ):
+        ActivationCheckpointing(checkpointing=None)
 
 
 @pytest.mark.parametrize(

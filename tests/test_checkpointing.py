@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import PlainGPT, lm_loss
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
@@ -31,7 +32,7 @@ from lightning_memkit import (
     plan_checkpointing,
 )
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
-from lightning_memkit._checkpointing.policies import POLICIES, checkpoint_policies
+from lightning_memkit._checkpointing.policies import CHECKPOINTERS, applied_modes
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.demos._data import GPTDataModule
 from lightning_memkit.demos.gpt import GPT, Block, GPTConfig, GPTLightningModule
@@ -40,21 +41,6 @@ SMALL = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class LM(nn.Module):
-    """The demo GPT as a plain module: token ids in, logits out (what ``estimate_memory`` steps)."""
-
-    def __init__(self, **config) -> None:
-        super().__init__()
-        self.gpt = GPT(GPTConfig(**{**SMALL, **config}))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.gpt(idx)[0]
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def _grads(model: nn.Module, loss_fn, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -123,21 +109,21 @@ def test_apply_patches_forward_in_place_never_twice_and_undoes():
     gpt = GPT(GPTConfig(**SMALL))
     keys, params = list(gpt.state_dict()), [id(p) for p in gpt.parameters()]
     first = apply_checkpointing(gpt, "full")
-    assert checkpoint_policies(gpt) == {f"blocks.{i}": "full" for i in range(4)}
+    assert applied_modes(gpt) == {f"blocks.{i}": "full" for i in range(4)}
     second = apply_checkpointing(gpt, {"blocks.0": "selective", "blocks.3": "none"})  # replaces, no nesting
-    assert checkpoint_policies(gpt) == {"blocks.0": "selective", "blocks.1": "full", "blocks.2": "full"}
+    assert applied_modes(gpt) == {"blocks.0": "selective", "blocks.1": "full", "blocks.2": "full"}
     assert gpt.blocks[0].forward.previous is None  # wraps the class's forward, not the first wrapper
     assert list(gpt.state_dict()) == keys and [id(p) for p in gpt.parameters()] == params
     second.remove()
-    assert checkpoint_policies(gpt) == {f"blocks.{i}": "full" for i in range(4)}
+    assert applied_modes(gpt) == {f"blocks.{i}": "full" for i in range(4)}
     first.remove()
-    assert checkpoint_policies(gpt) == {} and all("forward" not in b.__dict__ for b in gpt.blocks)
+    assert applied_modes(gpt) == {} and all("forward" not in b.__dict__ for b in gpt.blocks)
     with apply_checkpointing(gpt, {Block}):  # a set of layer classes: full, as FSDPStrategy takes it
-        assert set(checkpoint_policies(gpt).values()) == {"full"}
-    assert checkpoint_policies(gpt) == {}
+        assert set(applied_modes(gpt).values()) == {"full"}
+    assert applied_modes(gpt) == {}
     apply_checkpointing(gpt, {"blocks.0.mlp": "full", "blocks.1": "selective"})
     apply_checkpointing(gpt, "none")  # removes every wrapper, not only the discovered blocks'
-    assert checkpoint_policies(gpt) == {}
+    assert applied_modes(gpt) == {}
 
 
 def test_does_not_wrap_blocks_checkpointed_by_torch():
@@ -146,7 +132,7 @@ def test_does_not_wrap_blocks_checkpointed_by_torch():
     model = nn.Sequential(*(checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) for _ in range(2)))
     with pytest.warns(UserWarning, match="already checkpointed"):
         apply_checkpointing(model, "full")
-    assert checkpoint_policies(model) == {}
+    assert applied_modes(model) == {}
 
 
 def test_no_grad_forward_is_plain():
@@ -162,8 +148,8 @@ def test_no_grad_forward_is_plain():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["full", "selective", "selective_half"])
-def test_gpt_gradients_bitwise_equal_with_dropout(policy):
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_half"])
+def test_gpt_gradients_bitwise_equal_with_dropout(mode):
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(**{**SMALL, "n_layer": 3, "dropout": 0.1}))  # dropout > 0: SDPA's math path, masks
     x = torch.randint(0, 256, (4, 32))
@@ -172,7 +158,7 @@ def test_gpt_gradients_bitwise_equal_with_dropout(policy):
         expected["blocks.0.attn.c_attn.weight"],
         _grads(gpt, lambda: gpt(x, x)[1], seed=2)["blocks.0.attn.c_attn.weight"],
     )  # the masks matter, so equal gradients mean the RNG state was preserved
-    with apply_checkpointing(gpt, policy):
+    with apply_checkpointing(gpt, mode):
         got = _grads(gpt, lambda: gpt(x, x)[1])
     assert expected.keys() == got.keys()
     for name in expected:
@@ -187,7 +173,7 @@ def test_the_recompute_keeps_the_matmuls_the_forward_kept(mode):
     are alike). torch 2.13 asks only in forward, so its bitwise tests above cannot see this."""
     from torch.utils.checkpoint import SelectiveCheckpointContext
 
-    caching, _ = POLICIES[mode].context()
+    caching, _ = CHECKPOINTERS[mode].context()
     mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
     ops = [mm, add, mm, mm, add, mm, mm, mm, mm]  # q, k, v, o, gate, up, down: seven matmuls
     forward = [caching.policy_fn(SelectiveCheckpointContext(is_recompute=False), op) for op in ops]
@@ -197,8 +183,8 @@ def test_the_recompute_keeps_the_matmuls_the_forward_kept(mode):
     assert kept == {"selective": 7, "selective_half": 4}[mode]
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
-def test_transformer_encoder_gradients_bitwise_equal(policy):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_transformer_encoder_gradients_bitwise_equal(mode):
     torch.manual_seed(0)
     model = EncoderLM(n_layer=2)  # torch's nn.TransformerEncoderLayer, dropout 0.1
     x = torch.randint(0, 256, (4, 32))
@@ -207,8 +193,8 @@ def test_transformer_encoder_gradients_bitwise_equal(policy):
         return lm_loss(model(x), x.roll(-1, 1))
 
     expected = _grads(model, loss)
-    with apply_checkpointing(model, policy):
-        assert set(checkpoint_policies(model)) == {"encoder.layers.0", "encoder.layers.1"}
+    with apply_checkpointing(model, mode):
+        assert set(applied_modes(model)) == {"encoder.layers.0", "encoder.layers.1"}
         got = _grads(model, loss)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
@@ -238,7 +224,9 @@ def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
             assert _step_flops(gpt, x) - base == k * block_forward
     # With early stop (the default) recomputing ends once backward has what it needs: the block's last
     # matmul (the MLP's output projection) is not run again. The planner counts exactly that.
-    plan = plan_checkpointing(model, (x, y), policy="full", cost="flops", optimizer="sgd", loss_fn=lm_loss)
+    plan = plan_checkpointing(
+        model, (x, y), checkpointing="full", cost="flops", optimizer="sgd", loss_fn=lm_loss
+    )
     full = [b.recompute_flops for b in plan.blocks]
     with apply_checkpointing(gpt, "full"):
         assert _step_flops(gpt, x) - base == sum(full)
@@ -256,11 +244,11 @@ def test_full_checkpointing_of_k_blocks_adds_k_block_forwards(planned):
 
 @pytest.mark.slow
 def test_plan_is_the_cheapest_of_all_sixteen_that_fit():
-    """A 2-block GPT under ``policy="auto"``: every budget between (and at) the simulated peaks of its 16
+    """A 2-block GPT, ``checkpointing="auto"``: every budget between (and at) the simulated peaks of its 16
     plans gets a plan that fits and costs the least recompute among the plans that fit; among the 4 plans
-    of two modes too (``levels=``, as `plan_fit(checkpointing=("selective_half", "full"))` asks)."""
+    of two modes too (``modes=``, as `plan_fit(checkpointing=("selective_half", "full"))` asks)."""
     torch.manual_seed(0)
-    model = LM(n_layer=2)
+    model = PlainGPT(**{**SMALL, "n_layer": 2})
     batch = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))  # the shapes of `planned`
     planner = CheckpointPlanner(model, batch, cost="flops", optimizer="sgd", loss_fn=lm_loss, device="cpu")
     peaks = {c: planner.simulate(c).peak for c in itertools.product(CHECKPOINT_MODES, repeat=2)}
@@ -270,13 +258,13 @@ def test_plan_is_the_cheapest_of_all_sixteen_that_fit():
         plan = planner.plan(budget)
         cheapest = min(planner.overhead(c) for c, peak in peaks.items() if peak <= budget)
         assert plan.peak <= budget and plan.overhead == cheapest, (budget, str(plan))
-        assert plan.peak == peaks[tuple(plan.policies.values())]
+        assert plan.peak == peaks[tuple(plan.modes.values())]
         # Modes without "none" (every block checkpointed): still block by block, among those modes.
         within = {c: peak for c, peak in peaks.items() if set(c) <= {"selective_half", "full"}}
         if budget < min(within.values()):
             continue
-        plan = planner.plan(budget, levels=("selective_half", "full"))
-        assert set(plan.policies.values()) <= {"selective_half", "full"}
+        plan = planner.plan(budget, modes=("selective_half", "full"))
+        assert set(plan.modes.values()) <= {"selective_half", "full"}
         cheapest = min(planner.overhead(c) for c, peak in within.items() if peak <= budget)
         assert plan.peak <= budget and plan.overhead == cheapest, (budget, str(plan))
 
@@ -290,7 +278,7 @@ def test_plan_is_the_cheapest_of_all_sixteen_that_fit():
 def planned():
     """A 4-block GPT, a batch, and a planner over it (the profile and simulations are shared)."""
     torch.manual_seed(0)
-    model = LM()
+    model = PlainGPT(**SMALL)
     x, y = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))
     planner = CheckpointPlanner(model, (x, y), cost="flops", optimizer="sgd", loss_fn=lm_loss, device="cpu")
     return model, (x, y), planner
@@ -350,7 +338,7 @@ def test_no_repeated_blocks_names_the_layer_classes_option():
 
 def test_plan_round_trips_as_plain_data(planned):
     plan = planned[2].plan(None)
-    assert set(plan.policies.values()) == {"selective"}
+    assert set(plan.modes.values()) == {"selective"}
     data = json.loads(json.dumps(plan.as_dict()))
     assert CheckpointPlan.from_dict(data) == plan
     assert "selective" in str(plan) and "step peak" in str(plan)
@@ -365,7 +353,7 @@ class _SpyGPT(GPTLightningModule):
     """Records which blocks were checkpointed when the optimizer was built."""
 
     def configure_optimizers(self):
-        self.policies_at_optimizer = checkpoint_policies(self)
+        self.modes_at_optimizer = applied_modes(self)
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
@@ -390,8 +378,8 @@ def test_callback_plans_for_a_budget_in_setup(tmp_path, lightning_log):
     assert plan is not None and plan.peak <= plan.budget
     # The default cost: the recomputed ops benchmarked one by one (here on the CPU).
     assert plan.cost == "measured" and all(b.recompute_time is not None for b in plan.blocks)
-    chosen = {name: p for name, p in plan.policies.items() if p != "none"}
-    assert chosen and model.policies_at_optimizer == chosen == checkpoint_policies(model)
+    chosen = {name: p for name, p in plan.modes.items() if p != "none"}
+    assert chosen and model.modes_at_optimizer == chosen == applied_modes(model)
     assert "Activation checkpointing plan" in lightning_log.text
     restored = ActivationCheckpointing(budget=(none + full) // 2)
     restored.load_state_dict(callback.state_dict())
@@ -419,14 +407,14 @@ def test_callback_resume_reapplies_the_saved_plan(tmp_path, monkeypatch):
     # weights_only=False: the demo module's hyperparameters hold a GPTConfig, which torch.load refuses.
     trainer.fit(model, data, ckpt_path=checkpoints.last_model_path, weights_only=False)
     assert callback.plan == saved
-    assert checkpoint_policies(model) == saved.policies
+    assert applied_modes(model) == saved.modes
     # The optimizer was built after the switch.
-    assert model.policies_at_optimizer == saved.policies
+    assert model.modes_at_optimizer == saved.modes
 
 
 def test_callback_without_blocks_names_the_layer_classes_option(tmp_path):
     with pytest.raises(ValueError, match=r"blocks=\{MyBlock\}"):
-        _trainer(tmp_path, [ActivationCheckpointing(policy="full")]).fit(BoringModel())
+        _trainer(tmp_path, [ActivationCheckpointing(checkpointing="full")]).fit(BoringModel())
 
 
 def _fit_of(strategy):
@@ -437,19 +425,19 @@ def _fit_of(strategy):
 def test_callback_hands_full_checkpointing_to_fsdp():
     model = GPTLightningModule(GPTConfig(**SMALL))
     strategy = FSDPStrategy()
-    callback = ActivationCheckpointing(policy="full")
+    callback = ActivationCheckpointing(checkpointing="full")
     callback.setup(_fit_of(strategy), model, "fit")
-    policy = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
-    assert policy._module_classes == {Block}  # as FSDPStrategy(activation_checkpointing_policy={Block})
-    assert checkpoint_policies(model) == {}  # FSDP wraps; nothing patched in place
-    assert set(callback.plan.policies.values()) == {"full"}
+    wrap_policy = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
+    assert wrap_policy._module_classes == {Block}  # as FSDPStrategy(activation_checkpointing_policy={Block})
+    assert applied_modes(model) == {}  # FSDP wraps; nothing patched in place
+    assert set(callback.plan.modes.values()) == {"full"}
 
-    selective = ActivationCheckpointing(policy="selective")
+    selective = ActivationCheckpointing(checkpointing="selective")
     selective.setup(_fit_of(FSDPStrategy()), model, "fit")  # no FSDP form: in place
-    assert set(checkpoint_policies(model).values()) == {"selective"}
+    assert set(applied_modes(model).values()) == {"selective"}
 
     with pytest.raises(MisconfigurationException, match="cannot plan under FSDPStrategy"):
         ActivationCheckpointing(budget="1GiB").setup(_fit_of(FSDPStrategy()), model, "fit")
     configured = FSDPStrategy(activation_checkpointing_policy={Block})
     with pytest.raises(MisconfigurationException, match="keep one of them"):
-        ActivationCheckpointing(policy="full").setup(_fit_of(configured), model, "fit")
+        ActivationCheckpointing(checkpointing="full").setup(_fit_of(configured), model, "fit")

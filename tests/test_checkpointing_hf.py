@@ -16,7 +16,7 @@ from zoo import MODELS, ZooModule, zoo_batch
 
 from lightning_memkit import advise, apply_checkpointing, estimate_memory, find_blocks, plan_checkpointing
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
-from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._checkpointing.policies import applied_modes
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.testing import allocator_peak
 
@@ -118,19 +118,19 @@ def _assert_same_run(run: dict, name: str, checkpointed: bool) -> None:
     torch.testing.assert_close(run["losses"], _reference(name)["losses"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("name", NAMES)
-def test_zoo_policy_trains_as_without(name, policy):
-    """Every zoo model under each uniform policy: it runs, and losses, gradients, parameters and buffers
+def test_zoo_mode_trains_as_without(name, mode):
+    """Every zoo model under each uniform mode: it runs, and losses, gradients, parameters and buffers
     (BatchNorm's running statistics and batch count exactly) are those of the uncheckpointed run."""
     module = _module(name)
-    handle = apply_checkpointing(module, policy)
-    assert set(checkpoint_policies(module).values()) == (set() if policy == "none" else {policy})
-    if policy != "none":
+    handle = apply_checkpointing(module, mode)
+    assert set(applied_modes(module).values()) == (set() if mode == "none" else {mode})
+    if mode != "none":
         assert not any(_cache_flags(module).values())  # Hugging Face's cache is off while checkpointing
     run = _train(module)
     handle.remove()
-    _assert_same_run(run, name, checkpointed=policy != "none")
+    _assert_same_run(run, name, checkpointed=mode != "none")
 
 
 @pytest.mark.slow  # the zoo sweep and planning-heavy checks: the full run's tier
@@ -141,20 +141,20 @@ def test_zoo_budget_plan_fits_and_trains_as_without(name):
     training gives the uncheckpointed run's numbers, and the allocator's real peak is within the budget."""
     module = _module(name)
     caching = _cache_flags(module)
-    planner = CheckpointPlanner(module, zoo_batch(name), policy="full", cost="flops", device="cpu")
+    planner = CheckpointPlanner(module, zoo_batch(name), checkpointing="full", cost="flops", device="cpu")
     peak_none = planner.simulate(planner.uniform("none")).peak
     peak_full = planner.simulate(planner.uniform("full")).peak
     assert peak_full < peak_none
     budget = (peak_none + peak_full) // 2
     plan = planner.plan(budget)
     assert plan.peak <= budget
-    assert any(b.policy != "none" for b in plan.blocks)
+    assert any(b.mode != "none" for b in plan.blocks)
     assert _cache_flags(module) == caching  # planning changed nothing
     handle = apply_checkpointing(module, plan)
     run = _train(module, measure=1)
     handle.remove()
     _assert_same_run(run, name, checkpointed=True)
-    assert run["peak"] <= budget, f"real peak {run['peak']:,} > budget {budget:,} (plan {plan.policies})"
+    assert run["peak"] <= budget, f"real peak {run['peak']:,} > budget {budget:,} (plan {plan.modes})"
 
 
 @pytest.mark.slow  # plans, trains and advises: the full run's tier (20 s)
@@ -171,14 +171,14 @@ def test_every_stack_of_repeated_blocks_is_checkpointed():
     every_block = peak("full")
     assert every_block < decoder_only < peak("none")
     budget = (every_block + decoder_only) // 2  # out of reach when only the decoder is checkpointed
-    plan = plan_checkpointing(module, batch, budget, policy="full", cost="flops", device="cpu")
+    plan = plan_checkpointing(module, batch, budget, checkpointing="full", cost="flops", device="cpu")
     assert plan.peak <= budget
-    assert any(".encoder." in b.name and b.policy != "none" for b in plan.blocks)
+    assert any(".encoder." in b.name and b.mode != "none" for b in plan.blocks)
     handle = apply_checkpointing(module, plan)
     run = _train(module, measure=1)
     handle.remove()
     _assert_same_run(run, "whisper", checkpointed=True)
-    assert run["peak"] <= budget, f"real peak {run['peak']:,} > budget {budget:,} (plan {plan.policies})"
+    assert run["peak"] <= budget, f"real peak {run['peak']:,} > budget {budget:,} (plan {plan.modes})"
     advice = advise(module, batch, device="cpu")
     assert any("in 4 blocks (model.model.encoder.layers.0, ...)" in f.what for f in advice.findings)
 
@@ -191,14 +191,14 @@ def _fit(module: ZooModule, trainer_kwargs: dict, callbacks: list) -> dict:
 
 
 def test_zoo_t5_full_in_trainer(trainer_kwargs):
-    """T5 with ``ActivationCheckpointing(policy="full")`` in a Trainer: the decoder's cross-attention cache,
-    filled on the first forward, made the recompute save other tensors. Now it trains as without."""
+    """T5 with ``ActivationCheckpointing(checkpointing="full")`` in a Trainer: the decoder's cross-attention
+    cache, filled on the first forward, made the recompute save other tensors. Now it trains as without."""
     module = ZooModule("t5", n_batches=STEPS)
     with _cache_off(module):
         expected = _fit(module, trainer_kwargs, [])
-    callback = ActivationCheckpointing(policy="full")
+    callback = ActivationCheckpointing(checkpointing="full")
     got = _fit(ZooModule("t5", n_batches=STEPS), trainer_kwargs, [callback])
-    assert {b.policy for b in callback.plan.blocks} == {"full"}
+    assert {b.mode for b in callback.plan.blocks} == {"full"}
     _assert_same_state(got, expected)
 
 
@@ -209,9 +209,9 @@ def test_zoo_resnet_budget_in_trainer(trainer_kwargs):
     peaks = [estimate_memory(module, batch, checkpointing=p, device="cpu").peak for p in ("none", "full")]
     budget = sum(peaks) // 2
     expected = _fit(ZooModule("resnet", n_batches=STEPS), trainer_kwargs, [])
-    callback = ActivationCheckpointing(budget, policy="full", cost="flops")
+    callback = ActivationCheckpointing(budget, checkpointing="full", cost="flops")
     got = _fit(ZooModule("resnet", n_batches=STEPS), trainer_kwargs, [callback])
-    assert any(b.policy != "none" for b in callback.plan.blocks)
+    assert any(b.mode != "none" for b in callback.plan.blocks)
     assert got["model.blocks.0.bn1.num_batches_tracked"].item() == STEPS
     _assert_same_state(got, expected)
 
@@ -233,15 +233,15 @@ def test_use_cache_turned_off_said_once_and_restored(caplog):
     again.remove()
     handle.remove()
     assert _cache_flags(module) == before
-    assert checkpoint_policies(module) == {}
+    assert applied_modes(module) == {}
 
 
 def test_the_cache_line_is_said_once_per_config_however_often_planned(caplog):
     """Planning checkpoints the model many times over (each simulated plan): the line is said once."""
     module, batch = _module("qwen2"), zoo_batch("qwen2")
     with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing.policies"):
-        for policy in ("full", "selective", "full"):
-            estimate_memory(module, batch, checkpointing=policy, device="cpu")
+        for mode in ("full", "selective", "full"):
+            estimate_memory(module, batch, checkpointing=mode, device="cpu")
         apply_checkpointing(module, "full").remove()
     lines = [r.getMessage() for r in caplog.records if CACHE_LINE in r.getMessage()]
     assert len(lines) == 1, lines
@@ -254,9 +254,9 @@ def test_nothing_checkpointed_leaves_use_cache(caplog):
     module = _module("qwen2")
     batch = zoo_batch("qwen2")
     with caplog.at_level(logging.INFO, logger="lightning_memkit._checkpointing.policies"):
-        plan = plan_checkpointing(module, batch, "1GiB", policy="full", cost="flops", device="cpu")
+        plan = plan_checkpointing(module, batch, "1GiB", checkpointing="full", cost="flops", device="cpu")
         assert module.model.config.use_cache is True
-        assert all(b.policy == "none" for b in plan.blocks)
+        assert all(b.mode == "none" for b in plan.blocks)
         with apply_checkpointing(module, plan):
             assert module.model.config.use_cache is True
             module(batch).backward()
@@ -272,7 +272,7 @@ def test_removing_all_checkpointing_gives_the_cache_back():
     apply_checkpointing(module, "full")  # the handle is dropped, as a callback user has none
     assert module.model.config.use_cache is False
     apply_checkpointing(module, "none")
-    assert checkpoint_policies(module) == {} and module.model.config.use_cache is True
+    assert applied_modes(module) == {} and module.model.config.use_cache is True
     module.model.config.use_cache = False  # the user's own choice is kept
     apply_checkpointing(module, "full")
     apply_checkpointing(module, "none")

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_cli
+from models import tiny_lm
 from torch import nn
 
 from lightning_memkit import (
@@ -201,11 +202,6 @@ class Regressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def tiny_lm():
-    """A plain nn.Module factory: stepped as a language model on (B, T) token ids."""
-    return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256))
-
-
 def test_a_users_lightning_module_with_its_own_example_batch():
     argv = ["estimate", "--model", "test_cli:Regressor", "--batch-size", "4", "--seq-len", "10"]
     report = _json([*argv, "--device", "cpu"])
@@ -218,7 +214,7 @@ def test_a_users_lightning_module_with_its_own_example_batch():
 
 
 def test_a_plain_module_factory_is_stepped_as_a_language_model():
-    report = _json(["estimate", "--model", "test_cli:tiny_lm", "--batch-size", "3", "--seq-len", "7"])
+    report = _json(["estimate", "--model", "models:tiny_lm", "--batch-size", "3", "--seq-len", "7"])
     x = torch.zeros(3, 7, dtype=torch.long)
     loss = lambda out, y: F.cross_entropy(out.flatten(0, -2), y.flatten())  # noqa: E731
     direct = estimate_memory(tiny_lm(), (x, x), optimizer="adamw", loss_fn=loss)
@@ -390,7 +386,7 @@ def test_plan_code_names_sharding_checkpointing_and_the_optimizer_swap():
     assert by_hand == {
         "accumulate_grad_batches": 1,
         **sharded,
-        "callbacks": f"[ActivationCheckpointing(policy='{strongest}')]",
+        "callbacks": f"[ActivationCheckpointing(checkpointing='{strongest}')]",
     }
     if len(modes) > 1:
         assert f"under fsdp every block gets {strongest}: it fits too" in code
@@ -418,7 +414,7 @@ def test_plan_code_writes_a_per_block_plan_each_strategy_can_run(strategy):
     """A per-block plan ("2 none, 2 full") is ActivationCheckpointing(budget=the step's limit) under DDP,
     which plans the split itself; a sharded strategy cannot plan that budget (FSDP refuses it, ZeRO-3's
     simulated step is unsharded), so there every block gets the plan's strongest mode, which fits too."""
-    blocks = [{"name": f"model.blocks.{i}", "policy": "none" if i < 2 else "full"} for i in range(4)]
+    blocks = [{"name": f"model.blocks.{i}", "mode": "none" if i < 2 else "full"} for i in range(4)]
     plan = FitPlan(
         micro_batch_size=4, accumulate_grad_batches=2, checkpointing="2 none, 2 full", optimizer="adamw",
         precision="bf16-mixed", estimated_peak=10**9, budget=parse_budget("A100-40GB"), strategy=strategy,
@@ -429,7 +425,7 @@ def test_plan_code_writes_a_per_block_plan_each_strategy_can_run(strategy):
     if strategy == "ddp":
         assert by_hand["callbacks"] == f"[ActivationCheckpointing(budget={plan.limit})]"
     else:
-        assert by_hand["callbacks"] == "[ActivationCheckpointing(policy='full')]"
+        assert by_hand["callbacks"] == "[ActivationCheckpointing(checkpointing='full')]"
         assert f"under {strategy} every block gets full: it fits too" in code
 
 

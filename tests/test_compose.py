@@ -22,7 +22,7 @@ from lightning_memkit import (
     OptimizerOffload,
     OptimizerSwap,
 )
-from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._checkpointing.policies import applied_modes
 from lightning_memkit._optimizers.swap import identify, lighter_candidates
 from lightning_memkit.demos.gpt import Block
 from lightning_memkit.testing import AllocatorPeaks
@@ -35,10 +35,10 @@ class _Applied(Callback):
     """The checkpointing each training batch runs with."""
 
     def __init__(self) -> None:
-        self.policies: list[dict[str, str]] = []
+        self.modes: list[dict[str, str]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.policies.append(checkpoint_policies(pl_module))
+        self.modes.append(applied_modes(pl_module))
 
 
 def _orders(a: Callback, b: Callback) -> list[list[Callback]]:
@@ -51,7 +51,7 @@ def test_activation_checkpointing_defers_to_autofit_in_either_order(tmp_path, fi
     torch.manual_seed(0)
     model, data, _ = tiny_gpt(batch_size=8, max_steps=2)
     autofit = AutoFit(budget=TIGHT, cost="flops", verify_steps=2)
-    checkpointing = ActivationCheckpointing(budget="100TB", policy="full")
+    checkpointing = ActivationCheckpointing(budget="100TB", checkpointing="full")
     peaks, applied = AllocatorPeaks(), _Applied()
     callbacks = [autofit, checkpointing] if first == "autofit" else [checkpointing, autofit]
     with warnings.catch_warnings(record=True) as caught:
@@ -59,10 +59,10 @@ def test_activation_checkpointing_defers_to_autofit_in_either_order(tmp_path, fi
         cpu_trainer(tmp_path, [*callbacks, applied, *peaks.around()], max_steps=2).fit(model, data)
     assert checkpointing.plan is None  # it planned nothing: AutoFit's plan is the one applied
     plan = autofit.plan
-    assert set(plan.levels) <= {"none", "full"}  # within the deferring callback's policy
+    assert set(plan.modes) <= {"none", "full"}  # within the deferring callback's policy
     assert plan.checkpointing != "none"  # what the pair is about: the budget needs checkpointing
-    expected = plan.checkpoint_plan.policies if plan.checkpoint_plan else None
-    for policies in applied.policies:
+    expected = plan.checkpoint_plan.modes if plan.checkpoint_plan else None
+    for policies in applied.modes:
         if expected is not None:
             assert policies == {k: v for k, v in expected.items() if v != "none"}
         else:
@@ -75,7 +75,7 @@ def test_activation_checkpointing_defers_to_autofit_in_either_order(tmp_path, fi
 def test_checkpointing_of_named_blocks_beside_autofit_is_refused_at_setup(tmp_path, order):
     model, data, _ = tiny_gpt(batch_size=8)
     pair = _orders(
-        AutoFit(budget=TIGHT, cost="flops"), ActivationCheckpointing(policy="full", blocks={Block})
+        AutoFit(budget=TIGHT, cost="flops"), ActivationCheckpointing(checkpointing="full", blocks={Block})
     )[order]
     losses = Losses()
     with pytest.raises(ValueError, match=r"blocks=\{Block\}\) names the blocks .* AutoFit is among"):
@@ -84,7 +84,7 @@ def test_checkpointing_of_named_blocks_beside_autofit_is_refused_at_setup(tmp_pa
 
 
 def test_a_policy_autofit_cannot_plan_is_refused_with_the_modes_to_give():
-    checkpointing = ActivationCheckpointing(policy="full")
+    checkpointing = ActivationCheckpointing(checkpointing="full")
     with pytest.raises(ValueError, match=r"AutoFit\(checkpointing=\('none', 'selective'\)\).* 'full'"):
         checkpointing.modes_for(("none", "selective"))
     assert checkpointing.modes_for(("none", "selective", "full")) == ("none", "full")

@@ -35,7 +35,7 @@ from lightning_memkit import (
     apply_checkpointing,
     estimate_memory,
 )
-from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._checkpointing.policies import applied_modes
 from lightning_memkit._estimating.analytic import shard
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
@@ -163,7 +163,7 @@ class _RecordPolicies(pl.Callback):
         self.out, self.callback = out, callback
 
     def on_train_end(self, trainer, pl_module):
-        record = {"applied": checkpoint_policies(pl_module), "planned": self.callback.plan.policies}
+        record = {"applied": applied_modes(pl_module), "planned": self.callback.plan.modes}
         (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

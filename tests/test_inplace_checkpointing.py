@@ -81,9 +81,9 @@ def test_the_planner_gives_the_block_another_mode_and_says_why(net_and_batch):
         model, batch, budget=(none + full) // 2, loss_fn=_loss, optimizer="adamw", device="cpu"
     )
     assert plan.peak <= plan.budget
-    assert "selective" not in plan.policies.values()
+    assert "selective" not in plan.modes.values()
     noted = [b for b in plan.blocks if b.note]
-    assert noted and all(b.policy in ("selective_half", "full") for b in noted)
+    assert noted and all(b.mode in ("selective_half", "full") for b in noted)
     assert all(b.note.startswith("selective refused: an in-place op") for b in noted)
     assert "selective refused" in str(plan)
     # the plan runs for real, and its simulated peak is the estimate with it applied
@@ -95,8 +95,8 @@ def test_the_planner_gives_the_block_another_mode_and_says_why(net_and_batch):
 def test_selective_without_a_budget_is_the_next_mode_on_those_blocks(net_and_batch):
     model, batch = net_and_batch
     kwargs = {"loss_fn": _loss, "optimizer": "adamw", "device": "cpu"}
-    plan = plan_checkpointing(model, batch, policy="selective", **kwargs)
-    assert set(plan.policies.values()) == {"full"}  # selective's next mode, where it is refused
+    plan = plan_checkpointing(model, batch, checkpointing="selective", **kwargs)
+    assert set(plan.modes.values()) == {"full"}  # selective's next mode, where it is refused
     assert all(b.note == plan.blocks[0].note != "" for b in plan.blocks)
 
 
@@ -108,7 +108,7 @@ def test_autofit_and_advise_plan_around_it(net_and_batch):
         model, batch, budget=int((none + full) / 2 / 0.9), loss_fn=_loss, device="cpu", optimizers=["adamw"]
     )
     assert fit.estimated_peak <= fit.limit
-    assert fit.checkpoint_plan is None or "selective" not in fit.checkpoint_plan.policies.values()
+    assert fit.checkpoint_plan is None or "selective" not in fit.checkpoint_plan.modes.values()
     advice = advise(model, batch, loss_fn=_loss, optimizer="adamw", device="cpu")
     assert advice.findings  # it ran, and priced its fixes
 
@@ -137,4 +137,4 @@ def test_activation_checkpointing_in_a_trainer_trains(tmp_path, net_and_batch):
     )  # fmt: skip
     trainer.fit(Module(), data)
     assert trainer.global_step == 2
-    assert "selective" not in callback.plan.policies.values()
+    assert "selective" not in callback.plan.modes.values()

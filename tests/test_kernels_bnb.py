@@ -3,11 +3,13 @@ dispatch mode sees them, measured, simulated and monitored as the allocator coun
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from models import MLPModule
 from torch import nn
 
 from lightning_memkit import MemoryMonitor, estimate_memory, measure
@@ -108,28 +110,11 @@ def test_estimate_matches_the_allocator(name, one_thread):
     assert estimate.peak == pytest.approx(truth, rel=0.01)
 
 
-class _MLP(pl.LightningModule):
-    def __init__(self, optimizer: str | None = None, batch_size: int = 16) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-        self.net = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 1))
-        self.optimizer = optimizer
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        if self.optimizer is None:  # torch's, for AutoFit to swap
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-        return getattr(bnb.optim, self.optimizer)(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(48, 128, generator=g)
-        return torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=self.batch_size
-        )
+def _mlp(name: str | None = None) -> MLPModule:
+    """`MLPModule` 128 -> 256 -> 1 on 48 rows in batches of 16, with the bitsandbytes optimizer of class
+    ``name`` (``None``: torch's AdamW, for AutoFit to swap)."""
+    optimizer = "adamw" if name is None else functools.partial(getattr(bnb.optim, name), lr=1e-3)
+    return MLPModule(128, 256, samples=48, batch_size=16, optimizer=optimizer)
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "Lion"])
@@ -138,7 +123,7 @@ def test_memory_monitor_in_a_trainer_matches_the_allocator(name, trainer_kwargs,
     monitor = MemoryMonitor(plot=False, summary=False)
     probe = AllocatorPeaks()
     trainer = pl.Trainer(callbacks=probe.around(monitor), **{**trainer_kwargs, "max_steps": 3})
-    trainer.fit(_MLP(name))
+    trainer.fit(_mlp(name))
     assert len(monitor.history) == len(probe.peaks) == 3
     for step, ((_, b), truth) in enumerate(zip(monitor.history, probe.peaks, strict=True)):
         assert b.peak == pytest.approx(truth, rel=0.01), f"step {step}"
@@ -154,7 +139,7 @@ def test_autofit_plans_the_peak_the_swapped_optimizer_reaches(name, trainer_kwar
     autofit = AutoFit(budget=4_000_000, cost="flops", optimizers=[name], checkpointing=("none",))
     monitor, probe = MemoryMonitor(plot=False, summary=False), AllocatorPeaks()
     trainer = pl.Trainer(callbacks=[autofit, *probe.around(monitor)], **{**trainer_kwargs, "max_steps": 3})
-    trainer.fit(_MLP())
+    trainer.fit(_mlp())
     assert autofit.plan.optimizer == name and autofit.plan.accumulate_grad_batches == 1
     for step, ((_, b), truth) in enumerate(zip(monitor.history, probe.peaks, strict=True)):
         assert b.peak == pytest.approx(truth, rel=0.01), f"step {step}"

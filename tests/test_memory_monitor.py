@@ -13,6 +13,7 @@ import torch
 from conftest import EncoderLM
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import MLPModule
 from torch import nn
 
 from lightning_memkit import CATEGORIES, MemoryMonitor
@@ -349,28 +350,6 @@ def test_batches_of_varying_shape_in_any_container_match_the_allocator(trainer_k
     assert monitor.measured_steps == 3  # steps alike still reuse their twin
 
 
-class _MLP(pl.LightningModule):
-    def __init__(self, optimizer):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
-        self.optimizer = optimizer
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return self.optimizer(self.parameters())
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(96, 32, generator=g)
-        return torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16
-        )
-
-
 class _AveragedSGD(torch.optim.Optimizer):
     """Steps along the mean of every gradient so far, kept in a list per parameter: as many state entries
     each step, more bytes in them (as LBFGS's ``old_dirs``/``old_stps``)."""
@@ -402,7 +381,9 @@ def test_optimizer_state_that_grows_inside_its_entries_matches_the_allocator(tra
     monitor = MemoryMonitor(plot=False, summary=False)
     # Steps 0 and 1 are measured; step 2, alike in its state's entries but not in their bytes, is the one
     # a signature of the entries alone would reuse step 1 for.
-    _, truths = _fit(_MLP(optimizer), monitor, trainer_kwargs, profile=True, max_steps=3)
+    torch.manual_seed(0)
+    model = MLPModule(32, 64, samples=96, batch_size=16, activation=nn.Tanh, optimizer=optimizer)
+    _, truths = _fit(model, monitor, trainer_kwargs, profile=True, max_steps=3)
     assert len(monitor.history) == len(truths) == 3
     for step, ((_, b), truth) in enumerate(zip(monitor.history, truths, strict=True)):
         assert b.peak == pytest.approx(truth, rel=0.001), f"step {step}"

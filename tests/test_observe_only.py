@@ -13,44 +13,28 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from lightning.pytorch.loggers import CSVLogger
+from helpers import cpu_trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import BlockNet
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_memkit import ActivationCheckpointing, AutoFit, GradientRelease, MemoryMonitor, OptimizerSwap
 
 HUGE = "100TB"  # a budget every plan fits: nothing may change
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc, self.norm, self.drop = nn.Linear(width, width), nn.BatchNorm1d(width), nn.Dropout(0.2)
-
-    def forward(self, x):
-        return x + self.drop(nn.functional.gelu(self.norm(self.fc(x))))
-
-
-class Net(pl.LightningModule):
-    """Two alike blocks with BatchNorm and dropout; ``usage`` switches the unusual-but-legal ways to train."""
+class Net(BlockNet):
+    """Two alike blocks with BatchNorm and dropout (`BlockNet`); ``usage`` switches the unusual-but-legal ways
+    to train."""
 
     def __init__(self, usage: str = "plain", batch_size: int = 8, width: int = 16) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.usage, self.batch_size = usage, batch_size
-        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
-        self.head = nn.Linear(width, 1)
+        super().__init__(n_blocks=2, width=width, batch_size=batch_size, samples=64, norm=True)
+        self.usage = usage
         self.metric = torchmetrics.MeanSquaredError()
-        self.losses: list[torch.Tensor] = []
         self.automatic_optimization = usage not in ("manual", "two_optimizers")
         if usage == "compile":
             self.blocks = nn.ModuleList(torch.compile(b, backend="aot_eager") for b in self.blocks)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
     def loss(self, batch):
         x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
@@ -93,16 +77,14 @@ class Net(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(64, self.hparams.width, generator=g)
-        data = TensorDataset(x, x.sum(1, keepdim=True))
+        data, batch_size = self.dataset(), self.hparams.batch_size
         if self.usage == "dict_batch":
-            return DataLoader(data, batch_size=self.batch_size, collate_fn=_as_dict)
+            return DataLoader(data, batch_size=batch_size, collate_fn=_as_dict)
         if self.usage == "augment":
-            return DataLoader(_Augmented(data), batch_size=self.batch_size)
+            return DataLoader(_Augmented(data), batch_size=batch_size)
         if self.usage == "none_first":
-            return DataLoader(data, batch_size=self.batch_size, collate_fn=functools.partial(_none_first, []))
-        return DataLoader(data, batch_size=self.batch_size)
+            return DataLoader(data, batch_size=batch_size, collate_fn=functools.partial(_none_first, []))
+        return DataLoader(data, batch_size=batch_size)
 
     def val_dataloader(self):
         return self.train_dataloader() if self.usage == "validation" else []
@@ -154,12 +136,8 @@ def _fit(usage: str, callback: pl.Callback | None, tmp_path) -> Net:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = Net(usage)
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=4, logger=CSVLogger(tmp_path),
-        callbacks=[] if callback is None else [callback], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        **TRAINER.get(usage, {}),
-    )  # fmt: skip
+    callbacks = [] if callback is None else [callback]
+    trainer = cpu_trainer(tmp_path, callbacks, num_sanity_val_steps=0, **TRAINER.get(usage, {}))
     trainer.fit(model)
     model.rng = torch.random.get_rng_state()
     model.other_rng = (random.getstate(), np.random.get_state()[1].tolist())
@@ -254,17 +232,15 @@ def test_an_in_place_change_of_a_saved_tensor_still_raises(tmp_path):
 
     class InPlace(Net):
         def forward(self, x):
-            a = torch.sigmoid(self.blocks[0].fc(x))
+            block = self.blocks[0].net
+            a = torch.sigmoid(block[0](x))  # saved for sigmoid's backward, then changed
             a.mul_(2)
-            return self.head(a)
+            return self.head(block[-1](a))
 
     for callbacks in ([], [MemoryMonitor(plot=False, summary=False)]):
         torch.manual_seed(0)
         model = InPlace()
-        trainer = pl.Trainer(
-            default_root_dir=tmp_path, max_steps=2, logger=CSVLogger(tmp_path), callbacks=callbacks,
-            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        )  # fmt: skip
+        trainer = cpu_trainer(tmp_path, callbacks, max_steps=2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             trainer.fit(model)
         assert len(model.losses) == 1

@@ -11,10 +11,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_cli
+from helpers import cpu_trainer, run_cli
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from models import BlockNet, tiny_lm
 
 import lightning_memkit
 import lightning_memkit._fitting.search as autofit
@@ -43,39 +42,14 @@ _PLAN = re.compile(
 )
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))  # (B, T, d)
+#: `BlockNet` over sequences: a step of a few dozen ops (planned in a second or two) whose activations, at 16
+#: sequences of 64 positions, outweigh its parameters, gradients and AdamW state; 64 sequences whatever the
+#: batch size
+TOWER = dict(n_blocks=2, width=32, batch_size=16, samples=64, seq_len=64, optimizer="adamw")
 
 
-class Tower(pl.LightningModule):
-    """Residual MLP blocks over sequences: a step of a few dozen ops (planned in a second or two) whose
-    activations, at 16 sequences of 64 positions, outweigh its parameters, gradients and AdamW state."""
-
-    def __init__(self, batch_size: int = 16, d: int = 32, h: int = 128, n_layer: int = 2) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.blocks = nn.ModuleList(_Block(d, h) for _ in range(n_layer))
-        self.head = nn.Linear(d, 10)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch  # (B, T, d), (B, T)
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), y.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        n, t = 4 * 16, 64
-        x, y = torch.randn(n, t, self.hparams.d, generator=g), torch.randint(0, 10, (n, t), generator=g)
-        return DataLoader(TensorDataset(x, y), batch_size=self.hparams.batch_size)
+def _tower(**changes) -> BlockNet:
+    return BlockNet(**{**TOWER, **changes})
 
 
 def _bytes(text: str) -> int:
@@ -102,17 +76,13 @@ def _plan_code(message: str, number: int = 1) -> str:
     return "\n".join(code)
 
 
-def _trainer_kwargs(tmp_path, **overrides):
-    kwargs = dict(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, logger=False,
-    )  # fmt: skip
-    return {**kwargs, **overrides}
+def _trainer(tmp_path, callbacks, **overrides) -> pl.Trainer:
+    return cpu_trainer(tmp_path, callbacks, **{"max_steps": 2, "logger": False, **overrides})
 
 
 def _fit_until_oom(tmp_path, module, callbacks, datamodule=None, **overrides):
     """Fit until the pretend device runs out; returns the error and the warnings' messages."""
-    trainer = pl.Trainer(callbacks=callbacks, **_trainer_kwargs(tmp_path, **overrides))
+    trainer = _trainer(tmp_path, callbacks, **overrides)
     with warnings.catch_warnings(record=True) as caught, pytest.raises(torch.OutOfMemoryError) as error:
         warnings.simplefilter("always")
         trainer.fit(module, datamodule=datamodule)
@@ -134,7 +104,7 @@ def test_a_forward_oom_names_the_phase_the_need_and_plans_that_really_fit(tmp_pa
     without optimizer state, had another signature), and plan 1's code, run for real, peaks under the
     budget on the allocator."""
     torch.manual_seed(0)
-    module = Tower()
+    module = _tower()
     need = estimate_memory(module, next(iter(module.train_dataloader())), device="cpu")  # a later step's
     budget = int(0.8 * need.peak)
     pretend = PretendOOM(module, rows=15, batch_idx=1)  # batches of 16 are too much for the pretend device
@@ -163,10 +133,10 @@ def test_a_forward_oom_names_the_phase_the_need_and_plans_that_really_fit(tmp_pa
     exec(_plan_code(message), namespace)
     arguments = namespace["trainer"]
     probe = AllocatorPeaks()
-    kwargs = _trainer_kwargs(tmp_path, **{k: v for k, v in arguments.items() if k != "callbacks"})
-    trainer = pl.Trainer(callbacks=probe.around(*arguments.get("callbacks", [])), **kwargs)
+    kwargs = {k: v for k, v in arguments.items() if k != "callbacks"}
+    trainer = _trainer(tmp_path, probe.around(*arguments.get("callbacks", [])), **kwargs)
     torch.manual_seed(0)
-    trainer.fit(Tower(batch_size=namespace["batch_size"]))
+    trainer.fit(_tower(batch_size=namespace["batch_size"]))
     assert trainer.global_step == 2 and len(probe.peaks) == 2 * arguments["accumulate_grad_batches"]
     assert max(probe.peaks) <= budget, f"plan 1 peaked at {max(probe.peaks)}, over the budget of {budget}"
 
@@ -196,11 +166,11 @@ def test_a_backward_oom_after_measured_steps_gives_the_measured_need(tmp_path):
 
 
 def test_an_oom_in_the_optimizer_step_is_named_so(tmp_path):
-    class StepsOut(Tower):
+    class StepsOut(BlockNet):
         def on_before_optimizer_step(self, optimizer):  # after the callbacks' hook
             raise torch.OutOfMemoryError("out of memory in the update")
 
-    _, (message,) = _fit_until_oom(tmp_path, StepsOut(), [_monitor()], logger=_csv(tmp_path))
+    _, (message,) = _fit_until_oom(tmp_path, StepsOut(**TOWER), [_monitor()], logger=_csv(tmp_path))
     assert _HEADER.search(message).groups() == ("MemoryMonitor", "optimizer step", "0")
 
 
@@ -209,7 +179,7 @@ def test_a_failure_to_explain_is_one_line_and_the_oom_propagates(tmp_path, monke
         raise RuntimeError("the explainer broke")
 
     monkeypatch.setattr(_oom_report, "step_need", broken)
-    module = Tower()
+    module = _tower()
     pretend = PretendOOM(module, rows=8)
     error, (message,) = _fit_until_oom(tmp_path, module, [_monitor(budget=10**6)], logger=_csv(tmp_path))
     assert isinstance(error, torch.OutOfMemoryError) and pretend.raised == 1
@@ -224,7 +194,7 @@ def test_autofit_asks_the_monitor_to_explain_once_while_its_plan_is_applied(tmp_
     once, asked by AutoFit (first in the list) before it gives the user's settings back, so the need is the
     planned step's and the plans keep the global batch (16, not the micro-batch). The need fits by these
     figures, so the plans are for it: leaner than the plan that ran out."""
-    module = Tower(n_layer=1)  # no repeated blocks: micro-batch and optimizer are the levers
+    module = _tower(n_blocks=1)  # no repeated blocks: micro-batch and optimizer are the levers
     whole = estimate_memory(module, next(iter(module.train_dataloader())), device="cpu")
     autofit = AutoFit(budget=int(0.97 * whole.peak / 0.9), cost="flops", verify_steps=0)  # 16 does not fit
     pretend = PretendOOM(module, rows=1, batch_idx=3)
@@ -251,7 +221,7 @@ def test_autofit_asks_the_monitor_to_explain_once_while_its_plan_is_applied(tmp_
 def test_autofit_beside_the_fused_step_says_why_it_did_not_retry(tmp_path):
     """Beside FusedOptimizerStep, AutoFit cannot retry a step (the backward steps the parameters); the
     explanation said nothing of it and told the user to add the AutoFit the run had."""
-    module = Tower(n_layer=1)
+    module = _tower(n_blocks=1)
     PretendOOM(module, rows=4)
     autofit = AutoFit(budget="1000GB", cost="flops")
     _, (message,) = _fit_until_oom(tmp_path, module, [autofit, FusedOptimizerStep()], logger=_csv(tmp_path))
@@ -259,16 +229,11 @@ def test_autofit_beside_the_fused_step_says_why_it_did_not_retry(tmp_path):
     assert "Or add AutoFit" not in message
 
 
-def _lm():
-    """A language model without repeated blocks for ``memkit``: embedding and head, its peak the logits."""
-    return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256))
-
-
 _run = run_cli
 
 
 def test_estimate_on_a_gpu_it_does_not_fit_prints_plans_that_do():
-    argv = ["estimate", "--model", "test_oom_explain:_lm", "--batch-size", "16", "--seq-len", "256"]
+    argv = ["estimate", "--model", "models:tiny_lm", "--batch-size", "16", "--seq-len", "256"]
     status, out, err = _run([*argv, "--gpu", "1GiB"])
     assert status == 0, err
     assert re.search(r"^Fits: [\d.]+ MiB of the [\d.]+ MiB usable on 1GiB\.$", out, re.M)
@@ -280,7 +245,7 @@ def test_estimate_on_a_gpu_it_does_not_fit_prints_plans_that_do():
     plans = _PLAN.findall(out)
     assert plans and {p[2] for p in plans} == {"none"}  # nothing to checkpoint: the micro-batch is the lever
     with torch.device("meta"):
-        model = _lm()
+        model = tiny_lm()
     x = torch.zeros(16, 256, dtype=torch.long, device="meta")
     for m, accumulate, _, optimizer, _, peak in plans:
         simulated = estimate_memory(
@@ -302,14 +267,14 @@ def test_planning_stops_after_plan_seconds(monkeypatch):
     monkeypatch.setattr(oom, "PLAN_SECONDS", 0.0)
     x = torch.zeros(4, 8, dtype=torch.long)
     lines = oom.plans_section(
-        _lm(), (x, x), parse_budget(10**6), loss_fn=lambda out, y: out.sum(), device="cpu"
+        tiny_lm(), (x, x), parse_budget(10**6), loss_fn=lambda out, y: out.sum(), device="cpu"
     )
     assert lines == ["  No plan within 0 s of simulation; AutoFit plans as the fit starts: "
                      "trainer = Trainer(callbacks=[AutoFit(budget=1_000_000)])"]  # fmt: skip
 
 
 def test_plan_that_nothing_fits_says_what_the_smallest_step_needs():
-    argv = ["plan", "--model", "test_oom_explain:_lm", "--global-batch", "4", "--seq-len", "64"]
+    argv = ["plan", "--model", "models:tiny_lm", "--global-batch", "4", "--seq-len", "64"]
     status, _, err = _run([*argv, "--gpu", "512.1MiB"])  # 0.1 MiB once the CUDA context is taken
     assert status == 2
     table, error = err.split("memkit plan: error: ")

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import cpu_trainer
-from torch import nn
+from models import MLPModule
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from lightning_memkit import OptimizerSwap, estimate_memory, fit_optimizer, format_bytes, parse_budget
@@ -19,20 +19,15 @@ from lightning_memkit import OptimizerSwap, estimate_memory, fit_optimizer, form
 N, BATCH = 32, 8  # samples, batch size: 4 batches per epoch
 
 
-class Net(pl.LightningModule):
-    """A two-layer regression; records every real training batch and what ran, in order."""
+class Net(MLPModule):
+    """`MLPModule` ``width`` wide on ``N`` rows in batches of ``BATCH``; records every real training batch and
+    what ran, in order."""
 
     def __init__(self, width: int = 8, optimizer: str = "adamw", shuffle: bool = False) -> None:
-        super().__init__()
-        self.body = nn.Linear(width, width)
-        self.head = nn.Linear(width, 1)
-        self.width, self.optimizer, self.shuffle = width, optimizer, shuffle
+        super().__init__(width, width, samples=N, batch_size=BATCH, optimizer=optimizer, shuffle=shuffle)
+        self.width = width
         self.events: list[str] = []
         self.batches: list[torch.Tensor] = []
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return self.head(torch.relu(self.body(x))).pow(2).mean()
 
     def on_train_batch_start(self, batch, batch_idx):  # not in training_step: the estimate runs that
         self.events.append("train_batch")
@@ -40,15 +35,6 @@ class Net(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         self.events.append("optimizer_step")
-
-    def configure_optimizers(self):
-        if self.optimizer == "lbfgs":
-            return torch.optim.LBFGS(self.parameters(), lr=1.0, max_iter=2)
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        x = torch.randn(N, self.width, generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(x), batch_size=BATCH, shuffle=self.shuffle)
 
 
 class ValidatedNet(Net):
@@ -70,7 +56,8 @@ def _trainer(tmp_path, *callbacks, **kwargs) -> pl.Trainer:
 @functools.cache
 def _peak(width: int, optimizer: str) -> int:
     """``Net(width)``'s estimated step peak with ``optimizer`` (one estimate per test process)."""
-    return estimate_memory(Net(width), [torch.zeros(BATCH, width)], optimizer=optimizer, device="cpu").peak
+    batch = torch.zeros(BATCH, width), torch.zeros(BATCH, 1)
+    return estimate_memory(Net(width), batch, optimizer=optimizer, device="cpu").peak
 
 
 def _between(width: int, fits: str, over: str) -> int:

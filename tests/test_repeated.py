@@ -21,6 +21,7 @@ from lightning_memkit._estimating.simulate import (
     estimate_memory,
     simulate_step,
 )
+from lightning_memkit._step import Step
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 DEPTH = 6  # deeper than the shallow steps (at most 4 blocks) by two, so the extrapolation is not a lookup
@@ -50,10 +51,11 @@ class DeepZoo(ZooModule):
 
 def _both(model, batch, **kwargs):
     """The shortcut's breakdown and the whole simulation's."""
+    step, run = Step.split(kwargs)
     shortcut = repeated.shortcut(
-        model, functools.partial(simulate_step, model, batch, history=True, **kwargs)
+        model, functools.partial(simulate_step, model, batch, step, history=True, **run)
     )
-    whole = simulate_step(model, batch, **kwargs).breakdown()
+    whole = simulate_step(model, batch, step, **run).breakdown()
     return shortcut, whole
 
 
@@ -101,8 +103,9 @@ def test_a_peak_that_moves_with_depth_is_followed() -> None:
     x = torch.randint(0, 4096, (2, 64))
     kwargs = {"precision": "bf16-true", "checkpointing": "full", "device": "cuda", "optimizer": "adamw"}
     container, _ = repeated.repeated_blocks(module)
+    step, run = Step.split(kwargs)
     with repeated.truncated(container, 2):
-        shallow = simulate_step(module, (x, x), **kwargs).breakdown()
+        shallow = simulate_step(module, (x, x), step, **run).breakdown()
     shortcut, whole = _both(module, (x, x), **kwargs)
     assert shortcut is not None and shortcut.breakdown == whole
     assert shallow.activations > 100 * whole.activations  # shallow: the peak at the loss, with activations
@@ -113,9 +116,9 @@ def test_a_peak_that_moves_with_depth_is_followed() -> None:
 def test_counted_step_extrapolates_flops_and_ops_exactly() -> None:
     module = DeepZoo("gpt2")
     batch = zoo_batch("gpt2")
-    fast = counted_step(module, batch, device="cpu")
+    fast = counted_step(module, batch, Step(), device="cpu")
     repeated.MIN_DEPTH = 10**6  # restored by the fixture's monkeypatch
-    assert counted_step(module, batch, device="cpu") == fast
+    assert counted_step(module, batch, Step(), device="cpu") == fast
 
 
 def test_estimate_memory_takes_the_shortcut_and_leaves_the_model_whole() -> None:
@@ -134,7 +137,7 @@ def test_estimate_memory_takes_the_shortcut_and_leaves_the_model_whole() -> None
     assert calls == [1, 2, 3]
     assert [name for name, _ in module.named_parameters()] == before
     assert len(module.model.model.layers) == DEPTH
-    assert fast == simulate_step(module, zoo_batch("qwen2"), device="cpu").breakdown()
+    assert fast == simulate_step(module, zoo_batch("qwen2"), Step(), device="cpu").breakdown()
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["applied", "by_argument"])
@@ -157,7 +160,8 @@ def test_checkpointed_steps_from_one_block_up_or_from_two(applied: bool) -> None
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(repeated, "truncated", spy)
             fast = estimate_memory(module, batch, **kwargs)
-        whole = simulate_step(module, batch, **kwargs).breakdown()
+        step, run = Step.split(kwargs)
+        whole = simulate_step(module, batch, step, **run).breakdown()
     assert calls == ([1, 2, 3] if applied else [1, 2, 3, 4])
     assert fast == whole
 
@@ -241,7 +245,7 @@ def test_the_checkpointing_planner_profiles_two_copies_for_all_of_them(
     from lightning_memkit._checkpointing.planner import CheckpointPlanner
 
     module = DeepZoo("gpt2")
-    kwargs = {"cost": "flops", "device": "cpu", "policy": ("none", "selective", "full")}
+    kwargs = {"cost": "flops", "device": "cpu", "checkpointing": ("none", "selective", "full")}
     fast = CheckpointPlanner(module, zoo_batch("gpt2"), **kwargs)
     monkeypatch.setattr(repeated, "MIN_DEPTH", 10**6)
     whole = CheckpointPlanner(module, zoo_batch("gpt2"), **kwargs)

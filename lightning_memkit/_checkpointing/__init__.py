@@ -1,2 +1,2 @@
-"""Activation checkpointing: which blocks, the policies, what each costs, and the planner that fits a
+"""Activation checkpointing: which blocks, the modes, what each costs, and the planner that fits a
 budget."""

@@ -1,12 +1,12 @@
-"""What each block costs under each checkpointing policy, measured rather than assumed.
+"""What each block costs under each checkpointing mode, measured rather than assumed.
 
-The planner needs, per block and policy, three figures, and reads them from the block's own ops inside one
+The planner needs, per block and mode, three figures, and reads them from the block's own ops inside one
 simulated step (`estimate_memory`: fake tensors, so nothing is allocated, and precision and autocast are
-those of the real step). Each distinct block is run forward and backward once per policy, in a ledger:
+those of the real step). Each distinct block is run forward and backward once per mode, in a ledger:
 
 - ``R``: bytes the block keeps after its forward (what autograd saved, SAC's cache, checkpoint inputs);
 - ``X``: the block's highest footprint during its backward (``R`` + recomputed tensors + gradients);
-- the ops recomputed: those of forward+backward under the policy beyond those without it, with their FLOPs
+- the ops recomputed: those of forward+backward under the mode beyond those without it, with their FLOPs
   by ``torch.utils.flop_counter``'s formulas. Their cost is, with ``cost="measured"``, their time benchmarked
   one by one on the device with random data of their shapes; with ``cost="flops"``, their count.
 
@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from lightning_memkit._checkpointing.policies import POLICIES, CheckpointedForward, mutates_cached_output
+from lightning_memkit._checkpointing.policies import CHECKPOINTERS, CheckpointedForward, mutates_cached_output
 from lightning_memkit._measuring.kernels import hashable
 from lightning_memkit._measuring.tracker import Storage, rounded
 
@@ -136,7 +136,7 @@ class _Ledger(TorchDispatchMode):
 
 @dataclass
 class _Run:
-    """One block under one policy: kept bytes, backward footprint, and the ops of forward+backward."""
+    """One block under one mode: kept bytes, backward footprint, and the ops of forward+backward."""
 
     retained: int
     footprint: int
@@ -158,8 +158,8 @@ def _without_kv_cache(x: Any) -> Any:
     return None if is_cache else x
 
 
-def _run_block(block: nn.Module, policy: Any, args: tuple, kwargs: dict, rounding: int) -> _Run:
-    """Forward and backward of ``block`` alone on (detached) ``args``, under ``policy``, in a ledger."""
+def _run_block(block: nn.Module, checkpointer: Any, args: tuple, kwargs: dict, rounding: int) -> _Run:
+    """Forward and backward of ``block`` alone on (detached) ``args``, under ``checkpointer``, in a ledger."""
     params = [p for p in block.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     for p in params:
@@ -167,8 +167,8 @@ def _run_block(block: nn.Module, policy: Any, args: tuple, kwargs: dict, roundin
     previous = block.__dict__.get("forward")
     if isinstance(previous, CheckpointedForward):
         previous = previous.previous
-    call = CheckpointedForward(block, policy, previous)
-    forward = call if policy.checkpoints else call.original()
+    call = CheckpointedForward(block, checkpointer, previous)
+    forward = call if checkpointer.checkpoints else call.original()
     # Hugging Face's key/value cache is shared by the whole step and filled as it goes: running the block
     # again with it would extend it (and backpropagate through the step's graph). The planner profiles with
     # the cache off; should a caller pass one all the same, the block runs as without it.
@@ -199,7 +199,7 @@ def _run_block(block: nn.Module, policy: Any, args: tuple, kwargs: dict, roundin
 
 @dataclass(frozen=True)
 class _Option:
-    """A block under one policy, as the DP sees it. ``cost`` is an integer (ns or FLOP units)."""
+    """A block under one mode, as the DP sees it. ``cost`` is an integer (ns or FLOP units)."""
 
     retained: int
     footprint: int
@@ -210,7 +210,7 @@ class _Option:
 
 @dataclass(frozen=True)
 class BlockCosts:
-    """A DP item: the block's options by policy name (in `POLICIES` order) and its gradients' bytes."""
+    """A DP item: the block's options by mode (in `CHECKPOINT_MODES` order) and its gradients' bytes."""
 
     name: str
     options: dict[str, _Option]
@@ -222,7 +222,7 @@ class BlockCosts:
         """``mode``, or the next stronger mode the block can run under (``"full"`` always can)."""
         if mode not in self.refused:
             return mode
-        modes = list(POLICIES)
+        modes = list(CHECKPOINTERS)
         return next((m for m in modes[modes.index(mode) :] if m in self.options), "full")
 
 
@@ -230,10 +230,10 @@ class OpTimer:
     """Seconds per op, benchmarked on ``device`` with random data of the recorded shapes.
 
     Op by op rather than whole blocks: an op is short, so the best of a few runs is stable even on a shared
-    machine, where a block's forward+backward varies by more than what recomputation costs; and no policy
+    machine, where a block's forward+backward varies by more than what recomputation costs; and no mode
     can come out free by chance. On CPU an op runs on one thread and is read by that thread's CPU clock
     (the best of five runs); on CUDA ten runs go between two synchronizations. In place, recomputation
-    costs somewhat more than the sum of its ops (cold caches, allocations): the figures rank the policies
+    costs somewhat more than the sum of its ops (cold caches, allocations): the figures rank the modes
     and report their order of magnitude; the benchmark measures real steps.
     """
 
@@ -289,9 +289,9 @@ class OpTimer:
 
 
 def block_options(runs: dict[str, _Run], cost: str, timer: OpTimer | None) -> tuple[dict[str, _Option], int]:
-    """Per policy, the DP's option; and the block's forward+backward cost without checkpointing.
+    """Per mode, the DP's option; and the block's forward+backward cost without checkpointing.
 
-    The recomputed ops are those run under the policy beyond the ones run without it. ``cost="measured"``:
+    The recomputed ops are those run under the mode beyond the ones run without it. ``cost="measured"``:
     their benchmarked time, in integer nanoseconds (the DP's sums stay exact). ``cost="flops"``: their FLOP
     formula, or the elements they write where there is none.
     """
@@ -322,9 +322,9 @@ def block_options(runs: dict[str, _Run], cost: str, timer: OpTimer | None) -> tu
 class BlockProfiler:
     """Forward pre-hooks that profile every distinct block the first time it runs in a simulated step."""
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], levels: Sequence[str], rounding: int) -> None:
+    def __init__(self, blocks: list[tuple[str, nn.Module]], modes: Sequence[str], rounding: int) -> None:
         self.blocks = blocks
-        self.levels = levels
+        self.modes = modes
         self.rounding = rounding
         self.order: list[str] = []  # block names in execution order
         self.signature: dict[str, tuple] = {}
@@ -373,15 +373,15 @@ class BlockProfiler:
         self._busy = True
         runs, refused = {}, set()
         try:
-            for level in self.levels:
+            for mode in self.modes:
                 try:
-                    runs[level] = _run_block(module, POLICIES[level], args, kwargs, self.rounding)
+                    runs[mode] = _run_block(module, CHECKPOINTERS[mode], args, kwargs, self.rounding)
                 except RuntimeError as e:
                     if not mutates_cached_output(e):
                         raise
-                    refused.add(level)
+                    refused.add(mode)
             if refused and "full" not in runs:  # what such a block gets instead (`BlockCosts.allowed`)
-                runs["full"] = _run_block(module, POLICIES["full"], args, kwargs, self.rounding)
+                runs["full"] = _run_block(module, CHECKPOINTERS["full"], args, kwargs, self.rounding)
         finally:
             self._busy = False
         self.runs[signature], self.refused[signature] = runs, refused

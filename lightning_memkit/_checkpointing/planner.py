@@ -1,9 +1,9 @@
 """Activation checkpointing that fits a memory budget at the least recompute cost.
 
 Users pick checkpointed layers by trial and error, or checkpoint every block and pay about a third more
-compute. Here every candidate block gets one of the policies `apply_checkpointing` knows, and the cheapest
+compute. Here every candidate block gets one of the modes `apply_checkpointing` knows, and the cheapest
 assignment whose whole-step peak fits the budget is chosen exactly, from measured figures: each block's
-kept bytes ``R``, backward footprint ``X`` and recompute cost per policy, read inside one simulated step.
+kept bytes ``R``, backward footprint ``X`` and recompute cost per mode, read inside one simulated step.
 
 The peak model, with blocks ``1..n`` in execution order and ``G_i`` the bytes of block ``i``'s gradients:
 the backward of block ``j`` holds the earlier blocks' kept tensors, its own footprint and the gradients of
@@ -16,13 +16,13 @@ gradient) run while every block's kept tensors are held, so
 Checkpointing the last block saves nothing during the blocks' backward (its activations come back at
 once), but it does at the loss. ``C`` (the rest of the step: parameters, optimizer state...) and ``T``
 (what the loss adds) are read from two simulated whole steps, without checkpointing and at the floor, the
-peak with the strongest allowed policy on every block (a budget below the floor is an error): each constant
+peak with the strongest allowed mode on every block (a budget below the floor is an error): each constant
 is the least that explains both peaks, so the model is exact at the two ends when the peak of one lies in
 the blocks' backward and the other's at the loss.
 
 The plan: a knapsack over blocks solved exactly by dynamic programming over the kept bytes so far
 (Pareto-pruned, integer costs), minimising recompute cost under ``peak(plan) <= cap``; ties go to fewer
-kept bytes, then to the lighter policy on the earliest block. The model errs both ways (it misses what
+kept bytes, then to the lighter mode on the earliest block. The model errs both ways (it misses what
 happens outside the blocks' backward, e.g. Lightning's gradients still live during the forward, and the
 peak at the loss, where checkpointing the last block does save), so the simulated step decides: the DP's
 plans for a rising cap are cheaper and peak higher, and the plan returned is the one at the highest cap
@@ -48,35 +48,27 @@ from lightning_memkit._checkpointing.blocks import LayerClasses, find_blocks, no
 from lightning_memkit._checkpointing.costs import BlockCosts, BlockProfiler, OpTimer, block_options
 from lightning_memkit._checkpointing.policies import (
     CHECKPOINT_MODES,
-    LEVELS,
     MUTATED_NOTE,
-    POLICIES,
     BlockPlan,
     CheckpointHandle,
     CheckpointPlan,
+    applied_modes,
     apply_plan,
     caching_configs,
-    checkpoint_policies,
     without_cache,
 )
 from lightning_memkit._estimating.repeated import repeated_blocks, truncated
-from lightning_memkit._estimating.simulate import estimate_memory
+from lightning_memkit._estimating.simulate import estimate_step
 from lightning_memkit._measuring.tracker import allocation_rounding, model_device
-from lightning_memkit._vocabulary import renamed_cost
+from lightning_memkit._step import Step
+from lightning_memkit._vocabulary import AUTO, allowed_modes, renamed, renamed_cost, unbudgeted_mode
 
 __all__ = ["CheckpointPlanner", "plan_checkpointing"]
 
 log = logging.getLogger(__name__)
 
-#: Policy order for ties: the lighter policy (earlier in `POLICIES`) wins.
-_RANK = {name: i for i, name in enumerate(POLICIES)}
-#: What every block gets when there is no budget to fit.
-_WITHOUT_BUDGET = {
-    "auto": "selective",
-    "selective": "selective",
-    "selective_half": "selective_half",
-    "full": "full",
-}
+#: Mode order for ties: the lighter mode (earlier in `CHECKPOINT_MODES`) wins.
+_RANK = {name: i for i, name in enumerate(CHECKPOINT_MODES)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,22 +106,22 @@ def _suffix_grads(blocks: Sequence[BlockCosts]) -> list[int]:
 
 
 def _solve(
-    blocks: Sequence[BlockCosts], cap: float, levels: Sequence[str], tail: int = 0
+    blocks: Sequence[BlockCosts], cap: float, modes: Sequence[str], tail: int = 0
 ) -> tuple[str, ...] | None:
-    """The cheapest choice of policies with ``A(plan) <= cap`` (``tail`` as `_activation_peak` takes it),
+    """The cheapest choice of modes with ``A(plan) <= cap`` (``tail`` as `_activation_peak` takes it),
     exactly; ``None`` if there is none.
 
     Dynamic programming over the blocks in execution order; the state is the bytes kept by the blocks so
     far (all the future depends on), and a state is dropped when another keeps no more bytes at no more
-    cost. Ties: fewer kept bytes, then the lighter policy on the earliest block.
+    cost. Ties: fewer kept bytes, then the lighter mode on the earliest block.
     """
     grads_after = _suffix_grads(blocks)
-    # kept bytes -> (cost, policy ranks, policy names)
+    # kept bytes -> (cost, mode ranks, mode names)
     states: dict[int, tuple[int, tuple[int, ...], tuple[str, ...]]] = {0: (0, (), ())}
     for j, block in enumerate(blocks):
         new: dict[int, tuple[int, tuple[int, ...], tuple[str, ...]]] = {}
         for kept, (cost, ranks, names) in states.items():
-            for name in levels:
+            for name in modes:
                 option = block.options.get(name)
                 if option is None:  # a mode the block cannot run under (`BlockCosts.refused`)
                     continue
@@ -163,7 +155,7 @@ def plan_checkpointing(
     batch: Any,
     budget: int | float | str | Budget | None = None,
     *,
-    policy: str = "auto",
+    checkpointing: str | Sequence[str] = AUTO,
     blocks: LayerClasses | None = None,
     cost: str = "measured",
     device: str | torch.device | None = None,
@@ -179,10 +171,11 @@ def plan_checkpointing(
         budget: the whole step's peak to fit, as `parse_budget` reads it: bytes, a size (``"6GiB"``,
             ``"24GB"``), a GPU name (``"A100-40GB"``, ``"H200"``: the card's memory less the CUDA context
             and a 5 % reserve), or a fraction of the current CUDA device (``0.9``) or ``"auto"`` (these
-            two need one). ``None``: no search; every block gets ``"selective"`` (``policy="auto"``) or the
-            named policy, with its figures.
-        policy: the policies each block may get: ``"auto"`` (all four), ``"selective"`` /
-            ``"selective_half"`` / ``"full"`` (that one or none).
+            two need one). ``None``: no search; every block gets ``"selective"`` (``checkpointing="auto"``) or
+            the strongest mode allowed, with its figures.
+        checkpointing: the modes each block may get: ``"auto"`` (all four), ``"selective"`` /
+            ``"selective_half"`` / ``"full"`` (that one or none), or the modes themselves, ``"none"`` among
+            them (``("none", "selective", "full")``). ``policy=`` is its deprecated name.
         blocks: layer classes whose instances are the candidates (default: `find_blocks`).
         cost: what the DP minimises for the recomputed ops: ``"measured"`` (their time, benchmarked op by
             op on the device; ``"flops"`` when that device is not present; ``"time"`` is its deprecated
@@ -203,7 +196,7 @@ def plan_checkpointing(
     """
     limit = None if budget is None else parse_budget(budget)  # a bad budget fails before any simulation
     planner = CheckpointPlanner(
-        model, batch, policy=policy, blocks=blocks, cost=cost, device=device, **estimate_kwargs
+        model, batch, checkpointing=checkpointing, blocks=blocks, cost=cost, device=device, **estimate_kwargs
     )
     return planner.plan(limit)
 
@@ -222,14 +215,18 @@ class CheckpointPlanner:
         model: nn.Module,
         batch: Any,
         *,
-        policy: str | Sequence[str] = "auto",
+        checkpointing: str | Sequence[str] = AUTO,
         blocks: LayerClasses | None = None,
         cost: str = "measured",
         device: str | torch.device | None = None,
         max_rounds: int = 8,
         **estimate_kwargs: Any,
     ) -> None:
-        levels = _levels(policy)
+        if "policy" in estimate_kwargs:  # the old name of ``checkpointing``
+            checkpointing = renamed(
+                "plan_checkpointing", "policy", "checkpointing", estimate_kwargs.pop("policy")
+            )
+        modes = _planned_modes(checkpointing)
         cost = renamed_cost("plan_checkpointing", cost)
         if cost not in ("measured", "flops"):
             raise ValueError(f"Unknown cost {cost!r}; choose 'measured' or 'flops'")
@@ -241,30 +238,32 @@ class CheckpointPlanner:
         if not found:
             raise ValueError(no_blocks_message(model, "plan_checkpointing(..., blocks={MyBlock})", blocks))
         self.model, self.batch, self.cost = model, batch, cost
-        self.policy = policy if isinstance(policy, str) else levels
+        #: The mode every block gets without a budget (`unbudgeted_mode`).
+        self.unbudgeted = unbudgeted_mode(checkpointing)
         self.max_rounds = max_rounds
-        self.levels = levels
-        self.estimate_kwargs = {**estimate_kwargs, "device": target.type}
+        self.modes = modes
+        #: The step every plan is simulated in (`Step`), and the rest of `estimate_memory`'s arguments.
+        self.step, run = Step.split(estimate_kwargs)
+        self.run = {**run, "device": target.type}
         self._simulated: dict[tuple[str, ...], MemoryBreakdown] = {}
         self._model: tuple[int, int] | None = None  # the peak model's (offset, tail), once calibrated
 
         # Profile every distinct block inside one simulated step (the step's own result is not used), with
         # Hugging Face's key/value cache off: every plan that checkpoints a block runs so (apply_checkpointing
         # turns it off), and the block options are only read for such plans.
-        profiler = BlockProfiler(found, self.levels, rounding=allocation_rounding(target))
+        profiler = BlockProfiler(found, self.modes, rounding=allocation_rounding(target))
         # A sharded step (``strategy="fsdp2"``) runs on a sharded copy the profiler's hooks are not on: the
         # blocks are profiled on one device (their activations are a rank's either way), and every plan's
         # step is simulated sharded.
-        sharding = ("strategy", "world_size", "mp_policy", "reshard_after_forward")
-        unsharded = {k: v for k, v in self.estimate_kwargs.items() if k not in sharding}
+        unsharded = self.step.but(sharding=None)
         repeated = repeated_blocks(model)
         with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
             if repeated is None:
-                estimate_memory(model, batch, **unsharded)
+                estimate_step(model, batch, unsharded, **self.run)
             # copies of one block (`_estimating.repeated`): the first two are profiled, the rest are alike
             else:
                 with truncated(repeated[0], 2):
-                    estimate_memory(model, batch, **unsharded)
+                    estimate_step(model, batch, unsharded, **self.run)
                 profiler.alike([name for name, _ in found])
         if not profiler.order:
             raise ValueError(f"None of the {len(found)} candidate blocks ran in the training step.")
@@ -286,16 +285,14 @@ class CheckpointPlanner:
         self.baseline = sum(options[profiler.signature[name]][1] for name in profiler.order)
 
     def _estimate(self) -> MemoryBreakdown:
-        return estimate_memory(self.model, self.batch, **self.estimate_kwargs)
+        return estimate_step(self.model, self.batch, self.step, **self.run)
 
     def _bare(self) -> CheckpointHandle:
         """Remove any checkpointing `apply_checkpointing` left on the model, while planning."""
-        return apply_plan(
-            self.model, {name: "none" for name in checkpoint_policies(self.model)}, announce=False
-        )
+        return apply_plan(self.model, {name: "none" for name in applied_modes(self.model)}, announce=False)
 
     def simulate(self, choice: Sequence[str]) -> MemoryBreakdown:
-        """The simulated step's breakdown with ``choice`` (one policy per block, in `names` order).
+        """The simulated step's breakdown with ``choice`` (one mode per block, in `names` order).
 
         As the plan will run: a choice that checkpoints a block runs with Hugging Face's key/value cache off
         (`apply_checkpointing` turns it off), one that checkpoints nothing with the model's own setting.
@@ -323,9 +320,9 @@ class CheckpointPlanner:
                 self._simulated[key] = self._estimate()
         return self._simulated[key].peak
 
-    def uniform(self, policy: str) -> tuple[str, ...]:
-        """``policy`` on every block that can run under it, the next stronger mode on the others."""
-        return tuple(b.allowed(policy) for b in self.blocks)
+    def uniform(self, mode: str) -> tuple[str, ...]:
+        """``mode`` on every block that can run under it, the next stronger mode on the others."""
+        return tuple(b.allowed(mode) for b in self.blocks)
 
     def overhead(self, choice: Sequence[str]) -> float:
         """The recompute cost of ``choice`` as a fraction of the blocks' forward+backward cost without
@@ -334,23 +331,29 @@ class CheckpointPlanner:
         return spent / self.baseline if self.baseline else 0.0
 
     def plan(
-        self, budget: int | float | str | Budget | None = None, *, levels: Sequence[str] | None = None
+        self,
+        budget: int | float | str | Budget | None = None,
+        *,
+        modes: Sequence[str] | None = None,
+        levels: Sequence[str] | None = None,
     ) -> CheckpointPlan:
-        """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`); ``levels``: the
+        """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`); ``modes``: the
         modes a block may get, a subset of the planner's (``("selective_half", "full")``: every block is
-        checkpointed, one way or the other)."""
-        levels = self.levels if levels is None else tuple(m for m in self.levels if m in levels)
-        if not levels:
-            raise ValueError(f"levels must name some of the planner's modes {self.levels}")
+        checkpointed, one way or the other). ``levels=`` is the deprecated name of ``modes``."""
+        if levels is not None:
+            modes = renamed("CheckpointPlanner.plan", "levels", "modes", levels)
+        modes = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
+        if not modes:
+            raise ValueError(f"modes must name some of the planner's modes {self.modes}")
         limit = None if budget is None else parse_budget(budget).usable
         peak_none = self.simulate(self.uniform("none")).peak
         if limit is None:
-            choice = self.uniform(_WITHOUT_BUDGET.get(self.policy, levels[-1]))
+            choice = self.uniform(self.unbudgeted if self.unbudgeted in modes else modes[-1])
         else:
-            floor = self.simulate(self.uniform(levels[-1]))
+            floor = self.simulate(self.uniform(modes[-1]))
             if limit < floor.peak:
-                raise ValueError(_floor_message(limit, floor, levels[-1], len(self.blocks), peak_none))
-            choice = self._fit(limit, peak_none, levels)
+                raise ValueError(_floor_message(limit, floor, modes[-1], len(self.blocks), peak_none))
+            choice = self._fit(limit, peak_none, modes)
         return self.plan_for(choice, limit)
 
     def modeled_peak(self, choice: Sequence[str]) -> int | None:
@@ -362,7 +365,7 @@ class CheckpointPlanner:
         return offset + _activation_peak(self.blocks, tuple(choice), tail)
 
     def plan_for(self, choice: Sequence[str], budget: int | None = None) -> CheckpointPlan:
-        """``choice`` (one policy per block, in `names` order) as a `CheckpointPlan`, with its simulated
+        """``choice`` (one mode per block, in `names` order) as a `CheckpointPlan`, with its simulated
         peak and the blocks' measured figures; ``budget``: the limit it was chosen for, in bytes."""
         choice = tuple(choice)
         breakdown = self.simulate(choice)
@@ -371,7 +374,7 @@ class CheckpointPlanner:
             blocks=tuple(
                 BlockPlan(
                     name=b.name,
-                    policy=c,
+                    mode=c,
                     saved_bytes=b.options["none"].retained - b.options[c].retained,
                     recompute_flops=b.options[c].flops,
                     recompute_time=b.options[c].seconds,
@@ -404,7 +407,7 @@ class CheckpointPlanner:
         at_loss = min(peak_none - _kept(self.blocks, none), peak_floor - _kept(self.blocks, floor))
         return backward, at_loss - backward
 
-    def _fit(self, limit: int, peak_none: int, levels: tuple[str, ...]) -> tuple[str, ...]:
+    def _fit(self, limit: int, peak_none: int, modes: tuple[str, ...]) -> tuple[str, ...]:
         """The DP's plan at the highest cap whose simulated peak fits ``limit``.
 
         ``plan_at(cap)``, the cheapest plan whose modeled peak is at most ``cap``, gets cheaper as the cap
@@ -414,15 +417,15 @@ class CheckpointPlanner:
         plans at both ends of the bracket, and at most `max_rounds` new plans are; the caps searched run
         from the floor's modeled peak up, so the floor's plan (simulated: it fits) is the fallback.
         """
-        floor = self.uniform(levels[-1])
+        floor = self.uniform(modes[-1])
         peak_floor = self.simulate(floor).peak
-        offset, tail = self._calibrate(self._peak_none_without_cache(peak_none), peak_floor, levels[-1])
+        offset, tail = self._calibrate(self._peak_none_without_cache(peak_none), peak_floor, modes[-1])
         self._model = (offset, tail)
         solved: dict[float, tuple[str, ...]] = {}
 
         def plan_at(cap: float) -> tuple[str, ...]:
             if cap not in solved:
-                choice = _solve(self.blocks, cap - offset, levels, tail)
+                choice = _solve(self.blocks, cap - offset, modes, tail)
                 assert choice is not None, "no cap below the floor's modeled peak is searched"
                 solved[cap] = choice
             return solved[cap]
@@ -473,11 +476,11 @@ class CheckpointPlanner:
         return plan_at(lo)
 
 
-def _floor_message(limit: int, floor: MemoryBreakdown, policy: str, n: int, peak_none: int) -> str:
-    hint = "" if policy == "full" else " or allow full checkpointing (policy='auto'),"
+def _floor_message(limit: int, floor: MemoryBreakdown, mode: str, n: int, peak_none: int) -> str:
+    hint = "" if mode == "full" else " or allow full checkpointing (checkpointing='auto'),"
     return (
         f"The budget of {format_bytes(limit)} ({limit:,} bytes) is below what activation checkpointing can "
-        f"reach: {policy} checkpointing of all {n} blocks peaks at {format_bytes(floor.peak)} "
+        f"reach: {mode} checkpointing of all {n} blocks peaks at {format_bytes(floor.peak)} "
         f"({floor.peak:,} bytes; {format_bytes(peak_none)} without checkpointing). At that peak: parameters "
         f"{format_bytes(floor.parameters)}, gradients {format_bytes(floor.gradients)}, optimizer state "
         f"{format_bytes(floor.optimizer_state)}, activations {format_bytes(floor.activations)}, temporary "
@@ -487,23 +490,19 @@ def _floor_message(limit: int, floor: MemoryBreakdown, policy: str, n: int, peak
     )
 
 
-def _refused_note(block: BlockCosts, policy: str) -> str:
-    """Why ``block`` got ``policy`` and not a lighter mode it was offered (`MUTATED_NOTE`); ``""``."""
+def _refused_note(block: BlockCosts, mode: str) -> str:
+    """Why ``block`` got ``mode`` and not a lighter one it was offered (`MUTATED_NOTE`); ``""``."""
     order = CHECKPOINT_MODES.index
-    refused = sorted((m for m in block.refused if order(m) < order(policy)), key=order)
-    return MUTATED_NOTE.format(mode=" and ".join(refused), instead=policy) if refused else ""
+    refused = sorted((m for m in block.refused if order(m) < order(mode)), key=order)
+    return MUTATED_NOTE.format(mode=" and ".join(refused), instead=mode) if refused else ""
 
 
-def _levels(policy: str | Sequence[str]) -> tuple[str, ...]:
-    """The modes a block may get: `LEVELS` of a policy name, or the given modes (with ``"none"``)."""
-    if isinstance(policy, str):
-        if policy not in LEVELS:
-            raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")
-        return LEVELS[policy]
-    unknown = set(policy) - set(CHECKPOINT_MODES)
-    if unknown or "none" not in policy:
+def _planned_modes(checkpointing: str | Sequence[str]) -> tuple[str, ...]:
+    """`allowed_modes`, with ``"none"`` among them: the planner's search starts from the model as written."""
+    modes = allowed_modes(checkpointing)
+    if "none" not in modes:
         raise ValueError(
-            f"policy must name checkpointing modes including 'none' (any of {CHECKPOINT_MODES}); got "
-            f"{tuple(policy)}"
+            f"checkpointing must include 'none' when it names modes (the plan starts from the model as "
+            f"written): got {tuple(checkpointing)!r}; give ('none', {', '.join(map(repr, modes))})"
         )
-    return tuple(mode for mode in CHECKPOINT_MODES if mode in policy)
+    return modes

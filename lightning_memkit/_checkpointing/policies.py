@@ -1,7 +1,7 @@
-"""Activation checkpointing policies, and applying them to a model in place.
+"""Activation checkpointing modes, and applying them to a model in place.
 
-Every block a plan names (see `find_blocks`) gets one of four policies, from the least to the most memory
-saved:
+Every block a plan names (see `find_blocks`) gets one of four modes (a `CheckpointMode`), from the least to
+the most memory saved:
 
 ======================  ====================================================================================
 ``"none"``              the block as written.
@@ -12,7 +12,8 @@ saved:
 ``"full"``              only the block's inputs are kept; the whole forward is recomputed in backward.
 ======================  ====================================================================================
 
-The policies are small classes sharing one `apply_checkpointing(model, plan | policy)`, which replaces each
+Each mode is a small checkpointer class (its ``context`` is torch's checkpoint policy), all sharing one
+`apply_checkpointing(model, plan | mode)`, which replaces each
 chosen block's ``forward`` by an instance attribute that runs the class's forward under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``. Patching in place
 rather than wrapping keeps what the rest of training sees: parameters keep their identity, ``state_dict``
@@ -51,18 +52,16 @@ from torch.utils.checkpoint import (
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
-from lightning_memkit._vocabulary import CHECKPOINT_MODES, CheckpointMode
+from lightning_memkit._vocabulary import CHECKPOINT_MODES, CheckpointMode, renamed_attribute
 
 __all__ = [
     "CHECKPOINT_MODES",
-    "LEVELS",
-    "POLICIES",
     "BlockPlan",
     "CheckpointHandle",
     "CheckpointMode",
     "CheckpointPlan",
+    "applied_modes",
     "apply_checkpointing",
-    "checkpoint_policies",
 ]
 
 log = logging.getLogger(__name__)
@@ -164,30 +163,23 @@ class SelectiveCheckpoint:
         return create_selective_checkpoint_contexts(policy_fn)
 
 
-#: The policies by mode.
-POLICIES: dict[str, Any] = {
+#: How each mode runs, by name.
+CHECKPOINTERS: dict[str, Any] = {
     "none": NoCheckpoint(),
     "selective": SelectiveCheckpoint(save_every=1),
     "selective_half": SelectiveCheckpoint(save_every=2),
     "full": FullCheckpoint(),
 }
-assert tuple(POLICIES) == CHECKPOINT_MODES
-#: What ``policy=`` lets the planner choose from, per block.
-LEVELS: dict[str, tuple[str, ...]] = {
-    "auto": CHECKPOINT_MODES,
-    "selective": ("none", "selective"),
-    "selective_half": ("none", "selective_half"),
-    "full": ("none", "full"),
-}
-#: What every block gets when there is no budget to fit.
+assert tuple(CHECKPOINTERS) == CHECKPOINT_MODES
 
 
-def _policy(name: str) -> Any:
-    if name not in POLICIES:
+def checkpointer(mode: str) -> Any:
+    """The checkpointer of ``mode``, a `CheckpointMode` name."""
+    if mode not in CHECKPOINTERS:
         raise ValueError(
-            f"Unknown checkpointing policy {name!r}; choose one of {', '.join(map(repr, POLICIES))}"
+            f"Unknown checkpointing mode {mode!r}; choose one of {', '.join(map(repr, CHECKPOINTERS))}"
         )
-    return POLICIES[name]
+    return CHECKPOINTERS[mode]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,16 +188,16 @@ def _policy(name: str) -> Any:
 
 
 class CheckpointedForward:
-    """Set as ``module.forward``: runs the module's own forward under ``checkpoint`` with a policy.
+    """Set as ``module.forward``: runs the module's own forward under ``checkpoint`` in a mode's way.
 
     ``previous`` is the instance-level ``forward`` that was there before (``None`` for the class's), so
     removing the patch restores exactly what was. Under ``torch.no_grad()`` (validation, generation) there
     is nothing to save and the forward runs plainly.
     """
 
-    def __init__(self, module: nn.Module, policy: Any, previous: Callable | None) -> None:
+    def __init__(self, module: nn.Module, checkpointer: Any, previous: Callable | None) -> None:
         self.module = module
-        self.policy = policy
+        self.checkpointer = checkpointer
         self.previous = previous
 
     def original(self) -> Callable:
@@ -222,12 +214,12 @@ class CheckpointedForward:
             *args,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=self.policy.context,
+            context_fn=self.checkpointer.context,
             **kwargs,
         )
 
     def __repr__(self) -> str:
-        return f"CheckpointedForward({type(self.module).__name__}, policy={self.policy.name!r})"
+        return f"CheckpointedForward({type(self.module).__name__}, mode={self.checkpointer.name!r})"
 
 
 class _Recomputable:
@@ -299,11 +291,11 @@ class CheckpointHandle:
         #: Hugging Face configs whose ``use_cache`` this handle turned off, with the value it had.
         self._configs: list[tuple[Any, Any]] = []
 
-    def _set(self, module: nn.Module, policy: Any) -> bool:
-        """Give ``module`` ``policy``; returns whether it is now checkpointed by this handle."""
+    def _set(self, module: nn.Module, checkpointer: Any) -> bool:
+        """Give ``module`` ``checkpointer``'s mode; returns whether it is now checkpointed by this handle."""
         current = module.__dict__.get("forward")
         ours = isinstance(current, CheckpointedForward)
-        if not ours and policy.checkpoints and _checkpointed_elsewhere(module, current):
+        if not ours and checkpointer.checkpoints and _checkpointed_elsewhere(module, current):
             warnings.warn(
                 f"{type(module).__name__} is already checkpointed by other code (torch's CheckpointWrapper, "
                 "a checkpoint partial, Hugging Face's gradient checkpointing); it is left as it is, not "
@@ -313,13 +305,13 @@ class CheckpointHandle:
             return False
         self._undo.append((module, current))
         previous = current.previous if ours else current
-        if policy.checkpoints:
-            module.__dict__["forward"] = CheckpointedForward(module, policy, previous)
+        if checkpointer.checkpoints:
+            module.__dict__["forward"] = CheckpointedForward(module, checkpointer, previous)
         elif previous is None:
             module.__dict__.pop("forward", None)
         else:
             module.__dict__["forward"] = previous
-        return bool(policy.checkpoints)
+        return bool(checkpointer.checkpoints)
 
     def _turn_off_cache(self, model: nn.Module, announce: bool) -> None:
         """``use_cache = False`` on the Hugging Face configs in ``model`` that have it on; ``announce``
@@ -415,10 +407,10 @@ def without_cache(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def checkpoint_policies(model: nn.Module) -> dict[str, str]:
-    """``{qualified name: policy}`` of the submodules `apply_checkpointing` has wrapped in ``model``."""
+def applied_modes(model: nn.Module) -> dict[str, str]:
+    """``{qualified name: mode}`` of the submodules `apply_checkpointing` has wrapped in ``model``."""
     return {
-        name: m.__dict__["forward"].policy.name
+        name: m.__dict__["forward"].checkpointer.name
         for name, m in model.named_modules()
         if isinstance(m.__dict__.get("forward"), CheckpointedForward)
     }
@@ -435,16 +427,16 @@ def apply_checkpointing(
     Args:
         model: any ``nn.Module``.
         plan: a `CheckpointPlan` (from `plan_checkpointing`; its names are relative to the module it was
-            planned on), a ``{module name: policy}`` mapping, one policy name for every block (``"full"``,
+            planned on), a ``{module name: mode}`` mapping, one mode for every block (``"full"``,
             ``"selective"``, ``"selective_half"``; ``"none"`` removes all checkpointing applied here), or a
             set of layer classes to checkpoint fully (the form FSDPStrategy's
             ``activation_checkpointing_policy`` takes).
-        blocks: with a policy name, the layer classes whose instances are the blocks (default: `find_blocks`).
+        blocks: with a mode, the layer classes whose instances are the blocks (default: `find_blocks`).
 
     Each block's ``forward`` becomes an instance attribute that calls the class's forward under
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``, so parameters,
     ``state_dict`` keys and hooks are unchanged and dropout draws the same masks when recomputed. Applying
-    again replaces a block's policy instead of wrapping it twice. Example::
+    again replaces a block's mode instead of wrapping it twice. Example::
 
         with apply_checkpointing(model, "selective"):  # undone on exit
             loss = model(x).sum(); loss.backward()
@@ -464,35 +456,35 @@ def apply_plan(
     assignment = _assignment(model, plan, blocks)
     handle = CheckpointHandle()
     checkpointed = False
-    for module, policy in assignment:
-        checkpointed |= handle._set(module, policy)
+    for module, mode in assignment:
+        checkpointed |= handle._set(module, mode)
     if checkpointed:
         handle._turn_off_cache(model, announce)
-    elif announce and not checkpoint_policies(model):
+    elif announce and not applied_modes(model):
         _give_back_cache(model)
     return handle
 
 
 def _assignment(model: nn.Module, plan: Any, blocks: LayerClasses | None) -> list[tuple[nn.Module, Any]]:
     if isinstance(plan, CheckpointPlan):
-        plan = plan.policies
+        plan = plan.modes
     if isinstance(plan, Mapping):
-        return [(model.get_submodule(name), _policy(policy)) for name, policy in plan.items()]
+        return [(model.get_submodule(name), checkpointer(mode)) for name, mode in plan.items()]
     if plan == "none" and blocks is None:  # remove every wrapper, wherever it is
-        return [(model.get_submodule(name), POLICIES["none"]) for name in checkpoint_policies(model)]
+        return [(model.get_submodule(name), CHECKPOINTERS["none"]) for name in applied_modes(model)]
     if isinstance(plan, str):
-        policy = _policy(plan)
+        chosen = checkpointer(plan)
         found = find_blocks(model, blocks)
-        if not found and policy.checkpoints:
+        if not found and chosen.checkpoints:
             raise ValueError(
                 no_blocks_message(model, "apply_checkpointing(model, plan, blocks={MyBlock})", blocks)
             )
-        return [(module, policy) for _, module in found]
+        return [(module, chosen) for _, module in found]
     classes = block_classes(plan)
     found = find_blocks(model, classes)
     if not found:
         raise ValueError(no_blocks_message(model, "apply_checkpointing(model, {MyBlock})", classes))
-    return [(module, POLICIES["full"]) for _, module in found]
+    return [(module, CHECKPOINTERS["full"]) for _, module in found]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -502,31 +494,37 @@ def _assignment(model: nn.Module, plan: Any, blocks: LayerClasses | None) -> lis
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """One block's policy and what it buys and costs. Bytes are ints; ``None`` where not measured.
+    """One block's mode and what it buys and costs. Bytes are ints; ``None`` where not measured.
 
     Attributes:
         name: the block's qualified name in the planned module (``"model.blocks.3"``).
-        policy: ``"none"``, ``"selective"``, ``"selective_half"`` or ``"full"``.
+        mode: ``"none"``, ``"selective"``, ``"selective_half"`` or ``"full"`` (a `CheckpointMode`).
         saved_bytes: activation bytes the block no longer keeps from forward to backward, vs ``"none"``.
         recompute_flops: FLOPs of the ops recomputed in backward (``torch.utils.flop_counter``'s formulas:
             matmuls, convolutions and attention kernels; pointwise ops count zero).
         recompute_time: seconds of the recomputed ops, benchmarked op by op on the device
             (``cost="measured"``; on CPU one thread's CPU time).
-        note: why the block does not have a policy it was asked for (``""``: it has), e.g. selective
-            checkpointing refused where the block mutates an output the policy would keep.
+        note: why the block does not have a mode it was offered (``""``: it has), e.g. selective
+            checkpointing refused where the block mutates an output the mode would keep.
     """
 
     name: str
-    policy: str
+    mode: str
     saved_bytes: int | None = None
     recompute_flops: int | None = None
     recompute_time: float | None = None
     note: str = ""
 
+    @property
+    def policy(self) -> str:
+        """Deprecated: `mode`."""
+        renamed_attribute("BlockPlan", "policy", "mode")
+        return self.mode
+
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """The chosen policy of every candidate block, with the measured figures behind the choice.
+    """The chosen mode of every candidate block, with the measured figures behind the choice.
 
     Attributes:
         blocks: one `BlockPlan` per candidate block, in execution order.
@@ -550,9 +548,15 @@ class CheckpointPlan:
     breakdown: MemoryBreakdown | None = field(default=None, compare=False, repr=False)
 
     @property
+    def modes(self) -> dict[str, str]:
+        """``{block name: mode}``: what `apply_checkpointing` reads."""
+        return {b.name: b.mode for b in self.blocks}
+
+    @property
     def policies(self) -> dict[str, str]:
-        """``{block name: policy}``: what `apply_checkpointing` reads."""
-        return {b.name: b.policy for b in self.blocks}
+        """Deprecated: `modes`."""
+        renamed_attribute("CheckpointPlan", "policies", "modes")
+        return self.modes
 
     @property
     def saved_bytes(self) -> int | None:
@@ -567,10 +571,10 @@ class CheckpointPlan:
         return sum(b.recompute_flops for b in self.blocks)  # type: ignore[misc]
 
     @classmethod
-    def uniform(cls, names: Sequence[str], policy: str) -> CheckpointPlan:
-        """The same policy for every named block, without figures."""
-        _policy(policy)
-        return cls(blocks=tuple(BlockPlan(name, policy) for name in names))
+    def uniform(cls, names: Sequence[str], mode: str) -> CheckpointPlan:
+        """The same mode for every named block, without figures."""
+        checkpointer(mode)
+        return cls(blocks=tuple(BlockPlan(name, mode) for name in names))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (for ``state_dict``); `from_dict` reads it back."""
@@ -581,22 +585,26 @@ class CheckpointPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CheckpointPlan:
-        blocks = tuple(BlockPlan(**b) for b in data.get("blocks", ()))
+        # Plans saved by 0.1 name a block's mode ``policy``.
+        blocks = tuple(
+            BlockPlan(**{"mode" if key == "policy" else key: value for key, value in b.items()})
+            for b in data.get("blocks", ())
+        )
         keys = ("budget", "peak", "peak_none", "peak_full", "overhead", "cost")
         return cls(blocks=blocks, **{k: data.get(k) for k in keys})
 
     def __str__(self) -> str:
-        counts = Counter(b.policy for b in self.blocks)
-        summary = ", ".join(f"{counts[p]} {p}" for p in POLICIES if counts[p])
+        counts = Counter(b.mode for b in self.blocks)
+        summary = ", ".join(f"{counts[m]} {m}" for m in CHECKPOINT_MODES if counts[m])
         budget = f", budget {format_bytes(self.budget)}" if self.budget is not None else ""
         lines = [f"Activation checkpointing plan: {len(self.blocks)} blocks ({summary}){budget}"]
         width = max([len("block"), *(len(b.name) for b in self.blocks)])
-        lines.append(f"  {'block':<{width}}  {'policy':<14}  {'saved':>11}  {'recompute':>11}  {'time':>9}")
+        lines.append(f"  {'block':<{width}}  {'mode':<14}  {'saved':>11}  {'recompute':>11}  {'time':>9}")
         for b in self.blocks:
             saved = format_bytes(b.saved_bytes) if b.saved_bytes is not None else "-"
             flops = _format_flops(b.recompute_flops) if b.recompute_flops is not None else "-"
             seconds = f"{1e3 * b.recompute_time:.1f} ms" if b.recompute_time is not None else "-"
-            lines.append(f"  {b.name:<{width}}  {b.policy:<14}  {saved:>11}  {flops:>11}  {seconds:>9}")
+            lines.append(f"  {b.name:<{width}}  {b.mode:<14}  {saved:>11}  {flops:>11}  {seconds:>9}")
             if b.note:
                 lines.append(f"  {'':<{width}}  ({b.note})")
         if self.saved_bytes is not None:

@@ -40,9 +40,10 @@ from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit._checkpointing.policies import CheckpointPlan
 from lightning_memkit._diagnosis.report import render_table
-from lightning_memkit._estimating.simulate import OptimizerLike, estimate_memory, simulate_step
+from lightning_memkit._estimating.simulate import OptimizerLike, estimate_step, simulate_step
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._measuring.tracker import state_tensors, storage_bytes
+from lightning_memkit._step import Step
 
 __all__ = ["Advice", "Finding", "advise"]
 
@@ -193,27 +194,28 @@ def advise_traced(
     bound = inspect.signature(advise).bind(model, batch, memory_stats=memory_stats, **kwargs)
     bound.apply_defaults()
     kwargs = {k: v for k, v in bound.arguments.items() if k not in ("model", "batch", "memory_stats")}
-    optimizer, device = kwargs["optimizer"], kwargs["device"]
-    strategy, world_size = kwargs["strategy"], kwargs["world_size"]
-    tracker = simulate_step(model, batch, first_step=False, tracer=tracer, history=history, **kwargs)
+    step, run = Step.split(kwargs)  # run: optimizer, loss_fn, device
+    optimizer, device = run["optimizer"], run["device"]
+    tracker = simulate_step(model, batch, step, tracer=tracer, history=history, **run)
     breakdown = tracker.breakdown()
     peak = breakdown.peak
 
     def peak_with(**changes: Any) -> int:
-        return estimate_memory(model, batch, **{**kwargs, **changes}).peak
+        """The peak of the same step with ``changes`` to it (a `Step`'s fields)."""
+        return estimate_step(model, batch, step.but(**changes), **run).peak
 
     findings = [
-        *_gradients(breakdown, tracer.peak_phase, kwargs, peak_with),
+        *_gradients(breakdown, tracer.peak_phase, step, peak_with),
         *_untrained(model, tracer, peak, peak_with),
         *_unused(tracer),
         *_stale_state(model, optimizer),
         *_logits(tracker.peak_live, tracer, peak),
-        *_activations(model, batch, tracker.peak_live, breakdown, kwargs),
+        *_activations(model, batch, tracker.peak_live, breakdown, step, run),
         *_fragmentation(memory_stats, torch.device(device)),
     ]
     findings = [f for f in findings if f.saved > 0]
     findings.sort(key=lambda f: -f.saved)
-    scope = f"one rank of {world_size} under FSDP2" if strategy == "fsdp2" else ""
+    scope = f"one rank of {step.sharding.world_size} under FSDP2" if step.sharding is not None else ""
     return Advice(breakdown, tracer.peak_phase, tuple(findings), scope), tracker
 
 
@@ -222,16 +224,14 @@ def advise_traced(
 # --------------------------------------------------------------------------------------------------
 
 
-def _gradients(
-    breakdown: MemoryBreakdown, phase: str, kwargs: Mapping[str, Any], peak_with: Any
-) -> list[Finding]:
+def _gradients(breakdown: MemoryBreakdown, phase: str, step: Step, peak_with: Any) -> list[Finding]:
     """The gradients alive where they need not be: through the next forward, or all at the step."""
-    if kwargs["accumulating"] or kwargs["fused_step"] or kwargs["offload"] or not breakdown.gradients:
+    if step.accumulating or step.fused_step or step.offload or not breakdown.gradients:
         return []
     peak = breakdown.peak
-    released = 0 if kwargs["release_gradients"] else peak - peak_with(release_gradients=True)
+    released = 0 if step.release_gradients else peak - peak_with(lever="release_gradients")
     try:
-        fused = peak - peak_with(fused_step=True, release_gradients=False)
+        fused = peak - peak_with(lever="fused_step")
     except (ValueError, NotImplementedError, TypeError):  # an optimizer the fused step refuses (LBFGS)
         fused = 0
     held = format_bytes(breakdown.gradients)
@@ -368,10 +368,15 @@ def _logits(peak_live: list[Any], tracer: Tracer, peak: int) -> list[Finding]:
 
 
 def _activations(
-    model: nn.Module, batch: Any, peak_live: list[Any], breakdown: MemoryBreakdown, kwargs: Mapping[str, Any]
+    model: nn.Module,
+    batch: Any,
+    peak_live: list[Any],
+    breakdown: MemoryBreakdown,
+    step: Step,
+    run: Mapping[str, Any],
 ) -> list[Finding]:
     """What is saved for backward at the peak, by block and op, and the checkpointing that removes it."""
-    if kwargs["checkpointing"] == "full":
+    if step.checkpointing == "full":
         return []
     saved_for_backward = [
         rec for rec in peak_live if rec.category is None and rec.grad_at is None and rec.saved_at is not None
@@ -391,11 +396,10 @@ def _activations(
         by_op[origin.op if origin is not None else "input"] += rec.nbytes
         if origin is not None and "softmax" in origin.op and len(origin.shape) >= 2:
             scores += rec.nbytes if origin.shape[-1] == origin.shape[-2] else 0
-    estimate_kwargs = {k: v for k, v in kwargs.items() if k not in ("checkpointing", "device")}
-    planner = CheckpointPlanner(model, batch, cost="flops", device=kwargs["device"], **estimate_kwargs)
-    if kwargs["checkpointing"] in (None, "none"):
+    planner = CheckpointPlanner(model, batch, cost="flops", step=step.but(checkpointing=None), **run)
+    if step.checkpointing in (None, "none"):
         planner.remember(planner.uniform("none"), breakdown)  # the step advised: no need to simulate it again
-    full, selective = (planner.plan_for(planner.uniform(policy)) for policy in ("full", "selective"))
+    full, selective = (planner.plan_for(planner.uniform(mode)) for mode in ("full", "selective"))
     assert full.peak is not None and selective.peak is not None
     peak = breakdown.peak
     saved = peak - full.peak
@@ -405,8 +409,8 @@ def _activations(
         f"{format_bytes(by_block['in blocks'])} in {len(blocks)} blocks ({blocks[0]}, ...); by op: {ops}"
     )
     fp32 = sum(rec.nbytes for rec in saved_for_backward if rec.origin and rec.origin.dtype == torch.float32)
-    if kwargs["precision"].endswith("-mixed") and fp32:
-        what += f"; {format_bytes(fp32)} of them in float32 under {kwargs['precision']}"
+    if step.precision.endswith("-mixed") and fp32:
+        what += f"; {format_bytes(fp32)} of them in float32 under {step.precision}"
     if scores:
         what += (
             f"; {format_bytes(scores)} are materialised attention scores (T x T softmax: eager attention, "
@@ -414,12 +418,12 @@ def _activations(
             "do not keep them)"
         )
     fix = (
-        f"Trainer(callbacks=[ActivationCheckpointing(policy='full')]) recomputes every block's forward in "
-        f"backward (+{100 * (full.overhead or 0):.1f}% of the blocks' compute)"
+        "Trainer(callbacks=[ActivationCheckpointing(checkpointing='full')]) recomputes every block's forward "
+        f"in backward (+{100 * (full.overhead or 0):.1f}% of the blocks' compute)"
     )
     if 0 < peak - selective.peak < saved:
         fix += (
-            f"; policy='selective' saves {format_bytes(peak - selective.peak)} for "
+            f"; checkpointing='selective' saves {format_bytes(peak - selective.peak)} for "
             f"+{100 * (selective.overhead or 0):.1f}%; ActivationCheckpointing(budget=...) plans the "
             "cheapest mix for a budget"
         )

@@ -31,7 +31,7 @@ from lightning_memkit._budget import GPUS, Budget, parse_budget
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, apply_plan
 from lightning_memkit._estimating.analytic import model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_size, repeat_rows
-from lightning_memkit._estimating.simulate import estimate_memory
+from lightning_memkit._estimating.simulate import estimate_step
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import (
@@ -42,6 +42,7 @@ from lightning_memkit._optimizers.swap import (
     own_optimizer,
 )
 from lightning_memkit._sharding import fsdp2 as _fsdp2
+from lightning_memkit._step import Step
 
 __all__ = [
     "MAX_PLANS",
@@ -100,30 +101,29 @@ class StepInFlight:
 def step_need(
     model: nn.Module,
     batch: Any,
+    step: Step,
     *,
     measured: MemoryBreakdown | None = None,
     strategy: str = "ddp",
     n_gpus: int = 1,
-    **simulate: Any,
+    **run: Any,
 ) -> tuple[MemoryBreakdown, str]:
     """What one rank's training step of ``model`` on ``batch`` needs, by category, and how that is known.
 
-    ``measured`` (the breakdown of an earlier step of the same signature) when there is one, else
-    `estimate_memory` with ``simulate`` (its keywords: ``precision``, ``optimizer``, ``device``,
-    ``first_step``, ...) on a CPU copy of the batch, divided as ``strategy`` shards it over ``n_gpus``;
-    ``"fsdp2"``: one rank's sharded step simulated (``model`` unsharded: `simulable`).
+    ``measured`` (the breakdown of an earlier step of the same signature) when there is one, else ``step``
+    simulated (``run``: ``optimizer``, ``device``) on a CPU copy of the batch, divided as ``strategy``
+    shards it over ``n_gpus``; a step with FSDP2's `Sharding`: one rank's sharded step simulated
+    (``model`` unsharded: `simulable`).
     """
     if measured is not None:
         return measured, "measured on an earlier step of the same shapes"
-    fsdp2 = strategy == "fsdp2"  # one rank's sharded step, simulated
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sharded = {"strategy": "fsdp2", "world_size": n_gpus} if fsdp2 else {}
-        need = estimate_memory(model, on_cpu(batch), **sharded, **simulate)
-    if fsdp2:
-        return need, f"one rank's step of {n_gpus} under FSDP2, simulated for this batch"
+        need = estimate_step(model, on_cpu(batch), step, **run)
+    if step.sharding is not None:
+        return need, f"one rank's step of {step.sharding.world_size} under FSDP2, simulated for this batch"
     if n_gpus > 1:
-        grads = model_static(model, simulate.get("precision", "32-true")).gradients
+        grads = model_static(model, step.precision).gradients
         need = shard(need, strategy, n_gpus, gradient_bytes=grads)
     return need, "simulated for this batch"
 
@@ -370,7 +370,7 @@ def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> s
 
 def by_hand_code(plan: FitPlan, model: nn.Module) -> list[str]:
     """``plan`` set by hand, as lines: the micro-batch (the DataLoader's batch size), the Trainer's
-    arguments, checkpointing as a callback (its policy, or the step's limit when the blocks' modes differ:
+    arguments, checkpointing as a callback (its mode, or the step's limit when the blocks' modes differ:
     ActivationCheckpointing then plans the split) and an optimizer swap as a comment (it goes in
     ``configure_optimizers``)."""
     by_hand = {"accumulate_grad_batches": str(plan.accumulate_grad_batches), **_trainer_arguments(plan)}
@@ -406,10 +406,10 @@ def _levers(plan: FitPlan) -> list[str]:
     plans a budget on the unsharded step (and refuses to under FSDP): with a sharded strategy a per-block
     plan is written as its strongest mode on every block, which fits too."""
     levers = [f"{plan.lever}()"] if plan.lever else []
-    if plan.checkpointing not in CHECKPOINT_MODES and not _sharded(plan):  # no one policy names it
+    if plan.checkpointing not in CHECKPOINT_MODES and not _sharded(plan):  # no one mode names it
         levers.append(f"ActivationCheckpointing(budget={plan.limit:_})")
     elif plan.checkpointing != "none":
-        levers.append(f"ActivationCheckpointing(policy={json.dumps(_strongest(plan))})")
+        levers.append(f"ActivationCheckpointing(checkpointing={json.dumps(_strongest(plan))})")
     return levers
 
 
@@ -440,7 +440,7 @@ def _strongest(plan: FitPlan) -> str:
     """The strongest checkpointing mode ``plan`` gives a block (a per-block label, "2 selective, 2 full",
     is read when the plan has no `CheckpointPlan`)."""
     if plan.checkpoint_plan is not None:
-        modes = list(plan.checkpoint_plan.policies.values())
+        modes = list(plan.checkpoint_plan.modes.values())
     else:
         modes = [part.split()[-1] for part in plan.checkpointing.split(", ")]
     return max(modes, key=CHECKPOINT_MODES.index)

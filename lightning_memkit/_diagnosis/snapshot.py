@@ -48,6 +48,7 @@ from lightning_memkit._estimating.repeated import History
 from lightning_memkit._estimating.simulate import _SimTracker, simulate_step
 from lightning_memkit._estimating.trace import Tracer, module_hooks
 from lightning_memkit._measuring.tracker import Storage, leaves
+from lightning_memkit._step import Step
 
 __all__ = ["memory_snapshot", "simulated_snapshot", "write_snapshot"]
 
@@ -97,7 +98,8 @@ def simulated_snapshot(
         raise TypeError("memory_snapshot() takes estimate_memory's arguments but return_timeline")
     recorder = _Recorder()
     namer = _Namer(model, recorder)
-    tracker = simulate_step(model, batch, timeline=timeline, tracer=namer, history=recorder, **kwargs)
+    step, run = Step.split(kwargs)
+    tracker = simulate_step(model, batch, step, timeline=timeline, tracer=namer, history=recorder, **run)
     return _build(tracker, recorder, namer), tracker
 
 

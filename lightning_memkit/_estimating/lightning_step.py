@@ -142,13 +142,6 @@ class TrainingStep:
     #: installs ``offload`` when the first backward starts (a first step: the masters are made there)
     offload_at_backward: Callable[[], Offload] | None = None
 
-    def __post_init__(self) -> None:
-        if self.fused_step and self.accumulating:
-            raise ValueError(
-                "The optimizer step fused into backward updates the parameters at every backward, so it "
-                "cannot accumulate gradients over micro-batches: plan it with accumulate_grad_batches=1."
-            )
-
     @property
     def frees_after_step(self) -> bool:
         """Whether the gradients are gone once the optimizers have stepped: a plain loop's ``zero_grad``

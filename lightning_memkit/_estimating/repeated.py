@@ -47,7 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown
 from lightning_memkit._checkpointing.blocks import find_blocks
-from lightning_memkit._checkpointing.policies import checkpoint_policies
+from lightning_memkit._checkpointing.policies import applied_modes
 
 if TYPE_CHECKING:
     from lightning_memkit._measuring.tracker import Storage, Tracker
@@ -154,7 +154,7 @@ class Run(NamedTuple):
 
 def repeated_run(model: nn.Module) -> Run | None:
     """The longest run of ``model``'s blocks that are copies of one another (one class, the same parameters
-    and buffers, every setting alike but an index, one checkpointing policy), consecutive in a container
+    and buffers, every setting alike but an index, one checkpointing mode), consecutive in a container
     that holds nothing else, at least `MIN_DEPTH` long and four times as long as the blocks outside it
     (which every shallow step runs, so that they cost less than the whole); ``None`` otherwise. A
     per-block checkpointing plan that gives a few blocks another mode (the planner's) leaves such a run."""
@@ -173,9 +173,9 @@ def repeated_run(model: nn.Module) -> Run | None:
     if any(s.keys() != signatures[0].keys() for s in signatures):
         return None
     indices = {key for key in signatures[0] if _an_index([s[key] for s in signatures])}
-    policies = checkpoint_policies(model)
+    modes = applied_modes(model)
     keys = [
-        (tuple((k, v) for k, v in s.items() if k not in indices), policies.get(name, "none"))
+        (tuple((k, v) for k, v in s.items() if k not in indices), modes.get(name, "none"))
         for s, (name, _) in zip(signatures, found, strict=True)
     ]
     best = (0, 0)  # (start, length) of the longest run of equal keys
@@ -210,7 +210,7 @@ def repeated_blocks(model: nn.Module) -> tuple[nn.Module, int] | None:
 def _signature(block: nn.Module) -> dict[tuple[str, str], Any]:
     """What decides how ``block`` allocates, but its weights' values: its modules' classes, tensors' shapes
     and every other attribute (`_setting`), ``nn.Module``'s own bookkeeping and ``forward`` (where
-    checkpointing wraps it; `checkpoint_policies` compares the policies) left out."""
+    checkpointing wraps it; `applied_modes` compares the modes) left out."""
     signature: dict[tuple[str, str], Any] = {}
     for name, module in block.named_modules():
         signature[(name, "__class__")] = type(module)

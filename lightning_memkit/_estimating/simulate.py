@@ -6,8 +6,9 @@ every parameter, buffer, batch tensor and intermediate is a ``FakeTensor``: it h
 storage size, and no data. The same storage tracker `measure` uses (`_measuring.tracker.Tracker`) watches the
 step, so the result is the breakdown `measure` would report for the real step, and a 70B model can be
 planned on a laptop. Compared with `_estimating.analytic`, nothing is assumed about the architecture:
-whatever the
-code allocates is counted.
+whatever the code allocates is counted. How the step runs (precision, checkpointing, accumulation, the
+lever on the optimizer step, FSDP2's sharding) arrives as one `Step`; `estimate_memory` makes it from
+its keywords.
 
 How the pieces are faked, in order:
 
@@ -33,18 +34,17 @@ held from the first matmul on and seen by no op). Not modelled: cuBLASLt's 1 MiB
 layer with a bias), autocast's CUDA-only op lists (CUDA runs e.g. ``softmax`` and ``sum`` in fp32 under
 autocast, CPU does not), GradScaler's few scalars, and CUDA's choice among attention kernels (the CPU
 flash kernel saves the same ``out``/``logsumexp`` tensors as CUDA's flash and cuDNN kernels; CUDA's math
-fallback would save the T×T matrix). On an H200 with torch 2.11 the estimate was -0.00 % of the real step
-for a 1.1B LLaMA and -0.31 % for the GPT-2 example, whose step start holds ~23 MiB more that no tensor
-accounts for (see ``benchmarks/validate_cuda.py``).
+fallback would save the T×T matrix). ``benchmarks/validate_cuda.py`` measures what is left against the
+device's allocator (docs/gpu-check.md).
 
 The batch is real, though, and so the step takes the branches the real batch takes: a Python value read
 from a tensor (``.item()``, ``bool(mask.all())``) that depends only on the batch and on constants (the
 attention mask, positions built with ``torch.arange``) is computed for real on small "shadow" copies, and
 so is the shape of a boolean-mask selection; transformers' ``is_tracing`` is told that the simulation's
-fake tensors are no trace (see `_estimating.shadow`). Any other value read, one that depends on the weights
-(a NaN
-check on the loss), is a placeholder: ``1`` for numbers, ``False`` for booleans. Data-dependent shapes
-of values that are not known (``nonzero`` of an activation) cannot be simulated and raise.
+fake tensors are no trace (see `_estimating.shadow`). Any other value read, one that depends on the
+weights (a NaN check on the loss), is a placeholder: ``1`` for numbers, ``False`` for booleans.
+Data-dependent shapes of values that are not known (``nonzero`` of an activation) cannot be simulated and
+raise.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_memkit._breakdown import MemoryBreakdown
-from lightning_memkit._budget import valid_name, whole_number
+from lightning_memkit._budget import valid_name
 from lightning_memkit._checkpointing.blocks import find_blocks
-from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
+from lightning_memkit._checkpointing.policies import CheckpointPlan, apply_checkpointing
 from lightning_memkit._estimating import repeated
 from lightning_memkit._estimating import shadow as _shadow
 from lightning_memkit._estimating.isolate import isolated
@@ -86,6 +86,7 @@ from lightning_memkit._measuring import kernels as _kernels
 from lightning_memkit._measuring.tracker import Storage, Tracker, allocation_rounding
 from lightning_memkit._optimizers.swap import load_bitsandbytes
 from lightning_memkit._sharding import fsdp2 as _fsdp2
+from lightning_memkit._step import Step
 from lightning_memkit._vocabulary import DEVICES, PRECISIONS
 
 __all__ = ["PRECISION_DTYPES", "TimelineEvent", "counted_step", "estimate_memory", "sixteen_bit_weights"]
@@ -609,9 +610,9 @@ def estimate_memory(
         loss_fn: ``(output, target) -> loss`` for a plain module; not used for a LightningModule.
         precision: a Lightning precision string: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
             ``"16-true"``, ``"bf16-true"``, ``"64-true"``.
-        checkpointing: ``None`` (or ``"none"``): the model as written. A policy name (``"full"``,
+        checkpointing: ``None`` (or ``"none"``): the model as written. A mode (``"full"``,
             ``"selective"``, ``"selective_half"``) for every block `find_blocks` finds, or a
-            `CheckpointPlan` / ``{module name: policy}`` mapping: applied with `apply_checkpointing` for
+            `CheckpointPlan` / ``{module name: mode}`` mapping: applied with `apply_checkpointing` for
             the simulation only, and undone after it.
         device: the device type to plan for, ``"cuda"`` (the default: 512-byte allocator blocks, foreach
             optimizer kernels) or ``"cpu"``.
@@ -660,17 +661,11 @@ def estimate_memory(
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
     """
-    step = functools.partial(
-        simulate_step,
-        model,
-        batch,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
+    step = Step.of(
         precision=precision,
         checkpointing=checkpointing,
-        device=device,
-        first_step=first_step,
         accumulating=accumulating,
+        first_step=first_step,
         release_gradients=release_gradients,
         fused_step=fused_step,
         offload=offload,
@@ -679,14 +674,39 @@ def estimate_memory(
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
     )
+    return estimate_step(
+        model,
+        batch,
+        step,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        device=device,
+        return_timeline=return_timeline,
+    )
+
+
+def estimate_step(
+    model: nn.Module,
+    batch: Any,
+    step: Step,
+    *,
+    optimizer: OptimizerLike | None = None,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    device: str | torch.device = "cuda",
+    return_timeline: bool = False,
+) -> Any:
+    """`estimate_memory` of a `Step` (the planners' and callbacks' form: one value for how the step runs)."""
+    simulate = functools.partial(
+        simulate_step, model, batch, step, optimizer=optimizer, loss_fn=loss_fn, device=device
+    )
     # A deep stack of identical blocks: its step from three shallow ones, exactly, or not at all
     # (`_estimating.repeated`). Not for an optimizer built over the whole model's parameters, nor a per-block
     # plan.
-    if not return_timeline and _may_shortcut(optimizer, checkpointing):
-        shortcut = repeated.shortcut(model, functools.partial(step, history=True))
+    if not return_timeline and _may_shortcut(optimizer, step.checkpointing):
+        shortcut = repeated.shortcut(model, functools.partial(simulate, history=True))
         if shortcut is not None:
             return shortcut.breakdown
-    tracker = step(timeline=return_timeline)
+    tracker = simulate(timeline=return_timeline)
     breakdown = tracker.breakdown()
     if return_timeline:
         assert tracker.timeline is not None
@@ -703,17 +723,17 @@ def _may_shortcut(optimizer: Any, checkpointing: Any) -> bool:
     )
 
 
-def counted_step(model: nn.Module, batch: Any, **kwargs: Any) -> tuple[MemoryBreakdown, int, int]:
-    """`estimate_memory`'s breakdown (same arguments but ``return_timeline``), with the step's FLOPs and
+def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tuple[MemoryBreakdown, int, int]:
+    """`estimate_step`'s breakdown (same arguments but ``return_timeline``), with the step's FLOPs and
     its forward and backward ops: for deep stacks of identical blocks from three shallow steps too."""
-    step = functools.partial(simulate_step, model, batch, **kwargs, timeline=True)
-    if _may_shortcut(kwargs.get("optimizer"), kwargs.get("checkpointing")):
-        shortcut = repeated.shortcut(model, functools.partial(step, history=True), count=True)
+    simulate = functools.partial(simulate_step, model, batch, step, **kwargs, timeline=True)
+    if _may_shortcut(kwargs.get("optimizer"), step.checkpointing):
+        shortcut = repeated.shortcut(model, functools.partial(simulate, history=True), count=True)
         if shortcut is not None:
             assert shortcut.flops is not None and shortcut.ops is not None
             return shortcut.breakdown, shortcut.flops, shortcut.ops
     with FlopCounterMode(display=False) as counter:
-        tracker = step()
+        tracker = simulate()
     assert tracker.timeline is not None
     ops = sum(event.phase in ("forward", "backward") for event in tracker.timeline)
     return tracker.breakdown(), counter.get_total_flops(), ops
@@ -722,33 +742,20 @@ def counted_step(model: nn.Module, batch: Any, **kwargs: Any) -> tuple[MemoryBre
 def simulate_step(
     model: nn.Module,
     batch: Any,
+    step: Step,
     *,
     optimizer: OptimizerLike | None = None,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
-    precision: str = "32-true",
-    checkpointing: str | CheckpointPlan | None = None,
     device: str | torch.device = "cuda",
-    first_step: bool = False,
-    accumulating: bool = False,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
-    strategy: str | None = None,
-    world_size: int = 1,
-    reshard_after_forward: bool = True,
-    mp_policy: Any = None,
     timeline: bool = False,
     tracer: Tracer | None = None,
     history: bool | repeated.History = False,
 ) -> _SimTracker:
     """`estimate_memory`'s step, returning its tracker (``tracer``: also what created each storage;
     ``history``: every candidate peak, `_estimating.repeated.History`, or the one given)."""
-    precision = valid_name("precision", precision, PRECISION_DTYPES)
-    param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
+    param_dtype, autocast_dtype = PRECISION_DTYPES[step.precision]
     target = torch.device(device)
     valid_name("device", target.type, DEVICES)
-    if isinstance(checkpointing, str):
-        checkpointing = valid_name("checkpointing", checkpointing, CHECKPOINT_MODES)
     if autocast_dtype == torch.float16 and target.type == "cpu":
         autocast_dtype = torch.bfloat16  # as Lightning does: fp16 AMP is not supported on CPU
     lightning = is_lightning(model)
@@ -757,31 +764,6 @@ def simulate_step(
             f"{type(model).__name__} uses manual optimization, which needs a running Trainer; estimate a "
             "step of the underlying nn.Module with loss_fn= and optimizer= instead."
         )
-    if fused_step and offload:
-        raise ValueError(
-            "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
-        )
-    if strategy is None:
-        sharded = {"world_size": world_size != 1, "reshard_after_forward": reshard_after_forward is not True}
-        given = [name for name, set_ in {**sharded, "mp_policy": mp_policy is not None}.items() if set_]
-        if given:
-            raise ValueError(
-                f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} FSDP2's (fully_shard's): pass "
-                "strategy='fsdp2' with it to simulate one rank's sharded step, or leave it out for one device"
-            )
-    else:
-        valid_name("strategy", strategy, ("fsdp2",))
-        world_size = whole_number("world_size", world_size, of="ranks", at_least=1)
-        if mp_policy is not None and type(mp_policy).__name__ != "MixedPrecisionPolicy":
-            raise TypeError(
-                "mp_policy must be FSDP2's MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype="
-                f"torch.bfloat16, reduce_dtype=torch.float32); got {mp_policy!r} ({type(mp_policy).__name__})"
-            )
-        if offload:
-            raise NotImplementedError(
-                "The offloaded optimizer runs on one process: under FSDP2, plan CPUOffloadPolicy instead "
-                "(plan_fit(strategy='fsdp2', cpu_offload=True))."
-            )
     if not lightning and optimizer is None:
         raise TypeError(
             f"A plain {type(model).__name__} needs optimizer= (a name, a factory or an optimizer)."
@@ -802,19 +784,20 @@ def simulate_step(
         warnings.filterwarnings("ignore", message=".*[Pp]aged optimizers are not supported on CPU.*")
         if lightning:
             stack.enter_context(lightning_stand_ins(model, _SIM_DEVICE))
-        if checkpointing is not None and checkpointing != "none":
-            stack.enter_context(apply_checkpointing(model, checkpointing))  # undone on exit
+        if step.checkpointing is not None and step.checkpointing != "none":
+            stack.enter_context(apply_checkpointing(model, step.checkpointing))  # undone on exit
         shadows = _shadow.Shadows()
         fake_batch = _fake_batch(batch, mode, param_dtype, shadows)
         stack.enter_context(_shadow.not_tracing(mode))  # transformers: our fakes are not a trace
         stepped = model  # what steps: the model, or its sharded copy
-        if strategy == "fsdp2":
-            mesh = stack.enter_context(_fsdp2.fake_mesh(world_size))
+        if step.sharding is not None:
+            sharding = step.sharding
+            mesh = stack.enter_context(_fsdp2.fake_mesh(sharding.world_size))
             with mode:
                 blocks = [name for name, _ in find_blocks(model)]
-                options = {} if mp_policy is None else {"mp_policy": mp_policy}
+                options = {} if sharding.mp_policy is None else {"mp_policy": sharding.mp_policy}
                 stepped = _fsdp2.sharded_copy(
-                    model, mesh, blocks, reshard_after_forward=reshard_after_forward, **options
+                    model, mesh, blocks, reshard_after_forward=sharding.reshard_after_forward, **options
                 )
             if tracer is not None:
                 tracer.follow(stepped)
@@ -832,21 +815,24 @@ def simulate_step(
         _use_device_defaults(optimizers, target)
 
         forward = _forward_fn(stepped, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
-        step = TrainingStep(forward, optimizers, lightning, accumulating, release_gradients, fused_step)
+        accumulating, first_step = step.accumulating, step.first_step
+        training = TrainingStep(
+            forward, optimizers, lightning, accumulating, step.release_gradients, step.fused_step
+        )
         stack.enter_context(mode)
-        if offload:  # the host's memory is not the device's: its fakes are on the meta device, uncounted
+        if step.offload:  # the host's memory is not the device's: its fakes are on the meta device, uncounted
             host = "cpu" if target.type == "cpu" else "meta"
             install = functools.partial(_entered, stack, offload_optimizer, optimizers, host=host)
             if first_step and lightning and not accumulating:  # as OptimizerOffload does: at the backward
-                step.offload_at_backward = install
+                training.offload_at_backward = install
             else:
-                step.offload = install()
+                training.offload = install()
         if not first_step or accumulating:
             with _Placeholders():
-                step.warm_up(stepped, state=not first_step)
-        tracker = _track(step, stepped, target, timeline, shadows, tracer, history)
+                training.warm_up(stepped, state=not first_step)
+        tracker = _track(training, stepped, target, timeline, shadows, tracer, history)
         if tracer is not None:
-            tracer.finish(stepped, step.optimizers, tracker)
+            tracer.finish(stepped, training.optimizers, tracker)
     return tracker
 
 

@@ -32,6 +32,7 @@ from lightning_memkit._estimating.lightning_step import (
 )
 from lightning_memkit._measuring.tracker import model_device
 from lightning_memkit._optimizers.swap import identify, lr_factor, rebind_scheduler, swap_optimizer
+from lightning_memkit._vocabulary import renamed_attribute
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 
@@ -169,7 +170,7 @@ class FitPlan:
             for one GPU.
         n_gpus: ranks the global batch is split across.
         cost: the throughput model the times came from.
-        levels: the checkpointing modes that were candidates (``("none",)`` for a model without
+        modes: the checkpointing modes that were candidates (``("none",)`` for a model without
             repeated blocks, which cannot be checkpointed); `leaner` keeps to them.
         note: why some modes asked for were not candidates (``""`` when all were); `summary` shows it.
         checkpoint_plan: the checkpointing planner's plan, block by block, with its measured savings and
@@ -204,7 +205,7 @@ class FitPlan:
     strategy: str = "auto"
     n_gpus: int = 1
     cost: StepCost | None = field(default=None, compare=False)
-    levels: tuple[str, ...] = field(default=CHECKPOINT_MODES, compare=False)
+    modes: tuple[str, ...] = field(default=CHECKPOINT_MODES, compare=False)
     note: str = field(default="", compare=False)
     checkpoint_plan: CheckpointPlan | None = None
     lever: str | None = None
@@ -225,16 +226,22 @@ class FitPlan:
         """Samples per optimizer step across all ranks."""
         return self.micro_batch_size * self.accumulate_grad_batches * self.n_gpus
 
-    def leaner(self, levels: Sequence[str] = CHECKPOINT_MODES) -> FitPlan | None:
-        """The next plan one notch leaner (after an OOM): every block at the next mode allowed (``levels``)
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """Deprecated: `modes`."""
+        renamed_attribute("FitPlan", "levels", "modes")
+        return self.modes
+
+    def leaner(self, modes: Sequence[str] = CHECKPOINT_MODES) -> FitPlan | None:
+        """The next plan one notch leaner (after an OOM): every block at the next mode allowed (``modes``)
         stronger than the strongest the plan uses, at the same micro-batch (a per-block plan that already
         uses the strongest: that mode on every block), else half the micro-batch (the largest divisor of
         it at most half) with accumulation multiplied to keep the global batch, checkpointing unchanged;
         ``None`` at micro-batch 1 with the strongest mode allowed. Its ``estimated_peak`` is the alternative's
         of the same plan where the search simulated one; otherwise it is not simulated now, and the current
         peak stands for it (a bound: a leaner plan peaks no higher), as its ``note`` says."""
-        allowed = [mode for mode in CHECKPOINT_MODES if mode in levels and mode in self.levels]
-        used = set(self.checkpoint_plan.policies.values()) if self.checkpoint_plan else {self.checkpointing}
+        allowed = [mode for mode in CHECKPOINT_MODES if mode in modes and mode in self.modes]
+        used = set(self.checkpoint_plan.modes.values()) if self.checkpoint_plan else {self.checkpointing}
         strongest = max(CHECKPOINT_MODES.index(mode) for mode in used)
         # Every block at the next mode stronger than the strongest in use; a per-block plan that already
         # uses the strongest mode allowed gets it on every block.
@@ -305,7 +312,7 @@ class FitPlan:
             strategy=data.get("strategy", "ddp"),
             n_gpus=data.get("n_gpus", 1),
             cost=StepCost(**cost) if cost else None,
-            levels=tuple(data.get("levels", CHECKPOINT_MODES)),
+            modes=tuple(data.get("modes", data.get("levels", CHECKPOINT_MODES))),  # "levels": saved by 0.1
             note=data.get("note", ""),
             checkpoint_plan=CheckpointPlan.from_dict(checkpoints) if checkpoints else None,
             lever=data.get("lever"),

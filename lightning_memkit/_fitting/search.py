@@ -31,12 +31,14 @@ from lightning_memkit._estimating.lightning_step import (
     batch_slice,
     is_lightning,
 )
-from lightning_memkit._estimating.simulate import counted_step, estimate_memory, sixteen_bit_weights
+from lightning_memkit._estimating.simulate import counted_step, estimate_step, sixteen_bit_weights
 from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost, flops_cost, measured_cost
 from lightning_memkit._levers.offload import transfer_seconds
 from lightning_memkit._measuring.tracker import model_device
 from lightning_memkit._optimizers.swap import CATALOGUE, COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit._sharding import fsdp2 as _fsdp2
+from lightning_memkit._step import Lever, Sharding, Step
+from lightning_memkit._vocabulary import AUTO, allowed_modes
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -80,13 +82,13 @@ def _divisors(n: int) -> list[int]:
 class _Search:
     """Simulations of one model and batch, cached by configuration; one rank's (sharded) peak."""
 
-    def __init__(self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, levers=None) -> None:
+    def __init__(self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, lever=None) -> None:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
-        #: how the step runs: `estimate_memory`'s ``release_gradients`` and ``fused_step``
-        self.levers: dict[str, bool] = dict(levers or {})
+        #: what changes the optimizer step (`Step.lever`), planned for
+        self.lever: Lever | None = lever
         self.strategy, self.n_gpus = strategy, n_gpus
         #: FSDP2's step is simulated sharded (one rank's); the other strategies divide the whole step
-        self.sharding = {"strategy": "fsdp2", "world_size": n_gpus} if strategy == "fsdp2" else {}
+        self.sharding = Sharding(n_gpus) if strategy == "fsdp2" else None
         #: FSDP2 with a bf16 MixedPrecisionPolicy for the bf16-mixed steps (`plan_fit`'s keyword)
         self.mixed_precision_policy = False
         self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
@@ -108,11 +110,24 @@ class _Search:
         self.refine_seconds: float | None = None
         self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
 
-    def sharded(self, precision: str) -> dict[str, Any]:
-        """`estimate_memory`'s sharding keywords for a step at ``precision``."""
-        if self.mixed_precision_policy and precision == "bf16-mixed":
-            return {**self.sharding, "mp_policy": _fsdp2.bf16_policy()}
+    def sharded(self, precision: str) -> Sharding | None:
+        """The FSDP2 layout of a step at ``precision`` (``None``: not sharded)."""
+        if self.sharding is not None and self.mixed_precision_policy and precision == "bf16-mixed":
+            return dataclasses.replace(self.sharding, mp_policy=_fsdp2.bf16_policy())
         return self.sharding
+
+    def step(self, m: int, precision: str, **changes: Any) -> Step:
+        """The step of micro-batch ``m`` at ``precision`` as planned (``changes``: to the `Step`, or
+        ``reshard_after_forward`` to its `Sharding`)."""
+        sharding = self.sharded(precision)
+        if "reshard_after_forward" in changes:
+            assert sharding is not None, "reshard_after_forward is FSDP2's"
+            sharding = dataclasses.replace(
+                sharding, reshard_after_forward=changes.pop("reshard_after_forward")
+            )
+        # the cycle's last micro-batch is its peak
+        accumulating = m < batch_size(self.batch)
+        return Step(precision, accumulating=accumulating, lever=self.lever, sharding=sharding).but(**changes)
 
     def refining(self) -> bool:
         """Whether there is time left to plan checkpointing block by block."""
@@ -120,24 +135,20 @@ class _Search:
         self.unrefined |= late
         return not late
 
-    def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", counting=False, **sharding):
+    def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", counting=False, **changes):
         """One rank's simulated step (``counting``: `counted_step`'s breakdown, FLOPs and ops)."""
         start = time.perf_counter()
         ctx = apply_checkpointing(self.model, checkpointing) if checkpointing != "none" else None
         try:
             with ctx or contextlib.nullcontext(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return (counted_step if counting else estimate_memory)(
+                return (counted_step if counting else estimate_step)(
                     self.model,
                     batch_slice(self.batch, m),
-                    accumulating=m < batch_size(self.batch),  # the cycle's last micro-batch is its peak
+                    self.step(m, precision, **changes),
                     optimizer=optimizer,
                     loss_fn=self.loss_fn,
-                    precision=precision,
                     device=self.device,
-                    **self.levers,
-                    **self.sharded(precision),
-                    **sharding,
                 )
         finally:
             self.seconds += time.perf_counter() - start
@@ -203,7 +214,7 @@ class _Search:
         )
 
     def planner(
-        self, m: int, levels: tuple[str, ...], optimizer: str | None, precision: str
+        self, m: int, modes: tuple[str, ...], optimizer: str | None, precision: str
     ) -> CheckpointPlanner:
         """The checkpointing planner of micro-batch ``m``: the blocks' saved bytes and recompute costs,
         measured once, and the simulated steps of the plans it tries."""
@@ -220,50 +231,47 @@ class _Search:
                     self.planners[key] = CheckpointPlanner(
                         self.model,
                         batch_slice(self.batch, m),
-                        policy=("none", *levels) if "none" not in levels else levels,
+                        checkpointing=("none", *modes) if "none" not in modes else modes,
                         cost="flops",  # the FLOPs of the ops recomputed; a measured step times plans
                         device=self.device,
                         optimizer=optimizer,
                         loss_fn=self.loss_fn,
-                        precision=precision,
-                        accumulating=m < batch_size(self.batch),
+                        step=self.step(m, precision),  # FSDP2: every plan's step simulated sharded
                         # a few plans per micro-batch (uniform modes are candidates too); one where each
                         # simulation takes seconds (a 7B model's)
                         max_rounds=1 if per_plan > SLOW_SIMULATION_S else 3,
-                        **self.levers,
-                        **self.sharded(precision),  # FSDP2: every plan's step simulated sharded
                     )
             finally:
                 self.seconds += time.perf_counter() - start
-            for (m_, level, optimizer_, precision_), breakdown in self.whole.items():
+            for (m_, mode, optimizer_, precision_), breakdown in self.whole.items():
                 if (m_, optimizer_, precision_) == key:  # steps the search simulated already
-                    self.planners[key].remember(self.planners[key].uniform(level), breakdown)
+                    self.planners[key].remember(self.planners[key].uniform(mode), breakdown)
         return self.planners[key]
 
     def checkpoint_plans(
-        self, m: int, levels: tuple[str, ...], optimizer: str | None, precision: str, limit: int
+        self, m: int, modes: tuple[str, ...], optimizer: str | None, precision: str, limit: int
     ) -> list[tuple[CheckpointPlan, MemoryBreakdown]]:
         """The plans that fit ``limit`` at micro-batch ``m``, least recompute (in FLOPs) first, each with one
         rank's breakdown: the planner's per-block plan, a uniform mode where one fits at less cost (the
         planner's search stops after a few rounds), and the strongest mode (the floor, simulated anyway:
         where the step is timed it can be the fastest, see `timed_recompute`). Empty if nothing fits."""
-        planner = self.planner(m, levels, optimizer, precision)
+        planner = self.planner(m, modes, optimizer, precision)
         start = time.perf_counter()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                floor = planner.simulate(planner.uniform(levels[-1]))
+                floor = planner.simulate(planner.uniform(modes[-1]))
                 # The planner fits the whole step; one rank keeps only its share of what is sharded.
                 offset = floor.peak - self.per_rank(floor, precision).peak
                 options = []
                 with contextlib.suppress(ValueError):  # raised below the floor
-                    plan = planner.plan(limit + offset, levels=levels)  # block by block, among `levels`
+                    plan = planner.plan(limit + offset, modes=modes)  # block by block, among `modes`
                     options.append((plan.overhead or 0.0, plan))
         finally:
             self.seconds += time.perf_counter() - start
         cheapest = min((o for o, _ in options), default=float("inf"))
-        for level in levels[1:] if levels[0] == "none" else levels:
-            uniform = planner.uniform(level)
+        for mode in modes[1:] if modes[0] == "none" else modes:
+            uniform = planner.uniform(mode)
             if planner.overhead(uniform) >= cheapest:
                 continue  # not cheaper than the planner's plan: not worth a simulation
             modeled = planner.modeled_peak(uniform)
@@ -271,8 +279,8 @@ class _Search:
                 continue  # the planner's peak model puts it clearly over: not worth a simulation
             if self.per_rank(planner.simulate(uniform), precision).peak <= limit:
                 options.append((planner.overhead(uniform), planner.plan_for(uniform)))
-        strongest = planner.uniform(levels[-1])
-        if all(tuple(b.policy for b in plan.blocks) != strongest for _, plan in options):
+        strongest = planner.uniform(modes[-1])
+        if all(tuple(b.mode for b in plan.blocks) != strongest for _, plan in options):
             options.append((planner.overhead(strongest), planner.plan_for(strongest)))
         fitting = []
         for _, option in sorted(options, key=lambda o: o[0]):
@@ -285,7 +293,7 @@ class _Search:
         """What ``plan`` adds to a forward + backward of micro-batch ``m``, timed for real (`measured_cost`)
         against the same without checkpointing, as a fraction of the latter.
 
-        For a measured step cost the recompute is timed too: on the CPU, op-level (selective) checkpointing
+        For a measured step cost the recompute is timed too: on the CPU, op-mode (selective) checkpointing
         costs far more than its recomputed ops (its dispatch mode runs on every op of the forward)."""
         start = time.perf_counter()
         try:
@@ -315,9 +323,9 @@ class _Search:
 
     def _static(self, optimizer: str | None, precision: str) -> MemoryBreakdown:
         static = model_static(self.model, precision, optimizer or "sgd")
-        if self.levers.get("offload"):  # the state on the host, a parameter's gradient at a time
+        if self.lever == "offload":  # the state on the host, a parameter's gradient at a time
             return dataclasses.replace(static, gradients=0, optimizer_state=0)
-        if self.levers.get("fused_step"):  # never all at once: a parameter's gradient at a time
+        if self.lever == "fused_step":  # never all at once: a parameter's gradient at a time
             return dataclasses.replace(static, gradients=0)
         return static
 
@@ -338,7 +346,7 @@ def static_floor(
     them on the device, sharded) of the optimizer and precision pairs `plan_fit` would plan with these
     arguments: no plan fits a limit below it. No simulation; ``None`` when no pair would be planned."""
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
-    levers = {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload}
+    lever = Step.of(release_gradients=release_gradients, fused_step=fused_step, offload=offload).lever
     search = _Search(
         model,
         None,
@@ -346,7 +354,7 @@ def static_floor(
         "cuda",
         strategy if n_gpus > 1 or strategy == "fsdp2" else "ddp",
         n_gpus,
-        levers=levers,
+        lever=lever,
     )
     candidates, _ = _candidates(model, optimizers, strategy, n_gpus)
     pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)
@@ -411,7 +419,7 @@ def plan_fit(
     margin: float = 0.1,
     optimizers: Sequence[str | None] | None = None,
     precision: str | Sequence[str] = "32-true",
-    checkpointing: Sequence[str] = CHECKPOINT_MODES,
+    checkpointing: str | Sequence[str] = AUTO,
     strategy: str = "ddp",
     n_gpus: int = 1,
     device: str = "cuda",
@@ -440,8 +448,9 @@ def plan_fit(
         optimizers: candidate catalogue names in quality order (default: the model's own, then the
             lighter ones of `DEFAULT_CANDIDATES`).
         precision: a Lightning precision string, or several allowed, in order of preference.
-        checkpointing: the checkpointing modes a block may get (`CHECKPOINT_MODES`: ``"none"``,
-            ``"selective"``, ``"selective_half"``, ``"full"``); the plan chooses block by block.
+        checkpointing: the checkpointing modes a block may get: ``"auto"`` (all of `CHECKPOINT_MODES`),
+            one mode (that one or none), or the modes (``("none", "full")``); the plan chooses block by
+            block.
         strategy, n_gpus: shard one rank's step (``"ddp"``, ``"fsdp"``, ``"zero1"`` to ``"zero3"``,
             ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``: the whole step divided); the batch is split
             across ranks. ``"fsdp2"``: one rank's FSDP2 step simulated (`estimate_memory`'s
@@ -510,10 +519,7 @@ def plan_fit(
         )
     if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
         raise ValueError(f"n_gpus must be a whole number of GPUs, at least 1; got {n_gpus!r}")
-    levels = tuple(c for c in CHECKPOINT_MODES if c in checkpointing)
-    if not levels or len(levels) != len(set(checkpointing)):
-        raise ValueError(f"checkpointing must be a subset of {CHECKPOINT_MODES}, got {tuple(checkpointing)}")
-    levels, note = _checkpointable(model, levels)
+    modes, note = _checkpointable(model, allowed_modes(checkpointing))
     strategy = valid_name("strategy", strategy, STRATEGIES)
     total = batch_size(batch)
     if total % n_gpus:
@@ -533,6 +539,7 @@ def plan_fit(
             "The offloaded optimizer runs on one process, its step after backward: plan it with n_gpus=1 "
             "and without fused_step."
         )
+    lever = Step.of(release_gradients=release_gradients, fused_step=fused_step, offload=offload).lever
     search = _Search(
         model,
         per_rank,
@@ -541,7 +548,7 @@ def plan_fit(
         strategy if n_gpus > 1 or strategy == "fsdp2" else "ddp",
         n_gpus,
         progress,
-        {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload},
+        lever,
     )
     candidates, unsharded = _candidates(model, optimizers, strategy, n_gpus)
     if unsharded:
@@ -579,12 +586,12 @@ def plan_fit(
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
     sizes = _runnable(search, sizes, *(viable or pairs)[0])
     # FSDP2's CPU offload: as asked, or (None) where nothing fits without it
-    modes = (False, True) if cpu_offload is None and search.sharding else (search.cpu_offload,)
-    chosen = _first_fitting(search, pairs, viable, sizes[0], levels[-1], limit, modes=modes)
+    offloads = (False, True) if cpu_offload is None and search.sharding else (search.cpu_offload,)
+    chosen = _first_fitting(search, pairs, viable, sizes[0], modes[-1], limit, offloads=offloads)
     if chosen is None:
-        message = _infeasible(search, pairs, precisions, levels, limit, budget, margin, total)
+        message = _infeasible(search, pairs, precisions, modes, limit, budget, margin, total)
         if cpu_offload is None and search.sharding:
-            leanest = search.whole[(search.smallest, levels[-1], *pairs[-1])]
+            leanest = search.whole[(search.smallest, modes[-1], *pairs[-1])]
             offloaded = search.offloaded(leanest, pairs[-1][1]).peak
             message += (
                 f" With FSDP2's CPU offload (CPUOffloadPolicy) the leanest plan still needs about "
@@ -616,7 +623,7 @@ def plan_fit(
         if device == "cuda":  # on the CPU the host is the device: nothing travels
             micro, per_step = transfer_seconds(static.parameters, static.gradients, state)
             step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + micro, per_step=per_step)
-    options = _fastest(search, step_cost, sizes, levels, opt, prec, limit, G)
+    options = _fastest(search, step_cost, sizes, modes, opt, prec, limit, G)
     best = min(options)
     reshard = None
     out_of_time = refine_seconds is not None and time.perf_counter() - search.started > refine_seconds
@@ -649,23 +656,23 @@ def plan_fit(
         strategy=LIGHTNING_STRATEGY[strategy] if n_gpus > 1 else "auto",
         n_gpus=n_gpus,
         cost=step_cost,
-        levels=levels,
+        modes=modes,
         note=note,
         checkpoint_plan=best.plan,
-        lever=_lever(release_gradients, fused_step, offload),
+        lever=LEVER_CALLBACKS.get(lever) if lever else None,
         host_bytes=host,
         offload_seconds=per_step + micro * (G // best.m),
         reshard_after_forward=reshard,
         cpu_offload=search.cpu_offload,
-        mixed_precision_policy="mp_policy" in search.sharded(prec),
+        mixed_precision_policy=getattr(search.sharded(prec), "mp_policy", None) is not None,
         device=torch.device(device).type,
     )
 
 
-def _first_fitting(search, pairs, viable, m, strongest, limit, *, modes: Sequence[bool]):
+def _first_fitting(search, pairs, viable, m, strongest, limit, *, offloads: Sequence[bool]):
     """The first (optimizer, precision) pair in quality order whose leanest step (micro-batch ``m``, the
-    ``strongest`` checkpointing) fits ``limit`` under one of the CPU-offload ``modes`` tried in turn
-    (``(False, True)``: a better optimizer offloaded before a lighter one that is not). Leaves ``search``
+    ``strongest`` checkpointing) fits ``limit`` under one of the CPU-offload settings ``offloads``, tried in
+    turn (``(False, True)``: a better optimizer offloaded before a lighter one that is not). Leaves ``search``
     at the choice's offloading; ``None`` if nothing fits."""
 
     def offloading(on: bool) -> None:
@@ -674,11 +681,11 @@ def _first_fitting(search, pairs, viable, m, strongest, limit, *, modes: Sequenc
             search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
 
     for pair in pairs:
-        for on in modes:
+        for on in offloads:
             offloading(on)
             if (on or pair in viable) and search.peak(m, strongest, *pair).peak <= limit:
                 return pair
-    offloading(modes[0])
+    offloading(offloads[0])
     return None
 
 
@@ -701,12 +708,6 @@ def _candidates(
     return kept, f"not planned under FSDP2: {'; '.join(notes)}" if notes else ""
 
 
-def _lever(release_gradients: bool, fused_step: bool, offload: bool) -> str | None:
-    """The callback that makes the step planned (at most one lever is on)."""
-    on = {"release_gradients": release_gradients, "fused_step": fused_step, "offload": offload}
-    return next((LEVER_CALLBACKS[lever] for lever in LEVER_CALLBACKS if on[lever]), None)
-
-
 class _Option(NamedTuple):
     """A micro-batch with its checkpointing, timed: a row of the plan's table."""
 
@@ -717,21 +718,21 @@ class _Option(NamedTuple):
     plan: CheckpointPlan | None
 
 
-def _label(policies: Sequence[str]) -> str:
+def _label(modes: Sequence[str]) -> str:
     """A checkpointing plan in a word: its mode if every block has it, else the count of each mode."""
-    counts = Counter(policies)
+    counts = Counter(modes)
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{counts[mode]} {mode}" for mode in CHECKPOINT_MODES if counts[mode])
 
 
-def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Option]:
+def _fastest(search, step_cost, sizes, modes, opt, prec, limit, G) -> list[_Option]:
     """The micro-batches and checkpointing worth ranking: the largest micro-batch without checkpointing,
     and larger ones up to the largest the strongest mode fits, each with the planner's cheapest plan."""
     options: list[_Option] = []
     reached = 0
     known = search.cache.get((sizes[0], "none", opt, prec))  # the FLOP count's step, if it was simulated
-    if levels[0] == "none" and (known is None or known.peak <= limit):  # else no micro-batch fits without
+    if modes[0] == "none" and (known is None or known.peak <= limit):  # else no micro-batch fits without
         m = _largest_fitting(
             lambda m: search.peak(m, "none", opt, prec).peak, limit, sizes, search.peaks("none", opt, prec)
         )
@@ -740,12 +741,12 @@ def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Opt
             peak = search.peak(m, "none", opt, prec).peak
             options.append(_Option(step_cost.time(m, G // m), m, "none", peak, None))
     above = [m for m in sizes if m > reached]
-    if levels != ("none",) and above:
+    if modes != ("none",) and above:
         top = _largest_fitting(
-            lambda m: search.peak(m, levels[-1], opt, prec).peak,
+            lambda m: search.peak(m, modes[-1], opt, prec).peak,
             limit,
             above,
-            search.peaks(levels[-1], opt, prec),
+            search.peaks(modes[-1], opt, prec),
         )
         # From the largest down: a smaller micro-batch takes more micro-steps, so once the best plan found
         # beats one's time without any recompute, that micro-batch needs no planner.
@@ -753,17 +754,17 @@ def _fastest(search, step_cost, sizes, levels, opt, prec, limit, G) -> list[_Opt
             if options and step_cost.time(m, G // m) >= min(options).time:
                 continue
             if not search.refining():  # no time for a planner: the strongest mode, if simulated and fits
-                strongest = search.cache.get((m, levels[-1], opt, prec))
+                strongest = search.cache.get((m, modes[-1], opt, prec))
                 if strongest is not None and strongest.peak <= limit:
                     slowest = step_cost.time(m, G // m, FULL_RECOMPUTE)  # at most full's recompute
-                    options.append(_Option(slowest, m, levels[-1], strongest.peak, None))
+                    options.append(_Option(slowest, m, modes[-1], strongest.peak, None))
                 continue
-            found = search.checkpoint_plans(m, levels, opt, prec, limit)
+            found = search.checkpoint_plans(m, modes, opt, prec, limit)
             # FLOPs rank the plans (the first); a timed step times each (its recompute is not its FLOPs)
             timed = step_cost.source == "measured"
             for plan, breakdown in found if timed else found[:1]:
                 recompute = search.timed_recompute(m, plan) if timed else plan.overhead
-                label = _label([b.policy for b in plan.blocks])
+                label = _label([b.mode for b in plan.blocks])
                 options.append(_Option(step_cost.time(m, G // m, recompute), m, label, breakdown.peak, plan))
     assert options, "the smallest runnable micro-batch at the strongest mode fits"
     return options
@@ -779,11 +780,11 @@ def _alternatives(
     rows: dict[tuple, Alternative] = {}
     fastest = min(options).time
     opt, prec = chosen
-    for (m, level, o, p), breakdown in search.cache.items():
-        recompute = _uniform_recompute(search, m, level, o, p)
+    for (m, mode, o, p), breakdown in search.cache.items():
+        recompute = _uniform_recompute(search, m, mode, o, p)
         seconds = None if (o, p) != chosen or recompute is None else step_cost.time(m, G // m, recompute)
-        rows[(m, level, o, p)] = Alternative(
-            m, G // m, level, o, p, breakdown.peak, None if seconds is None else seconds / fastest,
+        rows[(m, mode, o, p)] = Alternative(
+            m, G // m, mode, o, p, breakdown.peak, None if seconds is None else seconds / fastest,
             breakdown.peak <= limit, seconds,
         )  # fmt: skip
     for option in options:  # the plans ranked, at the recompute they were ranked by
@@ -807,17 +808,17 @@ def _alternatives(
     )
 
 
-def _uniform_recompute(search, m: int, level: str, optimizer: str | None, precision: str) -> float | None:
-    """The recompute of ``level`` on every block as a fraction of the blocks' compute: as a planner measured
+def _uniform_recompute(search, m: int, mode: str, optimizer: str | None, precision: str) -> float | None:
+    """The recompute of ``mode`` on every block as a fraction of the blocks' compute: as a planner measured
     it at this micro-batch, else at another (the fraction hardly moves with the micro-batch: both scale
     with it), else full checkpointing's one forward in three (`FULL_RECOMPUTE`); ``None`` for another mode
     no planner measured."""
-    if level == "none":
+    if mode == "none":
         return 0.0
     planner = search.planners.get((m, optimizer, precision)) or next(iter(search.planners.values()), None)
-    if planner is not None and level in planner.levels:
-        return planner.overhead(planner.uniform(level))
-    return FULL_RECOMPUTE if level == "full" else None
+    if planner is not None and mode in planner.modes:
+        return planner.overhead(planner.uniform(mode))
+    return FULL_RECOMPUTE if mode == "full" else None
 
 
 def _pairs(
@@ -841,16 +842,16 @@ def _pairs(
     return list(dict.fromkeys(pairs))
 
 
-def _checkpointable(model: nn.Module, levels: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+def _checkpointable(model: nn.Module, modes: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
     """The modes that are candidates for ``model``, and a note on those that are not.
 
     Checkpointing applies to the repeated blocks `find_blocks` finds; a model with
     none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
     allowed.
     """
-    if levels == ("none",) or find_blocks(model):
-        return levels, ""
-    dropped = ", ".join(level for level in levels if level != "none")
+    if modes == ("none",) or find_blocks(model):
+        return modes, ""
+    dropped = ", ".join(mode for mode in modes if mode != "none")
     return ("none",), (
         f"checkpointing {dropped} not planned: {type(model).__name__} has no repeated blocks to checkpoint"
     )
@@ -869,15 +870,15 @@ def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> 
     return flops_cost(flops, ops, search.smallest, device)
 
 
-def _infeasible(search, pairs, precisions, levels, limit, budget, margin, total) -> str:
+def _infeasible(search, pairs, precisions, modes, limit, budget, margin, total) -> str:
     """The error text: static floor, leanest plan's peak, and what would fit."""
     (first_opt, first_prec), (leanest_opt, leanest_prec) = pairs[0], pairs[-1]
-    strongest = levels[-1]
+    strongest = modes[-1]
     floor = search.peak(search.smallest, strongest, leanest_opt, leanest_prec)
     best = search.peak(search.smallest, strongest, first_opt, first_prec)
     # Unsharded smallest steps: what more GPUs (FSDP) or a larger card would have to hold.
     whole = search.estimate(search.smallest, strongest, optimizer=first_opt, precision=first_prec)
-    fused = search.levers.get("fused_step", False)  # no FSDP1 or DeepSpeed to suggest
+    fused = search.lever == "fused_step"  # no FSDP1 or DeepSpeed to suggest
     fsdp = (
         None
         if fused
@@ -927,7 +928,7 @@ def grid(
     device: str = "cuda",
     loss_fn: Callable | None = None,
 ) -> dict[tuple[int, str], int]:
-    """Every (micro-batch, checkpointing) of one optimizer simulated: ``{(m, level): peak bytes}``.
+    """Every (micro-batch, checkpointing) of one optimizer simulated: ``{(m, mode): peak bytes}``.
 
     The exhaustive search `plan_fit` prunes; for tests and the benchmark.
     """

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
-from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit._estimating.simulate import estimate_memory, estimate_step, sixteen_bit_weights
 from lightning_memkit._levers.fused_step import needs_closure
 from lightning_memkit._measuring.tracker import allocation_rounding, model_device, rounded
 from lightning_memkit._optimizers.swap import (
@@ -48,6 +48,7 @@ from lightning_memkit._optimizers.swap import (
     rebind_scheduler,
     swap_optimizer,
 )
+from lightning_memkit._step import Step
 from lightning_memkit._vocabulary import renamed
 
 __all__ = [
@@ -153,32 +154,14 @@ def static_estimator(
 def simulated_estimator(
     model: nn.Module,
     batch: Any,
+    step: Step,
     *,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
-    precision: str = "32-true",
     device: str | torch.device | None = None,
-    accumulating: bool = False,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
 ) -> Estimator:
-    """The whole step on fake tensors (`estimate_memory`), with one optimizer; ``accumulating``: the last
-    micro-batch of a gradient accumulation cycle; ``release_gradients``: the gradients freed after the
-    optimizer's step (`release_gradients`); ``fused_step``: the step inside backward
-    (`fuse_optimizer_step`); ``offload``: the optimizer in host memory (`offload_optimizer`)."""
+    """The whole ``step`` on fake tensors (`estimate_memory`), with one optimizer."""
     device = torch.device(device or model_device(model).type)
-    run = functools.partial(
-        estimate_memory,
-        model,
-        batch,
-        loss_fn=loss_fn,
-        precision=precision,
-        device=device,
-        accumulating=accumulating,
-        release_gradients=release_gradients,
-        fused_step=fused_step,
-        offload=offload,
-    )
+    run = functools.partial(estimate_step, model, batch, step, loss_fn=loss_fn, device=device)
 
     def estimate(optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
         if len(optimizers) != 1:
@@ -542,17 +525,14 @@ def fit_optimizer(
     if step_peak is not None:
         estimate, method = _given(step_peak), "given"
     elif batch is not None and len(given) == 1 and not _manual(model):
-        estimate = simulated_estimator(
-            model,
-            batch,
-            loss_fn=loss_fn,
+        step = Step.of(
             precision=precision,
-            device=device,
             accumulating=accumulating,
             release_gradients=release_gradients,
             fused_step=fused_step,
             offload=offload,
         )
+        estimate = simulated_estimator(model, batch, step, loss_fn=loss_fn, device=device)
         method = "simulated"
     else:
         gradients = not (fused_step or offload)

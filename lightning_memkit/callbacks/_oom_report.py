@@ -22,6 +22,7 @@ from lightning_memkit.callbacks._trainer import (
     sharding,
     step_levers,
     the_optimizer,
+    trainer_step,
 )
 
 
@@ -84,18 +85,20 @@ def explain_run_oom(
     levers = step_levers(trainer)
     # Under FSDP2 the module is sharded by now: its unsharded twin is simulated and planned.
     model, optimizer = simulable(pl_module, the_optimizer(trainer))
+    as_run = trainer_step(
+        trainer,
+        first_step=trainer.global_step == 0,  # not `not optimizer.state`: SGD keeps none
+        accumulating=into_gradients(trainer, step.batch_idx),
+    )
     need, source = step_need(
         model,
         step.batch,
+        as_run,
         measured=measured,
         strategy=strategy,
         n_gpus=ranks,
         optimizer=optimizer,
-        precision=precision(trainer),
         device=kind,
-        first_step=trainer.global_step == 0,  # not `not optimizer.state`: SGD keeps none
-        accumulating=into_gradients(trainer, step.batch_idx),
-        **levers,
     )
     try:
         samples = f", {batch_size(step.batch)} samples"
@@ -122,7 +125,7 @@ def explain_run_oom(
         margin=plan.margin if plan is not None else 0.1,
         optimizers=candidates,
         precision=precision(trainer),
-        checkpointing=plan.levels if plan is not None else CHECKPOINT_MODES,
+        checkpointing=plan.modes if plan is not None else CHECKPOINT_MODES,
         strategy=strategy,
         n_gpus=ranks,
         device=kind,

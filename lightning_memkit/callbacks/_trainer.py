@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_memkit._estimating.analytic import model_static, scheme
 from lightning_memkit._estimating.isolate import rng_kept
+from lightning_memkit._step import Step
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
 from lightning_memkit.callbacks.offload import OptimizerOffload
@@ -35,6 +36,7 @@ __all__ = [
     "precision",
     "sharding",
     "step_levers",
+    "trainer_step",
 ]
 
 T = TypeVar("T")
@@ -121,6 +123,18 @@ def step_levers(trainer: pl.Trainer) -> dict[str, bool]:
         "fused_step": any(isinstance(c, FusedOptimizerStep) for c in trainer.callbacks),
         "offload": any(isinstance(c, OptimizerOffload) for c in trainer.callbacks),
     }
+
+
+def trainer_step(trainer: pl.Trainer, **changes: Any) -> Step:
+    """The step this fit runs, as the estimators take it (`Step`): the Trainer's precision, whether it
+    accumulates (`accumulates`), the lever its callbacks install (`step_levers`) and, under
+    ModelParallelStrategy, FSDP2's layout over its ranks (`sharding`); ``changes`` to that `Step`."""
+    strategy, ranks = sharding(trainer)
+    fsdp2 = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
+    step = Step.of(
+        precision=precision(trainer), accumulating=accumulates(trainer), **step_levers(trainer), **fsdp2
+    )
+    return step.but(**changes)
 
 
 def accumulating_now(trainer: pl.Trainer) -> bool:

@@ -24,23 +24,26 @@ from lightning_memkit._budget import Budget, parse_budget, reads_device
 from lightning_memkit._checkpointing.blocks import block_classes, find_blocks, no_blocks_message
 from lightning_memkit._checkpointing.planner import plan_checkpointing
 from lightning_memkit._checkpointing.policies import (
-    LEVELS,
     CheckpointHandle,
     CheckpointPlan,
     apply_checkpointing,
 )
 from lightning_memkit._estimating.isolate import isolated
-from lightning_memkit._vocabulary import renamed, renamed_cost
+from lightning_memkit._vocabulary import (
+    AUTO,
+    CHECKPOINT_MODES,
+    allowed_modes,
+    renamed,
+    renamed_cost,
+    unbudgeted_mode,
+)
 from lightning_memkit.callbacks._trainer import (
-    accumulates,
     autofit_in,
     ddp_bucket_bytes,
     first_batch,
     fsdp_checkpointing,
     on_rank_zero,
-    precision,
-    sharding,
-    step_levers,
+    trainer_step,
 )
 
 _OPTION = "ActivationCheckpointing(blocks={MyBlock})"
@@ -57,9 +60,10 @@ class ActivationCheckpointing(Callback):
     - ``"selective_half"``: as selective, but every second matmul is recomputed too.
     - ``"full"``: only the block's input is kept; its forward runs again in backward (~+33 % compute).
 
-    Without a budget every block gets ``policy`` (``"auto"``: ``"selective"``). With a budget the plan is
-    the cheapest whose simulated step peak fits it: one training batch is taken from the training
-    dataloader (the datamodule's or the module's ``train_dataloader()``, or the loader passed to ``fit``),
+    Without a budget every block gets the strongest mode ``checkpointing`` allows (``"auto"``:
+    ``"selective"``). With a budget the plan is the cheapest whose simulated step peak fits it: one
+    training batch is taken from the training dataloader (the datamodule's or the module's
+    ``train_dataloader()``, or the loader passed to ``fit``),
     and the step is simulated on fake tensors with `estimate_memory` (nothing is allocated, so a model that
     does not fit yet can be planned) at the Trainer's precision and device type. Global rank 0 plans and
     broadcasts the plan, so every rank checkpoints alike.
@@ -76,7 +80,7 @@ class ActivationCheckpointing(Callback):
     model that was.
 
     The plan is printed (``rank_zero_info``) and kept in :attr:`plan`; it is saved in the checkpoint, and a
-    run resumed with the same ``budget`` and ``policy`` re-applies the saved plan instead of a new one
+    run resumed with the same ``budget`` and ``checkpointing`` re-applies the saved plan instead of a new one
     (Lightning calls ``setup`` before it loads callback states, so a resumed run plans once and then
     switches to the saved plan in ``load_state_dict``, before the optimizer state is restored).
 
@@ -95,11 +99,13 @@ class ActivationCheckpointing(Callback):
             name (``"A100-40GB"``, ``"H200"``: the card's memory less the CUDA context and a 5 % reserve),
             or, read from the CUDA device the run trains on at ``setup``, a fraction of it (``0.9``) or
             ``"auto"``. ``None``: no planning.
-        policy: ``"auto"`` (the planner may use every mode; without a budget, ``"selective"``),
-            ``"selective"``, ``"selective_half"``, ``"full"`` (that mode or none per block).
+        checkpointing: the modes a block may get: ``"auto"`` (every mode; without a budget, ``"selective"``),
+            ``"selective"``, ``"selective_half"``, ``"full"`` (that mode or none per block), or the modes
+            themselves with ``"none"`` (``("none", "selective", "full")``), as `AutoFit` takes them.
         blocks: the layer classes whose instances are the blocks (default: `find_blocks`, the repeated
-            layers), the set ``FSDPStrategy(activation_checkpointing_policy=...)`` takes. The old form
-            ``policy={MyBlock}`` is deprecated: it is ``blocks={MyBlock}, policy="full"``.
+            layers), the set ``FSDPStrategy(activation_checkpointing_policy=...)`` takes.
+        policy: deprecated: ``checkpointing``'s name in 0.1 (``policy={MyBlock}`` was
+            ``blocks={MyBlock}, checkpointing="full"``).
         cost: what the planner minimises: ``"measured"`` (the recomputed ops' time, benchmarked on the
             device; ``"time"`` is its deprecated name) or ``"flops"``.
 
@@ -120,44 +126,55 @@ class ActivationCheckpointing(Callback):
     def __init__(
         self,
         budget: int | float | str | Budget | None = None,
-        policy: str = "auto",
+        checkpointing: str | Sequence[str] = AUTO,
         *,
         blocks: Iterable[type[nn.Module]] | None = None,
         cost: str = "measured",
+        policy: str | Sequence[str] | None = None,
     ) -> None:
         self._budget_given = budget
         #: The budget in bytes; one read from the device (a fraction, ``"auto"``) is known from ``setup`` on.
         self.budget: int | None = None
         if budget is not None and not reads_device(budget):  # a fraction is checked here, read in setup
             self.budget = parse_budget(budget).usable
-        if policy is None:
+        if policy is not None and not _layer_classes(policy):  # the old name of ``checkpointing``
+            checkpointing = renamed("ActivationCheckpointing", "policy", "checkpointing", policy)
+        elif policy is not None:
+            checkpointing = policy
+        if checkpointing is None:
             raise TypeError(
-                f"policy=None: choose one of {', '.join(map(repr, LEVELS))} (layer classes such as "
-                "{MyBlock} go in blocks=); to turn checkpointing off, leave ActivationCheckpointing out of "
-                "the callbacks."
+                f"checkpointing=None: choose {AUTO!r} or one of {', '.join(map(repr, CHECKPOINT_MODES))} "
+                "(layer classes such as {MyBlock} go in blocks=); to turn checkpointing off, leave "
+                "ActivationCheckpointing out of the callbacks."
             )
-        if not isinstance(policy, (str, type, Iterable)):
-            raise TypeError(
-                f"policy must be one of {', '.join(map(repr, LEVELS))} (layer classes such as {{MyBlock}} go "
-                f"in blocks=); got {policy!r} ({type(policy).__name__})"
-            )
-        if not isinstance(policy, str):  # the old form of ``blocks``, with full checkpointing
+        if _layer_classes(checkpointing):  # the 0.1 form ``policy={MyBlock}``: full checkpointing of those
             if blocks is not None:
                 raise TypeError("policy={MyBlock} is the old spelling of blocks={MyBlock}: give one of them")
             blocks = renamed(
-                "ActivationCheckpointing", "policy", "blocks", policy, also=", with policy='full'"
+                "ActivationCheckpointing",
+                "policy",
+                "blocks",
+                checkpointing,
+                also=", with checkpointing='full'",
             )
-            policy = "full"
-        if policy not in LEVELS:
-            raise ValueError(f"Unknown policy {policy!r}; choose one of {', '.join(map(repr, LEVELS))}")
-        self.policy = policy
+            checkpointing = "full"
+        if not isinstance(checkpointing, (str, Iterable)):
+            raise TypeError(
+                f"checkpointing must be {AUTO!r}, one of {', '.join(map(repr, CHECKPOINT_MODES))} or several "
+                f"of them (layer classes such as {{MyBlock}} go in blocks=); got {checkpointing!r} "
+                f"({type(checkpointing).__name__})"
+            )
+        #: The modes a block may get (`allowed_modes` of the ``checkpointing`` given).
+        self.modes = allowed_modes(checkpointing)
+        #: ``checkpointing`` as given: ``"auto"``, a mode, or the modes.
+        self.checkpointing = checkpointing if isinstance(checkpointing, str) else self.modes
         #: The layer classes whose instances are the blocks; ``None``: the repeated layers (`find_blocks`).
         self.layer_classes = None if blocks is None else block_classes(blocks)
         cost = renamed_cost("ActivationCheckpointing", cost)
         if cost not in ("measured", "flops"):
             raise ValueError(f"Unknown cost {cost!r}; choose 'measured' or 'flops'")
         self.cost = cost
-        #: The plan in use (block name -> policy, with the figures behind it when planned for a budget).
+        #: The plan in use (block name -> mode, with the figures behind it when planned for a budget).
         self.plan: CheckpointPlan | None = None
         self._handle: CheckpointHandle | None = None
         self._module: pl.LightningModule | None = None
@@ -169,7 +186,8 @@ class ActivationCheckpointing(Callback):
         classes = None if self.layer_classes is None else sorted(c.__qualname__ for c in self.layer_classes)
         # A budget read from the device keys as given: its bytes differ from card to card.
         budget = self._budget_given if reads_device(self._budget_given) else self.budget
-        return self._generate_state_key(budget=budget, policy=self.policy, layer_classes=classes)
+        # ``policy`` as 0.1 keyed it, so its checkpoints still resume this callback.
+        return self._generate_state_key(budget=budget, policy=self.checkpointing, layer_classes=classes)
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
@@ -194,7 +212,7 @@ class ActivationCheckpointing(Callback):
 
     def modes_for(self, modes: Sequence[str], planner: str = "AutoFit") -> tuple[str, ...]:
         """The checkpointing modes a planner beside this callback may give a block: ``modes`` (the
-        planner's own) narrowed to this callback's ``policy``. What cannot be honoured is refused."""
+        planner's own) narrowed to this callback's ``checkpointing``. What cannot be honoured is refused."""
         if self.layer_classes is not None:
             names = ", ".join(sorted(c.__name__ for c in self.layer_classes))
             raise ValueError(
@@ -204,19 +222,19 @@ class ActivationCheckpointing(Callback):
                 f"{planner} alone (it checkpoints the model's repeated blocks where the budget needs it), or "
                 f"ActivationCheckpointing alone."
             )
-        kept = tuple(m for m in modes if m in LEVELS[self.policy])
-        if not any(m != "none" for m in kept) and any(m != "none" for m in LEVELS[self.policy]):
+        kept = tuple(m for m in modes if m in self.modes)
+        if not any(m != "none" for m in kept) and any(m != "none" for m in self.modes):
             raise ValueError(
-                f"ActivationCheckpointing(policy={self.policy!r}) allows {', '.join(LEVELS[self.policy])} "
-                f"per block, and {planner}(checkpointing={tuple(modes)!r}) beside it plans none of those "
-                f"checkpointing modes: give {planner} checkpointing= with "
-                f"{' or '.join(repr(m) for m in LEVELS[self.policy] if m != 'none')}, or keep one callback."
+                f"ActivationCheckpointing(checkpointing={self.checkpointing!r}) allows "
+                f"{', '.join(self.modes)} per block, and {planner}(checkpointing={tuple(modes)!r}) beside it "
+                f"plans none of those checkpointing modes: give {planner} checkpointing= with "
+                f"{' or '.join(repr(m) for m in self.modes if m != 'none')}, or keep one callback."
             )
         return kept
 
     def _defer(self, planner: Callback) -> None:
         """Leave the checkpointing to ``planner`` (an `AutoFit` in the same fit), which plans it with the
-        micro-batch and optimizer, within this callback's policy."""
+        micro-batch and optimizer, within this callback's modes."""
         modes = self.modes_for(planner.checkpointing)  # type: ignore[attr-defined]
         self._deferring, self.plan, self._loaded = True, None, False
         budget = "" if self._budget_given is None else f" (its budget={self._budget_given!r} is not used)"
@@ -254,7 +272,7 @@ class ActivationCheckpointing(Callback):
                 f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); keeping the new plan."
             )
             return
-        if plan.policies != (self.plan.policies if self.plan is not None else None):
+        if plan.modes != (self.plan.modes if self.plan is not None else None):
             rank_zero_info("Activation checkpointing: resuming with the plan saved in the checkpoint.")
             self._use(self._module, plan)
 
@@ -268,20 +286,17 @@ class ActivationCheckpointing(Callback):
             found = find_blocks(pl_module, self.layer_classes)
             if not found:
                 raise ValueError(no_blocks_message(pl_module, _OPTION, self.layer_classes))
-            return CheckpointPlan.uniform([name for name, _ in found], _uniform_policy(self.policy))
+            return CheckpointPlan.uniform([name for name, _ in found], unbudgeted_mode(self.checkpointing))
         if not pl_module.automatic_optimization:
             raise MisconfigurationException(
                 f"ActivationCheckpointing(budget=...) cannot plan for {type(pl_module).__name__}, which uses "
                 "manual optimization (automatic_optimization = False): the planner simulates the step "
                 "Lightning runs itself (training_step, backward, optimizer step), and a manual training_step "
-                "drives its own backward and optimizers. Choose the policy without a budget instead: "
-                "ActivationCheckpointing(policy='selective') (about a third of the activations for a few "
-                "percent of compute) or policy='full' (the least memory, ~+33 % compute)."
+                "drives its own backward and optimizers. Choose the mode without a budget instead: "
+                "ActivationCheckpointing(checkpointing='selective') (about a third of the activations for a "
+                "few percent of compute) or checkpointing='full' (the least memory, ~+33 % compute)."
             )
         budget = self.budget
-        strategy, ranks = sharding(trainer)
-        # FSDP2 (ModelParallelStrategy): one rank's sharded step, simulated over a fake process group
-        sharded = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
 
         def decide() -> dict[str, Any]:
             # DDP's all-reduce buckets are there all along: what is left is the step's to fit in.
@@ -296,14 +311,12 @@ class ActivationCheckpointing(Callback):
                     pl_module,
                     _example_batch(trainer),
                     max(budget - buckets, 1),
-                    policy=self.policy,
+                    checkpointing=self.modes,
                     blocks=self.layer_classes,
                     cost=self.cost,
                     device=trainer.strategy.root_device.type,
-                    precision=precision(trainer),
-                    accumulating=accumulates(trainer),
-                    **step_levers(trainer),
-                    **sharded,
+                    # under FSDP2 (ModelParallelStrategy): one rank's sharded step, over a fake process group
+                    step=trainer_step(trainer),
                 ).as_dict()
 
         return CheckpointPlan.from_dict(on_rank_zero(trainer, decide, "Planning activation checkpointing"))
@@ -329,9 +342,10 @@ class ActivationCheckpointing(Callback):
             raise MisconfigurationException(
                 "ActivationCheckpointing(budget=...) cannot plan under FSDPStrategy yet: the simulated step "
                 "does not shard parameters, gradients and optimizer state, so its peak is not the run's. "
-                "Pass policy='full', policy='selective' or a set of layer classes instead."
+                "Pass checkpointing='full' or checkpointing='selective' (with blocks={MyBlock} to name the "
+                "blocks) instead."
             )
-        if self.policy != "full":
+        if unbudgeted_mode(self.checkpointing) != "full":
             return False  # selective checkpointing has no FSDPStrategy form: applied in place
         classes = self.layer_classes
         if classes is None:
@@ -363,8 +377,14 @@ def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:
     return parse_budget(budget).usable
 
 
-def _uniform_policy(policy: str) -> str:
-    return "selective" if policy == "auto" else policy
+def _layer_classes(value: Any) -> bool:
+    """Whether ``value`` is a layer class or a collection of them (0.1's ``policy={MyBlock}``)."""
+    if isinstance(value, type):
+        return True
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        return False
+    items = list(value)
+    return bool(items) and all(isinstance(v, type) for v in items)
 
 
 def _is_fsdp(strategy: Any) -> bool:

@@ -40,14 +40,13 @@ from lightning_memkit._budget import (
     valid_name,
     whole_number,
 )
-from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
 from lightning_memkit._diagnosis.oom import StepInFlight
 from lightning_memkit._estimating.isolate import isolated, rng_kept
 from lightning_memkit._estimating.lightning_step import repeat_rows
 from lightning_memkit._fitting.plan import FitPlan, StepCost
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
-from lightning_memkit._vocabulary import COSTS, renamed
+from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes, renamed
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
@@ -85,7 +84,9 @@ class AutoFit(Callback):
         optimizers: candidate catalogue names in quality order (default: the module's own, then lighter;
             beside an `OptimizerSwap`, which defers to AutoFit, the module's own, then the swap's
             ``candidates``).
-        checkpointing: the checkpointing modes a block may get (the plan chooses block by block); a
+        checkpointing: the checkpointing modes a block may get (the plan chooses block by block), as
+            `ActivationCheckpointing` takes them: ``"auto"`` (every mode), one mode (that one or none), or
+            the modes (``("none", "full")``); a
             module without repeated blocks is planned without checkpointing (the plan's ``note``, in the
             info line, says so).
         cost: the throughput model (`plan_fit`'s ``cost``).
@@ -103,7 +104,7 @@ class AutoFit(Callback):
         margin: float = 0.1,
         batch_arg_name: str = "batch_size",
         optimizers: Sequence[str] | None = None,
-        checkpointing: Sequence[str] = CHECKPOINT_MODES,
+        checkpointing: str | Sequence[str] = AUTO,
         cost: str = "auto",
         verify_steps: int = 3,
         batch_size_attr: str | None = None,
@@ -119,7 +120,7 @@ class AutoFit(Callback):
             )
         if optimizers is not None:  # a name alone is one candidate, not its letters
             optimizers = names("optimizers", optimizers, CATALOGUE, none=True)
-        checkpointing = names("checkpointing", checkpointing, CHECKPOINT_MODES)
+        checkpointing = allowed_modes(checkpointing)
         if not isinstance(cost, StepCost):  # a StepCost is plan_fit's too
             cost = valid_name("cost", cost, COSTS)
         verify_steps = whole_number("verify_steps", verify_steps, of="steps", at_least=0)
@@ -184,7 +185,7 @@ class AutoFit(Callback):
         rank_zero_info(f"AutoFit: {self.plan}")
 
     def _modes(self, trainer: pl.Trainer) -> tuple[str, ...]:
-        """The checkpointing modes to plan: this callback's, within the policy of an
+        """The checkpointing modes to plan: this callback's, within the modes of an
         `ActivationCheckpointing` in the same fit (which then defers to this plan)."""
         beside = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
         return tuple(self.checkpointing) if beside is None else beside.modes_for(self.checkpointing)
@@ -493,7 +494,7 @@ class AutoFit(Callback):
         assert self.plan is not None
         leaner = self.plan.leaner(self.checkpointing)
         if leaner is None:
-            allowed = [m for m in self.checkpointing if m in self.plan.levels]
+            allowed = [m for m in self.checkpointing if m in self.plan.modes]
             # An OOM still, so that the run's end explains it (`on_exception`), with the plan applied.
             raise torch.OutOfMemoryError(
                 f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with "

@@ -58,10 +58,8 @@ from lightning_memkit.callbacks._trainer import (
     accumulating_now,
     call_logger,
     optimizer_steps_done,
-    precision,
-    sharding,
-    step_levers,
     the_optimizer,
+    trainer_step,
 )
 
 _MAX_SIGNATURES = 64
@@ -524,18 +522,10 @@ class MemoryMonitor(Callback):
     ) -> tuple[torch.nn.Module, dict]:
         """The model and `estimate_memory`'s arguments for the first batch's step as this run takes it.
         Under FSDP2 the module is sharded by now: its unsharded twin's sharded step stands for it."""
-        strategy, ranks = sharding(trainer)
-        fsdp2 = strategy == "fsdp2"
         model, optimizer = simulable(pl_module, the_optimizer(trainer))
-        return model, {
-            "optimizer": optimizer,
-            "precision": precision(trainer),
-            "device": self._device.type,
-            "accumulating": trainer.accumulate_grad_batches > 1,  # a micro-batch adding to gradients
-            **step_levers(trainer),
-            "strategy": "fsdp2" if fsdp2 else None,
-            "world_size": ranks if fsdp2 else 1,
-        }
+        # the first batch: a micro-batch adding to gradients where the fit accumulates from its start
+        step = trainer_step(trainer, accumulating=trainer.accumulate_grad_batches > 1)
+        return model, {"optimizer": optimizer, "device": self._device.type, **step.keywords()}
 
     def _first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path | None) -> None:
         """``advise``, ``snapshot`` and ``report`` on the first batch's step as this run takes it, simulated

@@ -61,14 +61,13 @@ from lightning_memkit._optimizers.swap import (
 )
 from lightning_memkit._vocabulary import renamed
 from lightning_memkit.callbacks._trainer import (
-    accumulates,
     autofit_in,
     call_logger,
     ddp_bucket_bytes,
     first_batch,
     on_rank_zero,
     precision,
-    step_levers,
+    trainer_step,
 )
 
 
@@ -360,14 +359,9 @@ class OptimizerSwap(Callback):
         device = trainer.strategy.root_device.type
         device = device if device in ("cuda", "cpu") else "cpu"
         if _simulates(trainer, pl_module):
-            estimator = simulated_estimator(
-                pl_module,
-                batch,
-                precision=precision(trainer),
-                device=device,
-                accumulating=accumulates(trainer),
-                **step_levers(trainer),
-            )
+            # the unsharded step: the swap decides on the module's optimizer as configure_optimizers built it
+            step = trainer_step(trainer, sharding=None)
+            estimator = simulated_estimator(pl_module, batch, step, device=device)
             method = "simulated"
         else:
             rank_zero_info(

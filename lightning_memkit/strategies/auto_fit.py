@@ -61,10 +61,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_memkit._budget import Budget, flag
 from lightning_memkit._checkpointing.blocks import find_blocks
-from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._vocabulary import renamed
+from lightning_memkit._vocabulary import AUTO, renamed
 from lightning_memkit.callbacks.auto_fit import AutoFit
 
 __all__ = ["AutoFitStrategy"]
@@ -93,7 +92,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         margin: float = 0.1,
         batch_arg_name: str = "batch_size",
         optimizers: Sequence[str] | None = None,
-        checkpointing: Sequence[str] = CHECKPOINT_MODES,
+        checkpointing: str | Sequence[str] = AUTO,
         cost: str = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,

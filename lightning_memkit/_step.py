@@ -1,0 +1,193 @@
+"""The training step as configured: one value every stage passes along instead of a dozen keywords.
+
+A step's memory depends on how it runs: its precision, the checkpointing of its blocks, whether it is the
+last micro-batch of an accumulation cycle, the lever that changes the optimizer step (gradients released,
+the step fused into backward, the optimizer offloaded: at most one) and, past one device, how the model
+is sharded. `Step` holds those; `estimate_memory` takes them as keywords and builds one, the planners
+make one per candidate (`dataclasses.replace`), and the callbacks read one from the Trainer
+(`lightning_memkit.callbacks._trainer.trainer_step`). Checking them is done once, here, not in each
+signature that passes them on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, Literal, get_args
+
+from lightning_memkit._budget import valid_name, whole_number
+from lightning_memkit._vocabulary import CHECKPOINT_MODES, PRECISIONS
+
+__all__ = ["LEVERS", "Lever", "Sharding", "Step"]
+
+#: What changes the optimizer step (`GradientRelease`, `FusedOptimizerStep`, `OptimizerOffload`).
+Lever = Literal["release_gradients", "fused_step", "offload"]
+#: The levers, cheapest first.
+LEVERS: tuple[str, ...] = get_args(Lever)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """One rank of FSDP2: ``fully_shard`` on each repeated block, then on the root, over ``world_size`` ranks.
+
+    Attributes:
+        world_size: the ranks the model is sharded over.
+        reshard_after_forward: ``fully_shard``'s own: ``False`` keeps each unit's parameters gathered from
+            its forward to its backward.
+        mp_policy: ``fully_shard``'s ``MixedPrecisionPolicy``, or ``None``.
+    """
+
+    world_size: int = 1
+    reshard_after_forward: bool = True
+    mp_policy: Any = None
+
+    #: `estimate_memory`'s ``strategy`` for this layout.
+    strategy = "fsdp2"
+
+    def __post_init__(self) -> None:
+        whole_number("world_size", self.world_size, of="ranks", at_least=1)
+        if self.mp_policy is not None and type(self.mp_policy).__name__ != "MixedPrecisionPolicy":
+            raise TypeError(
+                "mp_policy must be FSDP2's MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype="
+                f"torch.bfloat16, reduce_dtype=torch.float32); got {self.mp_policy!r} "
+                f"({type(self.mp_policy).__name__})"
+            )
+
+
+@dataclass(frozen=True)
+class Step:
+    """How one training step runs, as far as its memory goes.
+
+    Attributes:
+        precision: a Lightning precision string (``"32-true"``, ``"bf16-mixed"``, ...).
+        checkpointing: ``None`` (the blocks as written), a `CheckpointMode` for every block, or a
+            `CheckpointPlan` / ``{module name: mode}`` mapping.
+        accumulating: the last micro-batch of a gradient accumulation cycle (its backward adds to
+            gradients already there), the cycle's highest.
+        first_step: the first step, before the optimizer has state (else the steady state).
+        lever: what changes the optimizer step (`Lever`), or ``None``.
+        sharding: one rank's FSDP2 layout (`Sharding`), or ``None`` for one device.
+    """
+
+    precision: str = "32-true"
+    checkpointing: Any = None
+    accumulating: bool = False
+    first_step: bool = False
+    lever: Lever | None = None
+    sharding: Sharding | None = None
+
+    def __post_init__(self) -> None:
+        valid_name("precision", self.precision, PRECISIONS)
+        if isinstance(self.checkpointing, str):
+            valid_name("checkpointing", self.checkpointing, CHECKPOINT_MODES)
+        if self.lever is not None:
+            valid_name("lever", self.lever, LEVERS)
+        if self.lever == "fused_step" and self.accumulating:
+            raise ValueError(
+                "The optimizer step fused into backward updates the parameters at every backward, so it "
+                "cannot accumulate gradients over micro-batches: plan it with accumulate_grad_batches=1."
+            )
+        if self.lever == "offload" and self.sharding is not None:
+            raise NotImplementedError(
+                "The offloaded optimizer runs on one process: under FSDP2, plan CPUOffloadPolicy instead "
+                "(plan_fit(strategy='fsdp2', cpu_offload=True))."
+            )
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        precision: str = "32-true",
+        checkpointing: Any = None,
+        accumulating: bool = False,
+        first_step: bool = False,
+        release_gradients: bool = False,
+        fused_step: bool = False,
+        offload: bool = False,
+        strategy: str | None = None,
+        world_size: int = 1,
+        reshard_after_forward: bool = True,
+        mp_policy: Any = None,
+    ) -> Step:
+        """The step `estimate_memory`'s keywords describe (the levers as three flags, FSDP2's as four)."""
+        if fused_step and offload:
+            raise ValueError(
+                "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
+            )
+        # Released gradients are what the other two levers give anyway: either stands for both.
+        lever = "fused_step" if fused_step else "offload" if offload else None
+        lever = lever or ("release_gradients" if release_gradients else None)
+        sharding = None
+        if strategy is None:
+            given = [
+                name
+                for name, set_ in {
+                    "world_size": world_size != 1,
+                    "reshard_after_forward": reshard_after_forward is not True,
+                    "mp_policy": mp_policy is not None,
+                }.items()
+                if set_
+            ]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} FSDP2's (fully_shard's): "
+                    "pass strategy='fsdp2' with it to simulate one rank's sharded step, or leave it out for "
+                    "one device"
+                )
+        else:
+            valid_name("strategy", strategy, (Sharding.strategy,))
+            sharding = Sharding(world_size, reshard_after_forward, mp_policy)
+        return cls(precision, checkpointing, accumulating, first_step, lever, sharding)
+
+    @classmethod
+    def split(cls, kwargs: dict[str, Any]) -> tuple[Step, dict[str, Any]]:
+        """``kwargs`` in `estimate_memory`'s form as a `Step` and the rest (``optimizer``, ``loss_fn``,
+        ``device``, ...); a ``step=`` among them is taken as it is, with no step keyword beside it."""
+        rest = {k: v for k, v in kwargs.items() if k not in _KEYWORDS}
+        given = {k: v for k, v in kwargs.items() if k in _KEYWORDS}
+        step = rest.pop("step", None)
+        if step is None:
+            return cls.of(**given), rest
+        if given:
+            raise TypeError(f"give step= or {', '.join(given)}, not both")
+        return step, rest
+
+    def keywords(self) -> dict[str, Any]:
+        """`estimate_memory`'s keywords for this step (only those that differ from its defaults)."""
+        out: dict[str, Any] = {"precision": self.precision}
+        if self.checkpointing is not None:
+            out["checkpointing"] = self.checkpointing
+        if self.accumulating:
+            out["accumulating"] = True
+        if self.first_step:
+            out["first_step"] = True
+        if self.lever is not None:
+            out[self.lever] = True
+        if self.sharding is not None:
+            out.update(
+                strategy=Sharding.strategy,
+                world_size=self.sharding.world_size,
+                reshard_after_forward=self.sharding.reshard_after_forward,
+                mp_policy=self.sharding.mp_policy,
+            )
+        return out
+
+    def but(self, **changes: Any) -> Step:
+        """This step with ``changes`` (`dataclasses.replace`, checked again)."""
+        return replace(self, **changes)
+
+    @property
+    def release_gradients(self) -> bool:
+        return self.lever == "release_gradients"
+
+    @property
+    def fused_step(self) -> bool:
+        return self.lever == "fused_step"
+
+    @property
+    def offload(self) -> bool:
+        return self.lever == "offload"
+
+
+#: `Step.of`'s keywords, as `estimate_memory` takes them.
+_KEYWORDS = frozenset(inspect.signature(Step.of).parameters)

@@ -1,0 +1,174 @@
+"""The suite's tiny models, shared as Lightning's tests share ``BoringModel``: a test takes one of these, with
+its sizes, and subclasses it for the one behaviour it needs (a recording hook, manual optimization), rather
+than writing its own ``Net``.
+
+- `BlockNet`: repeated residual MLP blocks (`ResidualMLP`), what checkpointing plans block by block;
+- `MLPModule`: two Linear layers, no repeated blocks (`helpers.Regression` with its activation, optimizer
+  and shuffling chosen);
+- `PlainGPT`: the demo GPT as a plain ``nn.Module`` stepped with `lm_loss`; `tiny_lm`: a ``memkit --model``
+  factory without repeated blocks.
+
+Shared elsewhere: `helpers.Regression` and `helpers.tiny_gpt` (the GPT example with its data),
+`conftest.EncoderLM` (torch's own TransformerEncoder), the Hugging Face zoo in `zoo.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from helpers import Regression
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memkit.demos.gpt import GPT, GPTConfig
+
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+#: the optimizers a model here is given by name; LBFGS's step(closure) runs training_step and backward
+_OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.01),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
+    "lbfgs": functools.partial(torch.optim.LBFGS, lr=0.1, history_size=4, max_iter=3),
+}
+CLASSES = 10  # `BlockNet`'s classes on sequences
+
+
+def build_optimizer(
+    optimizer: str | OptimizerFactory, params: Iterator[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """``optimizer`` over ``params``: "sgd" (lr 0.01), "adamw" (lr 1e-3), "lbfgs", or a factory of them."""
+    if callable(optimizer):
+        return optimizer(params)
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(
+            f"Unknown optimizer {optimizer!r}; choose one of {', '.join(map(repr, _OPTIMIZERS))}"
+        )
+    return _OPTIMIZERS[optimizer](params)
+
+
+class ResidualMLP(nn.Module):
+    """``x + Linear(GELU(Linear(x)))``, 4 x ``width`` inside, as a transformer's MLP; with ``norm``, BatchNorm
+    and dropout after the first Linear too (buffers that move, RNG draws: rows only, not sequences)."""
+
+    def __init__(self, width: int, norm: bool = False) -> None:
+        super().__init__()
+        extra = [nn.BatchNorm1d(4 * width), nn.Dropout(0.3)] if norm else []
+        self.net = nn.Sequential(nn.Linear(width, 4 * width), *extra, nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.net(x)  # (B, width) or (B, T, width)
+
+
+class BlockNet(pl.LightningModule):
+    """``n_blocks`` alike `ResidualMLP` blocks of ``width`` and a Linear head: the model with repeated blocks,
+    whose step plans in a second or two (one block: nothing to checkpoint, the micro-batch is the lever).
+
+    Rows of ``width`` features regress a random target (MSE, one output); with ``seq_len``, sequences of
+    ``seq_len`` positions each take one of `CLASSES` classes (cross-entropy), where the activations outweigh
+    parameters, gradients and optimizer state. ``samples`` examples (``None``: 4 batches of ``batch_size``,
+    fixed here, so AutoFit's micro-batches cut the same data), reshuffled each epoch with ``shuffle``. The
+    default SGD keeps no state: the activations make the peak, as checkpointing's tests want. Every training
+    loss is kept in ``losses``. Used by the checkpointing edge cases, the OOM explanations (on sequences) and
+    the observe-only usages (with BatchNorm and dropout).
+    """
+
+    def __init__(
+        self, n_blocks: int = 3, width: int = 32, batch_size: int = 64, samples: int | None = None,
+        seq_len: int | None = None, norm: bool = False, optimizer: str = "sgd", shuffle: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()  # ``batch_size`` in hparams: AutoFit sets and restores it there
+        self.samples = 4 * batch_size if samples is None else samples
+        self.blocks = nn.ModuleList(ResidualMLP(width, norm) for _ in range(n_blocks))
+        self.head = nn.Linear(width, 1 if seq_len is None else CLASSES)
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # (B, width), (B, 1); or (B, T, width), (B, T) class ids
+        out = self(x)
+        if self.hparams.seq_len is None:
+            loss = F.mse_loss(out, y)
+        else:
+            loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return build_optimizer(self.hparams.optimizer, self.parameters())
+
+    def dataset(self) -> TensorDataset:
+        """The ``samples`` examples, seeded."""
+        g = torch.Generator().manual_seed(0)
+        n, t, d = self.samples, self.hparams.seq_len, self.hparams.width
+        if t is None:
+            return TensorDataset(torch.randn(n, d, generator=g), torch.randn(n, 1, generator=g))
+        return TensorDataset(
+            torch.randn(n, t, d, generator=g), torch.randint(0, CLASSES, (n, t), generator=g)
+        )
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset(), batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle)
+
+
+class MLPModule(Regression):
+    """`helpers.Regression` (Linear, ``activation``, Linear to one output: no repeated blocks, nothing to
+    checkpoint) with its ``optimizer`` chosen, a name or a factory (`build_optimizer`), and with ``shuffle``
+    its rows reshuffled each epoch (the sampler draws from the global RNG). Used where a test steps a
+    LightningModule against the allocator with a given optimizer (bitsandbytes', LBFGS, one whose state
+    grows) and by OptimizerSwap's edge cases."""
+
+    def __init__(
+        self, width: int = 16, hidden: int = 32, samples: int = 64, batch_size: int = 8, *,
+        activation: Callable[[], nn.Module] = nn.ReLU, optimizer: str | OptimizerFactory = "adamw",
+        shuffle: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(width, hidden, samples, batch_size=batch_size)
+        self.net[1] = activation()
+        self.optimizer, self.shuffle = optimizer, shuffle
+
+    # No validation loop: LightningModule's own hooks again, so Lightning sees none (Regression's, without
+    # val_samples, is an empty loader that Lightning warns of and sanity-checks); a subclass may add one.
+    val_dataloader = pl.LightningModule.val_dataloader
+    validation_step = pl.LightningModule.validation_step
+
+    def configure_optimizers(self):
+        return build_optimizer(self.optimizer, self.parameters())
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        return (
+            DataLoader(loader.dataset, batch_size=self.batch_size, shuffle=True) if self.shuffle else loader
+        )
+
+
+class PlainGPT(nn.Module):
+    """The demo GPT as a plain module: token ids in, logits out, what `estimate_memory` and the checkpointing
+    planner step with `lm_loss` (the planner's tests against brute force and real steps). ``config``:
+    `GPTConfig`'s fields (its defaults are tiny)."""
+
+    def __init__(self, **config) -> None:
+        super().__init__()
+        self.gpt = GPT(GPTConfig(**config))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx)[0]  # (B, T, vocab_size)
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: (B, T, V) logits against (B, T) ids."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def tiny_lm() -> nn.Module:
+    """A ``memkit --model models:tiny_lm`` factory (the OOM explanations' CLI tests): a language model without
+    repeated blocks, embedding and head, its peak the logits."""
+    return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256))

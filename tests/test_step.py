@@ -1,0 +1,81 @@
+"""`Step`: the training step as configured, the one value the estimators, planners and callbacks pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memkit import estimate_memory
+from lightning_memkit._estimating.simulate import estimate_step
+from lightning_memkit._step import LEVERS, Sharding, Step
+from lightning_memkit.demos.gpt import GPTLightningModule
+
+
+def test_the_keywords_make_one_step_and_back() -> None:
+    """`estimate_memory`'s keywords and `Step.keywords` describe the same step, both ways."""
+    step = Step.of(precision="bf16-mixed", checkpointing="full", accumulating=True, release_gradients=True)
+    assert step == Step("bf16-mixed", "full", accumulating=True, lever="release_gradients")
+    assert Step.of(**step.keywords()) == step
+    sharded = Step.of(strategy="fsdp2", world_size=4, reshard_after_forward=False)
+    assert sharded.sharding == Sharding(4, reshard_after_forward=False)
+    assert Step.of(**sharded.keywords()) == sharded
+    assert Step.of().keywords() == {"precision": "32-true"}  # only what differs from the defaults
+
+
+@pytest.mark.parametrize(
+    ("keywords", "error", "match"),
+    [
+        ({"fused_step": True, "offload": True}, ValueError, "both fused into backward and offloaded"),
+        ({"fused_step": True, "accumulating": True}, ValueError, "cannot accumulate gradients"),
+        ({"offload": True, "strategy": "fsdp2"}, NotImplementedError, "CPUOffloadPolicy"),
+        ({"world_size": 2}, ValueError, "world_size is FSDP2's .* pass strategy='fsdp2'"),
+        ({"strategy": "fsdp"}, ValueError, "Unknown strategy 'fsdp'; valid: fsdp2"),
+        ({"strategy": "fsdp2", "world_size": 0}, ValueError, "world_size must be a whole number of ranks"),
+        (
+            {"strategy": "fsdp2", "mp_policy": "bf16"},
+            TypeError,
+            "mp_policy must be FSDP2's MixedPrecisionPolicy",
+        ),
+        ({"precision": "bf16"}, ValueError, "Unknown precision 'bf16'.*Did you mean 'bf16-true'"),
+        ({"checkpointing": "fulll"}, ValueError, "Unknown checkpointing 'fulll'"),
+    ],
+)
+def test_a_step_that_cannot_run_is_refused_once_with_the_reason(keywords, error, match) -> None:
+    with pytest.raises(error, match=match):
+        Step.of(**keywords)
+
+
+def test_a_changed_step_is_checked_again() -> None:
+    step = Step.of(fused_step=True)
+    assert step.fused_step and not step.release_gradients and not step.offload
+    with pytest.raises(ValueError, match="cannot accumulate gradients"):
+        step.but(accumulating=True)
+    with pytest.raises(ValueError, match="Unknown lever 'fused'"):
+        step.but(lever="fused")
+    assert {Step(lever=lever).lever for lever in LEVERS} == set(LEVERS)
+
+
+def test_released_gradients_are_what_the_other_levers_give_anyway() -> None:
+    """GradientRelease beside FusedOptimizerStep or OptimizerOffload: the step is the other lever's."""
+    assert Step.of(release_gradients=True, fused_step=True).lever == "fused_step"
+    assert Step.of(release_gradients=True, offload=True).lever == "offload"
+
+
+def test_split_takes_a_step_or_its_keywords_not_both() -> None:
+    step, rest = Step.split({"precision": "bf16-true", "optimizer": "sgd", "device": "cpu"})
+    assert step == Step("bf16-true") and rest == {"optimizer": "sgd", "device": "cpu"}
+    given = Step(accumulating=True)
+    assert Step.split({"step": given, "optimizer": "sgd"}) == (given, {"optimizer": "sgd"})
+    with pytest.raises(TypeError, match="give step= or precision, not both"):
+        Step.split({"step": given, "precision": "bf16-true"})
+
+
+def test_estimate_memory_is_the_step_it_describes() -> None:
+    """The public keywords and the internal `Step` simulate the same step, byte for byte."""
+    model = GPTLightningModule("tiny")
+    x = torch.randint(0, 100, (2, 16))
+    keywords = {"precision": "bf16-mixed", "checkpointing": "selective", "release_gradients": True}
+    by_keywords = estimate_memory(model, (x, x), device="cpu", **keywords)
+    by_step = estimate_step(model, (x, x), Step.of(**keywords), device="cpu")
+    assert by_keywords == by_step
+    assert by_step != estimate_step(model, (x, x), Step.of(precision="bf16-mixed"), device="cpu")
