@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import Regression
 from lightning.pytorch.loggers import CSVLogger
+from models import MLPModule
 
 from lightning_memkit import (
     CHECKPOINT_MODES,
@@ -461,43 +462,20 @@ def test_plan_and_monitor_match_the_allocator_in_the_trainer(tmp_path, model, bu
     assert callback.plan.estimated_peak == pytest.approx(max(steps[1:]), rel=0.01)  # steps with grads alive
 
 
-class _MLP(L.LightningModule):
-    """A model with no repeated blocks: nothing to checkpoint."""
-
-    def __init__(self, batch_size: int = 8):
-        super().__init__()
-        self.batch_size = batch_size
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(
-            torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
-        )
-        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
-
-
 def test_a_model_without_repeated_blocks_is_planned_without_checkpointing():
     torch.manual_seed(0)
-    x, y = torch.randn(8, 16), torch.randn(8, 4)
-    plan = plan_fit(_MLP(), (x, y), "100TB", device="cpu", cost=COST)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    plan = plan_fit(MLPModule(), (x, y), "100TB", device="cpu", cost=COST)
     assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.checkpointing) == (8, 1, "none")
     assert plan.modes == ("none",)
     assert {a.checkpointing for a in plan.alternatives} == {"none"}
-    assert "selective, selective_half, full not planned: _MLP has no repeated blocks" in plan.summary()
+    assert "selective, selective_half, full not planned: MLPModule has no repeated blocks" in plan.summary()
     half = next(a for a in plan.alternatives if a.micro_batch_size == 4)  # never checkpoints
     expected = replace(plan, micro_batch_size=4, accumulate_grad_batches=2, estimated_peak=half.peak)
     assert plan.leaner() == expected
     assert FitPlan.from_dict(json.loads(json.dumps(plan.as_dict()))).modes == ("none",)
     # A plain nn.Module with a loss function too.
-    layer = torch.nn.Linear(16, 4)
+    layer = torch.nn.Linear(16, 1)
     plan = plan_fit(layer, (x, y), "100TB", device="cpu", cost=COST, loss_fn=torch.nn.functional.mse_loss)
     assert plan.checkpointing == "none" and plan.micro_batch_size == 8
 
@@ -505,7 +483,7 @@ def test_a_model_without_repeated_blocks_is_planned_without_checkpointing():
 def test_autofit_runs_a_model_without_repeated_blocks(tmp_path, monkeypatch):
     lines = []
     monkeypatch.setattr(auto_fit, "rank_zero_info", lines.append)
-    module = _MLP(batch_size=4)
+    module = MLPModule(batch_size=4)  # no repeated blocks: nothing to checkpoint
     callback = AutoFit(budget="100TB", cost="flops")
     trainer = L.Trainer(
         default_root_dir=tmp_path, max_steps=2, accelerator="cpu", devices=1, callbacks=[callback],
@@ -516,7 +494,7 @@ def test_autofit_runs_a_model_without_repeated_blocks(tmp_path, monkeypatch):
     assert trainer.global_step == 2
     assert (callback.plan.micro_batch_size, callback.plan.checkpointing) == (8, "none")
     assert module.batch_size == 4 and trainer.accumulate_grad_batches == 2  # the user's, back after the fit
-    assert any("not planned: _MLP has no repeated blocks" in line for line in lines)
+    assert any("not planned: MLPModule has no repeated blocks" in line for line in lines)
 
 
 def test_cli_plan_of_a_factory_without_repeated_blocks(capsys):
