@@ -164,12 +164,11 @@ class Step:
         if self.lever is not None:
             out[self.lever] = True
         if self.sharding is not None:
-            out.update(
-                strategy=Sharding.strategy,
-                world_size=self.sharding.world_size,
-                reshard_after_forward=self.sharding.reshard_after_forward,
-                mp_policy=self.sharding.mp_policy,
-            )
+            out.update(strategy=Sharding.strategy, world_size=self.sharding.world_size)
+            if not self.sharding.reshard_after_forward:
+                out["reshard_after_forward"] = False
+            if self.sharding.mp_policy is not None:
+                out["mp_policy"] = self.sharding.mp_policy
         return out
 
     def but(self, **changes: Any) -> Step:

@@ -19,7 +19,14 @@ def test_the_keywords_make_one_step_and_back() -> None:
     sharded = Step.of(strategy="fsdp2", world_size=4, reshard_after_forward=False)
     assert sharded.sharding == Sharding(4, reshard_after_forward=False)
     assert Step.of(**sharded.keywords()) == sharded
-    assert Step.of().keywords() == {"precision": "32-true"}  # only what differs from the defaults
+    # Only what differs from the defaults: `advise` takes no FSDP2 option but the ranks (the monitor's
+    # advice under FSDP2 passes a trainer's step so).
+    assert Step.of().keywords() == {"precision": "32-true"}
+    assert Step.of(strategy="fsdp2", world_size=2).keywords() == {
+        "precision": "32-true",
+        "strategy": "fsdp2",
+        "world_size": 2,
+    }
 
 
 @pytest.mark.parametrize(
