@@ -12,6 +12,9 @@ time, and a monitor built on it would break users' own profiling.
   FSDP) frees blocks the step allocated: the profile then keeps them live to its end (a rank's "peak"
   grew step after step). A small C++ wrapper around the CPU allocator, compiled on first use, counts every
   allocation and free in every thread, as the CUDA caching allocator does for ``max_memory_allocated``.
+
+The categories are checked against the tensors' owners: parameters, ``.grad`` and optimizer state are read
+from the module and optimizers, what autograd keeps for the backward from the graph (`saved_for_backward`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "counting_allocator",
     "cpu_profiler",
     "profile_peak",
+    "saved_for_backward",
 ]
 
 
@@ -97,6 +101,27 @@ def build_counting_allocator() -> Any:
 
     source = Path(__file__).with_name("csrc") / "counting_allocator.cpp"
     return load("lightning_memkit_counting_allocator", [str(source)], extra_cflags=["-O2"])
+
+
+def saved_for_backward(output: Tensor) -> list[Tensor]:
+    """The tensors autograd keeps for ``output``'s backward, read from its graph, not seen being saved: the
+    ``_saved_*`` tensors of torch's own nodes and the ``saved_tensors`` of a custom Function's (such as
+    torch.compile's ``CompiledFunctionBackward``). Read them before the backward, which frees them."""
+    saved: list[Tensor] = []
+    seen: set[int] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "saved_tensors"):
+            saved += [t for t in node.saved_tensors if t is not None]
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                saved += [t for t in tree_leaves(getattr(node, name)) if isinstance(t, Tensor)]
+        stack += [next_node for next_node, _ in node.next_functions]
+    return saved
 
 
 class AllocatorPeaks:

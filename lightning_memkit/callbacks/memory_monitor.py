@@ -13,7 +13,9 @@ optimizer whose step allocates by value (LBFGS) have no twins: every such step i
 ``remeasure_every_n_steps`` steps it is measured again anyway, for models whose allocations depend on
 the data. On CUDA the caching allocator also gives the peak of every single step
 (``torch.cuda.max_memory_allocated``), so ``memory/peak`` is read fresh each step there and the
-difference from the twin lands in ``memory/temporary``. FSDP2 on the CPU measures every step: gloo's
+difference from the twin lands in ``memory/temporary``. A compiled step (``torch.compile`` in
+``configure_model`` or on the module) is measured buffer by buffer as well, and compiles as it would
+unwatched: the same frames, graphs and graph breaks. FSDP2 on the CPU measures every step: gloo's
 worker threads time when a collective's buffers are freed, so steps alike there differ by up to a
 layer's buffers.
 """
@@ -262,7 +264,7 @@ class MemoryMonitor(Callback):
             if self._twins_alike is None:
                 self._twins_alike = not (self._device.type == "cpu" and is_sharded(pl_module))
             if signature is None or signature not in self._twins or due or not self._twins_alike:
-                self._measurement = measure(pl_module, trainer.optimizers, device=self._device)
+                self._measurement = measure(pl_module, trainer.optimizers, device=self._device, batch=batch)
                 self._measurement.__enter__()
             elif self._device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self._device)
