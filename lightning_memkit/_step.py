@@ -150,6 +150,8 @@ class Step:
             return cls.of(**given), rest
         if given:
             raise TypeError(f"give step= or {', '.join(given)}, not both")
+        if not isinstance(step, Step):
+            raise TypeError(f"step= must be a Step; got {step!r} ({type(step).__name__})")
         return step, rest
 
     def keywords(self) -> dict[str, Any]:

@@ -326,3 +326,45 @@ def test_the_old_keywords_still_work_and_name_the_new_ones():
         ActivationCheckpointing(policy={nn.Linear}, blocks={nn.Linear})
     with pytest.raises(ValueError, match=r"Unknown cost 'seconds'; choose 'measured' or 'flops'"):
         ActivationCheckpointing(cost="seconds")
+
+
+def test_the_checkpointing_modes_are_checked_once_and_at_once():
+    """From a review of the new ``checkpointing=``: an old and a new name together are refused, not one
+    silently taken; a budget's modes without ``"none"`` fail at construction, not inside the fit; a
+    generator is read once."""
+    with pytest.raises(TypeError, match=r"policy= is the old name of checkpointing=: give one of them"):
+        ActivationCheckpointing(checkpointing="full", policy="selective")
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+    batch = (torch.randn(2, 4), torch.randn(2, 4))
+    kwargs = {"optimizer": "sgd", "loss_fn": nn.functional.mse_loss, "device": "cpu", "cost": "flops"}
+    with pytest.raises(TypeError, match=r"policy= is the old name of checkpointing="):
+        plan_checkpointing(model, batch, policy="full", checkpointing="selective", **kwargs)
+    with pytest.raises(TypeError, match=r"levels= is the old name of modes="):
+        CheckpointPlanner(model, batch, **kwargs).plan(None, modes=("none",), levels=("none", "full"))
+    with pytest.raises(ValueError, match=r"checkpointing must include 'none'.*give \('none', 'selective'"):
+        ActivationCheckpointing("1GiB", checkpointing=("selective", "full"))
+    assert ActivationCheckpointing(checkpointing=("selective", "full")).modes == ("selective", "full")
+    assert ActivationCheckpointing(checkpointing=(m for m in ("none", "full"))).modes == ("none", "full")
+    with pytest.raises(TypeError, match=r"step= must be a Step; got \{'precision'"):
+        CheckpointPlanner(model, batch, step={"precision": "bf16-mixed"}, **kwargs)
+
+
+def test_the_trainers_step_takes_the_callers_changes_before_its_checks():
+    """A fused step beside an accumulation that starts later: the first step does not accumulate, and
+    asking for it so is no error (the check ran before the change did)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_memkit import FusedOptimizerStep
+    from lightning_memkit.callbacks._trainer import trainer_step
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[FusedOptimizerStep(), GradientAccumulationScheduler({0: 1, 2: 4})],
+    )
+    step = trainer_step(trainer, accumulating=False)
+    assert step.fused_step and not step.accumulating
+    with pytest.raises(ValueError, match="cannot accumulate gradients"):
+        trainer_step(trainer)  # the fit's own reading: it accumulates from epoch 2

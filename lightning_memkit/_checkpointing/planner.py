@@ -222,11 +222,13 @@ class CheckpointPlanner:
         max_rounds: int = 8,
         **estimate_kwargs: Any,
     ) -> None:
+        if "policy" in estimate_kwargs and checkpointing != AUTO:
+            raise TypeError("policy= is the old name of checkpointing=: give one of them")
         if "policy" in estimate_kwargs:  # the old name of ``checkpointing``
             checkpointing = renamed(
                 "plan_checkpointing", "policy", "checkpointing", estimate_kwargs.pop("policy")
             )
-        modes = _planned_modes(checkpointing)
+        modes = planned_modes(checkpointing)
         cost = renamed_cost("plan_checkpointing", cost)
         if cost not in ("measured", "flops"):
             raise ValueError(f"Unknown cost {cost!r}; choose 'measured' or 'flops'")
@@ -340,6 +342,8 @@ class CheckpointPlanner:
         """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`); ``modes``: the
         modes a block may get, a subset of the planner's (``("selective_half", "full")``: every block is
         checkpointed, one way or the other). ``levels=`` is the deprecated name of ``modes``."""
+        if levels is not None and modes is not None:
+            raise TypeError("levels= is the old name of modes=: give one of them")
         if levels is not None:
             modes = renamed("CheckpointPlanner.plan", "levels", "modes", levels)
         modes = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
@@ -497,7 +501,7 @@ def _refused_note(block: BlockCosts, mode: str) -> str:
     return MUTATED_NOTE.format(mode=" and ".join(refused), instead=mode) if refused else ""
 
 
-def _planned_modes(checkpointing: str | Sequence[str]) -> tuple[str, ...]:
+def planned_modes(checkpointing: str | Sequence[str]) -> tuple[str, ...]:
     """`allowed_modes`, with ``"none"`` among them: the planner's search starts from the model as written."""
     modes = allowed_modes(checkpointing)
     if "none" not in modes:

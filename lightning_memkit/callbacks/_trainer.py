@@ -131,10 +131,10 @@ def trainer_step(trainer: pl.Trainer, **changes: Any) -> Step:
     ModelParallelStrategy, FSDP2's layout over its ranks (`sharding`); ``changes`` to that `Step`."""
     strategy, ranks = sharding(trainer)
     fsdp2 = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
-    step = Step.of(
-        precision=precision(trainer), accumulating=accumulates(trainer), **step_levers(trainer), **fsdp2
-    )
-    return step.but(**changes)
+    # ``changes`` first, then the checks: a step that accumulates later in the fit (a scheduler) may be
+    # asked about now, when it does not.
+    step = Step.of(precision=precision(trainer), **step_levers(trainer), **fsdp2)
+    return step.but(**{"accumulating": accumulates(trainer), **changes})
 
 
 def accumulating_now(trainer: pl.Trainer) -> bool:

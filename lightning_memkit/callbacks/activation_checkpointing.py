@@ -22,7 +22,7 @@ from torch import nn
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget, parse_budget, reads_device
 from lightning_memkit._checkpointing.blocks import block_classes, find_blocks, no_blocks_message
-from lightning_memkit._checkpointing.planner import plan_checkpointing
+from lightning_memkit._checkpointing.planner import plan_checkpointing, planned_modes
 from lightning_memkit._checkpointing.policies import (
     CheckpointHandle,
     CheckpointPlan,
@@ -137,6 +137,13 @@ class ActivationCheckpointing(Callback):
         self.budget: int | None = None
         if budget is not None and not reads_device(budget):  # a fraction is checked here, read in setup
             self.budget = parse_budget(budget).usable
+        # A generator is read once, here: the checks below and `allowed_modes` read it again.
+        policy, checkpointing = (
+            tuple(v) if isinstance(v, Iterable) and not isinstance(v, (str, type)) else v
+            for v in (policy, checkpointing)
+        )
+        if policy is not None and checkpointing != AUTO:
+            raise TypeError("policy= is the old name of checkpointing=: give one of them")
         if policy is not None and not _layer_classes(policy):  # the old name of ``checkpointing``
             checkpointing = renamed("ActivationCheckpointing", "policy", "checkpointing", policy)
         elif policy is not None:
@@ -164,8 +171,9 @@ class ActivationCheckpointing(Callback):
                 f"of them (layer classes such as {{MyBlock}} go in blocks=); got {checkpointing!r} "
                 f"({type(checkpointing).__name__})"
             )
-        #: The modes a block may get (`allowed_modes` of the ``checkpointing`` given).
-        self.modes = allowed_modes(checkpointing)
+        #: The modes a block may get (`allowed_modes` of the ``checkpointing`` given); with a budget the
+        #: plan starts from the blocks as written, so ``"none"`` is among them (`planned_modes`).
+        self.modes = allowed_modes(checkpointing) if budget is None else planned_modes(checkpointing)
         #: ``checkpointing`` as given: ``"auto"``, a mode, or the modes.
         self.checkpointing = checkpointing if isinstance(checkpointing, str) else self.modes
         #: The layer classes whose instances are the blocks; ``None``: the repeated layers (`find_blocks`).
@@ -383,8 +391,7 @@ def _layer_classes(value: Any) -> bool:
         return True
     if isinstance(value, str) or not isinstance(value, Iterable):
         return False
-    items = list(value)
-    return bool(items) and all(isinstance(v, type) for v in items)
+    return bool(value) and all(isinstance(v, type) for v in value)
 
 
 def _is_fsdp(strategy: Any) -> bool:
