@@ -26,10 +26,10 @@ print(json.dumps({{"status": status, "heavy": sorted(m for m in {heavy!r} if m i
 """
 
 
-def _memkit(*argv):
-    """(exit status, the heavy modules imported, stdout, stderr) of ``memkit argv`` in a subprocess."""
+def _memkit(*argv, heavy=HEAVY):
+    """(exit status, the ``heavy`` modules imported, stdout, stderr) of ``memkit argv`` in a subprocess."""
     done = subprocess.run(
-        [sys.executable, "-c", _MEMKIT.format(heavy=HEAVY), json.dumps(argv)],
+        [sys.executable, "-c", _MEMKIT.format(heavy=heavy), json.dumps(argv)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -91,6 +91,17 @@ def test_a_command_that_parses_imports_the_rest_and_runs():
     assert status == 0, err
     assert "torch" in heavy and "lightning" in heavy
     assert json.loads(out)["simulated"]["peak"] > 0
+
+
+@pytest.mark.slow  # a subprocess that imports torch and plans: the full tier's
+def test_a_plan_that_builds_no_8bit_optimizer_leaves_bitsandbytes_unimported():
+    """Importing bitsandbytes costs a plan about 1 s after torch and Lightning (a 7B plan's 15 s bar): its
+    candidates are listed where it is installed, and it is imported only to build one of them."""
+    argv = ("plan", "--model", "tiny", "--gpu", "24GB", "--global-batch", "8", "--seq-len", "64", "--json")
+    status, heavy, out, err = _memkit(*argv, heavy=("bitsandbytes", "lightning"))
+    assert status == 0, err
+    assert heavy == ["lightning"]
+    assert json.loads(out)["optimizer"] == "adamw"
 
 
 def test_python_dash_m_help_imports_no_torch():

@@ -435,6 +435,8 @@ def _aligned(points: tuple[list[_Point], ...], lives: tuple[list[int], ...]) -> 
             missed = _missed(_Phase(points, lives, tuple(inserts)), c)  # type: ignore[arg-type]
             if best is None or missed < best[0]:
                 best = (missed, place)
+            if missed == 0:  # the first place that predicts it: no later one is taken over it
+                break
         inserts[k] = (best[1], width) if best is not None else (at, width)
     phase = _Phase(points, lives, tuple(inserts))  # type: ignore[arg-type]
     return phase if _missed(phase, c) == 0 else None

@@ -35,7 +35,13 @@ from lightning_memkit._estimating.simulate import counted_step, estimate_step, s
 from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost, flops_cost, measured_cost
 from lightning_memkit._levers.offload import transfer_seconds
 from lightning_memkit._measuring.tracker import model_device
-from lightning_memkit._optimizers.swap import CATALOGUE, COMPENSATED, KAHAN, lighter_candidates
+from lightning_memkit._optimizers.swap import (
+    CATALOGUE,
+    COMPENSATED,
+    KAHAN,
+    lighter_candidates,
+    load_bitsandbytes,
+)
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import Lever, Sharding, Step
 from lightning_memkit._vocabulary import AUTO, allowed_modes
@@ -589,6 +595,7 @@ def plan_fit(
     offloads = (False, True) if cpu_offload is None and search.sharding else (search.cpu_offload,)
     chosen = _first_fitting(search, pairs, viable, sizes[0], modes[-1], limit, offloads=offloads)
     if chosen is None:
+        pairs = [pair for pair in pairs if _loads(pair[0])] or pairs  # known by now: all were tried
         message = _infeasible(search, pairs, precisions, modes, limit, budget, margin, total)
         if cpu_offload is None and search.sharding:
             leanest = search.whole[(search.smallest, modes[-1], *pairs[-1])]
@@ -681,12 +688,21 @@ def _first_fitting(search, pairs, viable, m, strongest, limit, *, offloads: Sequ
             search.cache = {key: search.per_rank(whole, key[3]) for key, whole in search.whole.items()}
 
     for pair in pairs:
+        if not _loads(pair[0]):
+            continue
         for on in offloads:
             offloading(on)
             if (on or pair in viable) and search.peak(m, strongest, *pair).peak <= limit:
                 return pair
     offloading(offloads[0])
     return None
+
+
+def _loads(optimizer: str | None) -> bool:
+    """Whether ``optimizer`` can be built here: a bitsandbytes one only where bitsandbytes loads (the
+    candidates list it where it is installed, `lighter_candidates`; it is imported when first needed)."""
+    entry = CATALOGUE.get(optimizer) if optimizer is not None else None
+    return entry is None or not entry.needs_bitsandbytes or load_bitsandbytes() is not None
 
 
 def _candidates(

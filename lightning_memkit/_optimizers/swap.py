@@ -9,8 +9,10 @@ The catalogue's table and the translation rules, with their sources: ``docs/desi
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -80,6 +82,15 @@ def load_bitsandbytes() -> Any | None:
     finally:
         noisy.setLevel(level)
     return bitsandbytes
+
+
+def bitsandbytes_installed() -> bool:
+    """Whether bitsandbytes is installed, without importing it (about 1 s after torch and Lightning: a
+    plan that never builds an 8-bit optimizer need not pay it). Whether it loads is known when it is first
+    imported (`load_bitsandbytes`)."""
+    if "bitsandbytes" in sys.modules:
+        return load_bitsandbytes() is not None
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 def _bnb_class(name: str) -> Callable[..., Optimizer]:
@@ -553,6 +564,6 @@ def lighter_candidates(
     order = list(candidates)
     after = order[order.index(own) + 1 :] if own in order else order
     names = [own] + [n for n in after if n != own]
-    if load_bitsandbytes() is None:
+    if not bitsandbytes_installed():  # one that fails to load is skipped where it would be simulated
         names = [n for n in names if not CATALOGUE[n].needs_bitsandbytes]
     return tuple(names)
