@@ -43,8 +43,9 @@ attention mask, positions built with ``torch.arange``) is computed for real on s
 so is the shape of a boolean-mask selection; transformers' ``is_tracing`` is told that the simulation's
 fake tensors are no trace (see `_estimating.shadow`). Any other value read, one that depends on the
 weights (a NaN check on the loss), is a placeholder: ``1`` for numbers, ``False`` for booleans.
-Data-dependent shapes of values that are not known (``nonzero`` of an activation) cannot be simulated and
-raise.
+Data-dependent shapes of values that are not known (``nonzero`` of an activation: a mixture-of-experts
+layer that picks its experts' tokens one expert at a time) cannot be simulated: they raise
+`NotImplementedError`, naming the op and the module and what to do instead.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from typing import Any, Literal, NamedTuple, overload
 import optimi
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -166,6 +167,25 @@ def _grouped_mm_output(args: tuple, kwargs: dict) -> Tensor:
     return shaped.new_empty_strided(shaped.shape, shaped.stride(), dtype=dtype)
 
 
+def _unknown_shape_message(func: Any) -> str:
+    """Why a step whose op's output shape depends on values the simulation does not have cannot be
+    simulated, in which module (the innermost ``forward`` running), and what to do."""
+    where, frame = "", inspect.currentframe()
+    while frame is not None and not where:
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "forward" and isinstance(owner, nn.Module):
+            where = f" in {type(owner).__name__}.forward"
+        frame = frame.f_back
+    return (
+        f"The simulated step cannot follow {func}{where}: the size of its output depends on values computed "
+        "from the weights, which a simulation on fake tensors does not have (only values computed from the "
+        "batch are followed). A mixture-of-experts layer that gathers each expert's tokens with nonzero does "
+        "this (Hugging Face's experts_implementation='eager'); the grouped one, Hugging Face's default "
+        "(experts_implementation='grouped_mm'), holds the same memory whatever the routing and is simulated "
+        "exactly. Otherwise measure real steps (measure, MemoryMonitor), which follow any routing."
+    )
+
+
 class _Placeholders(TorchDispatchMode):
     """Answers ``.item()`` on fake tensors (used while the optimizer is warmed up, untracked)."""
 
@@ -219,7 +239,10 @@ class _SimTracker(Tracker):
             self.tracer.before_op(func, args, kwargs, self.live)
         if self.history is not None:
             self.history.op = func
-        out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
+        try:
+            out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
+        except DynamicOutputShapeException as err:
+            raise NotImplementedError(_unknown_shape_message(func)) from err
         if self.tracer is not None:
             self.tracer.after_op(self)
         if self.timeline is not None and func.namespace not in _UNTIMED:
