@@ -666,7 +666,7 @@ def plan_fit(
         modes=modes,
         note=note,
         checkpoint_plan=best.plan,
-        lever=LEVER_CALLBACKS.get(lever) if lever else None,
+        lever=LEVER_CALLBACKS.get(lever),
         host_bytes=host,
         offload_seconds=per_step + micro * (G // best.m),
         reshard_after_forward=reshard,
