@@ -21,9 +21,15 @@ weak map keyed by the fake tensor (`Shadows`).
 * A Python value read from shadowed tensors (``_local_scalar_dense``, ``equal``, ``is_nonzero``: aten
   ops that return no tensor) is the real value; otherwise the caller falls back to its placeholder.
 * An op whose output shape depends on the values (``nonzero``, ``masked_select``, ``x[mask]``) gets a fake
-  output of the real result's shape when its inputs are shadowed, or, for ``x[mask]`` and
-  ``masked_select``, when the mask is (``x``'s values do not change the shape: zeros stand in for them);
-  otherwise it raises as before.
+  output of the real result's shape when its inputs are shadowed, or, for ``x[mask]``,
+  ``masked_select`` and ``pack_padded_sequence``, when the mask or the lengths are (``x``'s values do
+  not change the shape: zeros stand in for them); otherwise it raises as before. A packed sequence's
+  ``batch_sizes``, which the recurrent kernels read on the host where no mode sees it, is the real
+  tensor, not a fake one (`_HOST_READ`).
+
+``pad_packed_sequence`` runs aten's ``_pad_packed_sequence``, whose C++ writes the lengths it returns through
+``data_ptr``: a fake tensor has no data to write. While a simulation runs, `not_tracing` has torch's ``_VF``
+run it for the simulation's tensors as `_pad_packed_sequence` (the same ops, the lengths made on the host).
 
 Hugging Face's transformers asks ``is_tracing(tensor)`` before it reads such values, and answers yes for any
 `FakeTensor` (it cannot tell a simulation from ``torch.export``). `not_tracing` makes it answer for the
@@ -62,6 +68,14 @@ _MISSING: Any = object()
 _SHAPE_ONLY: dict[Any, tuple[int, ...]] = {
     torch.ops.aten.index.Tensor: (0,),
     torch.ops.aten.masked_select.default: (0,),
+    torch.ops.aten._pack_padded_sequence.default: (0,),  # (input, lengths, batch_first)
+}
+# Outputs, by index, that later kernels read on the host with no op that a mode sees: a packed sequence's
+# ``batch_sizes`` (a CPU tensor whatever the device), which the LSTM/GRU/RNN kernels and the packing's
+# backward read through ``data_ptr``. A fake one has no data there; its values follow from the lengths
+# alone, so where those are known it is the real tensor itself (its own shadow, as a user's tensor is).
+_HOST_READ: dict[Any, tuple[int, ...]] = {
+    torch.ops.aten._pack_padded_sequence.default: (1,),
 }
 
 
@@ -141,6 +155,12 @@ class Shadows:
                 real_out = self._replay(func, self._stand_ins(func, args), kwargs)
             if real_out is _MISSING:
                 raise
+            host_read = _HOST_READ.get(func, ())
+            if host_read and isinstance(real_out, tuple):
+                return tuple(
+                    real if i in host_read else self._fake_of(real, call, known)
+                    for i, real in enumerate(real_out)
+                )
             return tree_map(lambda real: self._fake_of(real, call, known), real_out)
         self._follow(func, args, kwargs, out)
         return out
@@ -294,6 +314,46 @@ def _make_patches(originals: dict[str, Callable]) -> dict[str, Callable]:
     return patches
 
 
+def _pad_packed_sequence(
+    data: Tensor, batch_sizes: Tensor, batch_first: bool, padding_value: float, total_length: int
+) -> tuple[Tensor, Tensor]:
+    """aten's ``_pad_packed_sequence`` (CompositeImplicit: its ops are the step's), op for op as its C++
+    runs them, for a simulation's fake ``data``: the C++ writes the returned lengths through ``data_ptr``,
+    which a fake tensor has none of; here they are a real host tensor (as in the real step, a CPU one),
+    made from the real ``batch_sizes`` (`_HOST_READ`). Anything else goes to aten's own."""
+    if not _simulated(data) or isinstance(batch_sizes, FakeTensor):
+        return _VF_PAD(data, batch_sizes, batch_first, padding_value, total_length)
+    aten = torch.ops.aten
+    with _disable_current_modes():
+        sizes = batch_sizes.tolist()
+    max_batch, real_length = sizes[0], len(sizes)
+    length = total_length if total_length > 0 else real_length
+    if length < real_length:
+        raise ValueError(
+            f"Expected total_length to be at least the length of the longest sequence ({real_length}), "
+            f"got {total_length}"
+        )
+    output = torch.full((length, max_batch, *data.shape[1:]), padding_value, dtype=data.dtype)
+    lengths = [0] * max_batch
+    offset, previous, start = 0, max_batch, 0
+    for i in range(real_length + 1):
+        batch = sizes[i] if i < real_length else 0
+        if batch != previous:  # output[start:i, :previous] = the packed rows of steps start..i-1
+            rows = previous * (i - start)
+            block = aten.slice.Tensor(data, 0, offset, offset + rows)
+            target = aten.slice.Tensor(aten.slice.Tensor(output, 0, start, i), 1, 0, previous)
+            target.copy_(block.view(i - start, previous, *data.shape[1:]))
+            offset, start = offset + rows, i
+        lengths[batch:previous] = [i] * (previous - batch)  # the sequences that end at step i
+        previous = batch
+    with _disable_current_modes():
+        real_lengths = torch.tensor(lengths, dtype=torch.int64)
+    return (output.transpose(0, 1) if batch_first else output), real_lengths
+
+
+_VF_PAD = torch._C._VariableFunctions._pad_packed_sequence
+
+
 def _transformers_modules() -> list[Any]:
     modules = list(sys.modules.items())
     return [m for name, m in modules if m is not None and name.split(".")[0] == "transformers"]
@@ -314,9 +374,10 @@ def _swap(names: dict[str, Callable], by: dict[str, Callable]) -> None:
 
 @contextlib.contextmanager
 def not_tracing(mode: FakeTensorMode) -> Iterator[None]:
-    """While inside, transformers' ``is_tracing``/``is_fake_tensor`` treat ``mode``'s tensors as real ones.
+    """While inside, transformers' ``is_tracing``/``is_fake_tensor`` treat ``mode``'s tensors as real ones,
+    and torch's ``_VF._pad_packed_sequence`` pads them as `_pad_packed_sequence` (real tensors as before).
 
-    Does nothing when transformers is not imported. Nested and concurrent simulations share one patch.
+    Nested and concurrent simulations share one patch.
     """
     key = id(mode)
     with _LOCK:
@@ -328,6 +389,8 @@ def not_tracing(mode: FakeTensorMode) -> Iterator[None]:
             _originals.update(found)
             _patches.update(_make_patches(found))
             _swap(_originals, _patches)
+            # An instance attribute, found before _VF's __getattr__ gives torch's own.
+            torch._VF._pad_packed_sequence = _pad_packed_sequence
     try:
         yield
     finally:
@@ -337,5 +400,6 @@ def not_tracing(mode: FakeTensorMode) -> Iterator[None]:
                 del _modes[key]
             if not _modes:
                 _swap(_patches, _originals)  # also in modules imported while the simulation ran
+                torch._VF.__dict__.pop("_pad_packed_sequence", None)
                 _originals.clear()
                 _patches.clear()
