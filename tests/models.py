@@ -6,7 +6,8 @@ than writing its own ``Net``.
 - `MLPModule`: two Linear layers, no repeated blocks (`helpers.Regression` with its activation, optimizer
   and shuffling chosen);
 - `PlainGPT`: the demo GPT as a plain ``nn.Module`` stepped with `lm_loss`; `tiny_lm`: a ``memkit --model``
-  factory without repeated blocks.
+  factory without repeated blocks;
+- `Tagger`: an embedding, torch's LSTM or GRU and a per-token head, also stepped with `lm_loss`.
 
 Shared elsewhere: `helpers.Regression` and `helpers.tiny_gpt` (the GPT example with its data),
 `conftest.EncoderLM` (torch's own TransformerEncoder), the Hugging Face zoo in `zoo.py`.
@@ -166,6 +167,20 @@ class PlainGPT(nn.Module):
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy: (B, T, V) logits against (B, T) ids."""
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class Tagger(nn.Module):
+    """An embedding, a 2-layer recurrent net (``nn.LSTM``, ``nn.GRU``) at torch's defaults, and a per-token
+    head: what oneDNN's RNN layers keep from forward to backward (their workspace) is in its step."""
+
+    def __init__(self, rnn: type[nn.RNNBase], vocab: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 64)
+        self.rnn = rnn(64, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        return self.head(self.rnn(self.embed(ids))[0])
 
 
 def tiny_lm() -> nn.Module:

@@ -10,20 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import steady_step_and_estimate
+from zoo import _qwen2_moe
 
 from lightning_memkit import estimate_memory
 from lightning_memkit.testing import allocator_peak
-
-
-def _qwen2_moe() -> torch.nn.Module:
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    cfg = Qwen2MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return Qwen2MoeForCausalLM(cfg)
 
 
 def _loss(out, labels: torch.Tensor) -> torch.Tensor:
@@ -44,16 +34,9 @@ def test_an_fp32_moe_step_is_estimated_as_the_allocator_counts_it(batch_size):
 def _eager_moe() -> tuple[torch.nn.Module, torch.Tensor]:
     """Qwen2-MoE with Hugging Face's eager experts: each expert's tokens gathered with ``nonzero`` of the
     router's choice, a buffer whose size depends on the routing."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
     torch.manual_seed(0)
-    cfg = Qwen2MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, experts_implementation="eager",
-    )  # fmt: skip
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-    return Qwen2MoeForCausalLM(cfg), ids
+    return _qwen2_moe(experts_implementation="eager"), ids
 
 
 def test_experts_chosen_token_by_token_are_refused_with_the_module_and_what_to_do():
@@ -73,15 +56,11 @@ def test_experts_chosen_token_by_token_are_refused_with_the_module_and_what_to_d
         plan_fit(model, (ids, ids), "1GiB", loss_fn=_loss, device="cpu", cost="flops")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measuring changes the step: under any Python dispatch mode the autograd engine adds the "
-    "gradients that several experts' selects send to one parameter out of place (+345,912 B here)",
-)
 def test_eager_experts_measured_as_the_unmeasured_step_allocates():
-    """`measure` follows any routing (it counts the measured step to the byte of a counting allocator),
-    but the measured step holds one more parameter-sized buffer than the same step unmeasured: issue 26
-    item 4's GRU finding, found here. Recorded until the tracker accounts for it."""
+    """`measure` follows any routing. Under any Python dispatch mode the autograd engine adds the
+    gradients that several experts' selects send to one parameter out of place, so the measured step
+    holds one more parameter-sized buffer than the same step unmeasured (it read +345,912 B here); the
+    tracker counts such a sum as the plain step makes it, in place (tests/test_packed.py)."""
     from lightning_memkit import measure
 
     model, ids = _eager_moe()
@@ -97,3 +76,42 @@ def test_eager_experts_measured_as_the_unmeasured_step_allocates():
     with measure(model, optimizer) as measured:
         step()
     assert measured.breakdown.peak == pytest.approx(truth, rel=1e-3)
+
+
+def _monitored_fit(tmp_path, batch_size: int):
+    """A 4-step fit of the eager experts under MemoryMonitor: the monitor and the allocator's peaks."""
+    from helpers import cpu_trainer
+    from zoo import ZooModule
+
+    from lightning_memkit import MemoryMonitor
+    from lightning_memkit.testing import AllocatorPeaks
+
+    peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
+    trainer = cpu_trainer(tmp_path, peaks.around(monitor))
+    with pytest.warns(UserWarning, match=r"sizes tensors by the values.*aten\.nonzero"):
+        trainer.fit(ZooModule("qwen2_moe_eager", batch_size=batch_size))
+    return monitor, peaks.peaks
+
+
+@pytest.mark.slow  # a Trainer fit: the full run's tier
+def test_routing_that_changes_between_steps_is_measured_every_step(tmp_path):
+    """Under MemoryMonitor the eager experts' steps of one shape route their tokens differently as the
+    weights learn and the batches change: no step takes an earlier one's figures (the monitor measures
+    each, and says why once), and every logged step is the allocator's."""
+    monitor, peaks = _monitored_fit(tmp_path, batch_size=8)
+    assert monitor.measured_steps == len(monitor.history) == len(peaks) == 4
+    for (_, measured), truth in zip(monitor.history, peaks, strict=True):
+        assert measured.peak == pytest.approx(truth, rel=1e-3)
+
+
+@pytest.mark.slow  # a Trainer fit: the full run's tier
+@pytest.mark.xfail(
+    strict=True,
+    reason="the first step (no AdamW state yet) at batch 16 reads 4.9 % low: the tracker counts the "
+    "engine's gradient sums as made in place (tests/test_packed.py), and here the plain step holds a third "
+    "parameter-sized buffer at that moment by another way, not found yet",
+)
+def test_the_first_step_at_batch_16_is_the_allocators(tmp_path):
+    monitor, peaks = _monitored_fit(tmp_path, batch_size=16)
+    (_, first), truth = monitor.history[0], peaks[0]
+    assert first.peak == pytest.approx(truth, rel=1e-3)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import steady_step_and_estimate
 from lightning.pytorch.loggers import CSVLogger
+from models import Tagger, lm_loss
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
@@ -21,23 +22,6 @@ from lightning_memkit._measuring.kernels import _Worker
 from lightning_memkit.testing import AllocatorPeaks
 
 VOCAB, SEQ = 100, 32
-
-
-class Tagger(nn.Module):
-    """An embedding, a 2-layer recurrent net at torch's defaults, and a per-token head."""
-
-    def __init__(self, rnn: type[nn.RNNBase]) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 64)
-        self.rnn = rnn(64, 128, num_layers=2, batch_first=True)
-        self.head = nn.Linear(128, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, VOCAB)
-        return self.head(self.rnn(self.embed(ids))[0])
-
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def _batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,11 +42,11 @@ def _batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 )
 def test_the_estimate_is_the_allocators_steady_step(rnn, batch_size):
     torch.manual_seed(0)
-    model = Tagger(rnn)
+    model = Tagger(rnn, VOCAB)
     optimizer = torch.optim.AdamW(model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the helper answers: no "Could not measure" warning
-        truth, estimate = steady_step_and_estimate(model, _batch(batch_size), optimizer, _loss)
+        truth, estimate = steady_step_and_estimate(model, _batch(batch_size), optimizer, lm_loss)
     assert estimate == pytest.approx(truth, rel=1e-3)
 
 
@@ -100,11 +84,11 @@ class TaggerModule(pl.LightningModule):
         super().__init__()
         self.batch_size = batch_size
         torch.manual_seed(0)
-        self.model = Tagger(rnn)
+        self.model = Tagger(rnn, VOCAB)
 
     def training_step(self, batch, batch_idx):
         ids, labels = batch
-        return _loss(self.model(ids), labels)
+        return lm_loss(self.model(ids), labels)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)

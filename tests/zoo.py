@@ -6,15 +6,23 @@ one grouped matmul) are built from their config classes with random weights (not
 keep every default a user would not change: ``use_cache=True``, dropout, the SDPA attention path. The CNN
 is a small ResNet with BatchNorm, written here (torchvision/timm would pull another torch build).
 
+`FAMILIES` are the families issue 26 found broken, kept out of `MODELS` (the quick tier sweeps those): timm's
+EfficientNet (in-place activations after BatchNorm), torch's LSTM and GRU (oneDNN's workspace), Qwen2-MoE
+with Hugging Face's eager experts (a ``nonzero`` of the routing, which the estimate refuses) and a LLaMA
+compiled in ``configure_model``. ``benchmarks/bench_zoo.py`` prints their rows; EfficientNet's needs timm,
+which the test extras do not install.
+
 ``ZooModule(name)`` is a LightningModule over one of them; ``zoo_batch(name)`` a batch of its shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import lightning.pytorch as pl
 import torch
+from models import Tagger, lm_loss
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -62,6 +70,20 @@ def _grouped_query_decoder(family: str) -> Callable[[], nn.Module]:
 
 _qwen2 = _grouped_query_decoder("Qwen2")  # module-level: `memkit --model zoo:_qwen2` names it
 _mixtral = _grouped_query_decoder("Mixtral")
+_llama = _grouped_query_decoder("Llama")
+
+
+def _qwen2_moe(**config) -> nn.Module:
+    """Qwen2-MoE: routed experts (one grouped matmul by default) beside a shared expert; ``config``: its
+    config's further fields (``experts_implementation="eager"``: each expert's tokens gathered one by one)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, **config,
+    )  # fmt: skip
+    return Qwen2MoeForCausalLM(cfg)
 
 
 def _neox() -> nn.Module:
@@ -102,6 +124,13 @@ def _whisper() -> nn.Module:
     return WhisperForConditionalGeneration(cfg)
 
 
+def _efficientnet() -> nn.Module:
+    """timm's EfficientNet-B0 at its defaults, random weights: BatchNorm followed by an in-place SiLU."""
+    import timm
+
+    return timm.create_model("efficientnet_b0", pretrained=False, num_classes=10)
+
+
 class BasicBlock(nn.Module):
     """A ResNet basic block: conv-BN-ReLU-conv-BN plus the identity (or a strided 1x1 projection)."""
 
@@ -137,7 +166,8 @@ class ResNet(nn.Module):
 
 
 #: name -> (factory, kind): "mlm" / "seq2seq" / "causal" take token batches, "image" / "cnn" image
-#: batches, "speech" log-mel features and token labels.
+#: batches, "speech" log-mel features and token labels; "sequence" token ids and a label per token (a model
+#: of logits, stepped with `lm_loss`); "compiled" is "causal" compiled in ``configure_model``.
 MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "bert": (_bert, "mlm"),
     "t5": (_t5, "seq2seq"),
@@ -149,12 +179,20 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "mixtral": (_mixtral, "causal"),
     "resnet": (ResNet, "cnn"),
 }
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "efficientnet": (_efficientnet, "cnn"),  # needs timm
+    "lstm": (partial(Tagger, nn.LSTM, VOCAB), "sequence"),
+    "gru": (partial(Tagger, nn.GRU, VOCAB), "sequence"),
+    "qwen2_moe_eager": (partial(_qwen2_moe, experts_implementation="eager"), "causal"),
+    "compiled_llama": (_llama, "compiled"),
+}
+ZOO = MODELS | FAMILIES
 
 
 def zoo_batch(name: str, batch_size: int = BATCH, seq_len: int = SEQ, seed: int = 0) -> dict:
     """One batch for model ``name``, as its collator would give it (a dict of tensors)."""
     g = torch.Generator().manual_seed(seed)
-    kind = MODELS[name][1]
+    kind = ZOO[name][1]
     if kind in ("image", "cnn"):
         pixels = torch.randn(batch_size, 3, 32, 32, generator=g)
         labels = torch.randint(0, 10, (batch_size,), generator=g)
@@ -166,6 +204,8 @@ def zoo_batch(name: str, batch_size: int = BATCH, seq_len: int = SEQ, seed: int 
             "labels": torch.randint(3, VOCAB, (batch_size, seq_len // 2), generator=g),
         }
     ids = torch.randint(1, VOCAB, (batch_size, seq_len), generator=g)
+    if kind == "sequence":
+        return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch_size, seq_len), generator=g)}
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if kind == "mlm":
         masked = torch.rand(batch_size, seq_len, generator=g) < 0.15
@@ -187,18 +227,25 @@ class _Batches(Dataset):
 
 
 class ZooModule(pl.LightningModule):
-    """A LightningModule over zoo model ``name``: its own loss (Hugging Face's ``labels=``), AdamW."""
+    """A LightningModule over zoo model ``name``: its own loss (Hugging Face's ``labels=``), AdamW; a
+    "compiled" model is compiled in ``configure_model``, as Lightning's docs show."""
 
     def __init__(self, name: str, batch_size: int = BATCH, seq_len: int = SEQ, n_batches: int = 4) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
-        self.model = MODELS[name][0]()
-        self.kind = MODELS[name][1]
+        factory, self.kind = ZOO[name]
+        self.model = factory()
+
+    def configure_model(self) -> None:
+        if self.kind == "compiled":
+            self.model = torch.compile(self.model)
 
     def forward(self, batch: dict) -> torch.Tensor:
         if self.kind == "cnn":
             return nn.functional.cross_entropy(self.model(batch["pixel_values"]), batch["labels"])
+        if self.kind == "sequence":
+            return lm_loss(self.model(batch["input_ids"]), batch["labels"])
         return self.model(**batch).loss
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
