@@ -7,7 +7,7 @@ One row per command: seconds from the command's start to its answer with and wit
 this process: the CLI's imports, about 5 s from a shell, are not in them), their ratio, and whether the two
 chose the same plan with the same figures. Then the 7B command as a user times it, from a shell (``memkit``
 in a fresh process, its imports included; the issue's bar is 15 s on 2 cores): the median and range of
-``--shell`` runs (default 3).
+``--shell`` runs (default 3), and a fixed piece of pure Python's time, to compare runs on shared cores.
 """
 
 from __future__ import annotations
@@ -71,6 +71,16 @@ def main() -> None:
             f"\nmemkit plan {seven_b} from a shell (imports included), {args.shell} runs: "
             f"median {statistics.median(seconds):.1f} s (from {seconds[0]:.1f} to {seconds[-1]:.1f} s)"
         )
+    # Shared cores run at different speeds from one hour to the next: a fixed piece of pure Python tells
+    # how fast this machine was during the run, to compare two runs by.
+    print(f"this machine's speed: 10^7 Python additions in {_reference_loop():.2f} s")
+
+
+def _reference_loop() -> float:
+    start, total = time.perf_counter(), 0
+    for i in range(10**7):
+        total += i
+    return time.perf_counter() - start
 
 
 def _from_shell(arguments: str) -> float:
