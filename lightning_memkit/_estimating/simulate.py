@@ -722,13 +722,9 @@ def estimate_step(
     simulate = functools.partial(
         simulate_step, model, batch, step, optimizer=optimizer, loss_fn=loss_fn, device=device
     )
-    # A deep stack of identical blocks: its step from three shallow ones, exactly, or not at all
-    # (`_estimating.repeated`). Not for an optimizer built over the whole model's parameters, nor a per-block
-    # plan.
-    if not return_timeline and _may_shortcut(optimizer, step.checkpointing):
-        shortcut = repeated.shortcut(model, functools.partial(simulate, history=True))
-        if shortcut is not None:
-            return shortcut.breakdown
+    shortcut = None if return_timeline else _shortcut(model, step, optimizer, simulate)
+    if shortcut is not None:
+        return shortcut.breakdown
     tracker = simulate(timeline=return_timeline)
     breakdown = tracker.breakdown()
     if return_timeline:
@@ -737,24 +733,27 @@ def estimate_step(
     return breakdown
 
 
-def _may_shortcut(optimizer: Any, checkpointing: Any) -> bool:
-    """Whether `_estimating.repeated`'s shallow steps can stand for the step: not for an optimizer built over
-    the whole
-    model's parameters, nor for a per-block checkpointing plan (the blocks would not run alike)."""
-    return not isinstance(optimizer, torch.optim.Optimizer) and (
-        checkpointing is None or isinstance(checkpointing, str)
-    )
+def _shortcut(
+    model: nn.Module, step: Step, optimizer: Any, simulate: Callable[..., _SimTracker], *, count: bool = False
+) -> repeated.Shortcut | None:
+    """A deep stack of identical blocks: its step from three shallow ones (``simulate``'s), exactly, or
+    ``None`` (`_estimating.repeated`). Not for an optimizer built over the whole model's parameters, nor
+    for a per-block checkpointing plan (the blocks would not run alike)."""
+    if isinstance(optimizer, torch.optim.Optimizer) or not (
+        step.checkpointing is None or isinstance(step.checkpointing, str)
+    ):
+        return None
+    return repeated.shortcut(model, functools.partial(simulate, history=True), count=count)
 
 
 def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tuple[MemoryBreakdown, int, int]:
     """`estimate_step`'s breakdown (same arguments but ``return_timeline``), with the step's FLOPs and
     its forward and backward ops: for deep stacks of identical blocks from three shallow steps too."""
     simulate = functools.partial(simulate_step, model, batch, step, **kwargs, timeline=True)
-    if _may_shortcut(kwargs.get("optimizer"), step.checkpointing):
-        shortcut = repeated.shortcut(model, functools.partial(simulate, history=True), count=True)
-        if shortcut is not None:
-            assert shortcut.flops is not None and shortcut.ops is not None
-            return shortcut.breakdown, shortcut.flops, shortcut.ops
+    shortcut = _shortcut(model, step, kwargs.get("optimizer"), simulate, count=True)
+    if shortcut is not None:
+        assert shortcut.flops is not None and shortcut.ops is not None
+        return shortcut.breakdown, shortcut.flops, shortcut.ops
     with FlopCounterMode(display=False) as counter:
         tracker = simulate()
     assert tracker.timeline is not None

@@ -107,12 +107,17 @@ def _collective(func: Any) -> bool:
 _VALUE_SHAPED = frozenset({torch.ops.aten._pack_padded_sequence.default})
 
 
+@functools.cache
+def _may_size_by_values(func: Any) -> bool:
+    """Whether ``func`` can size its outputs by its inputs' values (once per op: every op of a measured step
+    asks)."""
+    return func in _VALUE_SHAPED or torch.Tag.dynamic_output_shape in getattr(func, "tags", ())
+
+
 def _value_shaped(func: Any, args: tuple) -> bool:
     """Whether ``func``'s outputs are sized by its inputs' values (``nonzero``, a boolean mask's
     selection, a packing by lengths): then a step of the same shapes may allocate otherwise."""
-    if func in _VALUE_SHAPED:
-        return True
-    if torch.Tag.dynamic_output_shape not in getattr(func, "tags", ()):
+    if not _may_size_by_values(func):
         return False
     if func is torch.ops.aten.index.Tensor:  # integer indices give a shape of their own: only masks count
         indices = args[1] if len(args) > 1 else ()
