@@ -67,6 +67,9 @@ class Step:
         first_step: the first step, before the optimizer has state (else the steady state).
         lever: what changes the optimizer step (`Lever`), or ``None``.
         sharding: one rank's FSDP2 layout (`Sharding`), or ``None`` for one device.
+        compile_budget: for a model with compiled modules, torch.compile's
+            ``activation_memory_budget`` (the share of the activations its partitioner keeps, 0 to 1);
+            ``None``: as configured (``torch._functorch.config``, 1.0 by default).
     """
 
     precision: str = "32-true"
@@ -75,9 +78,15 @@ class Step:
     first_step: bool = False
     lever: Lever | None = None
     sharding: Sharding | None = None
+    compile_budget: float | None = None
 
     def __post_init__(self) -> None:
         valid_name("precision", self.precision, PRECISIONS)
+        if self.compile_budget is not None and not 0 <= self.compile_budget <= 1:
+            raise ValueError(
+                f"compile_budget is torch.compile's activation_memory_budget, a share of the activations "
+                f"from 0 to 1; got {self.compile_budget!r}"
+            )
         if isinstance(self.checkpointing, str):
             valid_name("checkpointing", self.checkpointing, CHECKPOINT_MODES)
         if self.lever is not None:
@@ -108,6 +117,7 @@ class Step:
         world_size: int = 1,
         reshard_after_forward: bool = True,
         mp_policy: Any = None,
+        compile_budget: float | None = None,
     ) -> Step:
         """The step `estimate_memory`'s keywords describe (the levers as three flags, FSDP2's as four)."""
         if fused_step and offload:
@@ -137,7 +147,7 @@ class Step:
         else:
             valid_name("strategy", strategy, (Sharding.strategy,))
             sharding = Sharding(world_size, reshard_after_forward, mp_policy)
-        return cls(precision, checkpointing, accumulating, first_step, lever, sharding)
+        return cls(precision, checkpointing, accumulating, first_step, lever, sharding, compile_budget)
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple[Step, dict[str, Any]]:
@@ -171,6 +181,8 @@ class Step:
                 out["reshard_after_forward"] = False
             if self.sharding.mp_policy is not None:
                 out["mp_policy"] = self.sharding.mp_policy
+        if self.compile_budget is not None:
+            out["compile_budget"] = self.compile_budget
         return out
 
     def but(self, **changes: Any) -> Step:

@@ -72,6 +72,7 @@ from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import CheckpointPlan, apply_checkpointing
 from lightning_memkit._estimating import repeated
 from lightning_memkit._estimating import shadow as _shadow
+from lightning_memkit._estimating.compiled import compiled_as_inductor, compiled_modules
 from lightning_memkit._estimating.isolate import isolated
 from lightning_memkit._estimating.lightning_step import (
     TrainingStep,
@@ -545,6 +546,7 @@ def estimate_memory(
     world_size: int = ...,
     reshard_after_forward: bool = ...,
     mp_policy: Any = ...,
+    compile_budget: float | None = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
 
@@ -568,6 +570,7 @@ def estimate_memory(
     world_size: int = ...,
     reshard_after_forward: bool = ...,
     mp_policy: Any = ...,
+    compile_budget: float | None = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
@@ -590,6 +593,7 @@ def estimate_memory(
     world_size: int = 1,
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
+    compile_budget: float | None = None,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
@@ -670,6 +674,12 @@ def estimate_memory(
         mp_policy: with ``strategy``, ``fully_shard``'s own: a ``MixedPrecisionPolicy``, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (all-gathered
             and computed in bf16, gradients reduce-scattered in fp32). ``None``: none.
+        compile_budget: for a model with compiled modules (``torch.compile(module)`` or
+            ``module.compile()``, inductor's backend): torch.compile's ``activation_memory_budget`` to
+            simulate, the share of the activations its partitioner may keep (0 to 1); ``None``: as
+            configured (``torch._functorch.config``). Each such module's step is simulated as inductor runs
+            it (`_estimating.compiled`): what its partitioner saves between forward and backward, its fused
+            kernels' buffers.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:
@@ -696,6 +706,7 @@ def estimate_memory(
         world_size=world_size,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
+        compile_budget=compile_budget,
     )
     return estimate_step(
         model,
@@ -742,6 +753,8 @@ def _shortcut(
     if isinstance(optimizer, torch.optim.Optimizer) or not (
         step.checkpointing is None or isinstance(step.checkpointing, str)
     ):
+        return None
+    if compiled_modules(model):  # a compiled module's graph is traced whole: no shallow copies of it
         return None
     return repeated.shortcut(model, functools.partial(simulate, history=True), count=count)
 
@@ -808,6 +821,7 @@ def simulate_step(
             stack.enter_context(lightning_stand_ins(model, _SIM_DEVICE))
         if step.checkpointing is not None and step.checkpointing != "none":
             stack.enter_context(apply_checkpointing(model, step.checkpointing))  # undone on exit
+        stack.enter_context(compiled_as_inductor(model, step.compile_budget))
         shadows = _shadow.Shadows()
         fake_batch = _fake_batch(batch, mode, param_dtype, shadows)
         stack.enter_context(_shadow.not_tracing(mode))  # transformers: our fakes are not a trace

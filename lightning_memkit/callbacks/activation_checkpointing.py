@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
@@ -28,6 +29,7 @@ from lightning_memkit._checkpointing.policies import (
     CheckpointPlan,
     apply_checkpointing,
 )
+from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.isolate import isolated
 from lightning_memkit._vocabulary import (
     AUTO,
@@ -92,6 +94,13 @@ class ActivationCheckpointing(Callback):
     with ``activation_checkpointing_policy={BlockClass}``), selective checkpointing is applied in place
     (FSDPStrategy's own form has no selective variant), and a budget is refused, because the simulated
     step is not sharded yet.
+
+    Compiled models (``torch.compile`` on the module or a submodule, in ``__init__`` or in
+    ``configure_model``, inductor's backend): with a budget, the plan is torch.compile's own
+    ``activation_memory_budget`` (`plan_checkpointing`), set for the fit (``torch._functorch.config``, a
+    process-wide setting, read when the training graph compiles at the first step; given back at teardown),
+    and no block is wrapped. A model compiled in ``configure_model``, which runs after ``setup``, is planned
+    again once compiled, at ``on_fit_start``.
 
     Args:
         budget: the whole step's peak memory to fit (parameters, gradients, optimizer state, activations
@@ -188,6 +197,8 @@ class ActivationCheckpointing(Callback):
         self._module: pl.LightningModule | None = None
         self._loaded = False  # a plan from load_state_dict outside fit, for the next setup
         self._deferring = False  # an AutoFit in the fit plans the checkpointing (`_defer`)
+        self._compiled = False  # whether the model was planned compiled
+        self._unfit: ValueError | None = None  # setup's plan failed; the compiled model may still fit
 
     @property
     def state_key(self) -> str:
@@ -216,6 +227,32 @@ class ActivationCheckpointing(Callback):
         self._module = pl_module
         if _is_fsdp(trainer.strategy) and self._hand_to_fsdp(trainer.strategy, pl_module):
             return
+        self._compiled = bool(compiled_modules(pl_module))
+        try:
+            plan = self._make_plan(trainer, pl_module)
+        except ValueError as err:  # the eager step does not fit: a compiled one may, planned at on_fit_start
+            if self.budget is None or self._compiled or not is_overridden("configure_model", pl_module):
+                raise
+            self._unfit = err
+            return
+        self._use(pl_module, plan)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A model compiled in ``configure_model`` (after ``setup``) is planned again, as compiled.
+        unfit, self._unfit = self._unfit, None
+        if self.budget is None or self._deferring or self._module is None or self._compiled:
+            return
+        if not compiled_modules(pl_module):
+            if unfit is not None:
+                raise unfit
+            return
+        self._compiled = True
+        rank_zero_info(
+            "Activation checkpointing: the model was compiled in configure_model; planning its compiled step."
+        )
+        if self._handle is not None:  # setup's plan was for the eager step
+            self._handle.remove()
+            self._handle, self.plan = None, None
         self._use(pl_module, self._make_plan(trainer, pl_module))
 
     def modes_for(self, modes: Sequence[str], planner: str = "AutoFit") -> tuple[str, ...]:
@@ -255,6 +292,8 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._module = None  # the model stays checkpointed; a later load_state_dict waits for setup
+            if self._handle is not None:  # torch.compile's budget is the process's: only for this fit
+                self._handle.release_compile_budget()
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": None if self.plan is None else self.plan.as_dict()}
