@@ -54,9 +54,10 @@ def _fit(module: pl.LightningModule, callbacks: list, max_steps: int) -> pl.Trai
 
 
 def monitor_and_estimate(name: str) -> tuple[str, str]:
-    """The monitor's error and the estimate's, as cells. The estimate is asked before the fit, as a user asks:
-    a "compiled" model's is of its eager step."""
+    """The monitor's error and the estimate's, as cells. The estimate is asked before the fit, as a user asks,
+    of the model as it trains: a "compiled" one compiled (``configure_model`` first)."""
     module = ZooModule(name)
+    module.configure_model()
     estimate = _cell(lambda: estimate_memory(module, zoo_batch(name), device="cpu").peak)
     peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
     _fit(module, peaks.around(monitor), max_steps=3)
@@ -90,6 +91,7 @@ def checkpointing_saving(name: str) -> float:
 
 def plan(name: str) -> str:
     module = ZooModule(name, batch_size=8, n_batches=16)
+    module.configure_model()  # a "compiled" model compiled, as it trains
     naive = estimate_memory(module, zoo_batch(name, 8), device="cpu")
     static = naive.parameters + naive.gradients + naive.optimizer_state
     budget = int(static + 0.45 * (naive.peak - static))

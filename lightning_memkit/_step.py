@@ -69,7 +69,8 @@ class Step:
         sharding: one rank's FSDP2 layout (`Sharding`), or ``None`` for one device.
         compile_budget: for a model with compiled modules, torch.compile's
             ``activation_memory_budget`` (the share of the activations its partitioner keeps, 0 to 1);
-            ``None``: as configured (``torch._functorch.config``, 1.0 by default).
+            ``None``: as configured (``torch._functorch.config``, 1.0 by default). Below the configured
+            budget the simulated peak is a lower bound (`estimate_memory`).
     """
 
     precision: str = "32-true"

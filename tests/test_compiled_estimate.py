@@ -15,7 +15,8 @@ from test_compiled import CompiledCNN
 from torch import nn
 from zoo import ZooModule, zoo_batch
 
-from lightning_memkit import ActivationCheckpointing, estimate_memory, plan_checkpointing
+from lightning_memkit import ActivationCheckpointing, AutoFit, estimate_memory, plan_checkpointing
+from lightning_memkit._checkpointing.policies import applied_modes
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
@@ -122,45 +123,52 @@ def test_the_compile_budget_lowers_the_estimate_and_is_given_back():
         estimate_memory(module, batch, device="cpu", compile_budget=1.5)
 
 
-def test_a_compiled_model_is_planned_with_compiles_budget():
+def test_a_compiled_model_is_planned_only_where_its_step_fits():
+    """Below torch.compile's configured activation budget the compiled step is not simulated to the byte
+    (`_checkpointing.compiled`): a budget the step fits changes nothing, a lower one is refused with why."""
     module, batch = _compiled_zoo("llama", batch_size=8)
     full = estimate_memory(module, batch, device="cpu")
-    roomy = plan_checkpointing(module, batch, full.peak + 1, device="cpu")
-    assert roomy.compile_budget is None and not roomy.blocks and "nothing to change" in str(roomy)
-    limit = int(full.peak * 0.9)
-    plan = plan_checkpointing(module, batch, limit, device="cpu")
-    assert plan.compile_budget is not None and 0 <= plan.compile_budget < 1
-    assert plan.peak <= limit and plan.peak_full <= plan.peak < plan.peak_none == full.peak
-    assert "activation_memory_budget" in str(plan)
-    with pytest.raises(ValueError, match="activation_memory_budget from 0"):
-        plan_checkpointing(module, batch, int(plan.peak_full * 0.9), device="cpu")
+    roomy = plan_checkpointing(module, batch, full.peak, device="cpu")
+    assert not roomy.blocks and roomy.peak == full.peak and "nothing to change" in str(roomy)
+    with pytest.raises(ValueError, match="cannot be simulated") as refused:
+        plan_checkpointing(module, batch, full.peak - 1, device="cpu")
+    assert f"{full.peak:,} bytes" in str(refused.value) and "AutoFit" in str(refused.value)
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_fits_a_model_compiled_in_configure_model(tmp_path):
-    """The plan made at ``on_fit_start``, once ``configure_model`` has compiled the model: the real steps
-    peak under the budget, torch.compile's budget is set for the fit and given back at teardown."""
-    from torch._functorch import config
-
+def test_a_model_compiled_in_configure_model_is_planned_compiled(tmp_path):
+    """At ``setup`` the model is eager and its step needs checkpointing for the budget; compiled (in
+    ``configure_model``) it fits as it is: the plan made at ``on_fit_start`` undoes setup's, and the real
+    steps peak under the budget. A budget the compiled step does not fit is refused there."""
     probe, batch = _compiled_zoo("llama", batch_size=8)
-    unbudgeted = estimate_memory(probe, batch, device="cpu").peak
-    budget = int(unbudgeted * 0.9)
-    before = config.activation_memory_budget
-    seen: list[float] = []
-
-    class Seen(AllocatorPeaks):
-        def _open(self, *args: object) -> None:
-            seen.append(config.activation_memory_budget)
-            super()._open(*args)
-
-    callback = ActivationCheckpointing(budget=budget)
-    peaks = Seen()
+    compiled = estimate_memory(probe, batch, device="cpu").peak
+    eager = estimate_memory(ZooModule("compiled_llama", batch_size=8), batch, device="cpu").peak
+    assert compiled < eager
+    budget = (compiled + eager) // 2
+    callback, peaks = ActivationCheckpointing(budget=budget), AllocatorPeaks()
     module = ZooModule("compiled_llama", batch_size=8)
     cpu_trainer(tmp_path, max_steps=3, callbacks=peaks.around(callback)).fit(module)
-    assert callback.plan is not None and callback.plan.compile_budget is not None
-    assert seen and all(b == callback.plan.compile_budget for b in seen)
-    assert config.activation_memory_budget == before
+    assert callback.plan is not None and not callback.plan.blocks and not applied_modes(module)
     assert max(peaks.peaks[1:]) <= budget, (peaks.peaks, budget)
+
+    tight = ActivationCheckpointing(budget=int(compiled * 0.9))
+    with pytest.raises(ValueError, match="below the compiled model's step"):
+        cpu_trainer(tmp_path, max_steps=1, callbacks=[tight]).fit(ZooModule("compiled_llama", batch_size=8))
+
+
+@pytest.mark.slow
+def test_autofit_plans_a_model_compiled_in_configure_model_as_compiled(tmp_path):
+    """AutoFit's micro-batch and optimizer from the compiled step (re-planned at ``on_fit_start``), no
+    checkpointing (the note says why), and the real steps under its limit."""
+    probe, batch = _compiled_zoo("llama", batch_size=8)
+    compiled = estimate_memory(probe, batch, device="cpu").peak
+    fit = AutoFit(budget=int(compiled / 0.9 * 0.8), optimizers=("adamw",), cost="flops", verify_steps=0)
+    peaks = AllocatorPeaks()
+    module = ZooModule("compiled_llama", batch_size=8)
+    cpu_trainer(tmp_path, max_steps=4, callbacks=peaks.around(fit)).fit(module)
+    assert fit.plan is not None and fit.plan.checkpointing == "none" and "is compiled" in fit.plan.note
+    assert fit.plan.micro_batch_size < 8
+    assert max(peaks.peaks[1:]) <= fit.plan.limit, (peaks.peaks, fit.plan.limit)
 
 
 @pytest.mark.slow
@@ -178,7 +186,7 @@ def test_a_budget_the_compiled_model_meets_changes_nothing(tmp_path, one_thread)
     before = config.activation_memory_budget
     callback = ActivationCheckpointing(budget="1GiB")
     with_losses, with_params = fit([callback])
-    assert callback.plan is not None and callback.plan.compile_budget is None
+    assert callback.plan is not None and not callback.plan.blocks
     assert config.activation_memory_budget == before
     losses, params = fit([])
     assert all(torch.equal(a, b) for a, b in zip(with_losses, losses, strict=True)) and len(losses) == 3

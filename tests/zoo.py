@@ -238,7 +238,7 @@ class ZooModule(pl.LightningModule):
         self.model = factory()
 
     def configure_model(self) -> None:
-        if self.kind == "compiled":
+        if self.kind == "compiled" and not hasattr(self.model, "_orig_mod"):  # once, as Lightning asks
             self.model = torch.compile(self.model)
 
     def forward(self, batch: dict) -> torch.Tensor:

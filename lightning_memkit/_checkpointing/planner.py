@@ -45,7 +45,7 @@ from torch import nn
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._checkpointing.blocks import LayerClasses, find_blocks, no_blocks_message
-from lightning_memkit._checkpointing.compiled import plan_compile_budget
+from lightning_memkit._checkpointing.compiled import plan_compiled
 from lightning_memkit._checkpointing.costs import BlockCosts, BlockProfiler, OpTimer, block_options
 from lightning_memkit._checkpointing.policies import (
     CHECKPOINT_MODES,
@@ -189,24 +189,23 @@ def plan_checkpointing(
             ``accumulating``; ``strategy="fsdp2"`` and ``world_size``: the plan fits one rank's FSDP2 step
             (the blocks' costs are profiled on one device, every plan's step simulated sharded).
 
-    A model with compiled modules (``torch.compile(module)``, ``module.compile()``) is planned with
-    torch.compile's own ``activation_memory_budget`` instead of eager checkpoint wrappers: the largest share
-    of the activations its partitioner may keep whose simulated compiled step fits
-    (`_checkpointing.compiled`);
-    ``checkpointing``, ``blocks`` and ``cost`` do not apply there.
+    A model with compiled modules (``torch.compile(module)``, ``module.compile()``) is simulated compiled
+    (`_estimating.compiled`): where its step fits the plan checkpoints nothing; otherwise the budget is
+    refused with the reason (`_checkpointing.compiled`: below torch.compile's configured activation budget
+    the compiled step cannot be simulated to the byte).
 
     Returns:
         A `CheckpointPlan`; ``print(plan)`` shows it as a table. Apply it with `apply_checkpointing`.
 
     Raises:
         ValueError: no candidate blocks; or a budget below the peak of full checkpointing (the message
-            gives that floor and what else would lower it).
+            gives that floor and what else would lower it), or a compiled model's step.
     """
     limit = None if budget is None else parse_budget(budget)  # a bad budget fails before any simulation
     if limit is not None and compiled_modules(model):
         step, run = Step.split(estimate_kwargs)
         target = torch.device(device).type if device is not None else model_device(model).type
-        return plan_compile_budget(model, batch, limit.usable, step, **run, device=target)
+        return plan_compiled(model, batch, limit.usable, step, **run, device=target)
     planner = CheckpointPlanner(
         model, batch, checkpointing=checkpointing, blocks=blocks, cost=cost, device=device, **estimate_kwargs
     )

@@ -290,16 +290,6 @@ class CheckpointHandle:
         self._undo: list[tuple[nn.Module, Any]] = []
         #: Hugging Face configs whose ``use_cache`` this handle turned off, with the value it had.
         self._configs: list[tuple[Any, Any]] = []
-        #: torch.compile's ``activation_memory_budget`` before this handle set it, if it did.
-        self._compile_budget: float | None = None
-
-    def _set_compile_budget(self, budget: float) -> None:
-        """Give torch.compile's partitioner ``budget`` (a global setting, read when a graph compiles)."""
-        from torch._functorch import config
-
-        if self._compile_budget is None:
-            self._compile_budget = config.activation_memory_budget
-        config.activation_memory_budget = budget
 
     def _set(self, module: nn.Module, checkpointer: Any) -> bool:
         """Give ``module`` ``checkpointer``'s mode; returns whether it is now checkpointed by this handle."""
@@ -336,16 +326,8 @@ class CheckpointHandle:
         if configs and announce:
             _announce_cache_off(configs)
 
-    def release_compile_budget(self) -> None:
-        """Give torch.compile's ``activation_memory_budget`` back as it was before this handle set it."""
-        if self._compile_budget is not None:
-            from torch._functorch import config
-
-            config.activation_memory_budget, self._compile_budget = self._compile_budget, None
-
     def remove(self) -> None:
-        """Put every patched ``forward``, every ``use_cache`` and torch.compile's budget back as they were."""
-        self.release_compile_budget()
+        """Put every patched ``forward`` and every ``use_cache`` back as it was, in reverse order."""
         for config, previous in reversed(self._configs):
             config.use_cache = previous
             _CACHE_TURNED_OFF.pop(id(config), None)
@@ -473,8 +455,6 @@ def apply_plan(
     """`apply_checkpointing`; ``announce=False`` for the planner's temporary plans (nothing logged)."""
     assignment = _assignment(model, plan, blocks)
     handle = CheckpointHandle()
-    if isinstance(plan, CheckpointPlan) and plan.compile_budget is not None:
-        handle._set_compile_budget(plan.compile_budget)
     checkpointed = False
     for module, mode in assignment:
         checkpointed |= handle._set(module, mode)
@@ -556,11 +536,8 @@ class CheckpointPlan:
             embeddings, head, loss and optimizer, is not counted, so the share of the whole step is lower).
         cost: what ``overhead`` and the choice were measured in: ``"measured"`` (time) or ``"flops"``.
         breakdown: the simulated `MemoryBreakdown` of the step with the plan (not saved by `as_dict`).
-        compile_budget: for a compiled model, the ``activation_memory_budget`` the plan gives
-            torch.compile's partitioner (``torch._functorch.config``), the share of the activations it keeps
-            (`_checkpointing.compiled`); ``None``: left as configured. Such a plan checkpoints no block
-            eagerly; ``peak_full`` is then the lowest peak of the budgets tried, and ``overhead`` the
-            recomputed FLOPs as a share of the step's.
+
+    A compiled model's plan (`_checkpointing.compiled`) has no blocks: its step fits as compiled.
     """
 
     blocks: tuple[BlockPlan, ...]
@@ -571,7 +548,6 @@ class CheckpointPlan:
     overhead: float | None = None
     cost: str | None = None
     breakdown: MemoryBreakdown | None = field(default=None, compare=False, repr=False)
-    compile_budget: float | None = None
 
     @property
     def modes(self) -> dict[str, str]:
@@ -616,7 +592,7 @@ class CheckpointPlan:
             BlockPlan(**{"mode" if key == "policy" else key: value for key, value in b.items()})
             for b in data.get("blocks", ())
         )
-        keys = ("budget", "peak", "peak_none", "peak_full", "overhead", "cost", "compile_budget")
+        keys = ("budget", "peak", "peak_none", "peak_full", "overhead", "cost")
         return cls(blocks=blocks, **{k: data.get(k) for k in keys})
 
     def __str__(self) -> str:
@@ -652,26 +628,12 @@ class CheckpointPlan:
         return "\n".join(lines)
 
     def _compiled_str(self) -> str:
-        """A compiled model's plan (`_checkpointing.compiled`): compile's budget, no blocks."""
-        assert self.peak is not None and self.peak_none is not None
+        """A compiled model's plan (`_checkpointing.compiled`): no block checkpointed."""
+        assert self.peak is not None
         budget = f", budget {format_bytes(self.budget)}" if self.budget is not None else ""
-        if self.compile_budget is None:
-            return (
-                f"Activation checkpointing plan (compiled model{budget}): nothing to change; the compiled "
-                f"step peaks at {format_bytes(self.peak)} with torch.compile's activation_memory_budget as "
-                "configured"
-            )
-        floor = f", lowest: {format_bytes(self.peak_full)}" if self.peak_full is not None else ""
-        overhead = f"{100 * self.overhead:.1f} %" if self.overhead is not None else "-"
-        return "\n".join(
-            [
-                f"Activation checkpointing plan (compiled model{budget}): torch.compile's "
-                f"activation_memory_budget={self.compile_budget:.4g}",
-                f"  its partitioner keeps that share of the activations and recomputes the rest in backward "
-                f"(+{overhead} of the step's FLOPs)",
-                f"  step peak {format_bytes(self.peak)} "
-                f"(as configured: {format_bytes(self.peak_none)}{floor})",
-            ]
+        return (
+            f"Activation checkpointing plan (compiled model{budget}): nothing to change; the compiled step "
+            f"peaks at {format_bytes(self.peak)} with torch.compile's activation_memory_budget as configured"
         )
 
 

@@ -26,6 +26,7 @@ from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._estimating import repeated as _repeated
 from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
+from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.lightning_step import (
     batch_size,
     batch_slice,
@@ -863,8 +864,14 @@ def _checkpointable(model: nn.Module, modes: tuple[str, ...]) -> tuple[tuple[str
 
     Checkpointing applies to the repeated blocks `find_blocks` finds; a model with
     none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
-    allowed.
+    allowed. Nor is a compiled model's (`_checkpointing.compiled`).
     """
+    if modes != ("none",) and compiled_modules(model):
+        return ("none",), (
+            f"checkpointing not planned: {type(model).__name__} is compiled, and inside a compiled graph "
+            "what is kept for backward is torch.compile's partitioner's choice (its "
+            "activation_memory_budget), which the simulation follows exactly only as configured"
+        )
     if modes == ("none",) or find_blocks(model):
         return modes, ""
     dropped = ", ".join(mode for mode in modes if mode != "none")

@@ -96,11 +96,11 @@ class ActivationCheckpointing(Callback):
     step is not sharded yet.
 
     Compiled models (``torch.compile`` on the module or a submodule, in ``__init__`` or in
-    ``configure_model``, inductor's backend): with a budget, the plan is torch.compile's own
-    ``activation_memory_budget`` (`plan_checkpointing`), set for the fit (``torch._functorch.config``, a
-    process-wide setting, read when the training graph compiles at the first step; given back at teardown),
-    and no block is wrapped. A model compiled in ``configure_model``, which runs after ``setup``, is planned
-    again once compiled, at ``on_fit_start``.
+    ``configure_model``, inductor's backend): with a budget, the compiled step is simulated as inductor runs
+    it; where it fits, no block is wrapped (the plan changes nothing), and otherwise the budget is refused
+    with the reason (`plan_checkpointing`: below torch.compile's configured activation budget its step
+    cannot be simulated to the byte). A model compiled in ``configure_model``, which runs after ``setup``,
+    is planned again once compiled, at ``on_fit_start`` (the eager step's plan made at ``setup`` is undone).
 
     Args:
         budget: the whole step's peak memory to fit (parameters, gradients, optimizer state, activations
@@ -292,8 +292,6 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._module = None  # the model stays checkpointed; a later load_state_dict waits for setup
-            if self._handle is not None:  # torch.compile's budget is the process's: only for this fit
-                self._handle.release_compile_budget()
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": None if self.plan is None else self.plan.as_dict()}

@@ -41,6 +41,7 @@ from lightning_memkit._budget import (
     whole_number,
 )
 from lightning_memkit._diagnosis.oom import StepInFlight
+from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.isolate import isolated, rng_kept
 from lightning_memkit._estimating.lightning_step import repeat_rows
 from lightning_memkit._fitting.plan import FitPlan, StepCost
@@ -133,6 +134,8 @@ class AutoFit(Callback):
         self._guard: StepGuard | None = None
         self._target: tuple[pl.Trainer, pl.LightningModule] | None = None
         self._first_step = 0  # the global step this process started training at
+        self._compiled = False  # whether the model was planned compiled
+        self._resumed = False  # whether this fit runs a checkpoint's plan (`resume_with`)
         # What the fit changed, to put back at its end: [(holder, value)] of the batch size attribute
         # (module, hparams, datamodule, its hparams), and the Trainer's accumulate_grad_batches.
         self._batch_sizes: list[tuple[Any, Any]] = []
@@ -168,21 +171,35 @@ class AutoFit(Callback):
                 "and set the batch size and checkpointing it reports yourself."
             )
         modes = self._modes(trainer)  # refused before any planning work if they cannot be honoured
+        self._resumed = False
         # Each fit plans afresh from the user's settings (a resume then installs its saved plan instead).
         holders = _lightning_get_all_attr_holders(pl_module, self.batch_arg_name)
         self._batch_sizes = [(holder, _get(holder, self.batch_arg_name)) for holder in holders]
         self._accumulate = (trainer, trainer.accumulate_grad_batches)
         self._counts = {name: getattr(trainer, name) for name in _BATCH_COUNTS}
 
+        self._target = (trainer, pl_module)
+        self._compiled = bool(compiled_modules(pl_module))
+        self._decide(trainer, pl_module, modes)
+
+    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> None:
         def decide() -> dict[str, Any]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
                 return self._plan(trainer, pl_module, modes).as_dict()
 
         plan = on_rank_zero(trainer, decide, "AutoFit's planning")
         self.plan = FitPlan.from_dict(plan)
-        self._target = (trainer, pl_module)
         self._install(self.plan)
         rank_zero_info(f"AutoFit: {self.plan}")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A model compiled in ``configure_model`` (after ``setup``) is planned again, as compiled: its
+        # checkpointing is then torch.compile's activation_memory_budget, and its step is not the eager one.
+        if self.plan is None or self._compiled or self._resumed or not compiled_modules(pl_module):
+            return
+        self._compiled = True
+        rank_zero_info("AutoFit: the model was compiled in configure_model; planning its compiled step.")
+        self._decide(trainer, pl_module, self._modes(trainer))
 
     def _modes(self, trainer: pl.Trainer) -> tuple[str, ...]:
         """The checkpointing modes to plan: this callback's, within the modes of an
@@ -529,7 +546,7 @@ class AutoFit(Callback):
     def resume_with(self, saved: FitPlan) -> None:
         """Install ``saved``, a checkpoint's plan, over the one this fit made (`AutoFitStrategy` calls it
         as it loads the checkpoint, before the optimizer state, and rebuilds the optimizers)."""
-        self.plan = saved
+        self.plan, self._resumed = saved, True
         if self._target is not None:
             self._install(saved)
             rank_zero_info(f"AutoFit: resumed with the saved plan: {saved.summary()}")
