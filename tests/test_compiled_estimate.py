@@ -99,6 +99,80 @@ def test_a_compiled_module_that_cannot_be_traced_whole_is_simulated_eagerly_with
     assert compiled == eager
 
 
+class Cache:
+    """An object a block appends to, as Hugging Face's key-value cache is."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class Appending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        cache.keys.append(self.linear(x))
+        return torch.cat(cache.keys).sum(0, keepdim=True) + cache.keys[-1]
+
+
+class Blocks(nn.Module):
+    """Two blocks compiled on their own, handed a cache each step (a Hugging Face decoder's layers
+    compiled one by one, with ``use_cache`` on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Appending(), Appending()])
+        for block in self.blocks:
+            block.compile()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = Cache()
+        for block in self.blocks:
+            x = block(x, cache)
+        return x
+
+
+def test_a_block_given_an_object_it_changes_is_simulated_eagerly_not_traced():
+    """Tracing would run the block on tracing tensors and leave them in the caller's cache (twice: AOTAutograd
+    traces twice); dynamo replays such a change after its graph, the simulation cannot."""
+    batch = (torch.randn(4, 16), torch.randn(4, 16))
+    with pytest.warns(UserWarning, match="given a Cache, which its forward may change"):
+        compiled = estimate_memory(
+            Blocks(), batch, optimizer="sgd", loss_fn=nn.functional.mse_loss, device="cpu"
+        )
+    model = Blocks()
+    for block in model.blocks:
+        block._compiled_call_impl = None
+    eager = estimate_memory(model, batch, optimizer="sgd", loss_fn=nn.functional.mse_loss, device="cpu")
+    assert compiled == eager
+
+
+def test_a_graph_that_cannot_run_as_inductor_lays_it_out_is_simulated_eagerly():
+    """Convolutions run channels-last; a max-pool's backward views its channels-last gradient as contiguous
+    inside its own decomposition: found when the trace runs both graphs once, before the step."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(16, 8, 3), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(8, 10),
+    )  # fmt: skip
+    batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    with pytest.warns(UserWarning, match="simulates Sequential's compiled step eagerly"):
+        compiled = estimate_memory(
+            torch.compile(model), batch, optimizer="sgd", loss_fn=nn.functional.cross_entropy, device="cpu"
+        )
+    eager = estimate_memory(model, batch, optimizer="sgd", loss_fn=nn.functional.cross_entropy, device="cpu")
+    assert compiled == eager
+
+
+def test_a_sequential_compiled_in_place_runs_eagerly_and_is_simulated_so():
+    """``nn.Sequential.compile()`` compiles ``_call_impl``, whose frame dynamo skips, and Sequential's own
+    forward is torch.nn's, skipped too: nothing is compiled, and the estimate is the eager step's."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    model.compile()
+    assert compiled_modules(model) == []
+    assert compiled_modules(torch.compile(model))  # torch.compile(module) forces a frame: compiled
+
+
 def test_estimating_a_compiled_model_compiles_nothing():
     """The simulation traces with AOTAutograd, never through dynamo: no frame is compiled, skipped or
     given a cache entry for it, so the real run compiles as it would without the estimate."""

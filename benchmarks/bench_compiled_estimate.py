@@ -1,0 +1,141 @@
+"""The estimate of a torch.compile'd step against the real one (issue 26 item 7), CPU, steady step.
+
+For each model: compiled (inductor), its third real step measured with `measure` (which follows a compiled
+step buffer by buffer, to the CPU allocator's count: tests/test_compiled.py), and `estimate_memory` of the
+same step, simulated as inductor runs it (`lightning_memkit/_estimating/compiled.py`). The eager
+simulation of the same model is printed beside, as the estimate was before. Then the zoo's LLaMA at
+torch.compile activation budgets below the configured one, where the simulation is a lower bound only
+(`lightning_memkit/_checkpointing/compiled.py`): why no plan rests on them.
+
+    python benchmarks/bench_compiled_estimate.py            # the table (docs/models.md)
+    python benchmarks/bench_compiled_estimate.py llama bert # some rows
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_compiled import CNN
+from zoo import ZOO, zoo_batch
+
+from lightning_memkit import estimate_memory, measure
+
+#: name -> (zoo model, batch size, sequence length)
+ROWS = {
+    "llama": ("compiled_llama", 8, 32),
+    "qwen2": ("qwen2", 4, 32),
+    "gpt_neox": ("gpt_neox", 4, 32),
+    "t5": ("t5", 4, 32),
+    "whisper": ("whisper", 4, 32),
+    "bert": ("bert", 4, 32),
+    "vit": ("vit", 4, 32),
+    "gpt2": ("gpt2", 4, 32),
+    "cnn": ("cnn", 8, 0),
+}
+#: (batch size, sequence length, activation budget) of the zoo's LLaMA below the configured budget
+BUDGETS = ((8, 32, 0.5), (8, 32, 0.3), (8, 32, 0.1), (1, 256, 0.984), (1, 256, 0.5))
+
+
+class _Loss(nn.Module):
+    """The model's loss on a batch (dict for Hugging Face's, (images, labels) for the CNN)."""
+
+    def __init__(self, model: nn.Module, kind: str) -> None:
+        super().__init__()
+        self.model, self.kind = model, kind
+
+    def forward(self, batch: object) -> torch.Tensor:
+        if self.kind == "cnn":
+            images, labels = batch
+            return nn.functional.cross_entropy(self.model(images), labels)
+        return self.model(**batch).loss
+
+
+def _model(name: str, batch_size: int, seq_len: int) -> tuple[nn.Module, object, nn.Module]:
+    """(the compiled loss module, its batch, the same model uncompiled)."""
+    torch.manual_seed(0)
+    if name == "cnn":
+        g = torch.Generator().manual_seed(0)
+        batch = (
+            torch.randn(batch_size, 3, 32, 32, generator=g),
+            torch.randint(0, 10, (batch_size,), generator=g),
+        )
+        eager = _Loss(CNN(), "cnn")
+        torch.manual_seed(0)
+        compiled = _Loss(CNN(), "cnn")
+        compiled.model.compile()
+        return compiled, batch, eager
+    factory = ZOO[ROWS[name][0]][0]
+    batch = zoo_batch(ROWS[name][0], batch_size, seq_len)
+    eager = _Loss(factory(), "hf")
+    torch.manual_seed(0)
+    return _Loss(torch.compile(factory()), "hf"), batch, eager
+
+
+def _estimate(model: nn.Module, batch: object, budget: float | None = None) -> int:
+    loss = lambda out, _: out  # noqa: E731 - the module returns its loss
+    options = {} if budget is None else {"compile_budget": budget}
+    return estimate_memory(
+        model, (batch, None), optimizer="adamw", loss_fn=loss, device="cpu", **options
+    ).peak
+
+
+def _real(model: nn.Module, batch: object) -> int:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        with measure(model, optimizer, batch=batch) as m:
+            model(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return m.breakdown.peak
+
+
+def row(name: str) -> str:
+    _, batch_size, seq_len = ROWS[name]
+    compiled, batch, eager = _model(name, batch_size, seq_len)
+    estimate, before = _estimate(compiled, batch), _estimate(eager, batch)
+    real = _real(compiled, batch)
+    return f"| {name} | {batch_size} | {real:,} | {estimate / real - 1:+.3%} | {before / real - 1:+.3%} |"
+
+
+def budget_row(batch_size: int, seq_len: int, budget: float) -> str:
+    torch._functorch.config.enable_autograd_cache = False  # each budget compiled afresh
+    torch._inductor.config.fx_graph_cache = False
+    compiled, batch, _ = _model("llama", batch_size, seq_len)
+    estimate = _estimate(compiled, batch, budget)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        real = _real(compiled, batch)
+    return f"| {batch_size} x {seq_len} | {budget:g} | {real:,} | {estimate / real - 1:+.3%} |"
+
+
+def main(names: list[str]) -> None:
+    lines = ["| model | batch | real peak (B) | estimate | eager simulation |", "|---|---:|---:|---:|---:|"]
+    for name in names:
+        lines.append(row(name))
+        print(lines[-1], file=sys.stderr, flush=True)
+    if names == list(ROWS):
+        lines += [
+            "",
+            "| LLaMA batch x tokens | activation budget | real peak (B) | estimate |",
+            "|---|---:|---:|---:|",
+        ]
+        for args in BUDGETS:
+            lines.append(budget_row(*args))
+            print(lines[-1], file=sys.stderr, flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning_memkit").setLevel(logging.ERROR)
+    unknown = [name for name in sys.argv[1:] if name not in ROWS]
+    if unknown:
+        sys.exit(f"Unknown model {', '.join(unknown)}; choose from {', '.join(ROWS)}")
+    main(sys.argv[1:] or list(ROWS))
