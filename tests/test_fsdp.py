@@ -64,6 +64,7 @@ SCENARIOS = {
     "accumulation": {"accumulate_grad_batches": 2},
     "gradient_release": {"lever": GradientRelease},
     "fused_step": {"lever": FusedOptimizerStep},
+    "compiled": {"compile_layers": True},  # each decoder layer compiled, as torchtitan does
 }
 
 
@@ -82,13 +83,17 @@ def llama() -> torch.nn.Module:
 
 class ShardedLlama(ZooModule):
     """`llama` with FSDP2 applied in ``configure_model`` as Lightning documents it: checkpointing first (as
-    torchtitan orders it), then ``fully_shard`` on each decoder layer and on the whole module."""
+    torchtitan orders it), then ``fully_shard`` on each decoder layer and on the whole module; with
+    ``compile_layers``, each decoder layer then compiled (``layer.compile()``)."""
 
-    def __init__(self, world=2, reshard_after_forward=True, checkpointing=None, bf16=False):
+    def __init__(
+        self, world=2, reshard_after_forward=True, checkpointing=None, bf16=False, compile_layers=False
+    ):
         # The zoo's causal-LM batches; enough for every rank's steps in one epoch (the sampler splits them).
         super().__init__("qwen2", batch_size=BATCH, seq_len=SEQ, n_batches=2 * STEPS * world)
         self.model = llama()
         self.reshard_after_forward, self.checkpointing, self.bf16 = reshard_after_forward, checkpointing, bf16
+        self.compile_layers = compile_layers
 
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard
@@ -102,6 +107,9 @@ class ShardedLlama(ZooModule):
         for layer in self.model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(self, **kwargs)
+        if self.compile_layers:
+            for layer in self.model.model.layers:
+                layer.compile()
 
 
 class CallsInsideTheRoot(ShardedLlama):
