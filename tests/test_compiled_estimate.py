@@ -60,6 +60,7 @@ def test_a_compiled_decoder_and_encoder_are_estimated_within_3_percent(name):
     assert estimate.activations < estimate_memory(eager, batch, device="cpu").activations
 
 
+@pytest.mark.slow  # the real step compiles (C++ kernels): 15 s
 def test_a_compiled_cnn_is_estimated_to_the_allocators_byte():
     """``module.compile()`` on a CNN with BatchNorm: inductor runs its convolutions channels-last (copies of
     the images and weights) and writes a fused kernel's output over a dying input; both are simulated."""
