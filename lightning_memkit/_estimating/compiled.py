@@ -220,24 +220,31 @@ class _Partitioned:
         return run(self._state(), [leaves[i] for i in tensors])
 
     def _eager(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        compiled = module.__dict__.pop("_compiled_call_impl", None)
+        with self._uncompiled():
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _uncompiled(self) -> Iterator[None]:
+        """``module.compile()``'s compiled call set aside while inside: the module runs its own."""
+        compiled = self.module.__dict__.pop("_compiled_call_impl", None)
         try:
-            return module(*args, **kwargs)
+            yield
         finally:
             if compiled is not None:
-                module.__dict__["_compiled_call_impl"] = compiled
+                self.module.__dict__["_compiled_call_impl"] = compiled
+
+    def _named_state(self) -> list[tuple[str, Tensor]]:
+        """The module's parameters and buffers, by name, ties kept: the traced graph's first inputs."""
+        named = list(self.module.named_parameters(remove_duplicate=False))
+        return named + list(self.module.named_buffers(remove_duplicate=False))
 
     def _state(self) -> list[Tensor]:
-        named = list(self.module.named_parameters(remove_duplicate=False))
-        named += list(self.module.named_buffers(remove_duplicate=False))
-        return [t for _, t in named]
+        return [t for _, t in self._named_state()]
 
     def _trace(self, leaves: list, spec: Any, tensors: list[int]) -> Callable[..., Any] | None:
         from torch._functorch.aot_autograd import aot_function
 
-        names = [n for n, _ in self.module.named_parameters(remove_duplicate=False)]
-        names += [n for n, _ in self.module.named_buffers(remove_duplicate=False)]
+        names = [name for name, _ in self._named_state()]
         outputs = _Outputs()
 
         def flat(state: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
@@ -262,19 +269,14 @@ class _Partitioned:
             return outputs.join(fn(state, inputs))
 
         try:
-            with _alone(), _compiling(), _functorch_config(self.budget):
-                compiled = self.module.__dict__.pop("_compiled_call_impl", None)
-                try:
-                    # traces and partitions, and runs both graphs once (the results dropped), so that
-                    # what cannot run is known before the step does
-                    state, inputs = self._state(), [leaves[i] for i in tensors]
-                    outs = [t for t in fn(state, inputs) if t.requires_grad]
-                    wrt = [t for t in (*state, *inputs) if t.requires_grad]
-                    if outs and wrt:  # no .grad is written
-                        torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
-                finally:
-                    if compiled is not None:
-                        self.module.__dict__["_compiled_call_impl"] = compiled
+            with _alone(), _compiling(), _functorch_config(self.budget), self._uncompiled():
+                # traces and partitions, and runs both graphs once (the results dropped), so that what
+                # cannot run is known before the step does
+                state, inputs = self._state(), [leaves[i] for i in tensors]
+                outs = [t for t in fn(state, inputs) if t.requires_grad]
+                wrt = [t for t in (*state, *inputs) if t.requires_grad]
+                if outs and wrt:  # no .grad is written
+                    torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
         except Exception as err:
             _eagerly(
                 self.module,
