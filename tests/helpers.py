@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import tempfile
 import time
+from unittest import mock
 
 import lightning.pytorch as pl
 import torch
@@ -63,18 +66,21 @@ def run_cli(argv):
 
 def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 600) -> None:
     """``rank_fn(rank, *args)`` in ``world`` spawned processes, joined; killed, and a ``TimeoutError``
-    naming ``what``, past ``timeout_s`` (a hang); a rank's exception is raised here."""
-    ranks = torch.multiprocessing.start_processes(
-        rank_fn, args, nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
-    while not ranks.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            raise TimeoutError(
-                f"the {world} {what} ranks did not finish in {timeout_s / 60:.0f} minutes: a hang"
+    naming ``what``, past ``timeout_s`` (a hang); a rank's exception is raised here. The ranks share an
+    empty inductor cache, as on a fresh machine: what they compile, they compile in the step."""
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        with mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache):  # the spawned ranks inherit it
+            ranks = torch.multiprocessing.start_processes(
+                rank_fn, args, nprocs=world, join=False, start_method="spawn"
             )
+        deadline = time.monotonic() + timeout_s
+        while not ranks.join(timeout=2):
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                raise TimeoutError(
+                    f"the {world} {what} ranks did not finish in {timeout_s / 60:.0f} minutes: a hang"
+                )
 
 
 class Regression(pl.LightningModule):
