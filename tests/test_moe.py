@@ -13,7 +13,6 @@ from helpers import steady_step_and_estimate
 from zoo import _qwen2_moe
 
 from lightning_memkit import estimate_memory
-from lightning_memkit.testing import allocator_peak
 
 
 def _loss(out, labels: torch.Tensor) -> torch.Tensor:
@@ -31,87 +30,131 @@ def test_an_fp32_moe_step_is_estimated_as_the_allocator_counts_it(batch_size):
     assert next(model.parameters()).dtype == torch.float32  # the simulation cast nothing of the model's
 
 
-def _eager_moe() -> tuple[torch.nn.Module, torch.Tensor]:
+def _eager_moe(batch_size: int = 4) -> tuple[torch.nn.Module, torch.Tensor]:
     """Qwen2-MoE with Hugging Face's eager experts: each expert's tokens gathered with ``nonzero`` of the
     router's choice, a buffer whose size depends on the routing."""
     torch.manual_seed(0)
-    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (batch_size, 16), generator=torch.Generator().manual_seed(1))
     return _qwen2_moe(experts_implementation="eager"), ids
 
 
-def test_experts_chosen_token_by_token_are_refused_with_the_module_and_what_to_do():
-    """The eager experts' ``nonzero`` has a size computed from the weights, which fake tensors do not have:
-    the estimate and the planners built on it say so, naming the op and the module, where they once raised
-    torch's DynamicOutputShapeException (and AutoFit's search tried every micro-batch first)."""
+@pytest.mark.parametrize(
+    ("batch_size", "checkpointing"),
+    [
+        (4, "none"),
+        pytest.param(16, "none", marks=pytest.mark.slow),
+        pytest.param(16, "full", marks=pytest.mark.slow),
+    ],
+)
+def test_experts_chosen_token_by_token_follow_the_batchs_routing(batch_size, checkpointing):
+    """The eager experts' ``nonzero`` is sized by the router, whose values come from the weights: the
+    simulation takes each call's size from a real forward of the batch (`_estimating.routing`), and a
+    checkpointed block's recompute replays it. The optimizer keeps its rate at 0: the weights, and so the
+    routing, of the measured step are those the estimate saw."""
+    from lightning_memkit import apply_checkpointing
+
+    model, ids = _eager_moe(batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    with apply_checkpointing(model, checkpointing):
+        truth, estimate = steady_step_and_estimate(model, (ids, ids), optimizer, _loss)
+    assert estimate == pytest.approx(truth, rel=1e-3)
+
+
+class TopKMoE(torch.nn.Module):
+    """Top-1 routing over four experts, each expert's tokens gathered with ``nonzero`` and run through a
+    wide MLP: the buffers it holds at once are sized by how many tokens the busiest expert gets."""
+
+    def __init__(self, width: int = 16, hidden: int = 512, experts: int = 4) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(width, hidden) for _ in range(experts))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(hidden, width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for expert, (up, down) in enumerate(zip(self.up, self.down, strict=True)):
+            rows = (chosen == expert).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, down(torch.relu(up(x[rows]))))
+        return out
+
+
+def _routed_to_the_last_expert(model: TopKMoE) -> TopKMoE:
+    with torch.no_grad():
+        model.router.weight.zero_()
+        model.router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    return model
+
+
+@pytest.mark.parametrize("routing", ["spread", "one expert"])
+def test_an_estimate_follows_the_routing_its_memory_depends_on(routing):
+    """One batch, two routers: tokens spread over the experts, or all sent to the last one, whose wide
+    buffers then hold every token at once. The allocator's peaks differ by a third; each estimate is its
+    own step's."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
+    peaks = {}
+    for name in ("spread", "one expert"):
+        torch.manual_seed(0)
+        model = TopKMoE() if name == "spread" else _routed_to_the_last_expert(TopKMoE())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        peaks[name] = steady_step_and_estimate(model, (x, x), optimizer, torch.nn.functional.mse_loss)
+    assert peaks["one expert"][0] > 1.3 * peaks["spread"][0]  # the routing moves the peak
+    truth, estimate = peaks[routing]
+    assert estimate == pytest.approx(truth, rel=1e-3)
+
+
+def test_weights_on_the_meta_device_cannot_show_their_routing():
+    """No real forward runs on the meta device: the estimate and the planners built on it refuse, naming
+    the op, the module, why and what to do, where they once raised torch's DynamicOutputShapeException
+    (and AutoFit's search tried every micro-batch first)."""
     from lightning_memkit import plan_fit
 
-    model, ids = _eager_moe()
+    with torch.device("meta"):
+        model = TopKMoE()
+    x = torch.randn(8, 16)
     expected = (
-        r"cannot follow aten\.nonzero\.default in Qwen2MoeExperts\.forward.*"
+        r"cannot follow aten\.nonzero\.default in TopKMoE\.forward.*the weights are on the meta device.*"
         r"experts_implementation='grouped_mm'.*measure, MemoryMonitor"
     )
+    mse = torch.nn.functional.mse_loss
     with pytest.raises(NotImplementedError, match=expected):
-        estimate_memory(model, (ids, ids), optimizer="adamw", loss_fn=_loss, device="cpu")
+        estimate_memory(model, (x, x), optimizer="adamw", loss_fn=mse, device="cpu")
     with pytest.raises(NotImplementedError, match=expected):
-        plan_fit(model, (ids, ids), "1GiB", loss_fn=_loss, device="cpu", cost="flops")
+        plan_fit(model, (x, x), "1GiB", loss_fn=mse, device="cpu", cost="flops")
 
 
-def test_eager_experts_measured_as_the_unmeasured_step_allocates():
-    """`measure` follows any routing. Under any Python dispatch mode the autograd engine adds the
-    gradients that several experts' selects send to one parameter out of place, so the measured step
-    holds one more parameter-sized buffer than the same step unmeasured (it read +345,912 B here); the
-    tracker counts such a sum as the plain step makes it, in place (tests/test_packed.py)."""
-    from lightning_memkit import measure
-
-    model, ids = _eager_moe()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the same weights, the same routing
-
-    def step() -> None:
-        _loss(model(ids), ids).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()  # the optimizer's state
-    truth = allocator_peak(step)
-    with measure(model, optimizer) as measured:
-        step()
-    assert measured.breakdown.peak == pytest.approx(truth, rel=1e-3)
+def test_recording_the_routing_leaves_the_model_and_the_rng_as_they_were():
+    """The real forward that shows the routing is the user's code run once more: it leaves the weights,
+    their gradients, the RNG streams and the modules' modes as they were."""
+    torch.manual_seed(0)
+    model, x = TopKMoE().eval(), torch.randn(64, 16)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    estimate_memory(model, (x, x), optimizer="adamw", loss_fn=torch.nn.functional.mse_loss, device="cpu")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not model.training
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]) and p.grad is None, name
 
 
-def _monitored_fit(tmp_path, batch_size: int):
-    """A 4-step fit of the eager experts under MemoryMonitor: the monitor and the allocator's peaks."""
-    from helpers import cpu_trainer
-    from zoo import ZooModule
+def test_a_plan_says_what_routing_it_assumed():
+    """A plan on experts sized by the routing holds for the batch's routing under the weights as they are:
+    the plan says so, and its micro-batch's step, routed as planned, fits the budget less its margin."""
+    from lightning_memkit import plan_fit
 
-    from lightning_memkit import MemoryMonitor
-    from lightning_memkit.testing import AllocatorPeaks
-
-    peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
-    trainer = cpu_trainer(tmp_path, peaks.around(monitor))
-    with pytest.warns(UserWarning, match=r"sizes tensors by the values.*aten\.nonzero"):
-        trainer.fit(ZooModule("qwen2_moe_eager", batch_size=batch_size))
-    return monitor, peaks.peaks
-
-
-@pytest.mark.slow  # a Trainer fit: the full run's tier
-def test_routing_that_changes_between_steps_is_measured_every_step(tmp_path):
-    """Under MemoryMonitor the eager experts' steps of one shape route their tokens differently as the
-    weights learn and the batches change: no step takes an earlier one's figures (the monitor measures
-    each, and says why once), and every logged step is the allocator's."""
-    monitor, peaks = _monitored_fit(tmp_path, batch_size=8)
-    assert monitor.measured_steps == len(monitor.history) == len(peaks) == 4
-    for (_, measured), truth in zip(monitor.history, peaks, strict=True):
-        assert measured.peak == pytest.approx(truth, rel=1e-3)
-
-
-@pytest.mark.slow  # a Trainer fit: the full run's tier
-@pytest.mark.xfail(
-    strict=True,
-    reason="the first step (no AdamW state yet) at batch 16 reads 4.9 % low: the tracker counts the "
-    "engine's gradient sums as made in place (tests/test_packed.py), and here the plain step holds a third "
-    "parameter-sized buffer at that moment by another way, not found yet",
-)
-def test_the_first_step_at_batch_16_is_the_allocators(tmp_path):
-    monitor, peaks = _monitored_fit(tmp_path, batch_size=16)
-    (_, first), truth = monitor.history[0], peaks[0]
-    assert first.peak == pytest.approx(truth, rel=1e-3)
+    torch.manual_seed(0)
+    model, x = _routed_to_the_last_expert(TopKMoE()), torch.randn(256, 16)
+    mse = torch.nn.functional.mse_loss
+    whole = estimate_memory(model, (x, x), optimizer="adamw", loss_fn=mse, device="cpu").peak
+    plan = plan_fit(
+        model, (x, x), int(whole * 0.8), optimizers=["adamw"], checkpointing=["none"], loss_fn=mse,
+        device="cpu", cost="flops",
+    )  # fmt: skip
+    assert "routing: the planned batch's, under the weights as they were" in plan.note
+    assert plan.micro_batch_size < 256
+    micro = x[: plan.micro_batch_size]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    truth, estimate = steady_step_and_estimate(model, (micro, micro), optimizer, mse)
+    assert truth <= plan.budget.usable * (1 - plan.margin)
+    assert estimate == pytest.approx(truth, rel=1e-3)

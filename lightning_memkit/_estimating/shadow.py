@@ -165,6 +165,12 @@ class Shadows:
         self._follow(func, args, kwargs, out)
         return out
 
+    def follows(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
+        """Whether `run` sizes ``func``'s output, one sized by values, from the shadows: every input whose
+        values it reads has one."""
+        flat, _ = tree_flatten((self._stand_ins(func, args), kwargs or {}))
+        return self._reals(flat) is not None
+
     # --- internals -------------------------------------------------------------------------------
 
     def _reals(self, flat: list, copy: bool = False) -> list | None:

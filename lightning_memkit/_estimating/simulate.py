@@ -48,23 +48,28 @@ so is the shape of a boolean-mask selection; transformers' ``is_tracing`` is tol
 fake tensors are no trace (see `_estimating.shadow`). Any other value read, one that depends on the
 weights (a NaN check on the loss), is a placeholder: ``1`` for numbers, ``False`` for booleans.
 Data-dependent shapes of values that are not known (``nonzero`` of an activation: a mixture-of-experts
-layer that picks its experts' tokens one expert at a time) cannot be simulated: they raise
-`NotImplementedError`, naming the op and the module and what to do instead.
+layer that picks its experts' tokens one expert at a time) are taken from one real forward of the batch,
+run without autograd on the real weights (`_estimating.routing`), and the step is simulated again with
+them; weights on the meta device show none, and the step raises `NotImplementedError`, naming the op and
+the module and what to do instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 import optimi
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -75,6 +80,7 @@ from lightning_memkit._budget import valid_name
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import CheckpointPlan, apply_checkpointing
 from lightning_memkit._estimating import repeated
+from lightning_memkit._estimating import routing as _routing
 from lightning_memkit._estimating import shadow as _shadow
 from lightning_memkit._estimating.compiled import compiled_as_inductor, compiled_modules
 from lightning_memkit._estimating.isolate import isolated
@@ -89,7 +95,13 @@ from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._levers.offload import offload_optimizer
 from lightning_memkit._measuring import kernels as _kernels
-from lightning_memkit._measuring.tracker import Storage, Tracker, allocation_rounding
+from lightning_memkit._measuring.tracker import (
+    Storage,
+    Tracker,
+    _iter_tensors,
+    _value_shaped,
+    allocation_rounding,
+)
 from lightning_memkit._optimizers.swap import load_bitsandbytes
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import Step
@@ -172,7 +184,7 @@ def _grouped_mm_output(args: tuple, kwargs: dict) -> Tensor:
     return shaped.new_empty_strided(shaped.shape, shaped.stride(), dtype=dtype)
 
 
-def _unknown_shape_message(func: Any) -> str:
+def _unknown_shape_message(func: Any, why: str) -> str:
     """Why a step whose op's output shape depends on values the simulation does not have cannot be
     simulated, in which module (the innermost ``forward`` running), and what to do."""
     where, frame = "", inspect.currentframe()
@@ -183,9 +195,9 @@ def _unknown_shape_message(func: Any) -> str:
         frame = frame.f_back
     return (
         f"The simulated step cannot follow {func}{where}: the size of its output depends on values computed "
-        "from the weights, which a simulation on fake tensors does not have (only values computed from the "
-        "batch are followed). A mixture-of-experts layer that gathers each expert's tokens with nonzero does "
-        "this (Hugging Face's experts_implementation='eager'); the grouped one, Hugging Face's default "
+        f"from the weights, which a simulation on fake tensors does not have, and {why}. A "
+        "mixture-of-experts layer that gathers each expert's tokens with nonzero does this (Hugging Face's "
+        "experts_implementation='eager'); the grouped one, Hugging Face's default "
         "(experts_implementation='grouped_mm'), holds the same memory whatever the routing and is simulated "
         "exactly. Otherwise measure real steps (measure, MemoryMonitor), which follow any routing."
     )
@@ -211,6 +223,7 @@ class _SimTracker(Tracker):
         shadows: _shadow.Shadows,
         tracer: Tracer | None = None,
         history: bool | repeated.History = False,
+        routes: _routing.Routes | None = None,
     ) -> None:
         super().__init__(_SIM_DEVICE)
         self.rounding = allocation_rounding(target)
@@ -228,6 +241,8 @@ class _SimTracker(Tracker):
             history if isinstance(history, repeated.History) else repeated.History() if history else None
         )
         self.workspaces: Tensor | None = None  # cuBLAS's, for a CUDA target (`cublas_workspace_bytes`)
+        #: the sizes the real forward's value-shaped ops gave (`_estimating.routing`), or ``None``
+        self.routes = routes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func is _DEVICE_QUERY:  # most dispatches of a step, and nothing to follow: straight to the fakes
@@ -244,10 +259,22 @@ class _SimTracker(Tracker):
             self.tracer.before_op(func, args, kwargs, self.live)
         if self.history is not None:
             self.history.op = func
-        try:
-            out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
-        except DynamicOutputShapeException as err:
-            raise NotImplementedError(_unknown_shape_message(func)) from err
+        routed = self.routes is not None and _value_shaped(func, args)
+        if routed and not self.shadows.follows(func, args, kwargs):
+            # Sized by the weights' values: as the real forward's same call (no fake kernel is tried, whose
+            # exception's frames would keep the step's tensors alive until the next garbage collection).
+
+            def make(layout: tuple) -> Tensor:  # allocated where the real op allocated it: now
+                shape, stride, dtype = layout
+                empty = torch.ops.aten.empty_strided.default
+                return dispatch(empty, types, (shape, stride), {"dtype": dtype})
+
+            out = self.routes.replay(func, args, make)  # type: ignore[union-attr]
+        else:
+            try:
+                out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
+            except DynamicOutputShapeException as err:
+                raise _routing.UnknownShape(_unknown_shape_message(func, _NOT_RECORDED)) from err
         if self.tracer is not None:
             self.tracer.after_op(self)
         if self.timeline is not None and func.namespace not in _UNTIMED:
@@ -501,9 +528,10 @@ def _track(
     shadows: _shadow.Shadows,
     tracer: Tracer | None = None,
     history: bool | repeated.History = False,
+    routes: _routing.Routes | None = None,
 ) -> _SimTracker:
     """Run ``step`` under a fresh tracker, with the categories fixed from identity as `measure` does."""
-    tracker = _SimTracker(device, timeline, shadows, tracer, history)
+    tracker = _SimTracker(device, timeline, shadows, tracer, history, routes)
     if device.type == "cuda":
         # torch.optim keeps each parameter's "step" counter on the CPU unless capturable or fused.
         for optimizer in step.optimizers:
@@ -525,6 +553,8 @@ def _track(
     modules = tracer.watching_modules() if tracer is not None else contextlib.nullcontext()
     with tracker.watching(model), modules:
         step.run(tracker)
+    if routes is not None:
+        routes.check()
     # State born during a first step, and FSDP2's first unsharded copies, are known only now.
     tracker.claim_optimizer_state(step.optimizers)
     tracker.claim_sharded(model)
@@ -762,7 +792,9 @@ def _shortcut(
         return None
     if compiled_modules(model):  # a compiled module's graph is traced whole: no shallow copies of it
         return None
-    return repeated.shortcut(model, functools.partial(simulate, history=True), count=count)
+    # A routed step runs each block by its own routing: its shallow steps do not predict it.
+    shallow = functools.partial(simulate, history=True, follow_routing=False)
+    return repeated.shortcut(model, shallow, count=count)
 
 
 def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tuple[MemoryBreakdown, int, int]:
@@ -780,6 +812,58 @@ def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tup
     return tracker.breakdown(), counter.get_total_flops(), ops
 
 
+#: Why a step's value-shaped op is not followed on the first try (`simulate_step` then records them).
+_NOT_RECORDED = "no real forward of the batch was recorded"
+
+#: A model's last recorded routing: (the batch's tensors, the parameters' versions, the routes).
+_RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[list[Tensor], int, _routing.Routes]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str) -> _routing.Routes:
+    """The routing of ``batch`` through ``model``'s real weights (`_estimating.routing`): a forward run
+    for real on the weights' device, without autograd, leaving no trace (`isolated`); the last one again
+    for the same batch tensors and unchanged weights. ``failure``: the first try's refusal, raised again
+    with the reason where no real forward can run."""
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "meta":
+        raise _routing.UnknownShape(
+            failure.replace(_NOT_RECORDED, "the weights are on the meta device, where no real forward runs")
+        )
+    tensors, versions = list(_iter_tensors(batch)), sum(p._version for p in params)
+    cached = _RECORDED.get(model)
+    same = cached is not None and cached[1] == versions and len(cached[0]) == len(tensors)
+    if same and all(a is b for a, b in zip(cached[0], tensors, strict=True)):
+        return cached[2]
+    lightning = is_lightning(model)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(isolated(model, "estimate_memory"))
+        model.train()  # as a training step runs; `isolated` gives every module its flag back
+        if lightning:
+            stack.enter_context(lightning_stand_ins(model, device))
+        forward = _forward_fn(model, move_data_to_device(batch, device), loss_fn, lightning, None, None)
+        routes = stack.enter_context(_routing.recording(model))
+        forward()
+    _RECORDED[model] = (tensors, versions, routes)
+    return routes
+
+
+def _restorer(obj: Any) -> Callable[[], None]:
+    """Put ``obj``'s attributes back as they are now (containers copied: a fresh tracer's or history's
+    are empty); nothing for ``None`` or a flag."""
+    if obj is None or isinstance(obj, bool):
+        return lambda: None
+    saved = {name: copy.copy(value) for name, value in vars(obj).items()}
+
+    def restore() -> None:
+        vars(obj).clear()
+        vars(obj).update({name: copy.copy(value) for name, value in saved.items()})
+
+    return restore
+
+
 def simulate_step(
     model: nn.Module,
     batch: Any,
@@ -791,9 +875,26 @@ def simulate_step(
     timeline: bool = False,
     tracer: Tracer | None = None,
     history: bool | repeated.History = False,
+    follow_routing: bool = True,
+    routes: _routing.Routes | None = None,
 ) -> _SimTracker:
     """`estimate_memory`'s step, returning its tracker (``tracer``: also what created each storage;
-    ``history``: every candidate peak, `_estimating.repeated.History`, or the one given)."""
+    ``history``: every candidate peak, `_estimating.repeated.History`, or the one given). A step with an op
+    sized by values of the weights (a mixture of experts' routing) is simulated again with the sizes a real
+    forward of the batch gives (``routes``, `_estimating.routing`), unless ``follow_routing`` is off."""
+    if follow_routing and routes is None:
+        again = functools.partial(
+            simulate_step, model, batch, step, optimizer=optimizer, loss_fn=loss_fn, device=device,
+            timeline=timeline, tracer=tracer, history=history,
+        )  # fmt: skip
+        fresh = [_restorer(tracer), _restorer(history)]
+        try:
+            return again(follow_routing=False)
+        except _routing.UnknownShape as err:
+            recorded = _routes(model, batch, loss_fn, str(err))
+        for restore in fresh:  # as they were given: the first try wrote into them
+            restore()
+        return again(routes=recorded)
     param_dtype, autocast_dtype = PRECISION_DTYPES[step.precision]
     target = torch.device(device)
     valid_name("device", target.type, DEVICES)
@@ -872,7 +973,10 @@ def simulate_step(
         if not first_step or accumulating:
             with _Placeholders():
                 training.warm_up(stepped, state=not first_step)
-        tracker = _track(training, stepped, target, timeline, shadows, tracer, history)
+        if routes is not None:
+            routes.bind(stepped)
+            stack.enter_context(routes.watching())
+        tracker = _track(training, stepped, target, timeline, shadows, tracer, history, routes)
         if tracer is not None:
             tracer.finish(stepped, training.optimizers, tracker)
     return tracker

@@ -32,6 +32,7 @@ from lightning_memkit._estimating.lightning_step import (
     batch_slice,
     is_lightning,
 )
+from lightning_memkit._estimating.routing import ROUTING_ASSUMED, routed
 from lightning_memkit._estimating.simulate import counted_step, estimate_step, sixteen_bit_weights
 from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost, flops_cost, measured_cost
 from lightning_memkit._levers.offload import transfer_seconds
@@ -651,6 +652,8 @@ def plan_fit(
     if search.unrefined:
         late = f"block-by-block checkpointing not searched at every micro-batch (past {refine_seconds:g} s)"
         note = f"{note}; {late}" if note else late
+    if routed(model):
+        note = f"{note}; {ROUTING_ASSUMED}" if note else ROUTING_ASSUMED
     return FitPlan(
         micro_batch_size=best.m,
         accumulate_grad_batches=G // best.m,
