@@ -124,6 +124,24 @@ def test_weights_on_the_meta_device_cannot_show_their_routing():
         plan_fit(model, (x, x), "1GiB", loss_fn=mse, device="cpu", cost="flops")
 
 
+def test_a_forward_that_fails_for_real_is_refused_with_its_error():
+    """The real forward that would show the routing runs without autograd: one that fails there leaves
+    the estimate refused, its error named, not raised bare from inside the estimate."""
+
+    class NeedsAutograd(TopKMoE):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                raise RuntimeError("this layer needs autograd")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    expected = r"nonzero.*the real forward of the batch that would show them failed \(RuntimeError: this"
+    mse = torch.nn.functional.mse_loss
+    with pytest.raises(NotImplementedError, match=expected):
+        estimate_memory(NeedsAutograd(), (x, x), optimizer="adamw", loss_fn=mse, device="cpu")
+
+
 def test_recording_the_routing_leaves_the_model_and_the_rng_as_they_were():
     """The real forward that shows the routing is the user's code run once more: it leaves the weights,
     their gradients, the RNG streams and the modules' modes as they were."""

@@ -815,8 +815,8 @@ def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tup
 #: Why a step's value-shaped op is not followed on the first try (`simulate_step` then records them).
 _NOT_RECORDED = "no real forward of the batch was recorded"
 
-#: A model's last recorded routing: (the batch's tensors, the parameters' versions, the routes).
-_RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[list[Tensor], int, _routing.Routes]] = (
+#: A model's last recorded routing: (the batch's tensors, weakly; the parameters' versions; the routes).
+_RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[list[weakref.ref], int, _routing.Routes]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -825,7 +825,7 @@ def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str) -> _routin
     """The routing of ``batch`` through ``model``'s real weights (`_estimating.routing`): a forward run
     for real on the weights' device, without autograd, leaving no trace (`isolated`); the last one again
     for the same batch tensors and unchanged weights. ``failure``: the first try's refusal, raised again
-    with the reason where no real forward can run."""
+    with the reason where no real forward can run or the forward fails."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if device.type == "meta":
@@ -835,18 +835,22 @@ def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str) -> _routin
     tensors, versions = list(_iter_tensors(batch)), sum(p._version for p in params)
     cached = _RECORDED.get(model)
     same = cached is not None and cached[1] == versions and len(cached[0]) == len(tensors)
-    if same and all(a is b for a, b in zip(cached[0], tensors, strict=True)):
+    if same and all(ref() is t for ref, t in zip(cached[0], tensors, strict=True)):
         return cached[2]
     lightning = is_lightning(model)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(isolated(model, "estimate_memory"))
-        model.train()  # as a training step runs; `isolated` gives every module its flag back
-        if lightning:
-            stack.enter_context(lightning_stand_ins(model, device))
-        forward = _forward_fn(model, move_data_to_device(batch, device), loss_fn, lightning, None, None)
-        routes = stack.enter_context(_routing.recording(model))
-        forward()
-    _RECORDED[model] = (tensors, versions, routes)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(isolated(model, "estimate_memory"))
+            model.train()  # as a training step runs; `isolated` gives every module its flag back
+            if lightning:
+                stack.enter_context(lightning_stand_ins(model, device))
+            forward = _forward_fn(model, move_data_to_device(batch, device), loss_fn, lightning, None, None)
+            routes = stack.enter_context(_routing.recording(model))
+            forward()
+    except Exception as error:
+        why = f"the real forward of the batch that would show them failed ({type(error).__name__}: {error})"
+        raise _routing.UnknownShape(failure.replace(_NOT_RECORDED, why)) from error
+    _RECORDED[model] = ([weakref.ref(t) for t in tensors], versions, routes)
     return routes
 
 
