@@ -104,6 +104,53 @@ def test_an_estimate_follows_the_routing_its_memory_depends_on(routing):
     assert estimate == pytest.approx(truth, rel=1e-3)
 
 
+class _Branchy(torch.nn.Module):
+    """``moe`` always, and ``extra`` only when a value read off the weights says so: the real forward
+    runs it, the simulation (whose value is a placeholder, 1) does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe, self.extra, self.gate = TopKMoE(), TopKMoE(), torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.moe(x)
+        return x + self.extra(x) if self.gate(x).mean().item() != 1.0 else x
+
+
+class _Shared(torch.nn.Module):
+    """One MoE applied twice, each time a checkpointed region (``shared``), or two MoEs."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.moes = torch.nn.ModuleList([TopKMoE()] if shared else [TopKMoE(), TopKMoE()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(2):
+            moe = self.moes[i % len(self.moes)]
+            x = x + torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
+        return x
+
+
+def test_a_step_whose_calls_do_not_line_up_with_the_real_forward_is_refused():
+    """Where the simulated step's calls cannot be matched to the real forward's, the estimate refuses
+    rather than read another routing: a routed module the simulation skips (a branch on a value it only
+    has a placeholder for), and a module run twice whose checkpointed recompute repeats one of its calls,
+    not known which. Two distinct modules, each recomputed, are followed."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
+    mse = torch.nn.functional.mse_loss
+    with pytest.raises(NotImplementedError, match=r"nonzero.* in extra 0 time\(s\).*called it 4 time"):
+        estimate_memory(_Branchy(), (x, x), optimizer="adamw", loss_fn=mse, device="cpu")
+    with pytest.raises(
+        NotImplementedError, match=r"recomputes .*nonzero.* in moes\.0, a module .* ran 2 times"
+    ):
+        estimate_memory(_Shared(shared=True), (x, x), optimizer="adamw", loss_fn=mse, device="cpu")
+    model = _Shared(shared=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    truth, estimate = steady_step_and_estimate(model, (x, x), optimizer, mse)
+    assert estimate == pytest.approx(truth, rel=1e-3)
+
+
 def test_weights_on_the_meta_device_cannot_show_their_routing():
     """No real forward runs on the meta device: the estimate and the planners built on it refuse, naming
     the op, the module, why and what to do, where they once raised torch's DynamicOutputShapeException

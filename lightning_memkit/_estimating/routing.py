@@ -10,7 +10,7 @@ every op whose outputs are sized by values (`_measuring.tracker._value_shaped`),
 module running (named from forward hooks, not read off the Python frames, whose locals a read would keep
 alive), the op, and its inputs' shapes. `Routes.replay` then gives the simulated
 step's same call the same shape, in the same order. A block checkpointing recomputes calls its sites
-again: each site's shapes are replayed from the start once they run out.
+again in the backward: each site's shapes are replayed from the start there.
 
 What this follows is the routing of the batch given, under the weights as they are: another batch, or
 the same batch after the router has trained, routes otherwise and allocates otherwise. The planners say
@@ -21,6 +21,7 @@ branch on a value the simulation only has a placeholder for), `Routes.check` ref
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -64,33 +65,40 @@ def _layouts(out: Any) -> tuple[bool, list[_Layout]]:
 
 
 class Routes:
-    """The output layouts of a real forward's value-shaped ops, per call site, to replay in order."""
+    """The output layouts of a real forward's value-shaped ops, per call site, to replay in order: in the
+    forward once each, and again in a checkpointed block's recompute."""
 
     def __init__(self, model: nn.Module) -> None:
         self._recorded: dict[tuple, list[tuple[bool, list[_Layout]]]] = defaultdict(list)
-        self._calls: dict[tuple, int] = defaultdict(int)
+        self._calls: dict[tuple[tuple, bool], int] = defaultdict(int)  # (site, in the backward): calls
         self._names = {id(m): name for name, m in model.named_modules()}
-        self._running: list[str] = []  # the names of the modules whose forward runs, innermost last
-
-    def __len__(self) -> int:
-        return sum(map(len, self._recorded.values()))
+        self._running: list[str] = []  # the names of the modules whose forward runs, outermost first
+        self._entered: dict[str, int] = defaultdict(int)  # per module: how often the real forward ran it
+        self._recording = True
 
     def bind(self, model: nn.Module) -> None:
         """Name the call sites by ``model``'s modules (the stepped one: a sharded copy has its own), and
         start every site's replay afresh, with ``model`` marked as `routed`."""
         self._names = {id(m): name for name, m in model.named_modules()}
         self._calls.clear()
+        self._recording = False
         _ROUTED[model] = True
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Follow which module runs (every module's, through global forward hooks) in the block."""
+        """Follow which modules run in this thread (every module's, through global forward hooks) in the
+        block; other threads' modules are not this step's."""
+        thread = threading.get_ident()
 
         def enter(module: nn.Module, args: Any) -> None:
-            self._running.append(self._names.get(id(module), ""))
+            if threading.get_ident() == thread:
+                self._running.append(self._names.get(id(module), ""))
+                if self._recording:
+                    self._entered[self._running[-1]] += 1
 
         def leave(module: nn.Module, args: Any, out: Any) -> None:
-            self._running.pop()
+            if threading.get_ident() == thread:
+                self._running.pop()
 
         handles = [
             register_module_forward_pre_hook(enter),
@@ -104,39 +112,53 @@ class Routes:
             self._running.clear()
 
     def _site(self, func: Any, args: tuple) -> tuple:
+        """The innermost module running, the op, and its inputs' shapes."""
         shapes = tuple(tuple(t.shape) for t in _iter_tensors(args))
         return self._running[-1] if self._running else "", str(func), shapes
 
     def add(self, func: Any, args: tuple, out: Any) -> None:
         self._recorded[self._site(func, args)].append(_layouts(out))
 
-    def replay(self, func: Any, args: tuple, make: Callable[[_Layout], Tensor]) -> Any:
-        """The output of the simulated ``func(*args)``, each tensor made by ``make`` with the layout the
-        real forward's same call gave; `UnknownShape` where the real forward made no such call."""
+    def replay(self, func: Any, args: tuple, make: Callable[[_Layout], Tensor], *, backward: bool) -> Any:
+        """The output of the simulated ``func(*args)`` (``backward``: in a checkpointed block's recompute),
+        each tensor made by ``make`` with the layout the real forward's same call gave; `UnknownShape` where
+        the real forward made no such call."""
         site = self._site(func, args)
-        recorded = self._recorded.get(site)
-        if not recorded:
+        recorded = self._recorded.get(site, [])
+        call = self._calls[site, backward]
+        if backward and self._entered[site[0]] > 1:
             raise UnknownShape(
-                f"The simulated step called {func} in {site[0] or 'no module'} on inputs of shapes "
-                f"{list(site[2])}, where the real forward of the batch made no such call: its routing "
-                "cannot be followed."
+                f"The simulated step recomputes {func} in {_where(site)}, a module the real forward of the "
+                f"batch ran {self._entered[site[0]]} times: which of its calls a checkpointed recompute "
+                "repeats is not known, and its routing cannot be followed there."
             )
-        one, layouts = recorded[self._calls[site] % len(recorded)]  # a recompute replays its block afresh
-        self._calls[site] += 1
+        if call >= len(recorded):
+            raise UnknownShape(
+                f"The simulated step called {func} in {_where(site)} on inputs of shapes {list(site[2])} "
+                f"{call + 1} time(s){' in a recompute' if backward else ''}, where the real forward of the "
+                f"batch called it {len(recorded)} time(s): it took another branch on a value it does not "
+                "have, and its routing cannot be followed."
+            )
+        self._calls[site, backward] += 1
+        one, layouts = recorded[call]
         made = [make(layout) for layout in layouts]
         return made[0] if one else tuple(made)
 
     def check(self) -> None:
-        """Refuse a step whose calls did not line up with the real forward's: each site called a whole
-        number of times its recorded calls (once, or again in a checkpointed block's recompute)."""
+        """Refuse a step whose forward did not make every call the real forward made (a branch on a value
+        the simulation only has a placeholder for skipped one)."""
         for site, recorded in self._recorded.items():
-            calls = self._calls.get(site, 0)
-            if calls % len(recorded):
+            calls = self._calls.get((site, False), 0)
+            if calls != len(recorded):
                 raise UnknownShape(
-                    f"The simulated step called {site[1]} in {site[0] or 'no module'} {calls} time(s), where "
-                    f"the real forward of the batch called it {len(recorded)} time(s): it took another "
-                    "branch on a value it does not have, and its routing cannot be followed."
+                    f"The simulated step called {site[1]} in {_where(site)} {calls} time(s), where the real "
+                    f"forward of the batch called it {len(recorded)} time(s): it took another branch on a "
+                    "value it does not have, and its routing cannot be followed."
                 )
+
+
+def _where(site: tuple) -> str:
+    return site[0] or "no module"
 
 
 class _Recording(TorchDispatchMode):

@@ -63,7 +63,6 @@ import inspect
 import os
 import re
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
@@ -264,12 +263,17 @@ class _SimTracker(Tracker):
             # Sized by the weights' values: as the real forward's same call (no fake kernel is tried, whose
             # exception's frames would keep the step's tensors alive until the next garbage collection).
 
+            floating = next((t.dtype for t in _iter_tensors(args) if t.is_floating_point()), None)
+
             def make(layout: tuple) -> Tensor:  # allocated where the real op allocated it: now
                 shape, stride, dtype = layout
+                if dtype.is_floating_point and floating is not None:  # selected values: the step's dtype
+                    dtype = floating
                 empty = torch.ops.aten.empty_strided.default
                 return dispatch(empty, types, (shape, stride), {"dtype": dtype})
 
-            out = self.routes.replay(func, args, make)  # type: ignore[union-attr]
+            backward = self.phase == "backward"  # a checkpointed block's recompute
+            out = self.routes.replay(func, args, make, backward=backward)  # type: ignore[union-attr]
         else:
             try:
                 out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
@@ -815,28 +819,19 @@ def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tup
 #: Why a step's value-shaped op is not followed on the first try (`simulate_step` then records them).
 _NOT_RECORDED = "no real forward of the batch was recorded"
 
-#: A model's last recorded routing: (the batch's tensors, weakly; the parameters' versions; the routes).
-_RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[list[weakref.ref], int, _routing.Routes]] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str) -> _routing.Routes:
     """The routing of ``batch`` through ``model``'s real weights (`_estimating.routing`): a forward run
-    for real on the weights' device, without autograd, leaving no trace (`isolated`); the last one again
-    for the same batch tensors and unchanged weights. ``failure``: the first try's refusal, raised again
-    with the reason where no real forward can run or the forward fails."""
+    for real on the weights' device, without autograd, leaving no trace (`isolated`), at every call (a
+    forward costs far less than the simulation, and the batch's values or the weights may have changed
+    since). ``failure``: the first try's refusal, raised again with the reason where no real forward can
+    run or the forward fails."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if device.type == "meta":
         raise _routing.UnknownShape(
             failure.replace(_NOT_RECORDED, "the weights are on the meta device, where no real forward runs")
         )
-    tensors, versions = list(_iter_tensors(batch)), sum(p._version for p in params)
-    cached = _RECORDED.get(model)
-    same = cached is not None and cached[1] == versions and len(cached[0]) == len(tensors)
-    if same and all(ref() is t for ref, t in zip(cached[0], tensors, strict=True)):
-        return cached[2]
     lightning = is_lightning(model)
     try:
         with contextlib.ExitStack() as stack:
@@ -850,7 +845,6 @@ def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str) -> _routin
     except Exception as error:
         why = f"the real forward of the batch that would show them failed ({type(error).__name__}: {error})"
         raise _routing.UnknownShape(failure.replace(_NOT_RECORDED, why)) from error
-    _RECORDED[model] = ([weakref.ref(t) for t in tensors], versions, routes)
     return routes
 
 
