@@ -94,6 +94,13 @@ SHARDED_KINDS = {
 }
 #: The op the autograd engine sums two gradients of one input with, under a dispatch mode.
 _ADD = torch.ops.aten.add.Tensor
+#: Ops autograd's formulas run out of place into zeros they just made, where unwatched they write into
+#: them in place: ``index``'s backward (``index_put``, accumulating), ``gather``'s (``scatter_add``) and
+#: ``index_select``'s (``index_add``) take the out-of-place variant when any tensor is subclass-like, and
+#: under a dispatch mode every tensor is (``areAnyTensorSubclassLike``).
+_SCATTERED = frozenset(
+    {torch.ops.aten.index_put.default, torch.ops.aten.scatter_add.default, torch.ops.aten.index_add.default}
+)
 #: Op namespaces of collectives and FSDP2's copies in and out of them.
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 
@@ -490,7 +497,9 @@ class Tracker(TorchDispatchMode):
             self._communicated(func, args, out)
         if self.value_shaped is None and _value_shaped(func, args):
             self.value_shaped = str(func)
-        if seq is not None and self._engine_sum(func, args, kwargs, out, seq):
+        if seq is not None and (
+            self._engine_sum(func, args, kwargs, out, seq) or self._scattered(func, args, out, seq)
+        ):
             self._summed = id(args[0].untyped_storage())  # whether it counts is known at the next event
         else:
             self._check_peak()
@@ -521,6 +530,21 @@ class Tracker(TorchDispatchMode):
         if summed is None or added is None or summed[1].born_in in (None, node) or added[1].born_in != node:
             return False
         return is_non_overlapping_and_dense_or_false(old)
+
+    def _scattered(self, func: Any, args: tuple, out: Any, node: int) -> bool:
+        """Whether ``func(*args)``, run while backward node ``node`` runs, is a formula scattering a
+        gradient into zeros this node just made (`_SCATTERED`), which unwatched it does in place: like an
+        engine's sum, when the zeros die with it (`_settle`), the two never coexisted (+25 % on a step
+        gathering half the rows of an activation, measured and simulated alike)."""
+        if func not in _SCATTERED or not args or not isinstance(out, Tensor):
+            return False
+        if func is torch.ops.aten.index_put.default and not (len(args) > 3 and args[3]):
+            return False  # not accumulating: not the index formula
+        zeros = args[0]
+        if not isinstance(zeros, Tensor) or not self._plain(zeros) or zeros._is_view():
+            return False
+        made = self.live.get(id(zeros.untyped_storage()))
+        return made is not None and made[1].born_in == node and zeros.shape == out.shape
 
     def _plain(self, t: Tensor) -> bool:
         """Not a tensor subclass, as the engine asks before adding in place (the simulator's fakes stand
