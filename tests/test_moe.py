@@ -13,6 +13,7 @@ from helpers import steady_step_and_estimate
 from zoo import _qwen2_moe
 
 from lightning_memkit import estimate_memory
+from lightning_memkit.testing import allocator_peak
 
 
 def _loss(out, labels: torch.Tensor) -> torch.Tensor:
@@ -256,3 +257,64 @@ def test_a_gathers_backward_is_counted_as_the_unwatched_step_makes_it():
         optimizer.zero_grad()
     assert measured.breakdown.peak == pytest.approx(truth, rel=1e-3)
     assert estimate == pytest.approx(truth, rel=3e-3)
+
+
+def test_eager_experts_measured_as_the_unmeasured_step_allocates():
+    """`measure` follows any routing. Under any Python dispatch mode the autograd engine adds the
+    gradients that several experts' selects send to one parameter out of place, so the measured step
+    holds one more parameter-sized buffer than the same step unmeasured (it read +345,912 B here); the
+    tracker counts such a sum as the plain step makes it, in place (tests/test_packed.py)."""
+    from lightning_memkit import measure
+
+    model, ids = _eager_moe()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the same weights, the same routing
+
+    def step() -> None:
+        _loss(model(ids), ids).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer's state
+    truth = allocator_peak(step)
+    with measure(model, optimizer) as measured:
+        step()
+    assert measured.breakdown.peak == pytest.approx(truth, rel=1e-3)
+
+
+def _monitored_fit(tmp_path, batch_size: int):
+    """A 4-step fit of the eager experts under MemoryMonitor: the monitor and the allocator's peaks."""
+    from helpers import cpu_trainer
+    from zoo import ZooModule
+
+    from lightning_memkit import MemoryMonitor
+    from lightning_memkit.testing import AllocatorPeaks
+
+    peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
+    trainer = cpu_trainer(tmp_path, peaks.around(monitor))
+    with pytest.warns(UserWarning, match=r"sizes tensors by the values.*aten\.nonzero"):
+        trainer.fit(ZooModule("qwen2_moe_eager", batch_size=batch_size))
+    return monitor, peaks.peaks
+
+
+@pytest.mark.slow  # a Trainer fit: the full run's tier
+def test_routing_that_changes_between_steps_is_measured_every_step(tmp_path):
+    """Under MemoryMonitor the eager experts' steps of one shape route their tokens differently as the
+    weights learn and the batches change: no step takes an earlier one's figures (the monitor measures
+    each, and says why once), and every logged step is the allocator's."""
+    monitor, peaks = _monitored_fit(tmp_path, batch_size=8)
+    assert monitor.measured_steps == len(monitor.history) == len(peaks) == 4
+    for (_, measured), truth in zip(monitor.history, peaks, strict=True):
+        assert measured.peak == pytest.approx(truth, rel=1e-3)
+
+
+@pytest.mark.slow  # a Trainer fit: the full run's tier
+@pytest.mark.xfail(
+    strict=True,
+    reason="the first step (no AdamW state yet) at batch 16 reads 4.9 % low: the tracker counts the "
+    "engine's gradient sums as made in place (tests/test_packed.py), and here the plain step holds a third "
+    "parameter-sized buffer at that moment by another way, not found yet",
+)
+def test_the_first_step_at_batch_16_is_the_allocators(tmp_path):
+    monitor, peaks = _monitored_fit(tmp_path, batch_size=16)
+    (_, first), truth = monitor.history[0], peaks[0]
+    assert first.peak == pytest.approx(truth, rel=1e-3)
