@@ -419,6 +419,11 @@ def _probe(seen: dict[int, int], limit: int, sizes: Sequence[int], lo: int, hi: 
     return below[-1] if below else lo + 1
 
 
+def _also(note: str, more: str) -> str:
+    """``note`` with ``more`` after it (`FitPlan.note`'s "; "-separated parts)."""
+    return f"{note}; {more}" if note else more
+
+
 def plan_fit(
     model: nn.Module,
     batch: Any,
@@ -560,7 +565,7 @@ def plan_fit(
     )
     candidates, unsharded = _candidates(model, optimizers, strategy, n_gpus)
     if unsharded:
-        note = f"{note}; {unsharded}" if note else unsharded
+        note = _also(note, unsharded)
     if not candidates:
         raise ValueError(f"No optimizer to plan: {unsharded}; name a torch or torch-optimi one (adamw, sgd)")
     pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)  # masters are fp32
@@ -639,7 +644,7 @@ def plan_fit(
     if search.sharding and out_of_time:  # no time left for one more simulation: FSDP2's default
         reshard = True
         untried = f"reshard_after_forward=False not tried (past {refine_seconds:g} s)"
-        note = f"{note}; {untried}" if note else untried
+        note = _also(note, untried)
     elif search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
         whole = search.estimate(
             best.m, best.plan or best.label, optimizer=opt, precision=prec, reshard_after_forward=False
@@ -651,9 +656,9 @@ def plan_fit(
             best = best._replace(peak=kept.peak)
     if search.unrefined:
         late = f"block-by-block checkpointing not searched at every micro-batch (past {refine_seconds:g} s)"
-        note = f"{note}; {late}" if note else late
+        note = _also(note, late)
     if routed(model):
-        note = f"{note}; {ROUTING_ASSUMED}" if note else ROUTING_ASSUMED
+        note = _also(note, ROUTING_ASSUMED)
     return FitPlan(
         micro_batch_size=best.m,
         accumulate_grad_batches=G // best.m,

@@ -937,12 +937,15 @@ def _is_fake(t: Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+_compile_context = torch._guards.CompileContext.try_get  # bound once: asked on every op
+
+
 def _compiling() -> bool:
     """Whether torch.compile is compiling in this thread. It takes the dispatch modes off the stack while
     it compiles, but not for a module under DDP (dynamo's DDP optimizer, which splits the graph at the
     buckets): there the trackers would see its traces, functional wrappers whose storages hold no memory
     (+1.1 MB, 50 %, on a tiny LLaMA's first step under DDP while inductor's cache was cold)."""
-    return torch._guards.CompileContext.try_get() is not None
+    return _compile_context() is not None
 
 
 # Two allocations of activation checkpointing bypass both the dispatcher and autograd's saved-tensor hooks:
