@@ -283,17 +283,24 @@ def test_eager_experts_measured_as_the_unmeasured_step_allocates():
 
 def _monitored_fit(tmp_path, batch_size: int):
     """A 4-step fit of the eager experts under MemoryMonitor: the monitor and the allocator's peaks."""
+    from lightning_memkit import MemoryMonitor
+
+    monitor = MemoryMonitor(plot=False, summary=False)
+    with pytest.warns(UserWarning, match=r"sizes tensors by the values.*aten\.nonzero"):
+        peaks = _fit_peaks(tmp_path, batch_size, monitor)
+    return monitor, peaks
+
+
+def _fit_peaks(tmp_path, batch_size: int, *callbacks) -> list[int]:
+    """The allocator's peak of each step of a 4-step fit of the eager experts with ``callbacks``."""
     from helpers import cpu_trainer
     from zoo import ZooModule
 
-    from lightning_memkit import MemoryMonitor
     from lightning_memkit.testing import AllocatorPeaks
 
-    peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
-    trainer = cpu_trainer(tmp_path, peaks.around(monitor))
-    with pytest.warns(UserWarning, match=r"sizes tensors by the values.*aten\.nonzero"):
-        trainer.fit(ZooModule("qwen2_moe_eager", batch_size=batch_size))
-    return monitor, peaks.peaks
+    peaks = AllocatorPeaks()
+    cpu_trainer(tmp_path, peaks.around(*callbacks)).fit(ZooModule("qwen2_moe_eager", batch_size=batch_size))
+    return peaks.peaks
 
 
 @pytest.mark.slow  # a Trainer fit: the full run's tier
@@ -307,14 +314,15 @@ def test_routing_that_changes_between_steps_is_measured_every_step(tmp_path):
         assert measured.peak == pytest.approx(truth, rel=1e-3)
 
 
-@pytest.mark.slow  # a Trainer fit: the full run's tier
-@pytest.mark.xfail(
-    strict=True,
-    reason="the first step (no AdamW state yet) at batch 16 reads 4.9 % low: the tracker counts the "
-    "engine's gradient sums as made in place (tests/test_packed.py), and here the plain step holds a third "
-    "parameter-sized buffer at that moment by another way, not found yet",
-)
-def test_the_first_step_at_batch_16_is_the_allocators(tmp_path):
-    monitor, peaks = _monitored_fit(tmp_path, batch_size=16)
-    (_, first), truth = monitor.history[0], peaks[0]
-    assert first.peak == pytest.approx(truth, rel=1e-3)
+@pytest.mark.slow  # two Trainer fits: the full run's tier
+def test_the_monitor_logs_the_plain_steps_though_its_own_step_peaks_higher(tmp_path):
+    """What the monitor logs is what the step allocates unwatched: each step of the same fit without it,
+    to the allocator. The watched step itself peaks higher here (the first, at batch 16): under any Python
+    dispatch mode autograd sums two gradients of one tensor out of place, where the plain engine sums in
+    place into the one it holds the only reference to (`Tracker._engine_sum`), and these sums set this
+    step's peak. So the truth for the monitor is the plain fit's, not the watched step's (docs/monitor.md)."""
+    monitor, watched = _monitored_fit(tmp_path / "monitored", batch_size=16)
+    plain = _fit_peaks(tmp_path / "plain", batch_size=16)
+    assert [measured.peak for _, measured in monitor.history] == pytest.approx(plain, rel=1e-3)
+    # torch's side of it: should it sum in place under a mode too, this fails and the docs' note goes
+    assert watched[0] > 1.03 * plain[0]
