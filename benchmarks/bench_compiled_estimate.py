@@ -2,10 +2,11 @@
 
 For each model: compiled (inductor), its third real step measured with `measure` (which follows a compiled
 step buffer by buffer, to the CPU allocator's count: tests/test_compiled.py), and `estimate_memory` of the
-same step, simulated as inductor runs it (`lightning_memkit/_estimating/compiled.py`). The eager
-simulation of the same model is printed beside, as the estimate was before. Then the zoo's LLaMA at
-torch.compile activation budgets below the configured one, where the simulation is a lower bound only
-(`lightning_memkit/_checkpointing/compiled.py`): why no plan rests on them.
+same step, simulated as inductor runs it (`lightning_memkit/_estimating/compiled.py`: the code inductor
+generates, its kernels stubbed). The eager simulation of the same model is printed beside, as the estimate
+was before any compiled simulation. Then the zoo's LLaMA at torch.compile activation budgets below the
+configured one, which `ActivationCheckpointing(budget=)` plans with (`_checkpointing/compiled.py`), and
+three byte budgets below the compiled LLaMA's step planned so, each plan's peak against its real step.
 
     python benchmarks/bench_compiled_estimate.py            # the table (docs/models.md)
     python benchmarks/bench_compiled_estimate.py llama bert # some rows
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_compiled import CNN
 from zoo import ZOO, zoo_batch
 
-from lightning_memkit import estimate_memory, measure
+from lightning_memkit import estimate_memory, measure, plan_checkpointing
 
 #: name -> (zoo model, batch size, sequence length)
 ROWS = {
@@ -41,6 +42,8 @@ ROWS = {
 }
 #: (batch size, sequence length, activation budget) of the zoo's LLaMA below the configured budget
 BUDGETS = ((8, 32, 0.5), (8, 32, 0.3), (8, 32, 0.1), (1, 256, 0.984), (1, 256, 0.5))
+#: byte budgets planned for the zoo's compiled LLaMA (batch 8 x 32), as shares of its compiled step's peak
+PLANNED = (0.95, 0.78, 0.7)
 
 
 class _Loss(nn.Module):
@@ -115,6 +118,30 @@ def budget_row(batch_size: int, seq_len: int, budget: float) -> str:
     return f"| {batch_size} x {seq_len} | {budget:g} | {real:,} | {estimate / real - 1:+.3%} |"
 
 
+def plan_row(share: float) -> str:
+    """`plan_checkpointing` for a byte budget below the compiled step: the activation budget it sets, the
+    step it plans, and the real step run with that activation budget."""
+    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.fx_graph_cache = False
+    compiled, batch, _ = _model("llama", 8, 32)
+    loss = lambda out, _: out  # noqa: E731 - the module returns its loss
+    full = _estimate(compiled, batch)
+    budget = int(full * share)
+    try:
+        plan = plan_checkpointing(
+            compiled, (batch, None), budget, optimizer="adamw", loss_fn=loss, device="cpu"
+        )
+    except ValueError as refused:  # below every activation budget's step
+        return f"| {share:g} x {full:,} = {budget:,} | refused: {str(refused)[:60]}... | | | |"
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=plan.compile_budget or 1.0):
+        real = _real(compiled, batch)
+    return (
+        f"| {share:g} x {full:,} = {budget:,} | {plan.compile_budget} | {plan.peak:,} | {real:,} | "
+        f"{plan.peak / real - 1:+.3%} |"
+    )
+
+
 def main(names: list[str]) -> None:
     lines = ["| model | batch | real peak (B) | estimate | eager simulation |", "|---|---:|---:|---:|---:|"]
     for name in names:
@@ -128,6 +155,14 @@ def main(names: list[str]) -> None:
         ]
         for args in BUDGETS:
             lines.append(budget_row(*args))
+            print(lines[-1], file=sys.stderr, flush=True)
+        lines += [
+            "",
+            "| byte budget (B) | activation budget planned | planned peak (B) | real peak (B) | plan |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for share in PLANNED:
+            lines.append(plan_row(share))
             print(lines[-1], file=sys.stderr, flush=True)
     print("\n".join(lines))
 

@@ -79,6 +79,12 @@ class MemoryBreakdown:
         """The five categories and ``peak``, in bytes."""
         return {**asdict(self), "peak": self.peak}
 
+    def in_words(self) -> str:
+        """The five categories in a sentence: ``"parameters 1.00 MiB, gradients ..., temporary 12 KiB"``."""
+        return ", ".join(
+            f"{name.replace('_', ' ')} {format_bytes(getattr(self, name))}" for name in CATEGORIES
+        )
+
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
         if not isinstance(other, MemoryBreakdown):
             return NotImplemented

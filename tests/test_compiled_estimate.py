@@ -16,7 +16,7 @@ from torch import nn
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import ActivationCheckpointing, AutoFit, estimate_memory, plan_checkpointing
-from lightning_memkit._checkpointing.policies import applied_modes
+from lightning_memkit._checkpointing.policies import CheckpointPlan, applied_modes
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
@@ -149,20 +149,65 @@ def test_a_block_given_an_object_it_changes_is_simulated_eagerly_not_traced():
     assert compiled == eager
 
 
-def test_a_graph_that_cannot_run_as_inductor_lays_it_out_is_simulated_eagerly():
-    """Convolutions run channels-last; a max-pool's backward views its channels-last gradient as contiguous
-    inside its own decomposition: found when the trace runs both graphs once, before the step."""
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(16, 8, 3), nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(), nn.Linear(8, 10),
-    )  # fmt: skip
-    batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
-    with pytest.warns(UserWarning, match="simulates Sequential's compiled step eagerly"):
-        compiled = estimate_memory(
-            torch.compile(model), batch, optimizer="sgd", loss_fn=nn.functional.cross_entropy, device="cpu"
+@pytest.mark.slow  # the real step compiles (C++ kernels)
+def test_a_max_pool_between_channels_last_convolutions_is_simulated_compiled(recwarn):
+    """Convolutions run channels-last, and a max-pool's backward views its channels-last gradient inside
+    its own decomposition: inductor's generated code runs it as the compiled step does (an op-by-op
+    simulation of the graphs could not, and fell back to the eager step)."""
+    torch.manual_seed(0)
+    model = torch.compile(
+        nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(16, 8, 3), nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(), nn.Linear(8, 10),
         )
-    eager = estimate_memory(model, batch, optimizer="sgd", loss_fn=nn.functional.cross_entropy, device="cpu")
-    assert compiled == eager
+    )  # fmt: skip
+    images, labels = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    loss = nn.functional.cross_entropy
+    estimate = estimate_memory(model, (images, labels), optimizer="sgd", loss_fn=loss, device="cpu")
+    assert not [w for w in recwarn if "eagerly" in str(w.message)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        out = loss(model(images), labels)
+        optimizer.zero_grad()
+        out.backward()
+        optimizer.step()
+
+    # the profiler misses the images, which only a generated kernel reads (see the CNN's test)
+    real = [allocator_peak(step) for _ in range(3)][-1] + images.untyped_storage().nbytes()
+    assert abs(estimate.peak / real - 1) < 0.001, (estimate.peak, real)
+
+
+class _Twice(nn.Module):
+    """One compiled block called twice in the step (weights shared), its second call on the first's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.compile(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.block(x)))
+
+
+@pytest.mark.slow  # the real step compiles (C++ kernels)
+def test_a_compiled_block_called_twice_is_simulated_compiled():
+    """Its second call's trial run (before the step) once backpropagated into the first call's graph and
+    freed its saved tensors: the estimate crashed. Now within 3 % (2.2 % low: a buffer not found)."""
+    torch.manual_seed(0)
+    model, x, y = _Twice(), torch.randn(32, 64), torch.randint(0, 10, (32,))
+    loss = nn.functional.cross_entropy
+    estimate = estimate_memory(model, (x, y), optimizer="adamw", loss_fn=loss, device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        out = loss(model(x), y)
+        optimizer.zero_grad()
+        out.backward()
+        optimizer.step()
+
+    real = [allocator_peak(step) for _ in range(3)][-1]
+    assert abs(estimate.peak / real - 1) < 0.03, (estimate.peak, real)
 
 
 def test_a_sequential_compiled_in_place_runs_eagerly_and_is_simulated_so():
@@ -198,16 +243,30 @@ def test_the_compile_budget_lowers_the_estimate_and_is_given_back():
         estimate_memory(module, batch, device="cpu", compile_budget=1.5)
 
 
-def test_a_compiled_model_is_planned_only_where_its_step_fits():
-    """Below torch.compile's configured activation budget the compiled step is not simulated to the byte
-    (`_checkpointing.compiled`): a budget the step fits changes nothing, a lower one is refused with why."""
+def test_a_compiled_model_is_planned_with_torch_compiles_activation_budget():
+    """A budget the compiled step fits changes nothing; a lower one gets the highest activation budget, a
+    tenth at a time, whose simulated step fits it (not the lowest budget: the step's peak is not monotonic
+    in it); one below every budget's step is refused with the lowest and what else would fit."""
+    from lightning_memkit._checkpointing.compiled import BUDGETS
+
     module, batch = _compiled_zoo("llama", batch_size=8)
     full = estimate_memory(module, batch, device="cpu")
     roomy = plan_checkpointing(module, batch, full.peak, device="cpu")
-    assert not roomy.blocks and roomy.peak == full.peak and "nothing to change" in str(roomy)
-    with pytest.raises(ValueError, match="cannot be simulated") as refused:
-        plan_checkpointing(module, batch, full.peak - 1, device="cpu")
-    assert f"{full.peak:,} bytes" in str(refused.value) and "AutoFit" in str(refused.value)
+    assert not roomy.blocks and roomy.peak == full.peak and roomy.compile_budget is None
+    assert "nothing to change" in str(roomy)
+
+    peaks = {b: estimate_memory(module, batch, device="cpu", compile_budget=b).peak for b in BUDGETS}
+    limit = full.peak - 1
+    tight = plan_checkpointing(module, batch, limit, device="cpu")
+    assert tight.compile_budget == max(b for b, peak in peaks.items() if peak <= limit)
+    assert tight.peak == peaks[tight.compile_budget] and tight.peak_none == full.peak and not tight.blocks
+    assert f"activation_memory_budget = {tight.compile_budget:g}" in str(tight)
+    assert CheckpointPlan.from_dict(tight.as_dict()) == tight
+
+    lowest = min(peaks.values())
+    with pytest.raises(ValueError, match="below every compiled step") as refused:
+        plan_checkpointing(module, batch, lowest - 1, device="cpu")
+    assert f"{lowest:,} bytes" in str(refused.value) and "AutoFit" in str(refused.value)
 
 
 @pytest.mark.slow
@@ -226,9 +285,29 @@ def test_a_model_compiled_in_configure_model_is_planned_compiled(tmp_path):
     assert callback.plan is not None and not callback.plan.blocks and not applied_modes(module)
     assert max(peaks.peaks[1:]) <= budget, (peaks.peaks, budget)
 
-    tight = ActivationCheckpointing(budget=int(compiled * 0.9))
-    with pytest.raises(ValueError, match="below the compiled model's step"):
-        cpu_trainer(tmp_path, max_steps=1, callbacks=[tight]).fit(ZooModule("compiled_llama", batch_size=8))
+
+@pytest.mark.slow
+def test_a_budget_below_the_compiled_step_is_met_through_the_activation_budget(tmp_path):
+    """Below the compiled step's peak, ActivationCheckpointing sets torch.compile's activation budget for
+    the fit (before the training graph is compiled) and gives it back at the end: every real step peaks
+    at the plan's figure, under the budget."""
+    from torch._functorch import config
+
+    probe, batch = _compiled_zoo("llama", batch_size=8)
+    compiled = estimate_memory(probe, batch, device="cpu").peak
+    budget = int(compiled * 0.9)
+    callback, peaks = ActivationCheckpointing(budget=budget), AllocatorPeaks()
+    before = config.activation_memory_budget
+    trainer = cpu_trainer(tmp_path, max_steps=3, callbacks=peaks.around(callback))
+    trainer.fit(ZooModule("compiled_llama", batch_size=8))
+    plan = callback.plan
+    assert plan is not None and not plan.blocks and plan.compile_budget is not None
+    assert plan.compile_budget < 1
+    assert config.activation_memory_budget == before
+    assert max(peaks.peaks[1:]) <= budget, (peaks.peaks, budget)
+    # the profiler misses the batch, which only generated kernels read (the module docstring)
+    real = peaks.peaks[-1] + sum(t.untyped_storage().nbytes() for t in batch.values())
+    assert real == pytest.approx(plan.peak, rel=1e-3), (real, plan.peak)
 
 
 @pytest.mark.slow

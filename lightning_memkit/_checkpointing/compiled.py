@@ -1,27 +1,24 @@
-"""Checkpointing a compiled model: planned only where it changes nothing (`plan_compiled`).
+"""Checkpointing a compiled model: torch.compile's own activation budget, searched (`plan_compiled`).
 
 Inside a compiled model, what is kept from the forward to the backward is decided by AOTAutograd's min-cut
 partitioner, not by eager autograd: it already recomputes cheap pointwise ops instead of saving them, and
 ``torch._functorch.config.activation_memory_budget`` (1.0 by default) lets it trade more, across the whole
 graph. Measured earlier on Hugging Face BERT and GPT-2 (issue 26), that budget kept 0.717 / 0.732 of the
 activations at +11 % / +0.1 % time where eager block checkpointing kept 0.744 / 0.769 at +16 % / +1.6 %:
-the lever a compiled model should be planned with.
+the lever a compiled model is planned with. Eager checkpoint wrappers inside a compiled module are traced
+by dynamo into the same partitioner, which the simulation does not follow, so they are not planned.
 
-The simulation of a compiled step (`_estimating.compiled`) follows it exactly at the configured budget
-(within 0.15 % of the CPU allocator on seven of the zoo's families), but not below it. There the partitioner
-moves recomputation into the backward, and inductor's scheduler allocates the recomputed buffers earlier
-than any order of the backward graph does (it fuses kernels that read the same tensors: every layer's
-attention mask is materialized together). The zoo's LLaMA, against the allocator: batch 8, 32 tokens,
-budgets 0.5 / 0.3 / 0.1: -2.8 / -5.0 / -4.2 %; batch 1, 256 tokens, budgets 0.984 / 0.5: -8.9 / -21.8 %
-(and still -3.4 / -17.0 % with every op of the backward counted unfused). A plan resting on those bytes
-could exceed its budget, so none is made: `plan_compiled` keeps the configured budget where the compiled
-step fits, and otherwise refuses the budget, saying by how much the step is over and what fits instead.
-Eager checkpoint wrappers inside a compiled module are traced by dynamo into the same partitioner, which
-the simulation cannot follow either.
+The simulation of a compiled step (`_estimating.compiled`) runs the code inductor generates for each budget,
+its kernels stubbed, so it follows the partitioner's choice and inductor's schedule at any budget (the zoo's
+LLaMA at budgets 0.984 to 0.1: to the byte of the CPU allocator, `benchmarks/bench_compiled_estimate.py`).
+The step's peak is not monotonic in the budget (recomputation allocated in the backward can outweigh what
+the forward no longer saves), so the budgets are tried from the configured one down, a tenth at a time, and
+the first whose step fits is the plan: the least recomputation that fits.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -33,28 +30,46 @@ from lightning_memkit._step import Step
 
 __all__ = ["plan_compiled"]
 
+log = logging.getLogger(__name__)
+
+
+#: torch.compile activation budgets tried below the configured one, highest first
+BUDGETS = tuple(round(0.1 * i, 1) for i in range(9, -1, -1))
+
 
 def plan_compiled(model: nn.Module, batch: Any, limit: int, step: Step, **run: Any) -> CheckpointPlan:
-    """A compiled model's checkpointing plan for ``limit`` bytes: no block checkpointed, torch.compile's
-    activation budget as configured, where its simulated step fits; a `ValueError` saying why not
-    otherwise. ``run``: `estimate_memory`'s ``optimizer``, ``loss_fn`` and ``device``."""
+    """A compiled model's checkpointing plan for ``limit`` bytes: no block checkpointed, and torch.compile's
+    activation budget as configured where its simulated step fits, otherwise the highest of `BUDGETS` below
+    it whose step fits; a `ValueError` saying why where none does. ``run``: `estimate_memory`'s
+    ``optimizer``, ``loss_fn`` and ``device``."""
+    from torch._functorch import config
+
+    configured = step.compile_budget if step.compile_budget is not None else config.activation_memory_budget
     bare = {name: "none" for name in applied_modes(model)}  # the eager checkpointing left on it goes
     with apply_plan(model, bare, announce=False):
-        breakdown = estimate_step(model, batch, step, **run)
-    if breakdown.peak > limit:
-        b = breakdown
-        raise ValueError(
-            f"The budget of {format_bytes(limit)} ({limit:,} bytes) is below the compiled model's step: "
-            f"{format_bytes(b.peak)} ({b.peak:,} bytes; parameters {format_bytes(b.parameters)}, gradients "
-            f"{format_bytes(b.gradients)}, optimizer state {format_bytes(b.optimizer_state)}, activations "
-            f"{format_bytes(b.activations)}, temporary {format_bytes(b.temporary)}). In a compiled model "
-            "what the backward keeps is torch.compile's partitioner's choice: a lower "
-            "torch._functorch.config.activation_memory_budget keeps less, but its step cannot be simulated "
-            "to the byte (inductor's backward schedule reads up to 22 % higher), so no plan is made on it. "
-            "To fit: AutoFit (a smaller micro-batch with accumulation, a lighter optimizer), a lower "
-            "precision; or set activation_memory_budget yourself and measure the step with MemoryMonitor; or "
-            "plan checkpointing for the model before compiling it."
-        )
-    return CheckpointPlan(
-        blocks=(), budget=limit, peak=breakdown.peak, peak_none=breakdown.peak, breakdown=breakdown
+        first = estimate_step(model, batch, step, **run)
+        if first.peak <= limit:
+            return CheckpointPlan(
+                blocks=(), budget=limit, peak=first.peak, peak_none=first.peak, breakdown=first
+            )
+        tried = {configured: first}
+        for budget in (b for b in BUDGETS if b < configured):
+            tried[budget] = breakdown = estimate_step(model, batch, step.but(compile_budget=budget), **run)
+            log.info(
+                "The compiled step at torch.compile's activation_memory_budget=%g peaks at %s (budget %s).",
+                budget, format_bytes(breakdown.peak), format_bytes(limit),
+            )  # fmt: skip
+            if breakdown.peak <= limit:
+                return CheckpointPlan(
+                    blocks=(), budget=limit, peak=breakdown.peak, peak_none=first.peak, breakdown=breakdown,
+                    compile_budget=budget,
+                )  # fmt: skip
+    lowest = min(tried, key=lambda b: tried[b].peak)
+    b = tried[lowest]
+    raise ValueError(
+        f"The budget of {format_bytes(limit)} ({limit:,} bytes) is below every compiled step torch.compile's "
+        f"activation_memory_budget gives this model: the lowest peaks at {format_bytes(b.peak)} ({b.peak:,} "
+        f"bytes, at activation_memory_budget={lowest:g}: {b.in_words()}); as configured "
+        f"({configured:g}) it peaks at {format_bytes(first.peak)}. To fit: AutoFit (a smaller micro-batch "
+        "with accumulation, a lighter optimizer), a lower precision, or a larger budget."
     )

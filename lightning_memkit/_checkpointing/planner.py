@@ -190,16 +190,18 @@ def plan_checkpointing(
             (the blocks' costs are profiled on one device, every plan's step simulated sharded).
 
     A model with compiled modules (``torch.compile(module)``, ``module.compile()``) is simulated compiled
-    (`_estimating.compiled`): where its step fits the plan checkpoints nothing; otherwise the budget is
-    refused with the reason (`_checkpointing.compiled`: below torch.compile's configured activation budget
-    the compiled step cannot be simulated to the byte).
+    (`_estimating.compiled`) and planned with torch.compile's own lever, its partitioner's
+    ``activation_memory_budget`` (`_checkpointing.compiled`): as configured where its step fits, otherwise
+    the highest budget below it, a tenth at a time, whose step fits; the plan names it, and applying the
+    plan sets it.
 
     Returns:
         A `CheckpointPlan`; ``print(plan)`` shows it as a table. Apply it with `apply_checkpointing`.
 
     Raises:
         ValueError: no candidate blocks; or a budget below the peak of full checkpointing (the message
-            gives that floor and what else would lower it), or a compiled model's step.
+            gives that floor and what else would lower it), or below every compiled step the activation
+            budgets give.
     """
     limit = None if budget is None else parse_budget(budget)  # a bad budget fails before any simulation
     if limit is not None and compiled_modules(model):
@@ -496,10 +498,8 @@ def _floor_message(limit: int, floor: MemoryBreakdown, mode: str, n: int, peak_n
     return (
         f"The budget of {format_bytes(limit)} ({limit:,} bytes) is below what activation checkpointing can "
         f"reach: {mode} checkpointing of all {n} blocks peaks at {format_bytes(floor.peak)} "
-        f"({floor.peak:,} bytes; {format_bytes(peak_none)} without checkpointing). At that peak: parameters "
-        f"{format_bytes(floor.parameters)}, gradients {format_bytes(floor.gradients)}, optimizer state "
-        f"{format_bytes(floor.optimizer_state)}, activations {format_bytes(floor.activations)}, temporary "
-        f"{format_bytes(floor.temporary)}. To go lower, shrink what checkpointing cannot: a smaller "
+        f"({floor.peak:,} bytes; {format_bytes(peak_none)} without checkpointing). At that peak: "
+        f"{floor.in_words()}. To go lower, shrink what checkpointing cannot: a smaller "
         "micro-batch (with gradient accumulation to keep the effective batch), a lighter optimizer "
         f"(8-bit AdamW, Adafactor, SGD), or lower precision (bf16-true);{hint} or raise the budget."
     )

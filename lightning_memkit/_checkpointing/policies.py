@@ -290,6 +290,8 @@ class CheckpointHandle:
         self._undo: list[tuple[nn.Module, Any]] = []
         #: Hugging Face configs whose ``use_cache`` this handle turned off, with the value it had.
         self._configs: list[tuple[Any, Any]] = []
+        #: torch.compile's activation budget before this handle set it (a compiled model's plan)
+        self._compile_budget: float | None = None
 
     def _set(self, module: nn.Module, checkpointer: Any) -> bool:
         """Give ``module`` ``checkpointer``'s mode; returns whether it is now checkpointed by this handle."""
@@ -326,8 +328,29 @@ class CheckpointHandle:
         if configs and announce:
             _announce_cache_off(configs)
 
+    def _set_compile_budget(self, budget: float) -> None:
+        """Set torch.compile's activation budget; where that changes it, forget what dynamo compiled
+        (``torch.compiler.reset()``): a graph compiled under the old one (this model's class, compiled
+        earlier in the process) would otherwise be reused as it is."""
+        from torch._functorch import config
+
+        self._compile_budget = config.activation_memory_budget
+        if budget != self._compile_budget:
+            config.activation_memory_budget = budget
+            torch.compiler.reset()
+
+    def restore_compile_budget(self) -> None:
+        """Put torch.compile's activation budget back as it was before this handle set it (a compiled
+        model's plan); the blocks stay as they are."""
+        if self._compile_budget is not None:
+            from torch._functorch import config
+
+            config.activation_memory_budget, self._compile_budget = self._compile_budget, None
+
     def remove(self) -> None:
-        """Put every patched ``forward`` and every ``use_cache`` back as it was, in reverse order."""
+        """Put every patched ``forward``, every ``use_cache`` and torch.compile's activation budget back as
+        they were, in reverse order."""
+        self.restore_compile_budget()
         for config, previous in reversed(self._configs):
             config.use_cache = previous
             _CACHE_TURNED_OFF.pop(id(config), None)
@@ -455,6 +478,8 @@ def apply_plan(
     """`apply_checkpointing`; ``announce=False`` for the planner's temporary plans (nothing logged)."""
     assignment = _assignment(model, plan, blocks)
     handle = CheckpointHandle()
+    if isinstance(plan, CheckpointPlan) and plan.compile_budget is not None:
+        handle._set_compile_budget(plan.compile_budget)
     checkpointed = False
     for module, mode in assignment:
         checkpointed |= handle._set(module, mode)
@@ -535,9 +560,13 @@ class CheckpointPlan:
         overhead: recompute cost as a fraction of the blocks' forward+backward cost (the rest of the step,
             embeddings, head, loss and optimizer, is not counted, so the share of the whole step is lower).
         cost: what ``overhead`` and the choice were measured in: ``"measured"`` (time) or ``"flops"``.
+        compile_budget: a compiled model's plan: the torch.compile ``activation_memory_budget`` it sets
+            (``torch._functorch.config``, for the whole process while the plan is applied), or ``None``:
+            as configured.
         breakdown: the simulated `MemoryBreakdown` of the step with the plan (not saved by `as_dict`).
 
-    A compiled model's plan (`_checkpointing.compiled`) has no blocks: its step fits as compiled.
+    A compiled model's plan (`_checkpointing.compiled`) has no blocks: its step fits as compiled, with
+    torch.compile's activation budget as configured or as ``compile_budget`` sets it.
     """
 
     blocks: tuple[BlockPlan, ...]
@@ -547,6 +576,7 @@ class CheckpointPlan:
     peak_full: int | None = None
     overhead: float | None = None
     cost: str | None = None
+    compile_budget: float | None = None
     breakdown: MemoryBreakdown | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -592,7 +622,7 @@ class CheckpointPlan:
             BlockPlan(**{"mode" if key == "policy" else key: value for key, value in b.items()})
             for b in data.get("blocks", ())
         )
-        keys = ("budget", "peak", "peak_none", "peak_full", "overhead", "cost")
+        keys = ("budget", "peak", "peak_none", "peak_full", "overhead", "cost", "compile_budget")
         return cls(blocks=blocks, **{k: data.get(k) for k in keys})
 
     def __str__(self) -> str:
@@ -631,9 +661,17 @@ class CheckpointPlan:
         """A compiled model's plan (`_checkpointing.compiled`): no block checkpointed."""
         assert self.peak is not None
         budget = f", budget {format_bytes(self.budget)}" if self.budget is not None else ""
+        head = f"Activation checkpointing plan (compiled model{budget}): "
+        if self.compile_budget is None:
+            return (
+                f"{head}nothing to change; the compiled step peaks at {format_bytes(self.peak)} with "
+                "torch.compile's activation_memory_budget as configured"
+            )
+        configured = f" ({format_bytes(self.peak_none)} as configured)" if self.peak_none is not None else ""
         return (
-            f"Activation checkpointing plan (compiled model{budget}): nothing to change; the compiled step "
-            f"peaks at {format_bytes(self.peak)} with torch.compile's activation_memory_budget as configured"
+            f"{head}torch.compile's activation_memory_budget = {self.compile_budget:g}, the highest that "
+            "fits (its partitioner recomputes in the backward what it no longer saves): the compiled step "
+            f"peaks at {format_bytes(self.peak)}{configured}"
         )
 
 

@@ -102,11 +102,7 @@ class Advice:
         head = (
             f"Step peak {format_bytes(self.breakdown.peak)}{f' ({self.scope})' if self.scope else ''}, "
             f"reached in the {self.peak_phase} "
-            f"(parameters {format_bytes(self.breakdown.parameters)}, gradients "
-            f"{format_bytes(self.breakdown.gradients)}, optimizer state "
-            f"{format_bytes(self.breakdown.optimizer_state)}, activations "
-            f"{format_bytes(self.breakdown.activations)}, temporary "
-            f"{format_bytes(self.breakdown.temporary)})."
+            f"({self.breakdown.in_words()})."
         )
         if not self.findings:
             return f"{head}\nNo waste found: every byte at the peak is needed by the step as configured."

@@ -11,46 +11,37 @@ While a simulation runs, each compiled module (``torch.compile(module)``, or ``m
 called as inductor would run it: its forward and backward are traced with inductor's decompositions and
 joint-graph passes (on the simulation's fake tensors, with ``torch.compiler.is_compiling()`` true, as code
 sees it under dynamo), partitioned by the same partitioner (the module's parameters and buffers as static
-inputs, as dynamo marks them), and the two graphs are then run op by op under the simulation's tracker, as
-inductor's generated code would allocate:
+inputs, as dynamo marks them), and inductor generates the code of each graph (``compile_fx_inner``: its
+post-grad passes, lowering, fusion, layout choices, memory reordering and buffer reuse), stopped before
+its kernels are compiled. That code is then run on the simulation's tensors with every generated kernel
+stubbed (`_load`): it allocates, reuses (``buf2 = reinterpret_tensor(mm_13, ...); del mm_13  # reuse``)
+and frees each buffer as the compiled step does, through the dispatcher where the tracker sees it, and its
+fallback ops (matmuls, attention, convolutions) run as the step's own, their kernels' hidden buffers
+counted as for an eager op. As dynamo arranges it, the backward's saved tensors take the strides the
+forward's code gives them (channels-last where inductor lays convolutions out so), and a tracing context
+tells inductor which of them it may write over.
 
-* a lazily lowered op (pointwise, a copy, a cat, a gather...) whose every consumer is another one or a
-  reduction is fused into it: its output is never counted, and what it reads lives until the kernel that
-  computes its consumers has run;
-* a kernel writes its output over an input of the same size and layout that dies there and that nothing
-  else reads through a view (``buf15 = relu; del relu  # reuse``); the backward's saved tensors may be
-  written over, its gradients of the outputs and the forward's inputs may not;
-* a kernel that reads a buffer an earlier kernel reads, once its inputs are computed, runs with it
-  (horizontal fusion: in a backward that recomputes, the recomputation and the gradients that read the
-  same tensors are allocated together);
-* convolutions run channels-last where inductor's layout optimization says so (always on a CPU with
-  oneDNN): their images and weights are copied, and the saved tensors are the copies;
-* the graph's inputs are freed after their last use (boxed, as inductor's ``call(args)`` clears them),
-  and tensors in the outputs' other objects (a key-value cache) are outputs too, whose gradients the
-  backward materializes as zeros.
+Measured against the CPU allocator, steady step (`benchmarks/bench_compiled_estimate.py`,
+tests/test_compiled_estimate.py): to the byte on the zoo's LLaMA, Qwen2, GPT-NeoX, T5, Whisper, BERT and a
+compiled CNN, ViT +0.02 %, GPT-2 +2.7 % (not found); the zoo's LLaMA at activation budgets 0.984 to 0.1, to
+the byte (`_checkpointing.compiled` plans with them).
 
-Measured against the CPU allocator, steady step (`benchmarks/bench_zoo.py`, tests/test_compiled_estimate.py):
-within 0.15 % on the zoo's LLaMA, Qwen2, GPT-NeoX, T5, Whisper and BERT and a compiled CNN; ViT +1.1 %,
-GPT-2 +2.6 %. Below the configured activation budget it reads 3 to 22 % low (`_checkpointing.compiled`):
-inductor allocates the backward's recomputation earlier than the horizontal fusion modelled here.
-
-This is close to inductor's scheduler, not equal to it (its ``reorder_for_peak_memory`` reorders the
-backward's kernels to lower the peak, which the simulation does not: a model with some parameters frozen
-read 8 % high; one compiled module called twice in a step read 4.4 % low, a buffer of its hidden size not
-found), and the traced graph is the whole module's: where dynamo breaks the graph (code it cannot
-trace), the real step is partitioned at the break, which the simulation does not see. A module whose
-``compile()`` was called but whose ``forward`` is torch.nn's (``nn.Sequential``) runs eagerly, as dynamo
-skips it (a user-defined forward below it, which dynamo would compile on its own, is simulated eagerly
-too). A module compiled with another backend is simulated eagerly; so, with a warning, is one whose
-forward cannot be traced whole (a value read to branch on, a data-dependent shape: a mixture of experts'
-routing; a view of a channels-last tensor inside a kernel's own decomposition), that holds eager
-checkpoint wrappers (dynamo traces those into the partitioner, which this tracing cannot), or that is
-given an object its forward may change (a key-value cache passed to a block compiled on its own: dynamo
-replays the change, the simulation cannot).
+The traced graph is the whole module's: where dynamo breaks the graph (code it cannot trace), the real
+step is partitioned at the break, which the simulation does not see. A module whose ``compile()`` was
+called but whose ``forward`` is torch.nn's (``nn.Sequential``) runs eagerly, as dynamo skips it (a
+user-defined forward below it, which dynamo would compile on its own, is simulated eagerly too). A module
+compiled with another backend is simulated eagerly; so, with a warning, is one whose forward cannot be
+traced whole (a value read to branch on, a data-dependent shape: a mixture of experts' routing) or whose
+code inductor cannot generate here, that holds eager checkpoint wrappers (dynamo traces those into the
+partitioner, which this tracing cannot), or that is given an object its forward may change (a key-value
+cache passed to a block compiled on its own: dynamo replays the change, the simulation cannot). The code
+generated is the CPU's (the simulation's tensors are): on CUDA inductor fuses into Triton kernels whose
+buffers can differ.
 
 The tracing runs with no dispatch mode of the simulation's (nor its saved-tensor hooks) and through no
-dynamo frame: nothing is compiled, cached or skipped for the real run. Private torch API (AOTAutograd, its
-partitioner, inductor's decomposition table, joint-graph passes and layout decision) is used here only.
+dynamo frame: nothing is compiled, cached or skipped for the real run (inductor's code cache and FX graph
+cache are not written). Private torch API (AOTAutograd, its partitioner, inductor's decomposition table,
+joint-graph passes, ``compile_fx_inner`` and the layout of its generated code) is used here only.
 """
 
 from __future__ import annotations
@@ -60,59 +51,19 @@ import copy
 import functools
 import inspect
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import (
-    _disable_current_modes,
-    _get_current_dispatch_mode_stack,
-    _pop_mode_temporarily,
-)
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memkit._measuring.tracker import Tracker
 
 __all__ = ["compiled_as_inductor", "compiled_modules"]
-
-# Convolutions, and how many of their leading arguments inductor gives them channels-last.
-_CONVOLUTIONS = {
-    torch.ops.aten.convolution.default: 2,  # input, weight
-    torch.ops.aten.convolution_backward.default: 3,  # grad_output, input, weight
-}
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-_REDUCTIONS = {
-    torch.ops.aten.sum.dim_IntList,
-    torch.ops.aten.sum.default,
-    torch.ops.aten.mean.dim,
-    torch.ops.aten.mean.default,
-    torch.ops.aten.amax.default,
-    torch.ops.aten.amin.default,
-    torch.ops.aten.var_mean.correction,
-    torch.ops.aten.var.correction,
-    torch.ops.aten.prod.dim_int,
-    torch.ops.aten.argmax.default,
-    torch.ops.aten.argmin.default,
-    torch.ops.aten.any.dim,
-    torch.ops.aten.all.dim,
-}
-# Ops inductor lowers as lazy index arithmetic (fused into their consumers) that torch does not tag pointwise.
-_LAZY = {
-    torch.ops.aten.clone.default,
-    torch.ops.aten._to_copy.default,
-    torch.ops.prims.convert_element_type.default,
-    torch.ops.aten.slice_scatter.default,
-    torch.ops.aten.select_scatter.default,
-    torch.ops.aten.cat.default,
-    torch.ops.aten.constant_pad_nd.default,
-    torch.ops.aten.index.Tensor,
-    torch.ops.aten.gather.default,
-    torch.ops.aten.full.default,
-    torch.ops.prims.iota.default,
-    torch.ops.aten.repeat.default,
-}
 
 
 def _skipped(module: nn.Module) -> bool:
@@ -257,10 +208,11 @@ class _Partitioned:
             )
             return outputs.split(out)
 
+        strides: dict[str, tuple] = {}
         fn = aot_function(
             flat,
-            fw_compiler=functools.partial(_fused, forward=True),
-            bw_compiler=functools.partial(_fused, forward=False),
+            fw_compiler=functools.partial(_generated, forward=True, strides=strides),
+            bw_compiler=functools.partial(_generated, forward=False, strides=strides),
             partition_fn=functools.partial(_partition, parameters=len(names)),
             decompositions=_decompositions(),
         )
@@ -269,10 +221,14 @@ class _Partitioned:
             return outputs.join(fn(state, inputs))
 
         try:
-            with _alone(), _compiling(), _functorch_config(self.budget), self._uncompiled():
+            # the inputs cut from the step's graph: the trial's backward must stop at them (an input made
+            # by an earlier call of this module would otherwise be backpropagated through, its saved
+            # tensors freed before the step's own backward)
+            state = self._state()
+            inputs = [leaves[i].detach().requires_grad_(leaves[i].requires_grad) for i in tensors]
+            with _alone(), _compiling(), _functorch_config(self.budget), self._uncompiled(), _tracing(state):
                 # traces and partitions, and runs both graphs once (the results dropped), so that what
                 # cannot run is known before the step does
-                state, inputs = self._state(), [leaves[i] for i in tensors]
                 outs = [t for t in fn(state, inputs) if t.requires_grad]
                 wrt = [t for t in (*state, *inputs) if t.requires_grad]
                 if outs and wrt:  # no .grad is written
@@ -406,6 +362,15 @@ def _functorch_config(budget: float | None) -> Iterator[None]:
         yield
 
 
+def _tracing(tensors: list[Tensor]) -> contextlib.AbstractContextManager:
+    """A tracing context, as dynamo gives AOTAutograd and inductor: AOTAutograd records in it which of the
+    backward's saved tensors no output aliases, and inductor then writes buffers over them as they die
+    (``buf2 = reinterpret_tensor(mm_13, ...); del mm_13  # reuse``)."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+
+    return tracing(TracingContext(detect_fake_mode(tensors)))
+
+
 @contextlib.contextmanager
 def _compiling() -> Iterator[None]:
     """``torch.compiler.is_compiling()`` true, as the module's code sees it while dynamo traces it."""
@@ -420,23 +385,6 @@ def _compiling() -> Iterator[None]:
 def _tracker() -> Tracker | None:
     stack = _get_current_dispatch_mode_stack()
     return stack[-1] if stack and isinstance(stack[-1], Tracker) else None
-
-
-@contextlib.contextmanager
-def _untracked() -> Iterator[Tracker | None]:
-    """The innermost dispatch mode, where it is a tracker, left out while inside, and its saved-tensor
-    hooks with it (innermost hooks win)."""
-    tracker = _tracker()
-    if tracker is None:
-        yield None
-        return
-    # torch's own entry point: the tracker reports a ``saved_tensors_hooks`` pushed while it watches
-    torch._C._autograd._push_saved_tensors_default_hooks(_same, _same)
-    try:
-        with _pop_mode_temporarily():
-            yield tracker
-    finally:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 def _same(t: Any) -> Any:
@@ -455,237 +403,154 @@ def _alone() -> Iterator[None]:
         torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
-def _fused(graph: torch.fx.GraphModule, example_inputs: Any, *, forward: bool) -> Callable[[list], Any]:
-    """A "compiler" that runs ``graph`` op by op, counting only what inductor would allocate, each value
-    kept until the last kernel that reads it, and a kernel's output written over an input that dies there."""
-    inlined = _inlined(graph.graph)
-    _fuse_horizontally(graph.graph, inlined)
-    last_uses = _last_uses(graph.graph, inlined)
-    donors = _donors(graph.graph, inlined, last_uses, forward)
-    channels_last = _channels_last(graph)
+def _generated(
+    graph: torch.fx.GraphModule, example_inputs: Sequence[Any], *, forward: bool, strides: dict[str, tuple]
+) -> Callable[[list], Any]:
+    """A "compiler" that has inductor generate ``graph``'s code (`_wrapper_code`) and returns its ``call``,
+    its kernels stubbed (`_load`): run on the simulation's fake tensors, it allocates, reuses and frees
+    every buffer as the compiled step does, and its fallback ops run through the tracker as the step's own.
+    ``strides``: the forward's output strides by name, which the backward's saved tensors take (as
+    AOTAutograd restrides them from what inductor reports: channels-last convolutions save channels-last)."""
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
+    if not forward:
+        example_inputs = _restrided(placeholders, example_inputs, strides)
+    source, output_strides = _wrapper_code(graph, example_inputs, forward=forward)
+    if forward:
+        outputs = tree_flatten(graph.graph.find_nodes(op="output")[0].args)[0]
+        strides.clear()
+        strides.update(
+            (node.name, stride)
+            for node, stride in zip(outputs, output_strides, strict=True)
+            if isinstance(node, torch.fx.Node) and stride is not None
+        )
+    call = _load(source)
 
     def run(args: list) -> Any:
-        # Boxed: the inputs are taken from the caller's list, so each is freed after its last use (the
-        # saved tensors, through the backward), as inductor's code does.
-        env = dict(zip(placeholders, args, strict=True))
-        args.clear()
-        return _FusedInterpreter(graph, inlined, last_uses, donors, channels_last).run(initial_env=env)
+        tracker = _tracker()
+        if tracker is not None:
+            # inputs read only by generated kernels (stubbed: no op shows them) are live all the same
+            for t in args:
+                if isinstance(t, Tensor):
+                    tracker.record(t, preexisting=True)
+        # boxed: ``call`` clears ``args`` and frees each input after its last read, as compiled
+        with _faking(args):
+            return list(call(args))
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
 
 
-class _FusedInterpreter(torch.fx.Interpreter):
-    def __init__(
-        self,
-        graph: torch.fx.GraphModule,
-        inlined: set[torch.fx.Node],
-        last_uses: dict[torch.fx.Node, list],
-        donors: dict[torch.fx.Node, list[torch.fx.Node]],
-        channels_last: bool,
-    ) -> None:
-        super().__init__(graph, garbage_collect_values=True)
-        self.inlined = inlined
-        self.user_to_last_uses = last_uses
-        self.donors = donors
-        self.channels_last = channels_last
+def _faking(inputs: Sequence[Any]) -> contextlib.AbstractContextManager:
+    """The inputs' fake mode, entered where none is (the trial run in `_Partitioned._trace`, outside the
+    simulation): the code's buffers must be fake tensors too, never memory."""
+    from torch._guards import detect_fake_mode
 
-    def run_node(self, n: torch.fx.Node) -> Any:
-        if self.channels_last and n.target in _CONVOLUTIONS:
-            self._to_channels_last(n.args[: _CONVOLUTIONS[n.target]])
-        if self.channels_last and n.target in _VIEWS:  # a channels-last tensor viewed as contiguous
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            if not args[0].is_contiguous():
-                return torch.ops.aten.reshape.default(*args, **kwargs)
-        if n not in self.inlined and n not in self.donors:
-            return super().run_node(n)
-        with _untracked() as tracker:
-            out = super().run_node(n)
-        if tracker is None:
-            return out
-        if n in self.inlined:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, Tensor):
-                    tracker.ignore(t)
-            return out
-        donor = next((d for d in map(self.env.get, self.donors[n]) if _fits(d, out)), None)
-        if donor is not None:
-            tracker.reused(donor, out)
-        else:
-            tracker.on_compiled_buffer(out)
-        return out
-
-    def _to_channels_last(self, args: Sequence[Any]) -> None:
-        """A convolution's tensors as inductor gives them to it: copied channels-last (once: later readers,
-        the saved tensors among them, read the copy)."""
-        for arg in args:
-            if not isinstance(arg, torch.fx.Node):
-                continue
-            t = self.env.get(arg)
-            if (
-                isinstance(t, Tensor)
-                and t.dim() == 4
-                and not t.is_contiguous(memory_format=torch.channels_last)
-            ):
-                self.env[arg] = t.contiguous(memory_format=torch.channels_last)
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return contextlib.nullcontext()
+    mode = detect_fake_mode(inputs)
+    if mode is None:
+        raise RuntimeError("inductor's code is run on fake tensors only")
+    return mode
 
 
-def _donors(
-    graph: torch.fx.Graph, inlined: set[torch.fx.Node], last_uses: dict[torch.fx.Node, list], forward: bool
-) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """For each kernel inductor generates (a lazy node it realizes), the buffers it may write its output
-    over (``buf15 = relu; del relu  # reuse``): ones that die there and that nothing else reads, read by
-    pointwise ops only (one index, the output's), not through a view. The forward's inputs are the
-    caller's and the backward's gradients of the outputs are not donated; the tensors the forward saved
-    are."""
-    sinks = _sinks(graph, inlined)
-    order = {node: i for i, node in enumerate(graph.nodes)}
+def _restrided(placeholders: list[torch.fx.Node], inputs: Sequence[Any], strides: dict[str, tuple]) -> list:
+    from torch._guards import detect_fake_mode
 
-    def read_once(value: torch.fx.Node, node: torch.fx.Node) -> bool:
-        # every read of ``value`` is ``node``'s kernel's, or a kernel's that ran before it; none is a view
-        for user in value.users:
-            if _view(user):
-                return False
-            kernels = sinks[user] if user in inlined else [user]
-            if any(k is not node and order[k] > order[node] for k in kernels):
-                return False
-        return True
-
-    donors: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        if not _lazy(node) or node in inlined:
-            continue
-        candidates = []
-        for value in last_uses.get(node, ()):
-            if _view(value) or (value.op == "placeholder" and (forward or value.name.startswith("tangents"))):
-                continue
-            if read_once(value, node):
-                candidates.append(value)
-        if candidates:
-            donors[node] = candidates
-    return donors
+    mode = detect_fake_mode(inputs)
+    restrided = list(inputs)
+    for i, (node, t) in enumerate(zip(placeholders, inputs, strict=True)):
+        stride = strides.get(node.name)
+        if stride is not None and isinstance(t, Tensor) and tuple(t.stride()) != stride:
+            with mode:
+                restrided[i] = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    return restrided
 
 
-def _sinks(graph: torch.fx.Graph, inlined: set[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """For each fused (or view) node, the nodes whose kernels compute it: its realized consumers."""
-    sinks: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for node in reversed(graph.nodes):  # users come after, so their sinks are known
-        if node in inlined or _view(node):
-            found = [s for user in node.users for s in sinks.get(user, [user])] or [node]
-            sinks[node] = list(dict.fromkeys(found))
-    return sinks
+class _Generated(Exception):
+    """Inductor's code for a graph, caught before its kernels are compiled."""
 
 
-def _fits(donor: Any, out: Any) -> bool:
-    """Whether inductor would write ``out`` over ``donor``: the same bytes and dtype, element for element."""
-    return (
-        isinstance(donor, Tensor)
-        and isinstance(out, Tensor)
-        and not donor._is_view()
-        and donor.dtype == out.dtype
-        and donor.shape == out.shape
-        and donor.stride() == out.stride()
-        and donor.untyped_storage().nbytes() == out.untyped_storage().nbytes()
-    )
+def _wrapper_code(
+    graph: torch.fx.GraphModule, example_inputs: Sequence[Any], *, forward: bool
+) -> tuple[str, list[tuple | None]]:
+    """The Python code inductor generates for ``graph`` (``compile_fx_inner``: its post-grad passes,
+    lowering, scheduler, fusion, memory reordering and buffer reuse), and the strides of its outputs. Its
+    kernels are not compiled: the compile is stopped as it would load the code, and nothing is cached."""
+    from unittest import mock
 
-
-def _fuse_horizontally(graph: torch.fx.Graph, inlined: set[torch.fx.Node]) -> None:
-    """Reorder ``graph`` as inductor's scheduler groups its kernels: a later kernel that reads a buffer an
-    earlier one reads, and whose inputs are all computed by then, runs (and allocates its output) with it.
-    In a backward that recomputes part of the forward, inductor fuses the recomputation with the gradients
-    that read the same tensors, so buffers are born earlier than the graph's order has them."""
-
-    def reads(node: torch.fx.Node) -> tuple[set[torch.fx.Node], list[torch.fx.Node]]:
-        # the realized buffers a kernel reads, and the fused and view nodes it computes them through
-        realized: set[torch.fx.Node] = set()
-        through: list[torch.fx.Node] = []
-        stack = list(node._input_nodes)
-        while stack:
-            read = stack.pop()
-            if read in inlined or _view(read):
-                through.append(read)
-                stack += read._input_nodes
-            else:
-                realized.add(read)
-        return realized, through
-
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    kernels = [n for n in graph.nodes if _lazy(n) and n not in inlined]
-    read = {k: reads(k) for k in kernels}
-    done: set[torch.fx.Node] = set()
-    for node in list(graph.nodes):
-        done.add(node)
-        if node not in read:
-            continue
-        anchor, shared = node, set(read[node][0])
-        for other in kernels:
-            if other in done or not (read[other][0] & shared) or not read[other][0] <= done:
-                continue
-            shared |= read[other][0]
-            for moved in sorted({*read[other][1], other} - done, key=order.__getitem__):
-                anchor.append(moved)
-                anchor = moved
-                done.add(moved)
-
-
-def _channels_last(graph: torch.fx.GraphModule) -> bool:
-    """Whether inductor runs ``graph``'s convolutions channels-last (its layout optimization: always on a
-    CPU with oneDNN)."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
 
-    return GraphLowering.decide_layout_opt(graph, is_inference=False)
+    caller, found = threading.get_ident(), []
+    load = GraphLowering._compile_to_module_lines
 
+    def capture(lowering: GraphLowering, code: Any) -> Any:
+        if threading.get_ident() != caller:  # another thread's compile: not ours to stop
+            return load(lowering, code)
+        found.append((code.value, [_static_stride(out) for out in lowering.graph_outputs]))
+        raise _Generated
 
-def _last_uses(
-    graph: torch.fx.Graph, inlined: set[torch.fx.Node]
-) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """For each node, the values to free once it has run (`torch.fx.Interpreter`'s ``user_to_last_uses``):
-    a value read by a fused node is read by the kernel that computes the node's realized consumers, so it
-    lives until the last of them has run."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    sinks = _sinks(graph, inlined)
-    last: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in graph.nodes:
-        latest = max([node, *sinks.get(node, [])], key=order.__getitem__)
-        for value in node._input_nodes:
-            if value not in last or order[latest] > order[last[value]]:
-                last[value] = latest
-    uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for value, user in last.items():
-        uses.setdefault(user, []).append(value)
-    return uses
-
-
-def _lazy(node: torch.fx.Node) -> bool:
-    """Whether inductor lowers ``node`` lazily: computed where it is read, unless it must be realized."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    return torch.Tag.pointwise in target.tags or target in _LAZY
+    copied = copy.deepcopy(graph)  # the passes rewrite it
+    copied.graph.find_nodes(op="output")[0].meta["user_visible_output_idxs"] = []
+    try:
+        with (
+            mock.patch.object(GraphLowering, "_compile_to_module_lines", capture),
+            config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, compile_threads=1),
+            V.set_fake_mode(detect_fake_mode(example_inputs)),
+        ):
+            compile_fx_inner(copied, list(example_inputs), is_backward=not forward)
+    except Exception:  # inductor wraps what its passes raise (ours included)
+        if found:
+            return found[0]
+        raise
+    raise RuntimeError("inductor generated no code to load")
 
 
-def _view(node: torch.fx.Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view
+def _static_stride(node: Any) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(s) for s in node.get_layout().stride)
+    except Exception:  # no tensor (None, a symbolic shape)
+        return None
 
 
-def _consumers(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
-    """``node``'s users, looking through views."""
-    for user in node.users:
-        if _view(user):
-            yield from _consumers(user)
-        else:
-            yield user
+class _Stubbed:
+    """Inductor's ``AsyncCompile`` for generated code that is only run for its allocations: each kernel is
+    a function that does nothing (it writes into buffers the code allocated beforehand)."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name == "wait":
+            return lambda scope: None
+        return lambda *args, **kwargs: _nothing
 
 
-def _inlined(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The lazy nodes inductor fuses into their consumers: every consumer lazy or a reduction."""
-    inlined = set()
-    for node in graph.nodes:
-        if not _lazy(node):
-            continue
-        consumers = list(_consumers(node))
-        if consumers and all(_lazy(c) or c.target in _REDUCTIONS for c in consumers):
-            inlined.add(node)
-    return inlined
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _load(source: str) -> Callable[[list], Any]:
+    """``call`` of inductor's generated ``source``, its kernels stubbed (`_Stubbed`), its buffers allocated
+    through the dispatcher (``torch.empty_strided``: fake tensors, seen by the tracker) rather than by the
+    C++ fast paths the code binds."""
+    line = "async_compile = AsyncCompile()"
+    if line not in source:
+        raise RuntimeError(f"inductor's generated code has no {line!r} line to stub")
+    scope: dict[str, Any] = {"__name__": "lightning_memkit_inductor_code"}
+    scope["_stubbed"] = _Stubbed()
+    exec(compile(source.replace(line, "async_compile = _stubbed"), "<inductor code>", "exec"), scope)
+    for device in ("cpu", "cuda", "xpu", "mtia"):
+        scope[f"empty_strided_{device}"] = functools.partial(_empty_strided, device=device)
+    scope["empty_strided_cpu_pinned"] = scope["empty_strided_cpu"]
+    scope["reinterpret_tensor"] = _reinterpret
+    scope["assert_size_stride"] = scope["assert_alignment"] = _nothing
+    return scope["call"]
+
+
+def _empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, *, device: str) -> Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def _reinterpret(t: Tensor, size: Sequence[int], stride: Sequence[int], offset: int) -> Tensor:
+    return t.as_strided(size, stride, t.storage_offset() + offset)

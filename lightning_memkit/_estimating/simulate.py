@@ -716,10 +716,8 @@ def estimate_memory(
             ``module.compile()``, inductor's backend): torch.compile's ``activation_memory_budget`` to
             simulate, the share of the activations its partitioner may keep (0 to 1); ``None``: as
             configured (``torch._functorch.config``). Each such module's step is simulated as inductor runs
-            it (`_estimating.compiled`): what its partitioner saves between forward and backward, its fused
-            kernels' buffers; exactly at the configured budget, but below it the backward's recomputation
-            is allocated as inductor schedules it only in part (the zoo's LLaMA read 3 to 22 % low): what
-            the partitioner saves is right there, the peak a lower bound.
+            it (`_estimating.compiled`: the code inductor generates for it, run with its kernels stubbed),
+            at any budget.
         return_timeline: also return the step op by op, as a list of `TimelineEvent`.
 
     Returns:

@@ -872,13 +872,15 @@ def _checkpointable(model: nn.Module, modes: tuple[str, ...]) -> tuple[tuple[str
 
     Checkpointing applies to the repeated blocks `find_blocks` finds; a model with
     none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
-    allowed. Nor is a compiled model's (`_checkpointing.compiled`).
+    allowed. Nor is a compiled model's: its lever is torch.compile's activation budget, which
+    `_checkpointing.compiled` plans for ActivationCheckpointing and AutoFit does not search yet.
     """
     if modes != ("none",) and compiled_modules(model):
         return ("none",), (
             f"checkpointing not planned: {type(model).__name__} is compiled, and inside a compiled graph "
             "what is kept for backward is torch.compile's partitioner's choice (its "
-            "activation_memory_budget), which the simulation follows exactly only as configured"
+            "activation_memory_budget), which AutoFit does not search yet: ActivationCheckpointing(budget=) "
+            "alone plans it"
         )
     if modes == ("none",) or find_blocks(model):
         return modes, ""

@@ -744,16 +744,6 @@ class Tracker(TorchDispatchMode):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return self._hooks is not None and top is not None and top[0] is self._hooks[0]
 
-    def reused(self, donor: Tensor, t: Tensor) -> None:
-        """``t`` was written into ``donor``'s memory, which dies with this write (a simulated compiled
-        kernel's in-place reuse, `_estimating.compiled`): ``donor``'s bytes become ``t``'s, and no moment
-        holds both."""
-        key = id(donor.untyped_storage())
-        entry = self.live.pop(key, None)
-        if entry is not None:
-            self.current -= entry[1].nbytes
-        self.on_compiled_buffer(t)
-
     def on_compiled_buffer(self, t: Tensor) -> None:
         """A buffer torch.compile's generated code just allocated, where no op shows it (see
         `_compiled_allocator`): born now, like an op's output."""

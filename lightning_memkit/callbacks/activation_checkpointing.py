@@ -97,9 +97,11 @@ class ActivationCheckpointing(Callback):
 
     Compiled models (``torch.compile`` on the module or a submodule, in ``__init__`` or in
     ``configure_model``, inductor's backend): with a budget, the compiled step is simulated as inductor runs
-    it; where it fits, no block is wrapped (the plan changes nothing), and otherwise the budget is refused
-    with the reason (`plan_checkpointing`: below torch.compile's configured activation budget its step
-    cannot be simulated to the byte). A model compiled in ``configure_model``, which runs after ``setup``,
+    it; where it fits, no block is wrapped (the plan changes nothing), and otherwise the plan lowers
+    torch.compile's own ``activation_memory_budget`` (``torch._functorch.config``) to the highest value, a
+    tenth at a time, whose step fits, set for the fit and given back at its end (`plan_checkpointing`);
+    below every such step the budget is refused with the reason. A model compiled in ``configure_model``,
+    which runs after ``setup``,
     is planned again once compiled, at ``on_fit_start`` (the eager step's plan made at ``setup`` is undone).
 
     Args:
@@ -292,6 +294,8 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._module = None  # the model stays checkpointed; a later load_state_dict waits for setup
+            if self._handle is not None:  # torch.compile's activation budget is the process's: given back
+                self._handle.restore_compile_budget()
 
     def state_dict(self) -> dict[str, Any]:
         return {"plan": None if self.plan is None else self.plan.as_dict()}
