@@ -226,6 +226,26 @@ def test_a_plan_says_what_routing_it_assumed():
     assert estimate == pytest.approx(truth, rel=1e-3)
 
 
+def test_a_checkpointing_plan_says_what_routing_it_assumed():
+    """`plan_checkpointing` on the eager experts: the planner's profile of each block (run again inside the
+    forward, in every mode) replays the routing its own call will, and the plan (and so
+    ActivationCheckpointing's) carries the note, printed and kept through ``as_dict``; a model that routes
+    nothing gets none."""
+    from lightning_memkit import plan_checkpointing
+    from lightning_memkit._checkpointing.policies import CheckpointPlan
+
+    model, ids = _eager_moe()
+    run = {"optimizer": "adamw", "loss_fn": _loss, "device": "cpu"}
+    budget = estimate_memory(model, (ids, ids), **run).peak
+    plan = plan_checkpointing(model, (ids, ids), budget, **run)  # its blocks profiled on the routing
+    assert plan.peak == budget and set(plan.modes.values()) == {"none"}
+    assert plan.note.startswith("routing: the planned batch's") and plan.note in str(plan)
+    assert CheckpointPlan.from_dict(plan.as_dict()).note == plan.note
+    torch.manual_seed(0)
+    plain = _qwen2_moe()  # the grouped experts: the same memory whatever the routing
+    assert plan_checkpointing(plain, (ids, ids), 2 * budget, **run).note == ""
+
+
 class _Gather(torch.nn.Module):
     """A wide activation whose rows with a positive first feature are gathered (``h[rows]``), run on and
     added back: ``index``'s backward scatters their gradient into zeros of the activation's size."""

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from lightning_memkit._checkpointing.policies import CHECKPOINTERS, CheckpointedForward, mutates_cached_output
+from lightning_memkit._estimating.routing import recording_now, rewound
 from lightning_memkit._measuring.kernels import hashable
 from lightning_memkit._measuring.tracker import Storage, rounded
 
@@ -356,7 +357,7 @@ class BlockProfiler:
                 self.signature[name], self.grads[name] = self.signature[last], self.grads[last]
 
     def _hook(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._busy or name in self.signature:
+        if self._busy or name in self.signature or recording_now():  # the routing's real forward: not ours
             return
         self.order.append(name)
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
@@ -375,13 +376,15 @@ class BlockProfiler:
         try:
             for mode in self.modes:
                 try:
-                    runs[mode] = _run_block(module, CHECKPOINTERS[mode], args, kwargs, self.rounding)
+                    with rewound():  # a routed block's runs replay the routing its call will
+                        runs[mode] = _run_block(module, CHECKPOINTERS[mode], args, kwargs, self.rounding)
                 except RuntimeError as e:
                     if not mutates_cached_output(e):
                         raise
                     refused.add(mode)
             if refused and "full" not in runs:  # what such a block gets instead (`BlockCosts.allowed`)
-                runs["full"] = _run_block(module, CHECKPOINTERS["full"], args, kwargs, self.rounding)
+                with rewound():
+                    runs["full"] = _run_block(module, CHECKPOINTERS["full"], args, kwargs, self.rounding)
         finally:
             self._busy = False
         self.runs[signature], self.refused[signature] = runs, refused

@@ -34,6 +34,7 @@ reports are simulated.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ from lightning_memkit._checkpointing.policies import (
 )
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.repeated import repeated_blocks, truncated
+from lightning_memkit._estimating.routing import ROUTING_ASSUMED, routed
 from lightning_memkit._estimating.simulate import estimate_step
 from lightning_memkit._measuring.tracker import allocation_rounding, model_device
 from lightning_memkit._step import Step
@@ -207,11 +209,19 @@ def plan_checkpointing(
     if limit is not None and compiled_modules(model):
         step, run = Step.split(estimate_kwargs)
         target = torch.device(device).type if device is not None else model_device(model).type
-        return plan_compiled(model, batch, limit.usable, step, **run, device=target)
-    planner = CheckpointPlanner(
-        model, batch, checkpointing=checkpointing, blocks=blocks, cost=cost, device=device, **estimate_kwargs
-    )
-    return planner.plan(limit)
+        plan = plan_compiled(model, batch, limit.usable, step, **run, device=target)
+    else:
+        planner = CheckpointPlanner(
+            model,
+            batch,
+            checkpointing=checkpointing,
+            blocks=blocks,
+            cost=cost,
+            device=device,
+            **estimate_kwargs,
+        )
+        plan = planner.plan(limit)
+    return dataclasses.replace(plan, note=ROUTING_ASSUMED) if routed(model) else plan
 
 
 class CheckpointPlanner:

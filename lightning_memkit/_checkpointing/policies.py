@@ -563,6 +563,8 @@ class CheckpointPlan:
         compile_budget: a compiled model's plan: the torch.compile ``activation_memory_budget`` it sets
             (``torch._functorch.config``, for the whole process while the plan is applied), or ``None``:
             as configured.
+        note: what the plan assumed, where the step's memory hangs on more than shapes (a mixture of
+            experts' routing: the planned batch's); ``""``: nothing.
         breakdown: the simulated `MemoryBreakdown` of the step with the plan (not saved by `as_dict`).
 
     A compiled model's plan (`_checkpointing.compiled`) has no blocks: its step fits as compiled, with
@@ -577,6 +579,7 @@ class CheckpointPlan:
     overhead: float | None = None
     cost: str | None = None
     compile_budget: float | None = None
+    note: str = ""
     breakdown: MemoryBreakdown | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -623,11 +626,13 @@ class CheckpointPlan:
             for b in data.get("blocks", ())
         )
         keys = ("budget", "peak", "peak_none", "peak_full", "overhead", "cost", "compile_budget")
-        return cls(blocks=blocks, **{k: data.get(k) for k in keys})
+        return cls(blocks=blocks, note=data.get("note") or "", **{k: data.get(k) for k in keys})
 
     def __str__(self) -> str:
-        if not self.blocks and self.peak is not None:
-            return self._compiled_str()
+        text = self._compiled_str() if not self.blocks and self.peak is not None else self._table()
+        return f"{text}\n  ({self.note})" if self.note else text
+
+    def _table(self) -> str:
         counts = Counter(b.mode for b in self.blocks)
         summary = ", ".join(f"{counts[m]} {m}" for m in CHECKPOINT_MODES if counts[m])
         budget = f", budget {format_bytes(self.budget)}" if self.budget is not None else ""

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit._measuring.tracker import _iter_tensors, _value_shaped
 
-__all__ = ["ROUTING_ASSUMED", "Routes", "UnknownShape", "recording", "routed"]
+__all__ = ["ROUTING_ASSUMED", "Routes", "UnknownShape", "recording", "recording_now", "rewound", "routed"]
 
 #: One output tensor's (shape, stride, dtype).
 _Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
@@ -104,9 +104,11 @@ class Routes:
             register_module_forward_pre_hook(enter),
             register_module_forward_hook(leave, always_call=True),
         ]
+        _watching.stack = [*getattr(_watching, "stack", []), self]
         try:
             yield
         finally:
+            _watching.stack.pop()
             for handle in handles:
                 handle.remove()
             self._running.clear()
@@ -155,6 +157,33 @@ class Routes:
                     f"forward of the batch called it {len(recorded)} time(s): it took another branch on a "
                     "value it does not have, and its routing cannot be followed."
                 )
+
+
+_watching = threading.local()  # per thread: the `Routes` whose modules are being watched, innermost last
+
+
+def recording_now() -> bool:
+    """Whether a real forward is being recorded in this thread (`recording`): what runs is not the step."""
+    stack = getattr(_watching, "stack", [])
+    return bool(stack) and stack[-1]._recording
+
+
+@contextlib.contextmanager
+def rewound() -> Iterator[None]:
+    """A block run once more on the inputs its own call will get (the checkpointing planner profiles each
+    mode so, before the call): inside, every call site's replay goes on from where it stands, and is put
+    back there afterwards, so the runs and the call itself replay the same routing."""
+    stack = getattr(_watching, "stack", [])
+    if not stack:
+        yield
+        return
+    routes = stack[-1]
+    saved = dict(routes._calls)
+    try:
+        yield
+    finally:
+        routes._calls.clear()
+        routes._calls.update(saved)
 
 
 def _where(site: tuple) -> str:
