@@ -15,7 +15,7 @@ from test_compiled import CompiledCNN
 from torch import nn
 from zoo import ZooModule, zoo_batch
 
-from lightning_memkit import ActivationCheckpointing, AutoFit, estimate_memory, plan_checkpointing
+from lightning_memkit import ActivationCheckpointing, AutoFit, estimate_memory, measure, plan_checkpointing
 from lightning_memkit._checkpointing.policies import CheckpointPlan, applied_modes
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
@@ -210,6 +210,58 @@ def test_a_compiled_block_called_twice_is_simulated_compiled():
     assert abs(estimate.peak / real - 1) < 0.03, (estimate.peak, real)
 
 
+class _Written(nn.Module):
+    """A step that writes a large buffer in place in its forward (a memory bank, an EMA copy) and returns
+    its loss; dynamo keeps the write in place, where a functional trace returns the new buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.norm = nn.Linear(64, 256), nn.LayerNorm(64)
+        self.register_buffer("bank", torch.zeros(256, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layer(self.norm(x)))
+        self.bank.copy_(h.detach())
+        return h.pow(2).mean()
+
+
+def _compiled_and_real(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(the estimate, the third real step) of ``model`` returning its loss on ``x``. The real step is
+    `measure`'s, which follows a compiled step to the CPU allocator's own count (tests/test_compiled.py):
+    torch.profiler's timeline misses what only generated kernels touch, here ``x`` and the buffer."""
+    estimate = estimate_memory(model, (x, None), optimizer="adamw", loss_fn=lambda out, _: out, device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        with measure(model, optimizer, batch=x) as measured:
+            out = model(x)
+            optimizer.zero_grad()
+            out.backward()
+            optimizer.step()
+    return estimate.peak, measured.breakdown.peak
+
+
+@pytest.mark.slow  # the real steps compile (C++ kernels)
+@pytest.mark.parametrize("options", [{}, {"triton.cudagraphs": True}], ids=["default", "reduce_overhead"])
+def test_a_buffer_written_in_forward_and_the_modules_compile_options_are_simulated(options):
+    """The buffer is written in place, as dynamo traces it (it read +9.8 % as a copy), and the code is the
+    one ``torch.compile(mode=..., options=...)`` generates for the module (reduce-overhead's backward is
+    laid out otherwise: it read the default mode's, -6.1 %)."""
+    torch.manual_seed(0)
+    model, x = torch.compile(_Written(), options=options), torch.randn(256, 64)
+    estimate, real = _compiled_and_real(model, x)
+    assert estimate == pytest.approx(real, rel=1e-3), (estimate, real)
+
+
+def test_a_module_compiled_with_the_cpp_wrapper_is_simulated_eagerly_with_a_warning():
+    """Its step runs C++ code that allocates otherwise than the Python code the simulation runs."""
+    torch.manual_seed(0)
+    model, x = _Written(), torch.randn(256, 64)
+    loss = {"optimizer": "adamw", "loss_fn": lambda out, _: out, "device": "cpu"}
+    with pytest.warns(UserWarning, match="cpp_wrapper"):
+        compiled = estimate_memory(torch.compile(model, options={"cpp_wrapper": True}), (x, None), **loss)
+    assert compiled == estimate_memory(model, (x, None), **loss)
+
+
 def test_a_sequential_compiled_in_place_runs_eagerly_and_is_simulated_so():
     """``nn.Sequential.compile()`` compiles ``_call_impl``, whose frame dynamo skips, and Sequential's own
     forward is torch.nn's, skipped too: nothing is compiled, and the estimate is the eager step's."""
@@ -308,6 +360,28 @@ def test_a_budget_below_the_compiled_step_is_met_through_the_activation_budget(t
     # the profiler misses the batch, which only generated kernels read (the module docstring)
     real = peaks.peaks[-1] + sum(t.untyped_storage().nbytes() for t in batch.values())
     assert real == pytest.approx(plan.peak, rel=1e-3), (real, plan.peak)
+
+
+class _Failing(ZooModule):
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            raise RuntimeError("the user's step fails")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.slow
+def test_a_fit_that_raises_gives_the_activation_budget_back(tmp_path):
+    """Lightning skips ``teardown`` when the fit raises: ``on_exception`` gives torch.compile's activation
+    budget back (it stayed at the plan's)."""
+    from torch._functorch import config
+
+    probe, batch = _compiled_zoo("llama", batch_size=8)
+    budget = int(estimate_memory(probe, batch, device="cpu").peak * 0.9)
+    callback, before = ActivationCheckpointing(budget=budget), config.activation_memory_budget
+    with pytest.raises(RuntimeError, match="the user's step fails"):
+        cpu_trainer(tmp_path, max_steps=3, callbacks=[callback]).fit(_Failing("compiled_llama", batch_size=8))
+    assert callback.plan is not None and callback.plan.compile_budget is not None
+    assert config.activation_memory_budget == before
 
 
 @pytest.mark.slow

@@ -283,6 +283,17 @@ def _checkpointed_elsewhere(module: nn.Module, current: Any) -> bool:
     return isinstance(current, functools.partial) and current.func is checkpoint
 
 
+def _compile_with(budget: float) -> None:
+    """torch.compile's activation budget set to ``budget``; where that changes it, what dynamo compiled is
+    forgotten (``torch.compiler.reset()``): a graph compiled under the other value (this model's, or its
+    class's earlier in the process) would otherwise be reused as it is."""
+    from torch._functorch import config
+
+    if config.activation_memory_budget != budget:
+        config.activation_memory_budget = budget
+        torch.compiler.reset()
+
+
 class CheckpointHandle:
     """What `apply_checkpointing` did, to undo it: ``handle.remove()``, or use it as a context manager."""
 
@@ -329,23 +340,17 @@ class CheckpointHandle:
             _announce_cache_off(configs)
 
     def _set_compile_budget(self, budget: float) -> None:
-        """Set torch.compile's activation budget; where that changes it, forget what dynamo compiled
-        (``torch.compiler.reset()``): a graph compiled under the old one (this model's class, compiled
-        earlier in the process) would otherwise be reused as it is."""
         from torch._functorch import config
 
         self._compile_budget = config.activation_memory_budget
-        if budget != self._compile_budget:
-            config.activation_memory_budget = budget
-            torch.compiler.reset()
+        _compile_with(budget)
 
     def restore_compile_budget(self) -> None:
         """Put torch.compile's activation budget back as it was before this handle set it (a compiled
         model's plan); the blocks stay as they are."""
         if self._compile_budget is not None:
-            from torch._functorch import config
-
-            config.activation_memory_budget, self._compile_budget = self._compile_budget, None
+            _compile_with(self._compile_budget)
+            self._compile_budget = None
 
     def remove(self) -> None:
         """Put every patched ``forward``, every ``use_cache`` and torch.compile's activation budget back as

@@ -11,15 +11,17 @@ While a simulation runs, each compiled module (``torch.compile(module)``, or ``m
 called as inductor would run it: its forward and backward are traced with inductor's decompositions and
 joint-graph passes (on the simulation's fake tensors, with ``torch.compiler.is_compiling()`` true, as code
 sees it under dynamo), partitioned by the same partitioner (the module's parameters and buffers as static
-inputs, as dynamo marks them), and inductor generates the code of each graph (``compile_fx_inner``: its
-post-grad passes, lowering, fusion, layout choices, memory reordering and buffer reuse), stopped before
-its kernels are compiled. That code is then run on the simulation's tensors with every generated kernel
-stubbed (`_load`): it allocates, reuses (``buf2 = reinterpret_tensor(mm_13, ...); del mm_13  # reuse``)
-and frees each buffer as the compiled step does, through the dispatcher where the tracker sees it, and its
-fallback ops (matmuls, attention, convolutions) run as the step's own, their kernels' hidden buffers
-counted as for an eager op. As dynamo arranges it, the backward's saved tensors take the strides the
-forward's code gives them (channels-last where inductor lays convolutions out so), and a tracing context
-tells inductor which of them it may write over.
+inputs, as dynamo marks them; a buffer the forward writes written in place, as dynamo traces it), and
+inductor generates the code of each graph (``compile_fx_inner``, under the ``mode`` and ``options`` the
+module was compiled with: its post-grad passes, lowering, fusion, layout choices, memory reordering and
+buffer reuse), stopped before its kernels are compiled. That code is then run on the simulation's tensors
+with every generated kernel stubbed (`_load`): it allocates, reuses
+(``buf2 = reinterpret_tensor(mm_13, ...); del mm_13  # reuse``) and frees each buffer as the compiled step
+does, through the dispatcher where the tracker sees it, and its fallback ops (matmuls, attention,
+convolutions) run as the step's own, their kernels' hidden buffers counted as for an eager op. As dynamo
+arranges it, the backward's saved tensors take the strides the forward's code gives them (channels-last
+where inductor lays convolutions out so), and a tracing context tells inductor which of them it may write
+over.
 
 Measured against the CPU allocator, steady step (`benchmarks/bench_compiled_estimate.py`,
 tests/test_compiled_estimate.py): to the byte on the zoo's LLaMA, Qwen2, GPT-NeoX, T5, Whisper, BERT and a
@@ -34,7 +36,8 @@ compiled with another backend is simulated eagerly; so, with a warning, is one w
 traced whole (a value read to branch on, a data-dependent shape: a mixture of experts' routing) or whose
 code inductor cannot generate here, that holds eager checkpoint wrappers (dynamo traces those into the
 partitioner, which this tracing cannot), or that is given an object its forward may change (a key-value
-cache passed to a block compiled on its own: dynamo replays the change, the simulation cannot). The code
+cache passed to a block compiled on its own: dynamo replays the change, the simulation cannot), and one
+compiled with ``cpp_wrapper`` (its C++ code allocates otherwise than the Python code run here). The code
 generated is the CPU's (the simulation's tensors are): on CUDA inductor fuses into Triton kernels whose
 buffers can differ.
 
@@ -111,10 +114,16 @@ def _inductor(module: nn.Module) -> bool:
         # ``forward`` (``nn.Sequential``'s) is skipped too: such a module runs eagerly (a user-defined
         # forward below it would be compiled on its own; not simulated so: see the module docstring)
         return False
+    return _backend(module) is not None
+
+
+def _backend(module: nn.Module) -> Any:
+    """The inductor backend ``module`` is compiled with (its ``mode`` and ``options`` in ``.config``), or
+    ``None``."""
     from torch._dynamo.eval_frame import innermost_backend
 
-    backend = innermost_backend(getattr(context, "callback", None))
-    return type(backend).__name__ == "_TorchCompileInductorWrapper"
+    backend = innermost_backend(getattr(_context(module), "callback", None))
+    return backend if type(backend).__name__ == "_TorchCompileInductorWrapper" else None
 
 
 @contextlib.contextmanager
@@ -150,6 +159,8 @@ class _Partitioned:
 
         self.module = module._orig_mod if isinstance(module, OptimizedModule) else module
         self.budget = budget
+        #: inductor's config as ``torch.compile(mode=..., options=...)`` set it for this module
+        self.options = dict(_backend(module).config)
         self.traced: dict[Any, Callable[..., Any] | None] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -211,10 +222,11 @@ class _Partitioned:
         strides: dict[str, tuple] = {}
         fn = aot_function(
             flat,
-            fw_compiler=functools.partial(_generated, forward=True, strides=strides),
-            bw_compiler=functools.partial(_generated, forward=False, strides=strides),
+            fw_compiler=functools.partial(_generated, forward=True, strides=strides, options=self.options),
+            bw_compiler=functools.partial(_generated, forward=False, strides=strides, options=self.options),
             partition_fn=functools.partial(_partition, parameters=len(names)),
             decompositions=_decompositions(),
+            keep_inference_input_mutations=True,  # as dynamo traces: a buffer written in place, not copied
         )
 
         def run(state: list[Tensor], inputs: list[Tensor]) -> Any:
@@ -404,17 +416,23 @@ def _alone() -> Iterator[None]:
 
 
 def _generated(
-    graph: torch.fx.GraphModule, example_inputs: Sequence[Any], *, forward: bool, strides: dict[str, tuple]
+    graph: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    forward: bool,
+    strides: dict[str, tuple],
+    options: dict[str, Any],
 ) -> Callable[[list], Any]:
     """A "compiler" that has inductor generate ``graph``'s code (`_wrapper_code`) and returns its ``call``,
     its kernels stubbed (`_load`): run on the simulation's fake tensors, it allocates, reuses and frees
     every buffer as the compiled step does, and its fallback ops run through the tracker as the step's own.
     ``strides``: the forward's output strides by name, which the backward's saved tensors take (as
-    AOTAutograd restrides them from what inductor reports: channels-last convolutions save channels-last)."""
+    AOTAutograd restrides them from what inductor reports: channels-last convolutions save channels-last);
+    ``options``: inductor's config for the module (`_Partitioned.options`)."""
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
     if not forward:
         example_inputs = _restrided(placeholders, example_inputs, strides)
-    source, output_strides = _wrapper_code(graph, example_inputs, forward=forward)
+    source, output_strides = _wrapper_code(graph, example_inputs, forward=forward, options=options)
     if forward:
         outputs = tree_flatten(graph.graph.find_nodes(op="output")[0].args)[0]
         strides.clear()
@@ -471,11 +489,12 @@ class _Generated(Exception):
 
 
 def _wrapper_code(
-    graph: torch.fx.GraphModule, example_inputs: Sequence[Any], *, forward: bool
+    graph: torch.fx.GraphModule, example_inputs: Sequence[Any], *, forward: bool, options: dict[str, Any]
 ) -> tuple[str, list[tuple | None]]:
     """The Python code inductor generates for ``graph`` (``compile_fx_inner``: its post-grad passes,
-    lowering, scheduler, fusion, memory reordering and buffer reuse), and the strides of its outputs. Its
-    kernels are not compiled: the compile is stopped as it would load the code, and nothing is cached."""
+    lowering, scheduler, fusion, memory reordering and buffer reuse) under the module's ``options``, and
+    the strides of its outputs. Its kernels are not compiled: the compile is stopped as it would load the
+    code, and nothing is cached. With ``cpp_wrapper`` the step runs C++ code, not this: refused."""
     from unittest import mock
 
     from torch._guards import detect_fake_mode
@@ -495,12 +514,17 @@ def _wrapper_code(
 
     copied = copy.deepcopy(graph)  # the passes rewrite it
     copied.graph.find_nodes(op="output")[0].meta["user_visible_output_idxs"] = []
+    ours = {"fx_graph_cache": False, "fx_graph_remote_cache": False, "compile_threads": 1}
     try:
         with (
             mock.patch.object(GraphLowering, "_compile_to_module_lines", capture),
-            config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, compile_threads=1),
+            config.patch({**options, **ours}),
             V.set_fake_mode(detect_fake_mode(example_inputs)),
         ):
+            if config.cpp_wrapper:
+                raise NotImplementedError(
+                    "its code is C++ (cpp_wrapper), which allocates otherwise than the Python code simulated"
+                )
             compile_fx_inner(copied, list(example_inputs), is_backward=not forward)
     except Exception:  # inductor wraps what its passes raise (ours included)
         if found:

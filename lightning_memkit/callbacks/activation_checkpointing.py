@@ -297,6 +297,13 @@ class ActivationCheckpointing(Callback):
             if self._handle is not None:  # torch.compile's activation budget is the process's: given back
                 self._handle.restore_compile_budget()
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # a fit that raises skips ``teardown``: the process's activation budget is given back here too
+        if self._handle is not None:
+            self._handle.restore_compile_budget()
+
     def state_dict(self) -> dict[str, Any]:
         return {"plan": None if self.plan is None else self.plan.as_dict()}
 
