@@ -295,6 +295,18 @@ def test_the_compile_budget_lowers_the_estimate_and_is_given_back():
         estimate_memory(module, batch, device="cpu", compile_budget=1.5)
 
 
+def test_a_budget_the_first_lower_activation_budget_meets_is_planned_with_it():
+    """The quick tier's case: a budget the compiled step misses by a byte and its step at 0.9 meets."""
+    module, batch = _compiled_zoo("llama", batch_size=8)
+    full = estimate_memory(module, batch, device="cpu")
+    at_09 = estimate_memory(module, batch, device="cpu", compile_budget=0.9).peak
+    assert at_09 < full.peak
+    plan = plan_checkpointing(module, batch, full.peak - 1, device="cpu")
+    assert plan.compile_budget == 0.9 and plan.peak == at_09 and plan.peak_none == full.peak
+    assert "activation_memory_budget = 0.9" in str(plan)
+
+
+@pytest.mark.slow  # ten budgets simulated twice: two minutes
 def test_a_compiled_model_is_planned_with_torch_compiles_activation_budget():
     """A budget the compiled step fits changes nothing; a lower one gets the highest activation budget, a
     tenth at a time, whose simulated step fits it (not the lowest budget: the step's peak is not monotonic
