@@ -146,6 +146,16 @@ class Routes:
         made = [make(layout) for layout in layouts]
         return made[0] if one else tuple(made)
 
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Every call site's replay put back, after the block, where it stands before it."""
+        saved = dict(self._calls)
+        try:
+            yield
+        finally:
+            self._calls.clear()
+            self._calls.update(saved)
+
     def check(self) -> None:
         """Refuse a step whose forward did not make every call the real forward made (a branch on a value
         the simulation only has a placeholder for skipped one)."""
@@ -174,16 +184,8 @@ def rewound() -> Iterator[None]:
     mode so, before the call): inside, every call site's replay goes on from where it stands, and is put
     back there afterwards, so the runs and the call itself replay the same routing."""
     stack = getattr(_watching, "stack", [])
-    if not stack:
+    with stack[-1].kept() if stack else contextlib.nullcontext():
         yield
-        return
-    routes = stack[-1]
-    saved = dict(routes._calls)
-    try:
-        yield
-    finally:
-        routes._calls.clear()
-        routes._calls.update(saved)
 
 
 def _where(site: tuple) -> str:

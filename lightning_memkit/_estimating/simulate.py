@@ -272,9 +272,9 @@ class _SimTracker(Tracker):
                 empty = torch.ops.aten.empty_strided.default
                 return dispatch(empty, types, (shape, stride), {"dtype": dtype})
 
-            # a checkpointed block's recompute: in the step's backward, or in a backward the checkpointing
-            # planner runs inside the forward (its profile of a block, `_checkpointing.costs`)
-            backward = self.phase == "backward" or torch._C._current_autograd_node() is not None
+            # a checkpointed block's recompute runs in an autograd node: the step's backward's, or one of a
+            # backward the checkpointing planner runs inside the forward (its profile of a block)
+            backward = torch._C._current_autograd_node() is not None
             out = self.routes.replay(func, args, make, backward=backward)  # type: ignore[union-attr]
         else:
             try:
