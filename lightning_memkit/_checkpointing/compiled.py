@@ -19,42 +19,84 @@ the first whose step fits is the plan: the least recomputation that fits.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from lightning_memkit._breakdown import format_bytes
+from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._checkpointing.policies import CheckpointPlan, applied_modes, apply_plan
 from lightning_memkit._estimating.simulate import estimate_step
 from lightning_memkit._step import Step
 
-__all__ = ["plan_compiled"]
+__all__ = ["COMPILE_BUDGET", "budget_label", "configured_budget", "label_budget", "plan_compiled"]
 
 log = logging.getLogger(__name__)
 
 
 #: torch.compile activation budgets tried below the configured one, highest first
 BUDGETS = tuple(round(0.1 * i, 1) for i in range(9, -1, -1))
+#: `plan_fit`'s checkpointing mode for a compiled model: the activation budget `plan_compiled` finds
+COMPILE_BUDGET = "compile budget"
+#: how `plan_fit` names a compiled step at one of `BUDGETS`, as a checkpointing mode
+_LABEL = f"{COMPILE_BUDGET} "
 
 
-def plan_compiled(model: nn.Module, batch: Any, limit: int, step: Step, **run: Any) -> CheckpointPlan:
+def budget_label(budget: float) -> str:
+    """A compiled step at torch.compile's activation budget ``budget``, as `plan_fit` names its
+    checkpointing (``"compile budget 0.5"``)."""
+    return f"{_LABEL}{budget:g}"
+
+
+def label_budget(label: Any) -> float | None:
+    """The activation budget a `budget_label` names; ``None`` for anything else (a checkpointing mode)."""
+    return float(label[len(_LABEL) :]) if isinstance(label, str) and label.startswith(_LABEL) else None
+
+
+def configured_budget(step: Step | None = None) -> float:
+    """torch.compile's activation budget the step runs at: the `Step`'s, else torch's configuration."""
+    from torch._functorch import config
+
+    if step is not None and step.compile_budget is not None:
+        return step.compile_budget
+    return config.activation_memory_budget
+
+
+def _below(step: Step | None) -> tuple[float, ...]:
+    """`BUDGETS` below the step's configured activation budget, highest first: the ones tried."""
+    return tuple(b for b in BUDGETS if b < configured_budget(step))
+
+
+def plan_compiled(
+    model: nn.Module,
+    batch: Any,
+    limit: int,
+    step: Step,
+    simulate: Callable[[float | None], MemoryBreakdown] | None = None,
+    **run: Any,
+) -> CheckpointPlan:
     """A compiled model's checkpointing plan for ``limit`` bytes: no block checkpointed, and torch.compile's
     activation budget as configured where its simulated step fits, otherwise the highest of `BUDGETS` below
     it whose step fits; a `ValueError` saying why where none does. ``run``: `estimate_memory`'s
-    ``optimizer``, ``loss_fn`` and ``device``."""
-    from torch._functorch import config
+    ``optimizer``, ``loss_fn`` and ``device``. ``simulate``: the step at an activation budget (``None``: as
+    configured), where the caller keeps its simulations (`plan_fit`'s search); `estimate_step` otherwise."""
 
-    configured = step.compile_budget if step.compile_budget is not None else config.activation_memory_budget
+    def simulated(budget: float | None) -> MemoryBreakdown:
+        if simulate is not None:
+            return simulate(budget)
+        return estimate_step(model, batch, step if budget is None else step.but(compile_budget=budget), **run)
+
+    configured = configured_budget(step)
     bare = {name: "none" for name in applied_modes(model)}  # the eager checkpointing left on it goes
     with apply_plan(model, bare, announce=False):
-        first = estimate_step(model, batch, step, **run)
+        first = simulated(None)
         if first.peak <= limit:
             return CheckpointPlan(
                 blocks=(), budget=limit, peak=first.peak, peak_none=first.peak, breakdown=first
             )
         tried = {configured: first}
-        for budget in (b for b in BUDGETS if b < configured):
-            tried[budget] = breakdown = estimate_step(model, batch, step.but(compile_budget=budget), **run)
+        for budget in _below(step):
+            tried[budget] = breakdown = simulated(budget)
             log.info(
                 "The compiled step at torch.compile's activation_memory_budget=%g peaks at %s (budget %s).",
                 budget, format_bytes(breakdown.peak), format_bytes(limit),

@@ -158,7 +158,9 @@ class FitPlan:
             accumulate_grad_batches`` is the per-rank global batch.
         checkpointing: the checkpointing mode of every repeated block (``"none"``, ``"selective"``,
             ``"selective_half"``, ``"full"``) or, where the blocks' modes differ, a summary of them
-            (``"2 selective, 2 full"``); `checkpoint_plan` then has the mode of each block.
+            (``"2 selective, 2 full"``); `checkpoint_plan` then has the mode of each block. A compiled
+            model's blocks are not wrapped: ``"compile budget 0.5"`` names torch.compile's
+            ``activation_memory_budget`` its `checkpoint_plan` sets (`CheckpointPlan.compile_budget`).
         optimizer: the `CATALOGUE` name of the optimizer to train with; ``None``:
             whatever ``configure_optimizers`` returns (an optimizer the catalogue does not know).
         precision: the Lightning precision string the plan was simulated with.
@@ -171,7 +173,8 @@ class FitPlan:
         n_gpus: ranks the global batch is split across.
         cost: the throughput model the times came from.
         modes: the checkpointing modes that were candidates (``("none",)`` for a model without
-            repeated blocks, which cannot be checkpointed); `leaner` keeps to them.
+            repeated blocks, which cannot be checkpointed; ``("none", "compile budget")`` for a compiled
+            model); `leaner` keeps to them.
         note: why some modes asked for were not candidates (``""`` when all were); `summary` shows it.
         checkpoint_plan: the checkpointing planner's plan, block by block, with its measured savings and
             recompute cost (`CheckpointPlan`); ``None`` where every block has the mode `checkpointing` names.
@@ -242,6 +245,8 @@ class FitPlan:
         peak stands for it (a bound: a leaner plan peaks no higher), as its ``note`` says."""
         allowed = [mode for mode in CHECKPOINT_MODES if mode in modes and mode in self.modes]
         used = set(self.checkpoint_plan.modes.values()) if self.checkpoint_plan else {self.checkpointing}
+        if self.checkpoint_plan is not None and not self.checkpoint_plan.blocks:  # a compiled model's
+            used = {"none"}  # its activation budget kept, at half the micro-batch
         strongest = max(CHECKPOINT_MODES.index(mode) for mode in used)
         # Every block at the next mode stronger than the strongest in use; a per-block plan that already
         # uses the strongest mode allowed gets it on every block.

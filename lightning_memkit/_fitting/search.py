@@ -22,6 +22,13 @@ from torch import Tensor, nn
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name
 from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._checkpointing.compiled import (
+    COMPILE_BUDGET,
+    budget_label,
+    configured_budget,
+    label_budget,
+    plan_compiled,
+)
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._estimating import repeated as _repeated
@@ -117,6 +124,14 @@ class _Search:
         #: planning seconds after which no checkpointing planner is started (`plan_fit`'s refine_seconds)
         self.refine_seconds: float | None = None
         self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
+        #: the bytes a step may peak at (`plan_fit`'s limit): what a compiled model's activation budget is
+        #: planned for (`compiled_plan`)
+        self.limit: int | None = None
+        #: a compiled model's plan at each (micro-batch, optimizer, precision) (`compiled_plan`): the plan
+        #: (``None`` where no activation budget fits) and the mode of its step, or of the lowest step tried
+        self.compiled: dict[tuple, tuple[CheckpointPlan | None, str]] = {}
+        #: whether the model has compiled modules: its checkpointing is torch.compile's activation budget
+        self.compiling = bool(compiled_modules(model))
 
     def sharded(self, precision: str) -> Sharding | None:
         """The FSDP2 layout of a step at ``precision`` (``None``: not sharded)."""
@@ -145,6 +160,13 @@ class _Search:
 
     def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", counting=False, **changes):
         """One rank's simulated step (``counting``: `counted_step`'s breakdown, FLOPs and ops)."""
+        if checkpointing == COMPILE_BUDGET:  # the activation budget planned there (or the lowest step's)
+            checkpointing = self.compiled_plan(m, optimizer, precision)[1]
+        budget = label_budget(checkpointing)
+        if budget is None and isinstance(checkpointing, CheckpointPlan):
+            budget = checkpointing.compile_budget
+        if budget is not None:  # a compiled step: torch.compile's activation budget, no block wrapped
+            checkpointing, changes["compile_budget"] = "none", budget
         start = time.perf_counter()
         ctx = apply_checkpointing(self.model, checkpointing) if checkpointing != "none" else None
         try:
@@ -161,14 +183,17 @@ class _Search:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def counted(self, m: int, optimizer: str | None, precision: str) -> tuple[int, int]:
-        """The FLOPs and the forward and backward ops of micro-batch ``m`` without checkpointing, from one
-        simulated step, whose peak is known from then on (the step that tells which micro-batches run)."""
-        key = (m, "none", optimizer, precision)
+    def counted(
+        self, m: int, optimizer: str | None, precision: str, checkpointing: str = "none"
+    ) -> tuple[int, int]:
+        """The FLOPs and the forward and backward ops of micro-batch ``m`` (without checkpointing: the step
+        that tells which micro-batches run, and the offline cost's), from one simulated step, whose peak is
+        known from then on."""
+        key = (m, checkpointing, optimizer, precision)
         if key not in self.counts:
-            self._report(f"simulating micro-batch {m}, checkpointing none, counting its FLOPs")
+            self._report(f"simulating micro-batch {m}, checkpointing {checkpointing}, counting its FLOPs")
             breakdown, flops, ops = self.estimate(
-                m, "none", optimizer=optimizer, precision=precision, counting=True
+                m, checkpointing, optimizer=optimizer, precision=precision, counting=True
             )
             self.whole[key] = breakdown
             self.cache[key] = self.per_rank(breakdown, precision)
@@ -176,7 +201,12 @@ class _Search:
         return self.counts[key]
 
     def peak(self, m: int, checkpointing: str, optimizer: str | None, precision: str) -> MemoryBreakdown:
+        if checkpointing == COMPILE_BUDGET:  # the step of the activation budget planned, or the lowest
+            checkpointing = self.compiled_plan(m, optimizer, precision)[1]
         key = (m, checkpointing, optimizer, precision)
+        compiled_step = checkpointing == "none" or label_budget(checkpointing) is not None
+        if key not in self.cache and self.compiling and compiled_step:
+            self.counted(m, optimizer, precision, checkpointing)  # its FLOPs too: a budget's recompute
         if key not in self.cache:
             self._report(
                 f"simulating micro-batch {m}, checkpointing {checkpointing}, optimizer "
@@ -188,6 +218,12 @@ class _Search:
 
     def peaks(self, checkpointing: str, optimizer: str | None, precision: str) -> list[tuple[int, int]]:
         """``(micro-batch, peak)`` of every step simulated with these settings so far."""
+        if checkpointing == COMPILE_BUDGET:
+            return [
+                (m, self.peak(m, mode, optimizer, precision).peak)
+                for (m, *key), (_, mode) in self.compiled.items()
+                if key == [optimizer, precision]
+            ]
         return [
             (m, b.peak) for (m, *key), b in self.cache.items() if key == [checkpointing, optimizer, precision]
         ]
@@ -296,6 +332,47 @@ class _Search:
             if breakdown.peak <= limit:
                 fitting.append((option, breakdown))
         return fitting
+
+    def compiled_plan(
+        self, m: int, optimizer: str | None, precision: str
+    ) -> tuple[CheckpointPlan | None, str]:
+        """A compiled model's plan at micro-batch ``m`` for `limit` (`plan_compiled`: the highest activation
+        budget whose step fits, tried from the configured one down), its ``overhead`` the FLOPs the
+        partitioner's recompute adds as a share of the configured step's; ``None`` where no budget fits. And
+        the mode of its step (``"none"``: as configured; `budget_label`), or of the lowest step tried."""
+        key = (m, optimizer, precision)
+        if key not in self.compiled:
+            assert self.limit is not None, "a compiled model's activation budget is planned for a limit"
+
+            def simulate(budget: float | None) -> MemoryBreakdown:
+                mode = "none" if budget is None else budget_label(budget)
+                self.counted(m, optimizer, precision, mode)  # its FLOPs: the recompute
+                return self.cache[(m, mode, optimizer, precision)]
+
+            step = self.step(m, precision)
+            try:
+                plan = plan_compiled(self.model, batch_slice(self.batch, m), self.limit, step, simulate)
+            except ValueError:  # the lowest step tried stands for the micro-batch
+                tried = [
+                    (b.peak, mode)
+                    for (m_, mode, *k), b in self.cache.items()
+                    if (m_, *k) == key and (mode == "none" or label_budget(mode) is not None)
+                ]
+                self.compiled[key] = (None, min(tried)[1])
+            else:
+                mode = "none" if plan.compile_budget is None else budget_label(plan.compile_budget)
+                overhead = self.recompute(m, mode, optimizer, precision)
+                self.compiled[key] = (dataclasses.replace(plan, overhead=overhead), mode)
+        return self.compiled[key]
+
+    def recompute(self, m: int, mode: str, optimizer: str | None, precision: str) -> float | None:
+        """What a compiled step at activation budget ``mode`` (`budget_label`) recomputes, as the FLOPs it
+        adds to the configured step's (``"none"``); ``None`` where either was not counted."""
+        counts = self.counts.get((m, mode, optimizer, precision))
+        configured = self.counts.get((m, "none", optimizer, precision))
+        if counts is None or configured is None or not configured[0]:
+            return None
+        return max(counts[0] / configured[0] - 1.0, 0.0)
 
     def timed_recompute(self, m: int, plan: CheckpointPlan) -> float:
         """What ``plan`` adds to a forward + backward of micro-batch ``m``, timed for real (`measured_cost`)
@@ -583,6 +660,7 @@ def plan_fit(
             "adamw_kahan, sgd_kahan), or a precision with fp32 weights (32-true, bf16-mixed)."
         )
     search.refine_seconds = refine_seconds
+    search.limit = limit
     if cpu_offload and strategy != "fsdp2":
         raise ValueError(
             f"cpu_offload is FSDP2's CPUOffloadPolicy: plan it with strategy='fsdp2', not {strategy!r}"
@@ -751,6 +829,14 @@ def _label(modes: Sequence[str]) -> str:
     return ", ".join(f"{counts[mode]} {mode}" for mode in CHECKPOINT_MODES if counts[mode])
 
 
+def _plan_label(plan: CheckpointPlan) -> str:
+    """A checkpointing plan as `FitPlan.checkpointing` names it: `_label`, or a compiled model's
+    activation budget (`budget_label`)."""
+    if plan.compile_budget is not None:
+        return budget_label(plan.compile_budget)
+    return _label([b.mode for b in plan.blocks]) if plan.blocks else "none"
+
+
 def _fastest(search, step_cost, sizes, modes, opt, prec, limit, G) -> list[_Option]:
     """The micro-batches and checkpointing worth ranking: the largest micro-batch without checkpointing,
     and larger ones up to the largest the strongest mode fits, each with the planner's cheapest plan."""
@@ -778,6 +864,12 @@ def _fastest(search, step_cost, sizes, modes, opt, prec, limit, G) -> list[_Opti
         for m in reversed([m for m in above if top is not None and m <= top]):
             if options and step_cost.time(m, G // m) >= min(options).time:
                 continue
+            if modes[-1] == COMPILE_BUDGET:  # torch.compile's activation budget: no planner, no timing
+                plan, _ = search.compiled_plan(m, opt, prec)
+                if plan is not None:  # its recompute in FLOPs, under either cost
+                    seconds = step_cost.time(m, G // m, plan.overhead or 0.0)
+                    options.append(_Option(seconds, m, _plan_label(plan), plan.peak, plan))
+                continue
             if not search.refining():  # no time for a planner: the strongest mode, if simulated and fits
                 strongest = search.cache.get((m, modes[-1], opt, prec))
                 if strongest is not None and strongest.peak <= limit:
@@ -789,8 +881,9 @@ def _fastest(search, step_cost, sizes, modes, opt, prec, limit, G) -> list[_Opti
             timed = step_cost.source == "measured"
             for plan, breakdown in found if timed else found[:1]:
                 recompute = search.timed_recompute(m, plan) if timed else plan.overhead
-                label = _label([b.mode for b in plan.blocks])
-                options.append(_Option(step_cost.time(m, G // m, recompute), m, label, breakdown.peak, plan))
+                options.append(
+                    _Option(step_cost.time(m, G // m, recompute), m, _plan_label(plan), breakdown.peak, plan)
+                )
     assert options, "the smallest runnable micro-batch at the strongest mode fits"
     return options
 
@@ -840,6 +933,8 @@ def _uniform_recompute(search, m: int, mode: str, optimizer: str | None, precisi
     no planner measured."""
     if mode == "none":
         return 0.0
+    if label_budget(mode) is not None:
+        return search.recompute(m, mode, optimizer, precision)
     planner = search.planners.get((m, optimizer, precision)) or next(iter(search.planners.values()), None)
     if planner is not None and mode in planner.modes:
         return planner.overhead(planner.uniform(mode))
@@ -872,15 +967,16 @@ def _checkpointable(model: nn.Module, modes: tuple[str, ...]) -> tuple[tuple[str
 
     Checkpointing applies to the repeated blocks `find_blocks` finds; a model with
     none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
-    allowed. Nor is a compiled model's: its lever is torch.compile's activation budget, which
-    `_checkpointing.compiled` plans for ActivationCheckpointing and AutoFit does not search yet.
+    allowed. A compiled model's blocks are not checkpointed either: inside a compiled graph what is kept
+    for backward is torch.compile's partitioner's choice, so its mode is `COMPILE_BUDGET`, the activation
+    budget `plan_compiled` finds at each micro-batch.
     """
     if modes != ("none",) and compiled_modules(model):
-        return ("none",), (
-            f"checkpointing not planned: {type(model).__name__} is compiled, and inside a compiled graph "
-            "what is kept for backward is torch.compile's partitioner's choice (its "
-            "activation_memory_budget), which AutoFit does not search yet: ActivationCheckpointing(budget=) "
-            "alone plans it"
+        return ("none", COMPILE_BUDGET), (
+            f"{type(model).__name__} is compiled: its checkpointing is torch.compile's "
+            f"activation_memory_budget ({COMPILE_BUDGET} in the table; its partitioner recomputes what it "
+            f"no longer saves), the highest whose step fits, tried from {configured_budget():g} down a "
+            "tenth at a time; no block is wrapped"
         )
     if modes == ("none",) or find_blocks(model):
         return modes, ""

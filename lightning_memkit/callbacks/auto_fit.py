@@ -199,6 +199,7 @@ class AutoFit(Callback):
             return
         self._compiled = True
         rank_zero_info("AutoFit: the model was compiled in configure_model; planning its compiled step.")
+        self._unapply()  # setup's plan was the eager step's: its checkpoint wrappers are not compiled ones
         self._decide(trainer, pl_module, self._modes(trainer))
 
     def _modes(self, trainer: pl.Trainer) -> tuple[str, ...]:
