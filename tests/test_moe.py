@@ -190,6 +190,64 @@ def test_a_forward_that_fails_for_real_is_refused_with_its_error():
         estimate_memory(NeedsAutograd(), (x, x), optimizer="adamw", loss_fn=mse, device="cpu")
 
 
+class _NearTie(torch.nn.Module):
+    """Top-1 over a wide expert and a narrow one; the router prefers the narrow one by less than bf16 can
+    tell (a bias of 1.001 against 1.0, which bf16 rounds to 1.0): with 16-bit weights or under bf16
+    autocast the tie goes to the wide expert, and every token with it."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(width, 2)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, h), torch.nn.ReLU(), torch.nn.Linear(h, width))
+            for h in (2048, 32)
+        )
+        with torch.no_grad():
+            self.router.weight.zero_()
+            self.router.bias.copy_(torch.tensor([1.0, 1.001]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (chosen == i).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, expert(x[rows]).to(out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_the_routing_is_recorded_at_the_steps_precision(precision):
+    """The routing is recorded with the weights (``bf16-true``) or the autocast (``bf16-mixed``) the step
+    runs with, on the fp32 model a plan sees at ``setup``. Recorded in fp32, the 16-bit step was read
+    with fp32's routing, every token on the narrow expert: 299,976 B for a step of 3,375,430 B. The model
+    is left as it was, in fp32."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = _NearTie(), torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    mse = torch.nn.functional.mse_loss
+    real = copy.deepcopy(model).to(torch.bfloat16) if precision == "bf16-true" else copy.deepcopy(model)
+    inputs = x.to(torch.bfloat16) if precision == "bf16-true" else x
+    optimizer = torch.optim.SGD(real.parameters(), lr=0.0)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = mse(real(inputs), inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    truth = allocator_peak(step)
+    fp32 = estimate_memory(model, (x, x), optimizer="sgd", loss_fn=mse, device="cpu").peak
+    assert truth > 4 * fp32  # the 16-bit step routes to the wide expert
+    estimate = estimate_memory(model, (x, x), optimizer="sgd", loss_fn=mse, device="cpu", precision=precision)
+    assert estimate.peak == pytest.approx(truth, rel=1e-3)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, weights[name]), name
+
+
 def test_recording_the_routing_leaves_the_model_and_the_rng_as_they_were():
     """The real forward that shows the routing is the user's code run once more: it leaves the weights,
     their gradients, the RNG streams and the modules' modes as they were."""

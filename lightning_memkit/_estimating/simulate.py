@@ -69,6 +69,7 @@ from typing import Any, Literal, NamedTuple, overload
 import optimi
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -409,7 +410,6 @@ def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype 
 
 def _fake_batch(batch: Any, mode: FakeTensorMode, dtype: torch.dtype | None, shadows: _shadow.Shadows) -> Any:
     """The batch with fake twins for its tensors; ``shadows`` learns the real values of the twins."""
-    from lightning_utilities.core.apply_func import apply_to_collection
 
     def fake(t: Tensor) -> Tensor:
         twin = _fake_like(t, mode, dtype)
@@ -820,12 +820,27 @@ def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tup
 _NOT_RECORDED = "no real forward of the batch was recorded"
 
 
-def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str) -> _routing.Routes:
+def _dtypes(precision: str, device: torch.device) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The weights' and autocast's dtypes of ``precision`` on ``device`` (`PRECISION_DTYPES`), fp16 AMP
+    becoming bf16 on the CPU, as Lightning does: fp16 autocast is not supported there."""
+    param_dtype, autocast_dtype = PRECISION_DTYPES[precision]
+    if autocast_dtype == torch.float16 and device.type == "cpu":
+        autocast_dtype = torch.bfloat16
+    return param_dtype, autocast_dtype
+
+
+def _converted(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` if it is floating point (Lightning's 16-bit precisions' ``convert_input``)."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str, precision: str) -> _routing.Routes:
     """The routing of ``batch`` through ``model``'s real weights (`_estimating.routing`): a forward run
     for real on the weights' device, without autograd, leaving no trace (`isolated`), at every call (a
     forward costs far less than the simulation, and the batch's values or the weights may have changed
-    since). ``failure``: the first try's refusal, raised again with the reason where no real forward can
-    run or the forward fails."""
+    since), at the step's ``precision``: under its autocast, or with the weights and the batch in 16 bits
+    (a router's near-tie goes otherwise there). ``failure``: the first try's refusal, raised again with the
+    reason where no real forward can run or the forward fails."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if device.type == "meta":
@@ -839,8 +854,12 @@ def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str) -> _routin
             model.train()  # as a training step runs; `isolated` gives every module its flag back
             if lightning:
                 stack.enter_context(lightning_stand_ins(model, device))
-            forward = _forward_fn(model, move_data_to_device(batch, device), loss_fn, lightning, None, None)
-            routes = stack.enter_context(_routing.recording(model))
+            param_dtype, autocast_dtype = _dtypes(precision, device)
+            batch = move_data_to_device(batch, device)
+            if param_dtype is not None:  # Lightning's 16-bit precisions convert the batch's floats
+                batch = apply_to_collection(batch, Tensor, functools.partial(_converted, dtype=param_dtype))
+            forward = _forward_fn(model, batch, loss_fn, lightning, param_dtype, autocast_dtype)
+            routes = stack.enter_context(_routing.recording(model, param_dtype))
             forward()
     except Exception as error:
         why = f"the real forward of the batch that would show them failed ({type(error).__name__}: {error})"
@@ -889,15 +908,13 @@ def simulate_step(
         try:
             return again(follow_routing=False)
         except _routing.UnknownShape as err:
-            recorded = _routes(model, batch, loss_fn, str(err))
+            recorded = _routes(model, batch, loss_fn, str(err), step.precision)
         for restore in fresh:  # as they were given: the first try wrote into them
             restore()
         return again(routes=recorded)
-    param_dtype, autocast_dtype = PRECISION_DTYPES[step.precision]
     target = torch.device(device)
     valid_name("device", target.type, DEVICES)
-    if autocast_dtype == torch.float16 and target.type == "cpu":
-        autocast_dtype = torch.bfloat16  # as Lightning does: fp16 AMP is not supported on CPU
+    param_dtype, autocast_dtype = _dtypes(step.precision, target)
     lightning = is_lightning(model)
     if lightning and not model.automatic_optimization:
         raise NotImplementedError(
