@@ -10,6 +10,7 @@ three byte budgets below the compiled LLaMA's step planned so, each plan's peak 
 
     python benchmarks/bench_compiled_estimate.py            # the table (docs/models.md)
     python benchmarks/bench_compiled_estimate.py llama bert # some rows
+    python benchmarks/bench_compiled_estimate.py --fit      # AutoFit's search's rows only
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_compiled import CNN
 from zoo import ZOO, zoo_batch
 
-from lightning_memkit import estimate_memory, measure, plan_checkpointing
+from lightning_memkit import estimate_memory, measure, plan_checkpointing, plan_fit
 
 #: name -> (zoo model, batch size, sequence length)
 ROWS = {
@@ -44,6 +46,8 @@ ROWS = {
 BUDGETS = ((8, 32, 0.5), (8, 32, 0.3), (8, 32, 0.1), (1, 256, 0.984), (1, 256, 0.5))
 #: byte budgets planned for the zoo's compiled LLaMA (batch 8 x 32), as shares of its compiled step's peak
 PLANNED = (0.95, 0.78, 0.7)
+#: limits `plan_fit` (AutoFit's search) plans the same step for, global batch 8, as shares of its peak
+FITTED = (0.95, 0.8, 0.6)
 
 
 class _Loss(nn.Module):
@@ -81,11 +85,14 @@ def _model(name: str, batch_size: int, seq_len: int) -> tuple[nn.Module, object,
     return _Loss(torch.compile(factory()), "hf"), batch, eager
 
 
+def _loss(out: torch.Tensor, _: object) -> torch.Tensor:
+    return out  # the module returns its loss
+
+
 def _estimate(model: nn.Module, batch: object, budget: float | None = None) -> int:
-    loss = lambda out, _: out  # noqa: E731 - the module returns its loss
     options = {} if budget is None else {"compile_budget": budget}
     return estimate_memory(
-        model, (batch, None), optimizer="adamw", loss_fn=loss, device="cpu", **options
+        model, (batch, None), optimizer="adamw", loss_fn=_loss, device="cpu", **options
     ).peak
 
 
@@ -107,69 +114,112 @@ def row(name: str) -> str:
     return f"| {name} | {batch_size} | {real:,} | {estimate / real - 1:+.3%} | {before / real - 1:+.3%} |"
 
 
-def budget_row(batch_size: int, seq_len: int, budget: float) -> str:
-    torch._functorch.config.enable_autograd_cache = False  # each budget compiled afresh
+def _uncached() -> None:
+    """Nothing cached from one activation budget's compile to the next: each budget compiled afresh."""
+    torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False
+
+
+def budget_row(batch_size: int, seq_len: int, budget: float) -> str:
+    _uncached()
     compiled, batch, _ = _model("llama", batch_size, seq_len)
     estimate = _estimate(compiled, batch, budget)
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        real = _real(compiled, batch)
+    real = _real_at(compiled, batch, budget)
     return f"| {batch_size} x {seq_len} | {budget:g} | {real:,} | {estimate / real - 1:+.3%} |"
+
+
+def _planned_llama() -> tuple[nn.Module, object, int]:
+    """The zoo's LLaMA compiled (batch 8 x 32) for a plan, with its compiled step's estimated peak."""
+    _uncached()
+    compiled, batch, _ = _model("llama", 8, 32)
+    return compiled, batch, _estimate(compiled, batch)
+
+
+def _real_at(compiled: nn.Module, batch: object, budget: float | None) -> int:
+    """The real step at torch.compile's activation budget ``budget`` (``None``: 1.0), compiled afresh."""
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=budget or 1.0):
+        return _real(compiled, batch)
 
 
 def plan_row(share: float) -> str:
     """`plan_checkpointing` for a byte budget below the compiled step: the activation budget it sets, the
     step it plans, and the real step run with that activation budget."""
-    torch._functorch.config.enable_autograd_cache = False
-    torch._inductor.config.fx_graph_cache = False
-    compiled, batch, _ = _model("llama", 8, 32)
-    loss = lambda out, _: out  # noqa: E731 - the module returns its loss
-    full = _estimate(compiled, batch)
+    compiled, batch, full = _planned_llama()
     budget = int(full * share)
     try:
         plan = plan_checkpointing(
-            compiled, (batch, None), budget, optimizer="adamw", loss_fn=loss, device="cpu"
+            compiled, (batch, None), budget, optimizer="adamw", loss_fn=_loss, device="cpu"
         )
     except ValueError as refused:  # below every activation budget's step
         return f"| {share:g} x {full:,} = {budget:,} | refused: {str(refused)[:60]}... | | | |"
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(activation_memory_budget=plan.compile_budget or 1.0):
-        real = _real(compiled, batch)
+    real = _real_at(compiled, batch, plan.compile_budget)
     return (
         f"| {share:g} x {full:,} = {budget:,} | {plan.compile_budget} | {plan.peak:,} | {real:,} | "
         f"{plan.peak / real - 1:+.3%} |"
     )
 
 
-def main(names: list[str]) -> None:
-    lines = ["| model | batch | real peak (B) | estimate | eager simulation |", "|---|---:|---:|---:|---:|"]
-    for name in names:
-        lines.append(row(name))
+def fit_row(share: float) -> str:
+    """`plan_fit` (AutoFit's search, FLOPs cost) for a limit below the compiled step at global batch 8: the
+    micro-batch and activation budget it plans, and, where it does not accumulate, the real step run so."""
+    compiled, batch, full = _planned_llama()
+    limit = int(full * share)
+    plan = plan_fit(
+        compiled, (batch, None), budget=int(limit / 0.9), optimizers=("adamw",), loss_fn=_loss,
+        device="cpu", cost="flops",
+    )  # fmt: skip
+    m, accumulate = plan.micro_batch_size, plan.accumulate_grad_batches
+    head = f"| {share:g} x {full:,} = {plan.limit:,} | {m} x {accumulate} | {plan.checkpointing} | "
+    head += f"{plan.estimated_peak:,} | "
+    if plan.accumulate_grad_batches > 1:
+        return head + "(accumulates: not run) | |"
+    real = _real_at(compiled, batch, plan.checkpoint_plan.compile_budget if plan.checkpoint_plan else None)
+    return head + f"{real:,} | {plan.estimated_peak / real - 1:+.3%} |"
+
+
+#: the tables printed after the models' (all of them): each one's header, its rows' function and arguments
+TABLES = {
+    "budgets": (
+        "| LLaMA batch x tokens | activation budget | real peak (B) | estimate |\n|---|---:|---:|---:|",
+        budget_row, BUDGETS,
+    ),
+    "planned": (
+        "| byte budget (B) | activation budget planned | planned peak (B) | real peak (B) | plan |\n"
+        "|---|---:|---:|---:|---:|",
+        plan_row, [(share,) for share in PLANNED],
+    ),
+    "fit": (
+        "| limit (B) | micro-batch x accumulate | checkpointing | planned (B) | real peak (B) | plan |\n"
+        "|---|---:|---|---:|---:|---:|",
+        fit_row, [(share,) for share in FITTED],
+    ),
+}  # fmt: skip
+
+
+def table(header: str, make: Callable[..., str], rows: Iterable[tuple]) -> list[str]:
+    """The table's lines, each row printed to stderr as it is made (a run takes minutes)."""
+    lines = [header]
+    for args in rows:
+        lines.append(make(*args))
         print(lines[-1], file=sys.stderr, flush=True)
+    return lines
+
+
+def main(names: list[str]) -> None:
+    header = "| model | batch | real peak (B) | estimate | eager simulation |\n|---|---:|---:|---:|---:|"
+    lines = table(header, row, [(name,) for name in names])
     if names == list(ROWS):
-        lines += [
-            "",
-            "| LLaMA batch x tokens | activation budget | real peak (B) | estimate |",
-            "|---|---:|---:|---:|",
-        ]
-        for args in BUDGETS:
-            lines.append(budget_row(*args))
-            print(lines[-1], file=sys.stderr, flush=True)
-        lines += [
-            "",
-            "| byte budget (B) | activation budget planned | planned peak (B) | real peak (B) | plan |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for share in PLANNED:
-            lines.append(plan_row(share))
-            print(lines[-1], file=sys.stderr, flush=True)
+        for name in TABLES:
+            lines += ["", *table(*TABLES[name])]
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning_memkit").setLevel(logging.ERROR)
+    if sys.argv[1:] == ["--fit"]:
+        sys.exit(print("\n".join(table(*TABLES["fit"]))))
     unknown = [name for name in sys.argv[1:] if name not in ROWS]
     if unknown:
         sys.exit(f"Unknown model {', '.join(unknown)}; choose from {', '.join(ROWS)}")
