@@ -88,6 +88,41 @@ def _compiled(out: Path) -> None:
     _trainer(out, max_steps=3, logger=logger, callbacks=callbacks).fit(CompiledDecoder(batch_size=4))
 
 
+class _RecordCompileBudget(pl.Callback):
+    """Writes each rank's plan, torch.compile's activation budget at each step, and the allocator's peaks."""
+
+    def __init__(self, out: Path, autofit: AutoFit, peaks: AllocatorPeaks) -> None:
+        self.out, self.autofit, self.peaks, self.during = out, autofit, peaks, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from torch._functorch import config
+
+        self.during.append(config.activation_memory_budget)
+
+    def on_train_end(self, trainer, pl_module):
+        record = {"plan": self.autofit.plan.as_dict(), "during": self.during, "allocator": self.peaks.peaks}
+        (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _compiled_budget(out: Path) -> None:
+    """AutoFit on a decoder compiled in ``configure_model``, at a limit 0.9 of one rank's compiled step (with
+    DDP's buckets): rank 0 plans a lower activation budget, and every rank sets it for the fit."""
+    from test_compiled import CompiledDecoder
+    from torch._functorch import config
+
+    probe = CompiledDecoder(batch_size=4)
+    probe.configure_model()
+    step = estimate_memory(probe, next(iter(probe.train_dataloader())), device="cpu")
+    grads = 4 * sum(p.numel() for p in probe.parameters())
+    limit = int(0.9 * shard(step, "ddp", 2, gradient_bytes=grads).peak)
+    autofit, peaks = AutoFit(budget=int(limit / 0.9), cost="flops", optimizers=["adamw"]), AllocatorPeaks()
+    before = config.activation_memory_budget
+    callbacks = [*peaks.around(autofit), _RecordCompileBudget(out, autofit, peaks)]
+    _trainer(out, max_steps=3, logger=False, callbacks=callbacks).fit(CompiledDecoder(batch_size=4))
+    after = {"before": before, "after": config.activation_memory_budget, "limit": limit}
+    (out / f"config_{torch.distributed.get_rank()}.json").write_text(json.dumps(after))
+
+
 class _RecordingAutoFit(AutoFit):
     """AutoFit that notes, per rank, whether the rank planned and what it installed."""
 
@@ -233,6 +268,7 @@ SCENARIOS = dict(
     failing=_failing,
     buckets=_buckets,
     compiled=_compiled,
+    compiled_budget=_compiled_budget,
     monitor=_monitor,
 )
 
@@ -320,6 +356,28 @@ def test_ddp_a_compiled_step_is_measured_on_each_rank(ddp):
         assert len(record["monitor"]) == len(record["allocator"]) == 3
         for measured, truth in zip(record["monitor"], record["allocator"], strict=True):
             assert abs(measured - truth) <= ids + 0.001 * truth, (rank, record)
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_ddp_a_compiled_models_activation_budget_is_set_on_every_rank(ddp):
+    """AutoFit on a compiled model under DDP: rank 0 plans torch.compile's activation budget, and every rank
+    sets it in its own process for the fit (each compiles its own graph) and gives it back after. Each
+    rank's steps peak under the limit, the token ids (read only by generated kernels, which the profiler
+    misses) aside."""
+    out = ddp("compiled_budget")
+    ids = 4 * 32 * 8  # one rank's (4, 32) int64 batch
+    rank0, rank1 = (json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1))
+    assert rank0["plan"] == rank1["plan"]
+    plan = rank0["plan"]
+    budget = plan["checkpoint_plan"]["compile_budget"]
+    assert plan["checkpointing"] == f"compile budget {budget:g}" and budget < 1.0, plan
+    assert (plan["micro_batch_size"], plan["accumulate_grad_batches"]) == (4, 1), plan
+    for rank, record in enumerate((rank0, rank1)):
+        config = json.loads((out / f"config_{rank}.json").read_text())
+        assert config["after"] == config["before"] and plan["limit"] == config["limit"]
+        assert record["during"] == [budget] * 3
+        assert max(record["allocator"]) <= plan["limit"] + ids, (rank, record["allocator"], plan["limit"])
 
 
 @pytest.mark.slow
