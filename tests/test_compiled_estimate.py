@@ -19,6 +19,7 @@ from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import (
     ActivationCheckpointing,
+    Alternative,
     AutoFit,
     FitPlan,
     estimate_memory,
@@ -417,6 +418,66 @@ def test_autofits_search_meets_a_budget_through_the_activation_budget():
     assert leaner is not None and leaner.micro_batch_size == 4
     assert leaner.checkpoint_plan == plan.checkpoint_plan
     assert FitPlan.from_dict(plan.as_dict()) == plan
+
+
+def _compile_budget_plan(m: int = 8) -> FitPlan:
+    """A plan as `plan_fit` makes it for a compiled model below its step (no simulation)."""
+    from lightning_memkit._budget import Budget
+
+    row = Alternative(m, 8 // m, "compile budget 0.8", "adamw", "32-true", 900_000, 1.1, True, 0.02)
+    return FitPlan(
+        micro_batch_size=m, accumulate_grad_batches=8 // m, checkpointing="compile budget 0.9",
+        optimizer="adamw", precision="32-true", estimated_peak=1_000_000,
+        budget=Budget(total=1_200_000, usable=1_200_000, source="1.2MB"), alternatives=(row,),
+        modes=("none", "compile budget"), checkpoint_plan=CheckpointPlan(blocks=(), compile_budget=0.9),
+        device="cpu",
+    )  # fmt: skip
+
+
+def test_a_compile_budget_plan_is_written_applied_and_explained_as_torchs_setting():
+    """A compiled model's plan everywhere a plan goes: by hand it is torch's configuration (no
+    ActivationCheckpointing, which would read "compile budget 0.9" as a mode); an alternative row of
+    another budget applies that budget; an OOM report plans it again with a mode `plan_fit` takes; and with
+    no leaner plan left the OOM names the activation budget, not a checkpointing mode."""
+    from torch._functorch import config
+
+    from lightning_memkit._diagnosis.oom import by_hand_code, fastest_plans, plan_code
+    from lightning_memkit._vocabulary import allowed_modes
+
+    plan, module = _compile_budget_plan(), ZooModule("compiled_llama", batch_size=8)
+    assert plan.compile_budget == 0.9
+    by_hand = "\n".join(by_hand_code(plan, module))
+    assert "torch._functorch.config.activation_memory_budget = 0.9" in by_hand
+    assert "ActivationCheckpointing" not in by_hand and "block by block" not in by_hand
+    assert "activation_memory_budget = 0.9" in plan_code(plan, module, global_batch=8, optimizers=None)
+    assert allowed_modes(plan.checkpointing_asked) == ("none", "full")
+
+    before = config.activation_memory_budget
+    ((row, _),) = [(p, t) for p, t in fastest_plans(plan) if p is not plan]
+    assert row.compile_budget == 0.8 and row.checkpoint_plan is None
+    applied = row.apply(module)
+    assert config.activation_memory_budget == 0.8
+    applied.remove()
+    assert config.activation_memory_budget == before
+
+    fit = AutoFit(budget="1.2MB")
+    fit.plan = _compile_budget_plan(m=1)
+    with pytest.raises(
+        torch.OutOfMemoryError, match=r"micro-batch 1 with torch.compile's activation budget 0.9"
+    ):
+        fit._replan()
+
+
+def test_under_fsdp2_a_compiled_model_is_planned_without_its_activation_budget():
+    """FSDP2's sharded step of a compiled model is simulated eagerly: the estimate says so, and `plan_fit`
+    does not search an activation budget that changes nothing there (its note says why)."""
+    module, batch = _compiled_zoo("llama", batch_size=4)
+    with pytest.warns(UserWarning, match="FSDP2's sharded step is simulated eagerly"):
+        estimate_memory(module, batch, device="cpu", strategy="fsdp2", world_size=2)
+    plan = plan_fit(
+        module, batch, "64MB", optimizers=("adamw",), cost="flops", device="cpu", n_gpus=2, strategy="fsdp2"
+    )
+    assert plan.modes == ("none",) and "FSDP2's sharded step is simulated eagerly" in plan.note
 
 
 @pytest.mark.slow

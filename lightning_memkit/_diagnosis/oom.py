@@ -378,7 +378,12 @@ def by_hand_code(plan: FitPlan, model: nn.Module) -> list[str]:
     if levers:
         by_hand["callbacks"] = f"[{', '.join(levers)}]"
     lines = [f"batch_size = {plan.micro_batch_size}", _call("trainer = Trainer", by_hand)]
-    if plan.checkpointing not in CHECKPOINT_MODES and _sharded(plan):
+    if plan.compile_budget is not None:  # set before the model is compiled, for the whole process
+        lines[1:1] = [
+            f"torch._functorch.config.activation_memory_budget = {plan.compile_budget:g}",
+            "#    torch.compile's partitioner then keeps that share of the activations (before compiling).",
+        ]
+    elif plan.checkpointing not in CHECKPOINT_MODES and _sharded(plan):
         lines.append(
             f"#    The plan checkpoints block by block ({plan.checkpointing}); under {plan.strategy} "
             f"every block gets {_strongest(plan)}: it fits too, for more recompute."
@@ -406,6 +411,8 @@ def _levers(plan: FitPlan) -> list[str]:
     plans a budget on the unsharded step (and refuses to under FSDP): with a sharded strategy a per-block
     plan is written as its strongest mode on every block, which fits too."""
     levers = [f"{plan.lever}()"] if plan.lever else []
+    if plan.compile_budget is not None:  # torch's configuration, not a callback (`by_hand_code`)
+        return levers
     if plan.checkpointing not in CHECKPOINT_MODES and not _sharded(plan):  # no one mode names it
         levers.append(f"ActivationCheckpointing(budget={plan.limit:_})")
     elif plan.checkpointing != "none":

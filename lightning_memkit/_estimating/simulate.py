@@ -949,6 +949,13 @@ def simulate_step(
         stack.enter_context(_shadow.not_tracing(mode))  # transformers: our fakes are not a trace
         stepped = model  # what steps: the model, or its sharded copy
         if step.sharding is not None:
+            if compiled_modules(model):
+                warnings.warn(
+                    f"estimate_memory: {type(model).__name__} is compiled, but FSDP2's sharded step is "
+                    "simulated eagerly (its sharded copy runs each module's own forward): a compiled run "
+                    "saves and fuses otherwise, and torch.compile's activation budget changes nothing here.",
+                    stacklevel=2,
+                )
             sharding = step.sharding
             mesh = stack.enter_context(_fsdp2.fake_mesh(sharding.world_size))
             with mode:

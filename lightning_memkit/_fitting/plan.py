@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget
+from lightning_memkit._checkpointing.compiled import COMPILE_BUDGET, label_budget
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit._estimating.isolate import isolated
@@ -230,6 +231,19 @@ class FitPlan:
         return self.micro_batch_size * self.accumulate_grad_batches * self.n_gpus
 
     @property
+    def compile_budget(self) -> float | None:
+        """A compiled model's plan: the torch.compile ``activation_memory_budget`` it runs at (its
+        `checkpointing` reads ``"compile budget 0.9"``); ``None`` otherwise."""
+        return label_budget(self.checkpointing)
+
+    @property
+    def checkpointing_asked(self) -> tuple[str, ...]:
+        """The ``checkpointing=`` that plans with `modes` again (`plan_fit`, `AutoFit`): a compiled model's
+        ``"compile budget"`` is what any mode but ``"none"`` is planned as."""
+        asked = tuple(mode for mode in self.modes if mode in CHECKPOINT_MODES)
+        return (*asked, "full") if COMPILE_BUDGET in self.modes else asked
+
+    @property
     def levels(self) -> tuple[str, ...]:
         """Deprecated: `modes`."""
         renamed_attribute("FitPlan", "levels", "modes")
@@ -245,8 +259,8 @@ class FitPlan:
         peak stands for it (a bound: a leaner plan peaks no higher), as its ``note`` says."""
         allowed = [mode for mode in CHECKPOINT_MODES if mode in modes and mode in self.modes]
         used = set(self.checkpoint_plan.modes.values()) if self.checkpoint_plan else {self.checkpointing}
-        if self.checkpoint_plan is not None and not self.checkpoint_plan.blocks:  # a compiled model's
-            used = {"none"}  # its activation budget kept, at half the micro-batch
+        if self.compile_budget is not None:  # a compiled model's: its activation budget kept, at half the
+            used = {"none"}  # micro-batch (a lower one is not leaner for sure: its peak is not monotonic)
         strongest = max(CHECKPOINT_MODES.index(mode) for mode in used)
         # Every block at the next mode stronger than the strongest in use; a per-block plan that already
         # uses the strongest mode allowed gets it on every block.
@@ -288,7 +302,10 @@ class FitPlan:
         both). Returns a handle whose ``remove()`` undoes both changes.
         """
         applied = _Applied(module)
-        applied.checkpointing = apply_checkpointing(module, self.checkpoint_plan or self.checkpointing)
+        checkpointing = self.checkpoint_plan or self.checkpointing
+        if self.compile_budget is not None and self.checkpoint_plan is None:  # an alternative's, as a row
+            checkpointing = CheckpointPlan(blocks=(), compile_budget=self.compile_budget)
+        applied.checkpointing = apply_checkpointing(module, checkpointing)
         configure = getattr(module, "configure_optimizers", None)
         if self.optimizer is not None and callable(configure):
             module.__dict__["configure_optimizers"] = _swapped_configure(configure, self.optimizer)

@@ -160,8 +160,7 @@ class _Search:
 
     def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", counting=False, **changes):
         """One rank's simulated step (``counting``: `counted_step`'s breakdown, FLOPs and ops)."""
-        if checkpointing == COMPILE_BUDGET:  # the activation budget planned there (or the lowest step's)
-            checkpointing = self.compiled_plan(m, optimizer, precision)[1]
+        checkpointing = self.resolved(m, checkpointing, optimizer, precision)
         budget = label_budget(checkpointing)
         if budget is None and isinstance(checkpointing, CheckpointPlan):
             budget = checkpointing.compile_budget
@@ -200,9 +199,15 @@ class _Search:
             self.counts[key] = (flops, ops)
         return self.counts[key]
 
+    def resolved(self, m: int, checkpointing: str, optimizer: str | None, precision: str) -> str:
+        """The mode whose step stands for ``checkpointing`` at micro-batch ``m``: `COMPILE_BUDGET`'s is the
+        activation budget planned there, or the lowest step's (`compiled_plan`); any other, itself."""
+        if checkpointing == COMPILE_BUDGET:
+            return self.compiled_plan(m, optimizer, precision)[1]
+        return checkpointing
+
     def peak(self, m: int, checkpointing: str, optimizer: str | None, precision: str) -> MemoryBreakdown:
-        if checkpointing == COMPILE_BUDGET:  # the step of the activation budget planned, or the lowest
-            checkpointing = self.compiled_plan(m, optimizer, precision)[1]
+        checkpointing = self.resolved(m, checkpointing, optimizer, precision)
         key = (m, checkpointing, optimizer, precision)
         compiled_step = checkpointing == "none" or label_budget(checkpointing) is not None
         if key not in self.cache and self.compiling and compiled_step:
@@ -609,8 +614,8 @@ def plan_fit(
         )
     if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
         raise ValueError(f"n_gpus must be a whole number of GPUs, at least 1; got {n_gpus!r}")
-    modes, note = _checkpointable(model, allowed_modes(checkpointing))
     strategy = valid_name("strategy", strategy, STRATEGIES)
+    modes, note = _checkpointable(model, allowed_modes(checkpointing), sharded=strategy == "fsdp2")
     total = batch_size(batch)
     if total % n_gpus:
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
@@ -683,7 +688,7 @@ def plan_fit(
         pairs = [pair for pair in pairs if _loads(pair[0])] or pairs  # known by now: all were tried
         message = _infeasible(search, pairs, precisions, modes, limit, budget, margin, total)
         if cpu_offload is None and search.sharding:
-            leanest = search.whole[(search.smallest, modes[-1], *pairs[-1])]
+            leanest = search.whole[(search.smallest, modes[-1], *pairs[-1])]  # FSDP2: no COMPILE_BUDGET
             offloaded = search.offloaded(leanest, pairs[-1][1]).peak
             message += (
                 f" With FSDP2's CPU offload (CPUOffloadPolicy) the leanest plan still needs about "
@@ -962,15 +967,23 @@ def _pairs(
     return list(dict.fromkeys(pairs))
 
 
-def _checkpointable(model: nn.Module, modes: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+def _checkpointable(
+    model: nn.Module, modes: tuple[str, ...], *, sharded: bool = False
+) -> tuple[tuple[str, ...], str]:
     """The modes that are candidates for ``model``, and a note on those that are not.
 
     Checkpointing applies to the repeated blocks `find_blocks` finds; a model with
     none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
     allowed. A compiled model's blocks are not checkpointed either: inside a compiled graph what is kept
     for backward is torch.compile's partitioner's choice, so its mode is `COMPILE_BUDGET`, the activation
-    budget `plan_compiled` finds at each micro-batch.
+    budget `plan_compiled` finds at each micro-batch; except under FSDP2 (``sharded``), whose sharded step
+    of a compiled model is simulated eagerly, so no activation budget would change it.
     """
+    if modes != ("none",) and compiled_modules(model) and sharded:
+        return ("none",), (
+            f"checkpointing not planned: {type(model).__name__} is compiled, and FSDP2's sharded step is "
+            "simulated eagerly, where torch.compile's activation budget changes nothing"
+        )
     if modes != ("none",) and compiled_modules(model):
         return ("none", COMPILE_BUDGET), (
             f"{type(model).__name__} is compiled: its checkpointing is torch.compile's "
@@ -1003,6 +1016,9 @@ def _infeasible(search, pairs, precisions, modes, limit, budget, margin, total) 
     """The error text: static floor, leanest plan's peak, and what would fit."""
     (first_opt, first_prec), (leanest_opt, leanest_prec) = pairs[0], pairs[-1]
     strongest = modes[-1]
+    if strongest == COMPILE_BUDGET and search.static(leanest_opt, leanest_prec) > limit:
+        strongest = "none"  # below the static floor no activation budget helps: not worth ten simulations
+    strongest = search.resolved(search.smallest, strongest, leanest_opt, leanest_prec)
     floor = search.peak(search.smallest, strongest, leanest_opt, leanest_prec)
     best = search.peak(search.smallest, strongest, first_opt, first_prec)
     # Unsharded smallest steps: what more GPUs (FSDP) or a larger card would have to hold.

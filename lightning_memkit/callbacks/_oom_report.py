@@ -125,7 +125,7 @@ def explain_run_oom(
         margin=plan.margin if plan is not None else 0.1,
         optimizers=candidates,
         precision=precision(trainer),
-        checkpointing=plan.modes if plan is not None else CHECKPOINT_MODES,
+        checkpointing=plan.checkpointing_asked if plan is not None else CHECKPOINT_MODES,
         strategy=strategy,
         n_gpus=ranks,
         device=kind,

@@ -513,12 +513,18 @@ class AutoFit(Callback):
         leaner = self.plan.leaner(self.checkpointing)
         if leaner is None:
             allowed = [m for m in self.checkpointing if m in self.plan.modes]
+            strongest = (
+                f"torch.compile's activation budget {self.plan.compile_budget:g} (a lower one need not peak "
+                "lower)"
+                if self.plan.compile_budget is not None
+                else f"{self.plan.checkpointing} checkpointing, the strongest this model is planned with "
+                f"({', '.join(allowed)})"
+            )
             # An OOM still, so that the run's end explains it (`on_exception`), with the plan applied.
             raise torch.OutOfMemoryError(
-                f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with "
-                f"{self.plan.checkpointing} checkpointing, the strongest this model is planned with "
-                f"({', '.join(allowed)}): no leaner plan is left; lower the budget given to AutoFit so that "
-                "a lighter optimizer is chosen."
+                f"AutoFit: out of memory at micro-batch {self.plan.micro_batch_size} with {strongest}: no "
+                "leaner plan is left; lower the budget given to AutoFit so that a lighter optimizer is "
+                "chosen."
             )
         rank_zero_warn(f"AutoFit: out of memory; re-planned one notch leaner: {leaner.summary()}")
         self.plan = leaner
