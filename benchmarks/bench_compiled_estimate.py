@@ -136,9 +136,10 @@ def _planned_llama() -> tuple[nn.Module, object, int]:
 
 
 def _real_at(compiled: nn.Module, batch: object, budget: float | None) -> int:
-    """The real step at torch.compile's activation budget ``budget`` (``None``: 1.0), compiled afresh."""
+    """The real step at torch.compile's activation budget ``budget`` (``None``: as configured, 1.0),
+    compiled afresh."""
     torch._dynamo.reset()
-    with torch._functorch.config.patch(activation_memory_budget=budget or 1.0):
+    with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget):
         return _real(compiled, batch)
 
 

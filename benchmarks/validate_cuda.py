@@ -623,8 +623,8 @@ def compiled(bench: Bench) -> None:
         "11. ActivationCheckpointing at 0.9, compiled LLaMA",
         f"activation budget {chosen}; steady peak {planned.steady / MiB:,.1f} ≤ {budget / MiB:,.1f} MiB "
         f"(first step, compiling: {planned.peaks[0] / MiB:,.1f} MiB)",
-        "steady peak ≤ budget",
-        planned.steady <= budget,
+        "a budget planned; steady peak ≤ budget",
+        chosen is not None and planned.steady <= budget,
     )
 
 

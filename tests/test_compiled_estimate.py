@@ -468,6 +468,33 @@ def test_a_compile_budget_plan_is_written_applied_and_explained_as_torchs_settin
         fit._replan()
 
 
+@pytest.mark.slow  # three compiled simulations and a search: the full run's tier
+def test_an_oom_report_plans_a_compiled_model_at_the_budget_the_run_was_written_with():
+    """The OOM report re-plans while AutoFit's plan is still applied, its activation budget (0.9) set in the
+    process: it plans at the budget before the plan (torch's 1.0) as it sets aside applied checkpointing,
+    so the plans it writes name the budget a fresh process needs. Planned at 0.9, the step that fits at 0.9
+    was "none", and its code set no budget."""
+    from torch._functorch import config
+
+    from lightning_memkit import apply_checkpointing
+    from lightning_memkit._budget import Budget
+    from lightning_memkit._checkpointing.policies import budget_before_plans
+    from lightning_memkit._diagnosis.oom import plans_section
+
+    module, batch = _compiled_zoo("llama", batch_size=8)
+    full = estimate_memory(module, batch, device="cpu", optimizer="adamw").peak
+    at_09 = estimate_memory(module, batch, device="cpu", optimizer="adamw", compile_budget=0.9).peak
+    limit = (full + at_09) // 2
+    budget = Budget(total=int(limit / 0.9), usable=int(limit / 0.9), source="bytes")
+    assert budget_before_plans() is None
+    with apply_checkpointing(module, CheckpointPlan(blocks=(), compile_budget=0.9)):
+        assert config.activation_memory_budget == 0.9 and budget_before_plans() == 1.0
+        lines = "\n".join(plans_section(module, batch, budget, optimizers=("adamw",), device="cpu"))
+        assert config.activation_memory_budget == 0.9
+    assert budget_before_plans() is None and config.activation_memory_budget == 1.0
+    assert "activation_memory_budget = 0.9" in lines, lines
+
+
 def test_under_fsdp2_a_compiled_model_is_planned_without_its_activation_budget():
     """FSDP2's sharded step of a compiled model is simulated eagerly: the estimate says so, and `plan_fit`
     does not search an activation budget that changes nothing there (its note says why)."""

@@ -207,6 +207,7 @@ class _NearTie(torch.nn.Module):
             self.router.bias.copy_(torch.tensor([1.0, 1.001]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.router.weight.dtype)  # as Hugging Face's models read their weights' dtype
         chosen = self.router(x).argmax(-1)
         out = torch.zeros_like(x)
         for i, expert in enumerate(self.experts):
@@ -219,8 +220,9 @@ class _NearTie(torch.nn.Module):
 def test_the_routing_is_recorded_at_the_steps_precision(precision):
     """The routing is recorded with the weights (``bf16-true``) or the autocast (``bf16-mixed``) the step
     runs with, on the fp32 model a plan sees at ``setup``. Recorded in fp32, the 16-bit step was read
-    with fp32's routing, every token on the narrow expert: 299,976 B for a step of 3,375,430 B. The model
-    is left as it was, in fp32."""
+    with fp32's routing, every token on the narrow expert: 299,976 B for a step of 3,375,430 B. The 16-bit
+    weights are a copy the forward sees as the model's (it reads their dtype); the model is left as it
+    was, in fp32."""
     import copy
 
     torch.manual_seed(0)

@@ -294,6 +294,16 @@ def _compile_with(budget: float) -> None:
         torch.compiler.reset()
 
 
+#: the handles whose plans set torch.compile's activation budget, oldest first (`budget_before_plans`)
+_SETTING_BUDGET: list[CheckpointHandle] = []
+
+
+def budget_before_plans() -> float | None:
+    """torch.compile's activation budget as it was before the plans applied now set it (``None``: no plan
+    applied sets it): what a compiled model is planned at again "as written" (`_diagnosis.oom`)."""
+    return _SETTING_BUDGET[0]._compile_budget if _SETTING_BUDGET else None
+
+
 class CheckpointHandle:
     """What `apply_checkpointing` did, to undo it: ``handle.remove()``, or use it as a context manager."""
 
@@ -343,6 +353,7 @@ class CheckpointHandle:
         from torch._functorch import config
 
         self._compile_budget = config.activation_memory_budget
+        _SETTING_BUDGET.append(self)
         _compile_with(budget)
 
     def restore_compile_budget(self) -> None:
@@ -351,6 +362,7 @@ class CheckpointHandle:
         if self._compile_budget is not None:
             _compile_with(self._compile_budget)
             self._compile_budget = None
+            _SETTING_BUDGET.remove(self)
 
     def remove(self) -> None:
         """Put every patched ``forward``, every ``use_cache`` and torch.compile's activation budget back as

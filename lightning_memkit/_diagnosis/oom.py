@@ -14,6 +14,7 @@ after `PLAN_SECONDS`: a large model's step takes seconds to simulate, and a plan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import warnings
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget
-from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, apply_plan
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, apply_plan, budget_before_plans
 from lightning_memkit._estimating.analytic import model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_size, repeat_rows
 from lightning_memkit._estimating.simulate import estimate_step
@@ -214,9 +215,10 @@ def plans_section(
     as the fit starts (``planner_present``: the run has an AutoFit already, whose arguments these are).
 
     ``batch`` is the global batch (all ranks); ``plan_options`` are `plan_fit`'s keywords. The model is
-    planned as written: checkpointing a callback applied is set aside while planning. When nothing fits,
-    the lines give `plan_fit`'s reason (the floor and what would fit); a plan that fails otherwise, or
-    takes more than `PLAN_SECONDS`, is one line.
+    planned as written: checkpointing a callback applied is set aside while planning, and so is the
+    torch.compile activation budget a plan set (the simulation reads it; nothing compiled is forgotten).
+    When nothing fits, the lines give `plan_fit`'s reason (the floor and what would fit); a plan that
+    fails otherwise, or takes more than `PLAN_SECONDS`, is one line.
     """
     deadline = time.monotonic() + PLAN_SECONDS
 
@@ -225,8 +227,10 @@ def plans_section(
             raise _OutOfTime
 
     options = {"cost": "flops", "progress": progress, **plan_options}
+    before = budget_before_plans()  # a compiled model's activation budget as the user's run sets it
+    as_written = contextlib.nullcontext() if before is None else _compile_config(before)
     try:
-        with apply_plan(model, "none", announce=False), warnings.catch_warnings():
+        with apply_plan(model, "none", announce=False), as_written, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = plan_fit(model, batch, budget, margin=margin, optimizers=optimizers, **options)
     except ValueError as err:  # nothing fits: plan_fit says the floor and what would
@@ -262,6 +266,14 @@ def plans_section(
         f"  (from lightning_memkit import {', '.join(sorted(names))})",
     ]
     return lines
+
+
+def _compile_config(budget: float) -> contextlib.AbstractContextManager:
+    """torch.compile's activation budget at ``budget`` while inside, for the simulations only: dynamo's
+    compiled graphs are kept (no ``torch.compiler.reset()``)."""
+    from torch._functorch import config
+
+    return config.patch(activation_memory_budget=budget)
 
 
 def fastest_plans(plan: FitPlan, n: int = MAX_PLANS) -> list[tuple[FitPlan, float]]:

@@ -21,18 +21,16 @@ branch on a value the simulation only has a placeholder for), `Routes.check` ref
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from lightning_memkit._measuring.tracker import _iter_tensors, _value_shaped
 
@@ -195,22 +193,11 @@ def _where(site: tuple) -> str:
 
 
 class _Recording(TorchDispatchMode):
-    """Records the value-shaped ops; with ``weights``, each op reads those tensors cast to ``dtype``."""
-
-    def __init__(
-        self, routes: Routes, weights: Iterable[Tensor] = (), dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, routes: Routes) -> None:
         super().__init__()
         self.routes = routes
-        self.weights = {id(t) for t in weights if t.is_floating_point()} if dtype is not None else set()
-        self.dtype = dtype
-
-    def _cast(self, t: Any) -> Any:
-        return t.to(self.dtype) if isinstance(t, Tensor) and id(t) in self.weights else t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if self.weights:
-            args, kwargs = tree_map(self._cast, (args, kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if _value_shaped(func, args):
             self.routes.add(func, args, out)
@@ -218,13 +205,9 @@ class _Recording(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module, weights_dtype: torch.dtype | None = None) -> Iterator[Routes]:
+def recording(model: nn.Module) -> Iterator[Routes]:
     """Record, into the `Routes` yielded, the value-shaped ops of what runs in the block (``model``'s
-    real forward, under ``torch.no_grad()``). ``weights_dtype``: the forward reads ``model``'s floating
-    point parameters and buffers cast to it, as a run with 16-bit weights (``"bf16-true"``) holds them: a
-    router decides on the values it computes with, and a tie 16 bits cannot tell apart goes otherwise there.
-    Each op casts what it reads, so no 16-bit copy of the model is ever whole."""
+    real forward, under ``torch.no_grad()``)."""
     routes = Routes(model)
-    weights = itertools.chain(model.parameters(), model.buffers())
-    with torch.no_grad(), routes.watching(), _Recording(routes, weights, weights_dtype):
+    with torch.no_grad(), routes.watching(), _Recording(routes):
         yield routes

@@ -379,9 +379,17 @@ def _fake_like(t: Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> Te
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=_SIM_DEVICE)
 
 
+def _fake_parameters(
+    model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
+    """Every parameter and buffer of ``model`` swapped for a fake twin while inside (`_twinned`)."""
+    return _twinned(model, functools.partial(_fake_like, mode=mode, dtype=dtype))
+
+
 @contextlib.contextmanager
-def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> Iterator[None]:
-    """Swap every parameter and buffer of ``model`` for a fake twin while inside; put the originals back.
+def _twinned(model: nn.Module, make: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """Swap every parameter and buffer ``t`` of ``model`` for ``make(t)`` while inside; put the originals
+    back.
 
     The swap goes through ``_parameters``/``_buffers`` directly, so no hook or ``__setattr__`` override
     runs; a tensor registered under several names (tied weights) gets one twin.
@@ -396,7 +404,7 @@ def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype 
                         continue
                     twin = twins.get(id(t))
                     if twin is None:
-                        twin = _fake_like(t, mode, dtype)
+                        twin = make(t)
                         if is_param:
                             twin = nn.Parameter(twin, requires_grad=t.requires_grad)
                         twins[id(t)] = twin
@@ -830,16 +838,18 @@ def _dtypes(precision: str, device: torch.device) -> tuple[torch.dtype | None, t
 
 
 def _converted(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` in ``dtype`` if it is floating point (Lightning's 16-bit precisions' ``convert_input``)."""
-    return t.to(dtype) if t.is_floating_point() else t
+    """``t`` in ``dtype`` if it is floating point (Lightning's 16-bit precisions' ``convert_input``, and
+    what ``module.to(dtype)`` makes of a parameter or buffer), detached."""
+    return t.detach().to(dtype) if t.is_floating_point() else t
 
 
 def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str, precision: str) -> _routing.Routes:
     """The routing of ``batch`` through ``model``'s real weights (`_estimating.routing`): a forward run
     for real on the weights' device, without autograd, leaving no trace (`isolated`), at every call (a
     forward costs far less than the simulation, and the batch's values or the weights may have changed
-    since), at the step's ``precision``: under its autocast, or with the weights and the batch in 16 bits
-    (a router's near-tie goes otherwise there). ``failure``: the first try's refusal, raised again with the
+    since), at the step's ``precision``: under its autocast (on the weights' device), or with a 16-bit copy
+    of the weights, and the batch in 16 bits (a router's near-tie goes otherwise there: a run with 16-bit
+    weights holds that copy anyway). ``failure``: the first try's refusal, raised again with the
     reason where no real forward can run or the forward fails."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
@@ -856,10 +866,14 @@ def _routes(model: nn.Module, batch: Any, loss_fn: Any, failure: str, precision:
                 stack.enter_context(lightning_stand_ins(model, device))
             param_dtype, autocast_dtype = _dtypes(precision, device)
             batch = move_data_to_device(batch, device)
-            if param_dtype is not None:  # Lightning's 16-bit precisions convert the batch's floats
-                batch = apply_to_collection(batch, Tensor, functools.partial(_converted, dtype=param_dtype))
-            forward = _forward_fn(model, batch, loss_fn, lightning, param_dtype, autocast_dtype)
-            routes = stack.enter_context(_routing.recording(model, param_dtype))
+            if param_dtype is not None:  # 16-bit weights: a 16-bit copy of them for this forward, and
+                convert = functools.partial(_converted, dtype=param_dtype)  # the batch's floats, as Lightning
+                stack.enter_context(_twinned(model, convert))
+                batch = apply_to_collection(batch, Tensor, convert)
+            forward = _forward_fn(
+                model, batch, loss_fn, lightning, param_dtype, autocast_dtype, autocast_device=device.type
+            )
+            routes = stack.enter_context(_routing.recording(model))
             forward()
     except Exception as error:
         why = f"the real forward of the batch that would show them failed ({type(error).__name__}: {error})"
@@ -1016,12 +1030,14 @@ def _forward_fn(
     lightning: bool,
     param_dtype: torch.dtype | None,
     autocast_dtype: torch.dtype | None,
+    autocast_device: str = _SIM_DEVICE.type,
 ) -> Callable[[], Tensor]:
-    """The forward pass to the loss, inside the precision plugin's context."""
+    """The forward pass to the loss, inside the precision plugin's context (its autocast for the ops on
+    ``autocast_device``: the simulation's, or a real forward's weights')."""
 
     def context() -> contextlib.AbstractContextManager:
         if autocast_dtype is not None:
-            return torch.autocast(_SIM_DEVICE.type, dtype=autocast_dtype, cache_enabled=False)
+            return torch.autocast(autocast_device, dtype=autocast_dtype, cache_enabled=False)
         if param_dtype is not None:
             return _default_dtype(param_dtype)
         return contextlib.nullcontext()

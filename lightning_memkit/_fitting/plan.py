@@ -259,8 +259,8 @@ class FitPlan:
         peak stands for it (a bound: a leaner plan peaks no higher), as its ``note`` says."""
         allowed = [mode for mode in CHECKPOINT_MODES if mode in modes and mode in self.modes]
         used = set(self.checkpoint_plan.modes.values()) if self.checkpoint_plan else {self.checkpointing}
-        if self.compile_budget is not None:  # a compiled model's: its activation budget kept, at half the
-            used = {"none"}  # micro-batch (a lower one is not leaner for sure: its peak is not monotonic)
+        if self.compile_budget is not None or not used:  # a compiled model's: its activation budget kept,
+            used = {"none"}  # at half the micro-batch (a lower one need not be leaner: not monotonic)
         strongest = max(CHECKPOINT_MODES.index(mode) for mode in used)
         # Every block at the next mode stronger than the strongest in use; a per-block plan that already
         # uses the strongest mode allowed gets it on every block.

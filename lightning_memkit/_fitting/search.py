@@ -162,8 +162,6 @@ class _Search:
         """One rank's simulated step (``counting``: `counted_step`'s breakdown, FLOPs and ops)."""
         checkpointing = self.resolved(m, checkpointing, optimizer, precision)
         budget = label_budget(checkpointing)
-        if budget is None and isinstance(checkpointing, CheckpointPlan):
-            budget = checkpointing.compile_budget
         if budget is not None:  # a compiled step: torch.compile's activation budget, no block wrapped
             checkpointing, changes["compile_budget"] = "none", budget
         start = time.perf_counter()
@@ -870,10 +868,13 @@ def _fastest(search, step_cost, sizes, modes, opt, prec, limit, G) -> list[_Opti
             if options and step_cost.time(m, G // m) >= min(options).time:
                 continue
             if modes[-1] == COMPILE_BUDGET:  # torch.compile's activation budget: no planner, no timing
+                if (m, opt, prec) not in search.compiled and not search.refining():
+                    continue  # up to ten simulations: not past refine_seconds
                 plan, _ = search.compiled_plan(m, opt, prec)
                 if plan is not None:  # its recompute in FLOPs, under either cost
                     seconds = step_cost.time(m, G // m, plan.overhead or 0.0)
-                    options.append(_Option(seconds, m, _plan_label(plan), plan.peak, plan))
+                    kept = plan if plan.compile_budget is not None else None  # else: as configured
+                    options.append(_Option(seconds, m, _plan_label(plan), plan.peak, kept))
                 continue
             if not search.refining():  # no time for a planner: the strongest mode, if simulated and fits
                 strongest = search.cache.get((m, modes[-1], opt, prec))
