@@ -296,17 +296,6 @@ def test_the_compile_budget_lowers_the_estimate_and_is_given_back():
         estimate_memory(module, batch, device="cpu", compile_budget=1.5)
 
 
-def test_a_budget_the_first_lower_activation_budget_meets_is_planned_with_it():
-    """The quick tier's case: a budget the compiled step misses by a byte and its step at 0.9 meets."""
-    module, batch = _compiled_zoo("llama", batch_size=8)
-    full = estimate_memory(module, batch, device="cpu")
-    at_09 = estimate_memory(module, batch, device="cpu", compile_budget=0.9).peak
-    assert at_09 < full.peak
-    plan = plan_checkpointing(module, batch, full.peak - 1, device="cpu")
-    assert plan.compile_budget == 0.9 and plan.peak == at_09 and plan.peak_none == full.peak
-    assert "activation_memory_budget = 0.9" in str(plan)
-
-
 @pytest.mark.slow  # ten budgets simulated twice: two minutes
 def test_a_compiled_model_is_planned_with_torch_compiles_activation_budget():
     """A budget the compiled step fits changes nothing; a lower one gets the highest activation budget, a
@@ -397,14 +386,20 @@ def test_a_fit_that_raises_gives_the_activation_budget_back(tmp_path):
     assert config.activation_memory_budget == before
 
 
-def test_autofits_search_meets_a_budget_through_the_activation_budget():
-    """Below the compiled step at the whole batch, `plan_fit` keeps the micro-batch and lowers
-    torch.compile's activation budget (the highest that fits, as `plan_checkpointing` finds it, here 0.9)
-    where that is faster than accumulating: its recompute is the FLOPs the lower budget's step adds. One
-    notch leaner keeps the budget at half the micro-batch; the plan survives a checkpoint."""
+def test_a_budget_below_the_compiled_step_is_planned_through_the_activation_budget():
+    """The quick tier's case. `plan_checkpointing` (ActivationCheckpointing's): a budget the compiled step
+    misses by a byte, which its step at 0.9 meets. `plan_fit` (AutoFit's) below the step at the whole
+    batch keeps the micro-batch and lowers torch.compile's activation budget (the highest that fits, here
+    0.9 again) where that is faster than accumulating: its recompute is the FLOPs the lower budget's step
+    adds. One notch leaner keeps the budget at half the micro-batch; the plan survives a checkpoint."""
     module, batch = _compiled_zoo("llama", batch_size=8)
     full = estimate_memory(module, batch, device="cpu", optimizer="adamw")
     at_09 = estimate_memory(module, batch, device="cpu", optimizer="adamw", compile_budget=0.9).peak
+    assert at_09 < full.peak
+    planned = plan_checkpointing(module, batch, full.peak - 1, device="cpu", optimizer="adamw")
+    assert planned.compile_budget == 0.9 and planned.peak == at_09 and planned.peak_none == full.peak
+    assert "activation_memory_budget = 0.9" in str(planned)
+
     budget = int(full.peak * 0.8 / 0.9)  # AutoFit's 10 % margin: a limit of 0.8 of the step
     plan = plan_fit(module, batch, budget=budget, optimizers=("adamw",), cost="flops", device="cpu")
     assert at_09 <= plan.limit < full.peak  # the first budget below the configured one fits
