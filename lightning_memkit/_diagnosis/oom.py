@@ -227,8 +227,12 @@ def plans_section(
             raise _OutOfTime
 
     options = {"cost": "flops", "progress": progress, **plan_options}
-    before = budget_before_plans()  # a compiled model's activation budget as the user's run sets it
-    as_written = contextlib.nullcontext() if before is None else _compile_config(before)
+    from torch._functorch import config
+
+    # a compiled model's activation budget as the user's run sets it, for the simulations only: dynamo's
+    # compiled graphs are kept (no torch.compiler.reset(), which setting it for a run does)
+    before = budget_before_plans()
+    as_written = contextlib.nullcontext() if before is None else config.patch(activation_memory_budget=before)
     try:
         with apply_plan(model, "none", announce=False), as_written, warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -266,14 +270,6 @@ def plans_section(
         f"  (from lightning_memkit import {', '.join(sorted(names))})",
     ]
     return lines
-
-
-def _compile_config(budget: float) -> contextlib.AbstractContextManager:
-    """torch.compile's activation budget at ``budget`` while inside, for the simulations only: dynamo's
-    compiled graphs are kept (no ``torch.compiler.reset()``)."""
-    from torch._functorch import config
-
-    return config.patch(activation_memory_budget=budget)
 
 
 def fastest_plans(plan: FitPlan, n: int = MAX_PLANS) -> list[tuple[FitPlan, float]]:

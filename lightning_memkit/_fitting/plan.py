@@ -303,7 +303,7 @@ class FitPlan:
         """
         applied = _Applied(module)
         checkpointing = self.checkpoint_plan or self.checkpointing
-        if self.compile_budget is not None and self.checkpoint_plan is None:  # an alternative's, as a row
+        if self.compile_budget is not None:  # a compiled model's (an alternative's row has no plan)
             checkpointing = CheckpointPlan(blocks=(), compile_budget=self.compile_budget)
         applied.checkpointing = apply_checkpointing(module, checkpointing)
         configure = getattr(module, "configure_optimizers", None)

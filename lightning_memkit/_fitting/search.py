@@ -347,10 +347,8 @@ class _Search:
         if key not in self.compiled:
             assert self.limit is not None, "a compiled model's activation budget is planned for a limit"
 
-            def simulate(budget: float | None) -> MemoryBreakdown:
-                mode = "none" if budget is None else budget_label(budget)
-                self.counted(m, optimizer, precision, mode)  # its FLOPs: the recompute
-                return self.cache[(m, mode, optimizer, precision)]
+            def simulate(budget: float | None) -> MemoryBreakdown:  # counted too (`peak`): the recompute
+                return self.peak(m, "none" if budget is None else budget_label(budget), optimizer, precision)
 
             step = self.step(m, precision)
             try:
