@@ -250,6 +250,32 @@ def test_the_routing_is_recorded_at_the_steps_precision(precision):
         assert p.dtype == torch.float32 and torch.equal(p, weights[name]), name
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", pytest.param("bf16-mixed", marks=pytest.mark.slow)])
+def test_the_zoos_eager_moe_at_16_bit_precision_is_estimated_as_the_allocator_counts_it(precision):
+    """The zoo's Qwen2-MoE with its eager experts (default config), its routing recorded at the step's
+    precision: the estimate of the fp32 model against the 16-bit step's allocator. The optimizer keeps its
+    rate at 0, so the weights the estimate routes with are the measured step's."""
+    import copy
+
+    model, ids = _eager_moe(4)
+    real = copy.deepcopy(model).to(torch.bfloat16) if precision == "bf16-true" else copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(real.parameters(), lr=0.0)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = _loss(real(ids), ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    truth = allocator_peak(step)
+    estimate = estimate_memory(
+        model, (ids, ids), optimizer="adamw", loss_fn=_loss, device="cpu", precision=precision
+    )
+    assert estimate.peak == pytest.approx(truth, rel=1e-3)
+
+
 def test_recording_the_routing_leaves_the_model_and_the_rng_as_they_were():
     """The real forward that shows the routing is the user's code run once more: it leaves the weights,
     their gradients, the RNG streams and the modules' modes as they were."""
