@@ -9,14 +9,16 @@ blocks inside one; all of them run a ``LightningModule``'s own ``training_step``
 - `optimizers_from` and `loss_of`: the optimizers and the loss in whatever Lightning's hooks return;
 - `TrainingStep`: forward, ``zero_grad``, backward and ``optimizer.step`` in Lightning's order (or a plain
   loop's), closures for LBFGS, gradient accumulation;
-- `batch_size`, `batch_slice`, `pieces`: a batch's samples along dim 0 and cutting it into micro-batches.
+- `batch_size`, `batch_slice`, `pieces`, `repeat_batch`: a batch's samples (along each tensor's sample
+  dimension, `SampleAxes`: dim 0 unless the loader shows another) and cutting it into micro-batches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +31,18 @@ from lightning_memkit._levers.fused_step import fuse_optimizer_step, needs_closu
 from lightning_memkit._levers.offload import Offload
 
 __all__ = [
+    "SampleAxes",
     "TrainingStep",
     "batch_size",
     "batch_slice",
+    "default_axes",
     "is_lightning",
     "lightning_stand_ins",
+    "loader_axes",
     "loss_of",
     "optimizers_from",
     "pieces",
+    "repeat_batch",
 ]
 
 
@@ -275,43 +281,148 @@ def _full_lbfgs_history(optimizer: torch.optim.Optimizer) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def batch_size(batch: Any) -> int:
-    """The number of samples in ``batch``: the size of its tensors along dim 0, which must agree."""
-    sizes: set[int] = set()
-    apply_to_collection(batch, Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() > 0 else None)
-    if len(sizes) != 1:
+#: Which dimension of each tensor in a batch counts its samples, one entry per tensor in the order
+#: ``apply_to_collection`` visits them: a dimension, or ``None`` for a tensor every sample shares (kept whole
+#: when the batch is cut or repeated: Hugging Face's ``position_ids`` of shape (1, T), a 0-dim scalar).
+#: `default_axes` reads it off one batch; `loader_axes` off two batches of one loader at two sizes.
+SampleAxes = tuple[int | None, ...]
+
+
+def default_axes(batch: Any) -> SampleAxes:
+    """Dimension 0 of every tensor, except 0-dim tensors and tensors whose dimension 0 is 1 beside others
+    with more (broadcast over the samples, as Hugging Face's ``position_ids`` of shape (1, T) are)."""
+    firsts = [t.shape[0] if t.dim() > 0 else None for _, t in _named_tensors(batch)]
+    most = max((n for n in firsts if n is not None), default=0)
+    return tuple(None if n is None or (n == 1 and most > 1) else 0 for n in firsts)
+
+
+def loader_axes(first: Any, n_first: int, second: Any, n_second: int) -> SampleAxes | None:
+    """`SampleAxes` read off two batches of one loader, built with ``n_first`` and ``n_second`` samples a
+    batch: each tensor's samples lie along the dimension whose size moved with the batch size (which is
+    not always dimension 0: torch's RNNs take (T, B, ...)). A tensor whose sizes did not move is shared by
+    the samples. ``None`` when no tensor moved: the loader ignores the batch size it was given.
+
+    Raises:
+        ValueError: the two batches hold different tensors, so they cannot be matched.
+    """
+    xs, ys = _named_tensors(first), _named_tensors(second)
+    if [name for name, _ in xs] != [name for name, _ in ys]:
         raise ValueError(
-            f"The example batch must hold tensors of one size along dim 0 (the global batch); got sizes "
-            f"{sorted(sizes) or 'none'}"
+            f"its batches hold different tensors at {n_first} and at {n_second} samples "
+            f"({', '.join(n for n, _ in xs)} against {', '.join(n for n, _ in ys)}), so their samples "
+            "cannot be matched"
         )
-    size = sizes.pop()
+    axes: list[int | None] = []
+    for (_, x), (_, y) in zip(xs, ys, strict=True):
+        moved = [
+            d
+            for d in range(min(x.dim(), y.dim()))
+            if x.shape[d] != y.shape[d] and (x.shape[d] == n_first or y.shape[d] == n_second)
+        ]
+        axes.append(moved[0] if moved and x.dim() == y.dim() else None)
+    return tuple(axes) if any(axis is not None for axis in axes) else None
+
+
+def batch_size(batch: Any, axes: SampleAxes | None = None) -> int:
+    """The number of samples in ``batch``: its tensors' sizes along their sample dimension (``axes``,
+    default `default_axes`), which must agree."""
+    axes = default_axes(batch) if axes is None else axes
+    named = _named_tensors(batch)
+    _check_axes(named, axes)
+    sizes = {
+        name: (t.shape[axis], axis) for (name, t), axis in zip(named, axes, strict=True) if axis is not None
+    }
+    counts = {n for n, _ in sizes.values()}
+    if len(counts) != 1:
+        said = ", ".join(f"{name} {n} (dim {axis})" for name, (n, axis) in sizes.items()) or "no tensor"
+        raise ValueError(
+            f"The batch's tensors disagree on how many samples it holds: {said}. Each tensor's samples "
+            "are read along one dimension (dim 0 unless the loader shows another); a tensor every sample "
+            "shares may have size 1 there."
+        )
+    size = counts.pop()
     if size == 0:
         raise ValueError(
-            "The example batch is empty: its tensors have 0 samples along dim 0, and a plan needs at least "
-            "one sample per GPU. Pass a batch of the global batch size, e.g. the train dataloader's first."
+            "The example batch is empty: its tensors have 0 samples, and a plan needs at least one sample "
+            "per GPU. Pass a batch of the global batch size, e.g. the train dataloader's first."
         )
     return size
 
 
-def batch_slice(batch: Any, stop: int, start: int = 0) -> Any:
-    """Samples ``start:stop`` of every tensor in ``batch`` (dim 0); other leaves are kept whole."""
-    return apply_to_collection(batch, Tensor, lambda t: rows(t, start, stop) if t.dim() > 0 else t)
+def batch_slice(batch: Any, stop: int, start: int = 0, axes: SampleAxes | None = None) -> Any:
+    """Samples ``start:stop`` of every tensor in ``batch`` (along ``axes``, default `default_axes`); other
+    leaves, and tensors the samples share, are kept whole."""
+    return _per_sample(batch, axes, lambda t, axis: rows(t, start, stop, axis))
 
 
-def rows(t: Tensor, start: int, stop: int) -> Tensor:
-    """``t[start:stop]`` for a tensor of any layout: sparse ones (COO, CSR, CSC, BSR, BSC), which cannot be
-    sliced, are cut through COO and given their layout back."""
+def repeat_batch(batch: Any, copies: int, axes: SampleAxes | None = None) -> Any:
+    """``batch`` with its samples ``copies`` times (`repeat_rows` along ``axes``): the global batch of a
+    step that accumulates or runs on several ranks, from one micro-batch."""
+    return _per_sample(batch, axes, lambda t, axis: repeat_rows(t, copies, axis))
+
+
+def _per_sample(batch: Any, axes: SampleAxes | None, fn: Callable[[Tensor, int], Tensor]) -> Any:
+    """``fn(t, axis)`` on each tensor of ``batch`` that holds samples (`SampleAxes`)."""
+    axes = default_axes(batch) if axes is None else axes
+    _check_axes(_named_tensors(batch), axes)
+    each = iter(axes)
+
+    def one(t: Tensor) -> Tensor:
+        axis = next(each)
+        return t if axis is None else fn(t, axis)
+
+    return apply_to_collection(batch, Tensor, one)
+
+
+def _check_axes(named: list[tuple[str, Tensor]], axes: SampleAxes) -> None:
+    if len(named) != len(axes):
+        raise ValueError(
+            f"the batch holds {len(named)} tensors ({', '.join(n for n, _ in named)}), but its sample "
+            f"dimensions were read for {len(axes)}: the loader's batches changed their structure"
+        )
+
+
+def _named_tensors(batch: Any) -> list[tuple[str, Tensor]]:
+    """The tensors of ``batch`` in the order ``apply_to_collection`` visits them, each with a name for
+    messages (``batch['input_ids']``, ``batch[0]``)."""
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    names: list[str] = []
+
+    def walk(obj: Any, name: str) -> None:
+        if isinstance(obj, Tensor):
+            names.append(name)
+        elif isinstance(obj, Mapping):
+            for key, value in obj.items():
+                walk(value, f"{name}[{key!r}]")
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(value, f"{name}[{i}]")
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for field in dataclasses.fields(obj):
+                walk(getattr(obj, field.name), f"{name}.{field.name}")
+
+    walk(batch, "batch")
+    if len(names) != len(found):  # a collection only apply_to_collection knows: numbered
+        names = [f"tensor {i}" for i in range(len(found))]
+    return list(zip(names, found, strict=True))
+
+
+def rows(t: Tensor, start: int, stop: int, axis: int = 0) -> Tensor:
+    """Samples ``start:stop`` of ``t`` along ``axis``, for a tensor of any layout: sparse ones (COO, CSR,
+    CSC, BSR, BSC), which cannot be sliced, are cut through COO and given their layout back."""
+    stop = min(stop, t.shape[axis])
     if t.layout == torch.strided:
-        return t[start:stop]
-    index = torch.arange(start, min(stop, t.shape[0]), device=t.device)
-    return _layout_of(t, _coo(t).index_select(0, index))
+        return t.narrow(axis, start, max(0, stop - start))
+    index = torch.arange(start, stop, device=t.device)
+    return _layout_of(t, _coo(t).index_select(axis, index))
 
 
-def repeat_rows(t: Tensor, copies: int) -> Tensor:
-    """``t`` ``copies`` times along dim 0, for a tensor of any layout (see `rows`)."""
+def repeat_rows(t: Tensor, copies: int, axis: int = 0) -> Tensor:
+    """``t`` ``copies`` times along ``axis``, for a tensor of any layout (see `rows`)."""
     if t.layout == torch.strided:
-        return torch.cat([t] * copies)
-    return _layout_of(t, torch.cat([_coo(t)] * copies))
+        return torch.cat([t] * copies, dim=axis)
+    return _layout_of(t, torch.cat([_coo(t)] * copies, dim=axis))
 
 
 def _coo(t: Tensor) -> Tensor:
@@ -332,8 +443,8 @@ def _layout_of(like: Tensor, coo: Tensor) -> Tensor:
     return coo.to_sparse(layout=like.layout)
 
 
-def pieces(batch: Any, size: int) -> list[Any]:
-    """``batch`` cut along dim 0 into consecutive slices of ``size`` samples (the last may be shorter).
+def pieces(batch: Any, size: int, axes: SampleAxes | None = None) -> list[Any]:
+    """``batch`` cut into consecutive slices of ``size`` samples (along ``axes``; the last may be shorter).
 
     Only tensors are cut; a batch that also holds strings or numbers (per-sample lists, say) is refused
     rather than cut out of step with its tensors.
@@ -343,5 +454,6 @@ def pieces(batch: Any, size: int) -> list[Any]:
     if others:
         kind = type(others[0]).__name__
         raise ValueError(f"it holds values other than tensors ({kind}), which cannot be cut")
-    total = batch_size(batch)
-    return [batch_slice(batch, min(start + size, total), start) for start in range(0, total, size)]
+    axes = default_axes(batch) if axes is None else axes
+    total = batch_size(batch, axes)
+    return [batch_slice(batch, min(start + size, total), start, axes) for start in range(0, total, size)]

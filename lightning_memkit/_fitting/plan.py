@@ -26,6 +26,7 @@ from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, Checkpoin
 from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit._estimating.isolate import isolated
 from lightning_memkit._estimating.lightning_step import (
+    SampleAxes,
     batch_slice,
     is_lightning,
     lightning_stand_ins,
@@ -87,20 +88,25 @@ def flops_cost(flops: int, ops: int, m: int, device: str) -> StepCost:
 
 
 def measured_cost(
-    model: nn.Module, batch: Any, *, loss_fn: Callable | None = None, sizes: tuple[int, int] = (1, 4)
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Callable | None = None,
+    sizes: tuple[int, int] = (1, 4),
+    axes: SampleAxes | None = None,
 ) -> StepCost:
     """`StepCost` from timing real forward + backward passes at two micro-batch sizes (median of 3 each).
 
     No optimizer step is taken, and the passes run `isolated`: the model's gradients, buffers (BatchNorm
     statistics), train/eval flags, torchmetrics states and public list/dict attributes, and the RNG
     streams dropout draws from, are put back as they were. Sizes that are equal (a batch of one sample)
-    give a cost that is all per sample.
+    give a cost that is all per sample. ``axes``: the batch's sample dimensions (`SampleAxes`).
     """
 
     lightning = is_lightning(model)
 
     def once(m: int) -> float:
-        part = batch_slice(batch, m)
+        part = batch_slice(batch, m, axes=axes)
         start = time.perf_counter()
         if lightning:
             loss = loss_of(model.training_step(part, 0))

@@ -35,8 +35,10 @@ from lightning_memkit._estimating import repeated as _repeated
 from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.lightning_step import (
+    SampleAxes,
     batch_size,
     batch_slice,
+    default_axes,
     is_lightning,
 )
 from lightning_memkit._estimating.routing import ROUTING_ASSUMED, routed
@@ -97,8 +99,12 @@ def _divisors(n: int) -> list[int]:
 class _Search:
     """Simulations of one model and batch, cached by configuration; one rank's (sharded) peak."""
 
-    def __init__(self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, lever=None) -> None:
+    def __init__(
+        self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, lever=None, axes=None
+    ) -> None:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
+        #: each tensor's sample dimension (`SampleAxes`): the micro-batches are cut along it
+        self.axes: SampleAxes = default_axes(batch) if axes is None else axes
         #: what changes the optimizer step (`Step.lever`), planned for
         self.lever: Lever | None = lever
         self.strategy, self.n_gpus = strategy, n_gpus
@@ -149,8 +155,12 @@ class _Search:
                 sharding, reshard_after_forward=changes.pop("reshard_after_forward")
             )
         # the cycle's last micro-batch is its peak
-        accumulating = m < batch_size(self.batch)
+        accumulating = m < batch_size(self.batch, self.axes)
         return Step(precision, accumulating=accumulating, lever=self.lever, sharding=sharding).but(**changes)
+
+    def micro_batch(self, m: int) -> Any:
+        """The batch's first ``m`` samples: one micro-batch."""
+        return batch_slice(self.batch, m, axes=self.axes)
 
     def refining(self) -> bool:
         """Whether there is time left to plan checkpointing block by block."""
@@ -171,7 +181,7 @@ class _Search:
                 warnings.simplefilter("ignore")
                 return (counted_step if counting else estimate_step)(
                     self.model,
-                    batch_slice(self.batch, m),
+                    self.micro_batch(m),
                     self.step(m, precision, **changes),
                     optimizer=optimizer,
                     loss_fn=self.loss_fn,
@@ -277,7 +287,7 @@ class _Search:
                     warnings.simplefilter("ignore")
                     self.planners[key] = CheckpointPlanner(
                         self.model,
-                        batch_slice(self.batch, m),
+                        self.micro_batch(m),
                         checkpointing=("none", *modes) if "none" not in modes else modes,
                         cost="flops",  # the FLOPs of the ops recomputed; a measured step times plans
                         device=self.device,
@@ -352,7 +362,7 @@ class _Search:
 
             step = self.step(m, precision)
             try:
-                plan = plan_compiled(self.model, batch_slice(self.batch, m), self.limit, step, simulate)
+                plan = plan_compiled(self.model, self.micro_batch(m), self.limit, step, simulate)
             except ValueError:  # the lowest step tried stands for the micro-batch
                 tried = [
                     (b.peak, mode)
@@ -386,9 +396,13 @@ class _Search:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if m not in self.timed:
-                    self.timed[m] = measured_cost(self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m))
+                    self.timed[m] = measured_cost(
+                        self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m), axes=self.axes
+                    )
                 with apply_checkpointing(self.model, plan):
-                    checkpointed = measured_cost(self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m))
+                    checkpointed = measured_cost(
+                        self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m), axes=self.axes
+                    )
         finally:
             self.seconds += time.perf_counter() - start
         return max(checkpointed.per_sample / self.timed[m].per_sample - 1.0, 0.0)
@@ -525,14 +539,18 @@ def plan_fit(
     cpu_offload: bool | None = False,
     link: _fsdp2.Link | None = None,
     mixed_precision_policy: bool = False,
+    batch_axes: SampleAxes | None = None,
+    micro_batch_size: int | None = None,
 ) -> FitPlan:
-    """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``.
+    """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``; or, with
+    ``micro_batch_size``, the run as set up where that fits.
 
     Args:
         model: a ``LightningModule`` (its own ``training_step``/``configure_optimizers``) or an
             ``nn.Module`` with ``loss_fn``; real or on the meta device.
         batch: an example batch at the global batch size (all ranks); micro-batches are its slices along
-            dim 0. Only shapes are read, except to time the step (``cost="measured"``).
+            each tensor's sample dimension (``batch_axes``). Only shapes are read, except to time the step
+            (``cost="measured"``).
         budget: bytes, ``"24GB"``, a GPU name (``"A100-40GB"``), a fraction of the current device or
             ``"auto"`` (`parse_budget`); per rank.
         margin: share of the budget kept free, for what the estimate cannot see.
@@ -583,6 +601,13 @@ def plan_fit(
             FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
             (parameters all-gathered and computed in bf16, gradients reduce-scattered in fp32), as
             `AutoFitStrategy` does; `FitPlan.mixed_precision_policy` says whether the plan has it.
+        batch_axes: which dimension of each tensor of ``batch`` counts its samples (`SampleAxes`, one entry
+            per tensor; AutoFit reads it off the train dataloader); default: dimension 0, except tensors of
+            size 1 there beside larger ones, which every sample shares (`default_axes`).
+        micro_batch_size: the micro-batch the run is set up with (AutoFit: the batch size attribute; its
+            accumulation is the global batch over it): where that micro-batch fits without checkpointing
+            with the first optimizer and precision, it is the plan, even if another is faster (a user's
+            accumulation is theirs: a merged one changes the sums, BatchNorm's statistics and the RNG).
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -612,10 +637,11 @@ def plan_fit(
         raise ValueError(f"n_gpus must be a whole number of GPUs, at least 1; got {n_gpus!r}")
     strategy = valid_name("strategy", strategy, STRATEGIES)
     modes, note = _checkpointable(model, allowed_modes(checkpointing), sharded=strategy == "fsdp2")
-    total = batch_size(batch)
+    axes = default_axes(batch) if batch_axes is None else batch_axes
+    total = batch_size(batch, axes)
     if total % n_gpus:
         raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
-    per_rank = batch_slice(batch, total // n_gpus)
+    per_rank = batch_slice(batch, total // n_gpus, axes=axes)
     sizes = _divisors(total // n_gpus)
     if fused_step:
         if n_gpus > 1 and strategy != "fsdp2":
@@ -640,6 +666,7 @@ def plan_fit(
         n_gpus,
         progress,
         lever,
+        axes,
     )
     candidates, unsharded = _candidates(model, optimizers, strategy, n_gpus)
     if unsharded:
@@ -718,6 +745,10 @@ def plan_fit(
             step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + micro, per_step=per_step)
     options = _fastest(search, step_cost, sizes, modes, opt, prec, limit, G)
     best = min(options)
+    kept = _as_set_up(search, step_cost, micro_batch_size, sizes, chosen, pairs[0], limit, G)
+    if kept is not None and kept != best:
+        options, best = [*options, kept], kept
+        note = _also(note, f"micro-batch {kept.m} x accumulate {G // kept.m} kept as set up: it fits")
     reshard = None
     out_of_time = refine_seconds is not None and time.perf_counter() - search.started > refine_seconds
     if search.sharding and out_of_time:  # no time left for one more simulation: FSDP2's default
@@ -762,6 +793,16 @@ def plan_fit(
         mixed_precision_policy=getattr(search.sharded(prec), "mp_policy", None) is not None,
         device=torch.device(device).type,
     )
+
+
+def _as_set_up(search, step_cost, m, sizes, chosen, first, limit, G) -> _Option | None:
+    """The run as set up: micro-batch ``m`` without checkpointing, where the ``chosen`` optimizer and
+    precision are the ``first`` asked for and it fits; else ``None``."""
+    if m is None or chosen != first or m not in sizes:
+        return None
+    opt, prec = chosen
+    peak = search.peak(m, "none", opt, prec).peak
+    return _Option(step_cost.time(m, G // m), m, "none", peak, None) if peak <= limit else None
 
 
 def _first_fitting(search, pairs, viable, m, strongest, limit, *, offloads: Sequence[bool]):
@@ -1004,9 +1045,10 @@ def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> 
     cost = valid_name("cost", cost, ("auto", "measured", "flops"))
     real_cpu = model_device(model).type == "cpu"
     if cost == "measured" or (cost == "auto" and real_cpu and device == "cpu"):
-        size = batch_size(batch)
+        size = batch_size(batch, search.axes)
         small = search.smallest
-        return measured_cost(model, batch, loss_fn=loss_fn, sizes=(small, max(small, min(4 * small, size))))
+        sizes = (small, max(small, min(4 * small, size)))
+        return measured_cost(model, batch, loss_fn=loss_fn, sizes=sizes, axes=search.axes)
     flops, ops = search.counted(search.smallest, optimizer, precision)
     return flops_cost(flops, ops, search.smallest, device)
 

@@ -48,7 +48,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_memkit._estimating.lightning_step import batch_size, pieces
+from lightning_memkit._estimating.lightning_step import SampleAxes, batch_size, pieces
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit.callbacks._trainer import logging_as_training_step
 
@@ -76,6 +76,7 @@ class StepGuard:
         module: the LightningModule.
         replan: switches to the next leaner plan and returns it; raises when none is left.
         micro_batch_size: the dataloader's batch size.
+        axes: each tensor's sample dimension in its batches (`SampleAxes`; default `default_axes`).
     """
 
     def __init__(
@@ -84,9 +85,10 @@ class StepGuard:
         module: pl.LightningModule,
         replan: Callable[[], FitPlan],
         micro_batch_size: int,
+        axes: SampleAxes | None = None,
     ) -> None:
         self.trainer, self.module, self.replan = trainer, module, replan
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.axes = micro_batch_size, axes
         #: the micro-batch the batches are cut into; ``None`` while the dataloader's batches are run whole
         self.size: int | None = None
         self._originals = {name: module.__dict__.get(name) for name in _HOOKS}
@@ -208,17 +210,20 @@ class StepGuard:
         if self.size is None:
             return [piece]
         try:
-            rows = batch_size(piece.batch)
-            parts = pieces(piece.batch, self.size) if rows > self.size else [piece.batch]
+            rows = batch_size(piece.batch, self.axes)
+            parts = pieces(piece.batch, self.size, self.axes) if rows > self.size else [piece.batch]
         except ValueError as error:
             raise RuntimeError(
-                f"AutoFit re-planned to micro-batch {self.size} and must cut each batch along dim 0, but "
-                f"this batch cannot be cut: {error}. Lower the budget given to AutoFit so that the plan "
+                f"AutoFit re-planned to micro-batch {self.size} and must cut each batch into its samples, "
+                f"but this batch cannot be cut: {error}. Lower the budget given to AutoFit so that the plan "
                 "starts at this micro-batch."
             ) from error
         if len(parts) == 1:
             return [piece]
-        return [replace(piece, batch=part, weight=piece.weight * batch_size(part) / rows) for part in parts]
+        return [
+            replace(piece, batch=part, weight=piece.weight * batch_size(part, self.axes) / rows)
+            for part in parts
+        ]
 
 
 def _loss_of(output: Any) -> Tensor | None:

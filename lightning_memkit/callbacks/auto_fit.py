@@ -43,7 +43,13 @@ from lightning_memkit._budget import (
 from lightning_memkit._diagnosis.oom import StepInFlight
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.isolate import isolated, rng_kept
-from lightning_memkit._estimating.lightning_step import repeat_rows
+from lightning_memkit._estimating.lightning_step import (
+    SampleAxes,
+    batch_size,
+    default_axes,
+    loader_axes,
+    repeat_batch,
+)
 from lightning_memkit._fitting.plan import FitPlan, StepCost
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
@@ -141,6 +147,10 @@ class AutoFit(Callback):
         self._batch_sizes: list[tuple[Any, Any]] = []
         self._accumulate: tuple[pl.Trainer, int] | None = None
         self._counts: dict[str, Any] = {}  # the Trainer's `_BATCH_COUNTS` as the user set them
+        #: each tensor's sample dimension in the train dataloader's batches, as read at planning
+        self._axes: SampleAxes | None = None
+        #: whether the fit's first batch is still to be checked against the plan (`_check_batch`)
+        self._unchecked = False
         #: the batch in flight and its phase, for explaining an OOM
         self._step = StepInFlight()
         #: FSDP2's CPU offload: never (a plain ModelParallelStrategy: the user's configure_model shards),
@@ -156,6 +166,13 @@ class AutoFit(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if not fit_data_source(trainer).is_module():
+            raise ValueError(
+                f"AutoFit plans the micro-batch and sets it through the attribute your train_dataloader() "
+                f"reads (`{self.batch_arg_name}`), but the train dataloader was passed to fit() ready-made, "
+                "so nothing AutoFit sets reaches it: pass a LightningDataModule (datamodule=) or define "
+                "train_dataloader() on the module, building the DataLoader there from that attribute."
+            )
         if not lightning_hasattr(pl_module, self.batch_arg_name):
             raise AttributeError(
                 f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, which neither the module, "
@@ -183,11 +200,12 @@ class AutoFit(Callback):
         self._decide(trainer, pl_module, modes)
 
     def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> None:
-        def decide() -> dict[str, Any]:
+        def decide() -> tuple[dict[str, Any], SampleAxes]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
-                return self._plan(trainer, pl_module, modes).as_dict()
+                plan = self._plan(trainer, pl_module, modes)
+            return plan.as_dict(), self._axes
 
-        plan = on_rank_zero(trainer, decide, "AutoFit's planning")
+        plan, self._axes = on_rank_zero(trainer, decide, "AutoFit's planning")
         self.plan = FitPlan.from_dict(plan)
         self._install(self.plan)
         rank_zero_info(f"AutoFit: {self.plan}")
@@ -219,23 +237,18 @@ class AutoFit(Callback):
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
         strategy, ranks = sharding(trainer)
         copies = trainer.accumulate_grad_batches * ranks
-        source = fit_data_source(trainer)
-        if not source.is_module():
-            raise ValueError(
-                f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, but the train dataloader "
-                "was passed to fit() ready-made and will not read it: pass a LightningDataModule, or build "
-                "the dataloader in the module's train_dataloader() from that attribute."
-            )
-        example = next((b for b in source.dataloader() if b is not None), None)  # Lightning skips None
+        users = lightning_getattr(pl_module, self.batch_arg_name)
+        example = self._first_batch(trainer)
         if example is None or _is_empty(example):
-            what = "yields no batch" if example is None else "yields a first batch of 0 samples (dim 0)"
+            what = "yields no batch" if example is None else "yields a first batch of 0 samples"
             raise ValueError(
                 f"AutoFit plans from the train dataloader's first batch, but the dataloader {what}, with "
-                f"{self.batch_arg_name} = {lightning_getattr(pl_module, self.batch_arg_name)}: planning "
-                "needs at least one sample; check the dataset's length and the batch size."
+                f"{self.batch_arg_name} = {users}: planning needs at least one sample; check the dataset's "
+                "length and the batch size."
             )
+        self._axes = self._sample_axes(trainer, pl_module, example, users)
         # (micro, ...) -> (micro * accumulate * ranks, ...): the global batch of one optimizer step.
-        example = apply_to_collection(example, torch.Tensor, lambda t: repeat_rows(t, copies))
+        example = repeat_batch(example, copies, self._axes)
         device = trainer.strategy.root_device.type
         return plan_fit(
             pl_module,
@@ -254,8 +267,51 @@ class AutoFit(Callback):
             cpu_offload=self._cpu_offload if strategy == "fsdp2" else False,
             mixed_precision_policy=self._mixed_precision_policy and strategy == "fsdp2",
             link=self._link,
+            batch_axes=self._axes,
+            micro_batch_size=users if _whole(users) else None,
             **step_levers(trainer),
         )
+
+    def _first_batch(self, trainer: pl.Trainer) -> Any:
+        """The train dataloader's first batch, built now from the batch size attribute (``None``: none)."""
+        return next((b for b in fit_data_source(trainer).dataloader() if b is not None), None)  # as Lightning
+
+    def _sample_axes(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, example: Any, users: Any
+    ) -> SampleAxes:
+        """Each tensor's sample dimension (`SampleAxes`), read off the train dataloader built again at
+        another batch size: the dimension that moved is the one the micro-batches are cut along (torch's
+        RNNs take (T, B, ...)), and a tensor that did not move is shared by the samples. A loader that
+        ignores the attribute is refused here, before any planning: the plan's micro-batch would never
+        reach it."""
+        if not _whole(users) or users < 1:
+            return default_axes(example)
+        other = users // 2 if users > 1 else 2
+        try:
+            lightning_setattr(pl_module, self.batch_arg_name, other)
+            second = self._first_batch(trainer)
+        finally:
+            self._put_back_batch_sizes()
+        try:
+            axes = None if second is None else loader_axes(example, users, second, other)
+        except ValueError as error:
+            raise ValueError(
+                f"AutoFit reads which dimension of each tensor holds the samples from the train dataloader "
+                f"built at two batch sizes, {users} and {other}, but {error}: give the loader a fixed "
+                "structure (the same keys and tensors in every batch)."
+            ) from error
+        if axes is None:
+            shapes = ", ".join(f"{tuple(t.shape)}" for t in _tensors(example)[:3])
+            raise ValueError(
+                f"AutoFit sets the micro-batch through `{self.batch_arg_name}` ({users} now), but the train "
+                f"dataloader does not read it: built with {self.batch_arg_name} = {other}, its first batch "
+                f"is the same as with {users} (tensors of shapes {shapes}). So every batch would stay as it "
+                f"is while AutoFit set the accumulation for its plan: another global batch, and a step over "
+                f"the budget. Build the DataLoader in train_dataloader() from self.{self.batch_arg_name} "
+                "each time it is called (not once in setup(), nor with a fixed batch size or batch_size=None "
+                "over batches made beforehand), or set AutoFit(batch_arg_name=...) to the attribute it reads."
+            )
+        return axes
 
     def recovery_note(self, trainer: pl.Trainer, pl_module: pl.LightningModule, phase: str | None) -> str:
         """Why this fit's out-of-memory error in ``phase`` was not recovered from (`report_oom` says it)."""
@@ -286,8 +342,9 @@ class AutoFit(Callback):
         _drop_train_loader(trainer)
         self._scale_counts(trainer, plan)
         self._apply(plan)
+        self._unchecked = True
         if self._guard is None and self.verify_steps > 0 and _unrecoverable(trainer, pl_module) is None:
-            self._guard = StepGuard(trainer, pl_module, self._replan, plan.micro_batch_size)
+            self._guard = StepGuard(trainer, pl_module, self._replan, plan.micro_batch_size, self._axes)
         elif self._guard is not None:  # a resume installs the saved plan over the fresh one
             self._guard.micro_batch_size, self._guard.size = plan.micro_batch_size, None
 
@@ -402,7 +459,35 @@ class AutoFit(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._unchecked:
+            self._unchecked = False
+            self._check_batch(trainer, batch, batch_idx)
         self._step.start(batch, batch_idx)
+
+    def _check_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
+        """The fit's first batch against the plan, on every rank, before its first optimizer step: a batch
+        of another size than the plan's micro-batch (a loader that stopped reading the attribute, a
+        sampler of its own) would train another global batch, over the budget or under it. Only an
+        epoch's last batch may be shorter."""
+        assert self.plan is not None
+        planned = self.plan.micro_batch_size
+        try:
+            rows, why = batch_size(batch, self._axes), ""
+        except ValueError as error:
+            rows, why = None, str(error)
+        last = batch_idx + 1 == trainer.num_training_batches
+        fine = rows == planned or (rows is not None and rows < planned and last)
+        if trainer.strategy.reduce_boolean_decision(fine, all=True):
+            return
+        got = f"{rows} samples" if rows is not None else f"a batch AutoFit cannot count ({why})"
+        raise RuntimeError(
+            f"AutoFit planned micro-batch {planned} x accumulate {self.plan.accumulate_grad_batches} and "
+            f"set `{self.batch_arg_name}` = {planned}, but the first training batch on rank "
+            f"{trainer.global_rank} holds {got}"
+            + ": the run would not be the plan (another global batch, another peak). Build the DataLoader "
+            f"in train_dataloader() from self.{self.batch_arg_name} each time it is called, with no "
+            "sampler or collate function of its own that sets the batch size, or remove AutoFit."
+        )
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         self._step.enter("backward")
@@ -488,13 +573,17 @@ class AutoFit(Callback):
             self._applied.remove()
             self._applied = None
 
-    def _restore(self) -> None:
-        """The batch size attribute and the Trainer's accumulation back at the user's values."""
+    def _put_back_batch_sizes(self) -> None:
+        """The batch size attribute at the user's values, on every holder."""
         for holder, value in self._batch_sizes:
             if isinstance(holder, dict):
                 holder[self.batch_arg_name] = value
             else:
                 setattr(holder, self.batch_arg_name, value)
+
+    def _restore(self) -> None:
+        """The batch size attribute and the Trainer's accumulation back at the user's values."""
+        self._put_back_batch_sizes()
         if self._accumulate is not None:
             trainer, accumulate = self._accumulate
             trainer.accumulate_grad_batches = accumulate
@@ -610,8 +699,12 @@ def _get(holder: Any, name: str) -> Any:
     return holder[name] if isinstance(holder, dict) else getattr(holder, name)
 
 
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
+
+
 def _is_empty(batch: Any) -> bool:
-    """Whether a tensor of ``batch`` has no samples (0 along dim 0)."""
-    sizes: list[int] = []
-    apply_to_collection(batch, torch.Tensor, lambda t: sizes.append(t.shape[0]) if t.dim() > 0 else None)
-    return 0 in sizes
+    """Whether a tensor of ``batch`` has no elements (0 samples along some dimension)."""
+    return any(t.dim() > 0 and t.numel() == 0 for t in _tensors(batch))
