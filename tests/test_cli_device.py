@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import run_cli
 
-from lightning_memkit import AutoFit, estimate_memory, format_bytes, parse_budget
+from lightning_memkit import estimate_memory, format_bytes
 from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit.demos.gpt import GPTLightningModule
@@ -52,10 +52,9 @@ def test_the_same_size_on_cuda_loses_the_context_first():
     usable = int((2_000_000_000 - CUDA_CONTEXT_BYTES) * (1 - FRAGMENTATION_RESERVE))
     assert plan["device"] == "cuda" and plan["budget"]["usable"] == usable
     assert "accelerator" not in plan["code"]
-    # The budget as written (issue 29 item 3), in the form AutoFit reads as this card's: not its bytes.
-    assert "from lightning_memkit import AutoFit, parse_budget" in plan["code"]
-    assert 'AutoFit(budget=parse_budget("2GB", device_size=True))' in plan["code"]
-    assert AutoFit(budget=parse_budget("2GB", device_size=True)).budget.usable == usable
+    # The budget as a user writes it (issue 46 item 6): "auto", the card the run is on, not its bytes.
+    assert "from lightning_memkit import AutoFit\n" in plan["code"]
+    assert 'AutoFit(budget="auto")' in plan["code"] and "a 2GB card leaves" in plan["code"]
 
 
 @pytest.mark.slow

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
@@ -205,7 +207,7 @@ def advise_traced(
         *_untrained(model, tracer, peak, peak_with),
         *_unused(tracer),
         *_stale_state(model, optimizer),
-        *_logits(tracker.peak_live, tracer, peak),
+        *_logits(model, tracker.peak_live, tracer, peak),
         *_activations(model, batch, tracker.peak_live, breakdown, step, run),
         *_fragmentation(memory_stats, torch.device(device)),
     ]
@@ -341,7 +343,7 @@ def _stale_state(model: nn.Module, optimizer: Any) -> list[Finding]:
     ]
 
 
-def _logits(peak_live: list[Any], tracer: Tracer, peak: int) -> list[Finding]:
+def _logits(model: nn.Module, peak_live: list[Any], tracer: Tracer, peak: int) -> list[Finding]:
     held = [rec for rec in peak_live if rec.origin is not None and rec.origin.logits]
     if not held:
         return []
@@ -356,11 +358,43 @@ def _logits(peak_live: list[Any], tracer: Tracer, peak: int) -> list[Finding]:
             "float32)",
             saved,
             f"compute the loss over {LOSS_CHUNKS} slices of the tokens, each slice's logits recomputed in "
-            f"backward: loss = lightning_memkit.chunked_cross_entropy(hidden, {tracer.head}, targets, "
-            f"chunks={LOSS_CHUNKS}) from the last hidden states (one more head matmul per token); or a "
-            "smaller micro-batch",
+            f"backward{_chunked_loss(model, tracer.head)} (one more head matmul per token); or a smaller "
+            "micro-batch",
         )
     ]
+
+
+def _chunked_loss(model: nn.Module, head: str | None) -> str:
+    """The chunked loss as code: for a Hugging Face causal LM (``model`` or one of its modules) the loss it
+    computes itself, its labels shifted as it shifts them (position t predicts token t + 1), the head named
+    by ``get_output_embeddings()``; for another model ``head`` over the last hidden states and targets."""
+    found = _causal_lm(model)
+    if found is None:
+        return (
+            f": loss = lightning_memkit.chunked_cross_entropy(hidden, {head}, targets, chunks={LOSS_CHUNKS}) "
+            "from the last hidden states"
+        )
+    path, lm = found
+    owner = ("self" if isinstance(model, LightningModule) else "model") + (f".{path}" if path else "")
+    return (
+        f", from the last hidden states, the labels shifted as {type(lm).__name__} shifts them (position t "
+        f'predicts token t + 1): inputs = {{k: v for k, v in batch.items() if k != "labels"}}; '
+        f"hidden = {owner}.base_model(**inputs).last_hidden_state; "
+        f"loss = lightning_memkit.chunked_cross_entropy(hidden[:, :-1], {owner}.get_output_embeddings(), "
+        f'batch["labels"][:, 1:], chunks={LOSS_CHUNKS})'
+    )
+
+
+def _causal_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The name and module of the first Hugging Face causal language model in ``model`` (its class one
+    transformers maps as ``AutoModelForCausalLM``), which computes its loss from shifted labels."""
+    if "transformers" not in sys.modules:  # no Hugging Face model without it imported
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    causal = {n for v in names for n in ((v,) if isinstance(v, str) else v)}
+    return next(((name, m) for name, m in model.named_modules() if type(m).__name__ in causal), None)
 
 
 def _activations(

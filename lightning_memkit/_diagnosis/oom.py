@@ -39,8 +39,11 @@ from lightning_memkit._optimizers.swap import (
     COMPENSATED,
     DEFAULT_CANDIDATES,
     KAHAN,
+    configured_optimizer,
+    constructor,
+    constructor_arguments,
+    identify,
     lighter_candidates,
-    own_optimizer,
 )
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import Step
@@ -55,9 +58,11 @@ __all__ = [
     "explain_oom",
     "fastest_plans",
     "on_cpu",
+    "optimizer_code",
     "plan_code",
     "plans_section",
     "run_candidates",
+    "size_text",
     "step_need",
 ]
 
@@ -253,7 +258,7 @@ def plans_section(
     ]
     fsdp2 = _by_the_strategy(plan)
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
-    names = {planner, *_budget_imports(plan.budget)}
+    names = {planner}
     for i, (option, relative) in enumerate(ranked, 1):
         lines.append(
             f"  {i}. {_brief(option)}: peak {format_bytes(option.estimated_peak)}, time {relative:.2f}x"
@@ -318,8 +323,13 @@ def plan_code(
     named = plan.budget.source in GPUS
     fsdp2 = _by_the_strategy(plan)
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
-    imports = sorted({planner, *(c.split("(")[0] for c in _levers(plan)), *_budget_imports(plan.budget)})
+    imports = sorted({planner, *(c.split("(")[0] for c in _levers(plan))})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
+    if _budget_argument(plan.budget) == '"auto"':  # a card by its size, as it reads on the run's device
+        card = (
+            f'#    budget="auto" reads the card the run is on: a {plan.budget.source} card leaves '
+            f"{format_bytes(plan.budget.usable)} after the CUDA context and reserve."
+        )
     named = named or plan.budget.usable == plan.budget.total  # a plain limit: nothing was taken off
     per_gpu = global_batch // plan.n_gpus
     return "\n".join(
@@ -379,8 +389,8 @@ def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> s
 def by_hand_code(plan: FitPlan, model: nn.Module) -> list[str]:
     """``plan`` set by hand, as lines: the micro-batch (the DataLoader's batch size), the Trainer's
     arguments, checkpointing as a callback (its mode, or the step's limit when the blocks' modes differ:
-    ActivationCheckpointing then plans the split) and an optimizer swap as a comment (it goes in
-    ``configure_optimizers``)."""
+    ActivationCheckpointing then plans the split) and the plan's optimizer, built in
+    ``configure_optimizers`` (`optimizer_code`)."""
     by_hand = {"accumulate_grad_batches": str(plan.accumulate_grad_batches), **_trainer_arguments(plan)}
     levers = _levers(plan)
     if levers:
@@ -400,17 +410,41 @@ def by_hand_code(plan: FitPlan, model: nn.Module) -> list[str]:
         lines.append(
             f"#    Checkpointing block by block ({plan.checkpointing}), planned for the step's limit."
         )
-    own = own_optimizer(model) if isinstance(model, LightningModule) else None
-    if plan.optimizer is not None and plan.optimizer != own:
-        name = json.dumps(plan.optimizer)
-        if isinstance(model, LightningModule):
-            lines += [
-                f"#    Optimizer {plan.optimizer} in place of {own or 'the configured one'}: in "
-                "configure_optimizers,",
-                f"#    return lightning_memkit.swap_optimizer(optimizer, {name})",
-            ]
-        else:
-            lines.append(f"#    Optimizer: {plan.optimizer}, lightning_memkit.CATALOGUE[{name}].")
+    return lines + optimizer_code(plan, model)
+
+
+def optimizer_code(plan: FitPlan, model: nn.Module) -> list[str]:
+    """``configure_optimizers`` building ``plan``'s optimizer where the module builds another: the
+    catalogue's class (`constructor`: ``bitsandbytes.optim.AdamW8bit``) over ``self.parameters()``, with the
+    module's hyper-parameters translated as `swap_optimizer` translates them; a plain ``nn.Module`` (the
+    CLI's presets) is planned as trained with AdamW, so only another optimizer is written, from AdamW's
+    defaults. What the lines leave out (param groups, a scheduler) is said under them."""
+    configured, more = configured_optimizer(model)
+    own = None if configured is None else identify(configured)
+    lightning = isinstance(model, LightningModule)
+    if plan.optimizer is None or plan.optimizer == (own if lightning else "adamw"):
+        return []
+    path = constructor(plan.optimizer)
+    kwargs = constructor_arguments(plan.optimizer, configured if own is not None else None)
+    arguments = ["self.parameters()", *(f"{k}={v!r}" for k, v in kwargs.items())]
+    call = f"    return {path}({', '.join(arguments)})"
+    if len(call) > 100:
+        call = "\n".join([f"    return {path}(", *(f"        {a}," for a in arguments), "    )"])
+    was = own or ("the configured one" if lightning else "AdamW")
+    where = f"{own}'s lr and decay kept" if own is not None else "AdamW's default lr: give yours"
+    lines = [
+        f"# The plan's optimizer in your LightningModule: {plan.optimizer} in place of {was} ({where}):",
+        "def configure_optimizers(self):",
+        f"    import {path.split('.')[0]}",
+        call,
+    ]
+    groups = len(configured.param_groups) if configured is not None else 1
+    if groups > 1 or more:
+        yours = " and ".join([f"{groups} param groups"] * (groups > 1) + ["learning-rate scheduler"] * more)
+        lines += [
+            f"#    To keep your {yours}, build the optimizer as before, then",
+            f"#    optimizer = lightning_memkit.swap_optimizer(optimizer, {json.dumps(plan.optimizer)}).",
+        ]
     return lines
 
 
@@ -422,33 +456,40 @@ def _levers(plan: FitPlan) -> list[str]:
     if plan.compile_budget is not None:  # torch's configuration, not a callback (`by_hand_code`)
         return levers
     if plan.checkpointing not in CHECKPOINT_MODES and not _sharded(plan):  # no one mode names it
-        levers.append(f"ActivationCheckpointing(budget={plan.limit:_})")
+        levers.append(f"ActivationCheckpointing(budget={json.dumps(size_text(plan.limit))})")
     elif plan.checkpointing != "none":
         levers.append(f"ActivationCheckpointing(checkpointing={json.dumps(_strongest(plan))})")
     return levers
 
 
 def _budget_argument(budget: Budget) -> str:
-    """``budget`` as the user wrote it, in a form AutoFit reads as the same budget: a GPU by name, a size
-    that is the step's limit as given (``"40MB"``), or a card's size (``--gpu 24GB``), which AutoFit would
-    read as a limit, through ``parse_budget(..., device_size=True)``. Bytes only where the source does not
-    read back (a budget built from bytes)."""
-    if budget.source in GPUS:
-        return json.dumps(budget.source)
-    for device_size in (False, True):
-        try:
-            read = parse_budget(budget.source, device_size=device_size)
-        except (TypeError, ValueError):
-            break
-        if read == budget:
-            written = json.dumps(budget.source)
-            return f"parse_budget({written}, device_size=True)" if device_size else written
-    return f"{budget.usable:_}"
+    """``budget`` as a user writes it, in a form AutoFit reads as the same budget: a GPU by name; a card
+    read from the device (``"auto"``, a fraction) as that; a card given by its size (``--gpu 24GB``) by
+    name where a GPU has that size, else ``"auto"``, which reads the card the run is on; a size that is the
+    step's limit as given (``"40MB"``), and bytes as given (``40_000_000``). A budget made of figures (an
+    OOM report's "this step's need") as a size (`size_text`)."""
+    source = budget.source
+    if source in GPUS or source.startswith("cuda:"):  # a name; "cuda:0" ("auto"), "cuda:0 x 0.9"
+        return json.dumps(source) if source in GPUS else source.partition(" x ")[2] or '"auto"'
+    if source == f"{budget.usable} bytes":
+        return f"{budget.usable:_}"
+    with contextlib.suppress(TypeError, ValueError):
+        if parse_budget(source) == budget:
+            return json.dumps(source)
+        if parse_budget(source, device_size=True) == budget:  # a card by its size
+            same = [name for name, mib in GPUS.items() if mib * 2**20 == budget.total]
+            return json.dumps(same[0] if same else "auto")
+    return json.dumps(size_text(budget.usable))
 
 
-def _budget_imports(budget: Budget) -> list[str]:
-    """What `_budget_argument`'s form needs imported beside the callbacks."""
-    return ["parse_budget"] if _budget_argument(budget).startswith("parse_budget(") else []
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as a size string `parse_bytes` reads back: exact in the largest unit that divides it
+    (``"9MiB"``, ``"36MB"``), else in MB (kB below 100 MB) rounded down, less than 0.1 % under it."""
+    for unit, size in (("GiB", 2**30), ("GB", 10**9), ("MiB", 2**20), ("MB", 10**6), ("KiB", 2**10)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    unit, size = ("MB", 10**6) if nbytes >= 10**8 else ("kB", 10**3) if nbytes >= 10**5 else ("B", 1)
+    return f"{nbytes // size}{unit}"
 
 
 def _strongest(plan: FitPlan) -> str:

@@ -35,6 +35,9 @@ __all__ = [
     "SGD_LR_SCALE",
     "CatalogueEntry",
     "available_candidates",
+    "configured_optimizer",
+    "constructor",
+    "constructor_arguments",
     "identify",
     "lighter_candidates",
     "load_bitsandbytes",
@@ -539,17 +542,49 @@ def _track_step_calls(optimizer: Optimizer, old: Optimizer) -> None:
     optimizer.step = wrapper  # type: ignore[method-assign]
 
 
-def own_optimizer(model: nn.Module) -> str | None:
-    """The catalogue name of the optimizer ``configure_optimizers`` builds; ``None`` if unknown or absent."""
+def configured_optimizer(model: nn.Module) -> tuple[Optimizer | None, bool]:
+    """The one optimizer ``configure_optimizers`` builds (``None``: not a LightningModule, several, none,
+    or it fails outside a Trainer), and whether it returns more than the optimizer (a scheduler)."""
     if not is_lightning(model):
-        return None
+        return None, False
     try:
         with lightning_stand_ins(model, model_device(model)), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            optimizers = optimizers_from(model.configure_optimizers())
+            config = model.configure_optimizers()
+            optimizers = optimizers_from(config)
     except Exception:
-        return None
-    return identify(optimizers[0]) if len(optimizers) == 1 else None
+        return None, False
+    return (optimizers[0] if len(optimizers) == 1 else None), not isinstance(config, Optimizer)
+
+
+def own_optimizer(model: nn.Module) -> str | None:
+    """The catalogue name of the optimizer ``configure_optimizers`` builds; ``None`` if unknown or absent."""
+    optimizer, _ = configured_optimizer(model)
+    return None if optimizer is None else identify(optimizer)
+
+
+def constructor(name: str) -> str:
+    """The public path of the class the catalogue builds for ``name``: ``"bitsandbytes.optim.AdamW8bit"``,
+    ``"torch.optim.AdamW"``, ``"optimi.AdamW"``."""
+    build = CATALOGUE[name].build
+    if not isinstance(build, type):
+        return build.__qualname__  # `_bnb_class`'s
+    parts = build.__module__.split(".")
+    for i in range(1, len(parts) + 1):  # the shortest path that exports it: torch.optim.adamw.AdamW's
+        package = ".".join(parts[:i])
+        if getattr(sys.modules.get(package), build.__name__, None) is build:
+            return f"{package}.{build.__name__}"
+    return f"{build.__module__}.{build.__name__}"
+
+
+def constructor_arguments(name: str, optimizer: Optimizer | None) -> dict[str, Any]:
+    """The keyword arguments ``name``'s constructor gets in place of ``optimizer``: its defaults translated
+    as `swap_optimizer` translates them; torch AdamW's own defaults where ``optimizer`` is ``None`` or not
+    in the catalogue."""
+    source = _entry(identify(optimizer) if optimizer is not None else "adamw")
+    if optimizer is None or source is _UNKNOWN:
+        optimizer, source = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), CATALOGUE["adamw"]
+    return CATALOGUE[name].translate(source.to_adamw(optimizer.defaults))
 
 
 def lighter_candidates(
