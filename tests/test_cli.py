@@ -278,10 +278,34 @@ def _own_loss(output, y):
     return F.cross_entropy(hidden.flatten(0, -2), y.flatten())
 
 
+class _InALightningModule(pl.LightningModule):
+    """The LightningModule a user writes around it: the step memkit simulates by default, in Lightning's
+    order (training_step, zero_grad, backward, step)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return _own_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
 def _hf_direct(factory, batch_size, seq_len):
     with torch.device("meta"):
         model = _TrainsItself(factory())
-    return model, estimate_memory(model, _tokens(batch_size, seq_len), optimizer="adamw", loss_fn=_own_loss)
+    lightning = _InALightningModule(model)
+    return model, estimate_memory(lightning, _tokens(batch_size, seq_len))
+
+
+def _hf_plain_loop(factory, batch_size, seq_len):
+    """``--loop plain``'s step: zero_grad, forward, backward, step."""
+    with torch.device("meta"):
+        model = _TrainsItself(factory())
+    return estimate_memory(model, _tokens(batch_size, seq_len), optimizer="adamw", loss_fn=_own_loss)
 
 
 def gpt2_base():
@@ -309,9 +333,10 @@ def test_a_hugging_face_model_factory(name):
 
 
 def test_a_hugging_face_model_without_labels_is_stepped_on_its_first_output():
-    report = _json(["estimate", "--model", "test_cli:gpt2_base", "--batch-size", "2", "--seq-len", "8"])
+    argv = ["estimate", "--model", "test_cli:gpt2_base", "--batch-size", "2", "--seq-len", "8"]
     _, direct = _hf_direct(gpt2_base, 2, 8)
-    assert report["simulated"] == direct.as_dict()
+    assert _json(argv)["simulated"] == direct.as_dict()
+    assert _json([*argv, "--loop", "plain"])["simulated"] == _hf_plain_loop(gpt2_base, 2, 8).as_dict()
 
 
 def test_analytic_column_says_why_it_does_not_apply():

@@ -742,6 +742,15 @@ def estimate_memory(
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
     """
+    if _configure_model_pending(model):
+        name = type(model).__name__
+        warnings.warn(
+            f"estimate_memory: {name} overrides configure_model, which a Trainer runs before the first step, "
+            "and no Trainer is attached: the step simulated is the module as it is now (a model that "
+            f"configure_model compiles is simulated eagerly). Call {name}.configure_model() first, as the "
+            "Trainer will, or estimate from a callback once fit has started.",
+            stacklevel=2,
+        )
     step = Step.of(
         precision=precision,
         checkpointing=checkpointing,
@@ -764,6 +773,19 @@ def estimate_memory(
         loss_fn=loss_fn,
         device=device,
         return_timeline=return_timeline,
+    )
+
+
+def _configure_model_pending(model: nn.Module) -> bool:
+    """Whether ``model`` is a LightningModule whose ``configure_model`` a Trainer has yet to run: the hook
+    overridden, no Trainer attached, and nothing compiled (what the hook most often does)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return (
+        is_lightning(model)
+        and model._trainer is None
+        and is_overridden("configure_model", model)
+        and not compiled_modules(model)
     )
 
 

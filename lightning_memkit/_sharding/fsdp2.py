@@ -135,15 +135,62 @@ def fake_mesh(world_size: int) -> Iterator[Any]:
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         try:
-            yield init_device_mesh("cpu", (world_size,))
+            with _rank_zero_chunks():
+                yield init_device_mesh("cpu", (world_size,))
         finally:
             dist.destroy_process_group()
         return
     group = _side_group(world_size, FakeStore())
     try:
-        yield DeviceMesh.from_group(group, "cpu", mesh=list(range(world_size)))
+        with _rank_zero_chunks():
+            yield DeviceMesh.from_group(group, "cpu", mesh=list(range(world_size)))
     finally:
         dist.destroy_process_group(group)
+
+
+class _Chunks(Sequence):
+    """``torch.chunk(tensor, n, dim)`` padded with empty chunks to ``n`` (FSDP2's ``_chunk_with_empty``),
+    each chunk made when read: the simulated rank (0) reads its own and chunk 0, so sharding costs the same
+    at 8 ranks as at 100,000 (made eagerly, the other ranks' chunks are one fake op each per parameter)."""
+
+    def __init__(self, tensor: Tensor, n: int, dim: int) -> None:
+        self.tensor, self.n, self.dim = tensor, n, dim
+        rows = tensor.size(dim)
+        self.rows_per_chunk = -(-rows // n)  # torch.chunk's: ceil(rows / n)
+        self.made = -(-rows // self.rows_per_chunk) if rows else 1  # chunks torch.chunk returns
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        i = i + self.n if i < 0 else i
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if i >= self.made:
+            return self[0].new_empty(0)
+        start = i * self.rows_per_chunk
+        return self.tensor.narrow(self.dim, start, min(self.rows_per_chunk, self.tensor.size(self.dim) - start))
+
+
+@contextlib.contextmanager
+def _rank_zero_chunks() -> Iterator[None]:
+    """FSDP2 shards each parameter through `_Chunks` while the fake mesh is up (private torch API; a torch
+    whose FSDP2 does not chunk so keeps its own)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        yield
+        return
+    if not hasattr(_fsdp_param, "_chunk_with_empty"):
+        yield
+        return
+    own, _fsdp_param._chunk_with_empty = _fsdp_param._chunk_with_empty, _Chunks
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = own
 
 
 def _side_group(world_size: int, store: Any) -> Any:

@@ -13,8 +13,6 @@ import json
 import time
 from typing import Any
 
-from lightning.pytorch import LightningModule
-
 from lightning_memkit._diagnosis.advise import Advice, advise
 from lightning_memkit._diagnosis.html_report import html_report
 from lightning_memkit._diagnosis.snapshot import advised_snapshot
@@ -22,9 +20,10 @@ from lightning_memkit.cli._models import (
     analytic_shape,
     check_seq_len,
     example_batch,
-    lm_loss,
     load_model,
     step_errors,
+    step_options,
+    weights_note,
 )
 from lightning_memkit.cli._parsers import add_advise
 
@@ -32,12 +31,10 @@ __all__ = ["add_advise", "run_advise"]
 
 
 def run_advise(args: argparse.Namespace) -> int:
-    model = load_model(args.model)
+    model = load_model(args.model, args.loop)
     check_seq_len(model, analytic_shape(model)[0], args.seq_len)
-    lightning = isinstance(model, LightningModule)
     kwargs: dict[str, Any] = dict(
-        optimizer=args.optimizer if lightning else args.optimizer or "adamw",
-        loss_fn=None if lightning else lm_loss,
+        **step_options(model, args.optimizer),
         precision=args.precision,
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,
@@ -59,9 +56,11 @@ def run_advise(args: argparse.Namespace) -> int:
         _write_html(args, snapshot, advice, step)
     if args.json:
         html = {"html": args.html} if args.html is not None else {}
-        print(json.dumps({"model": args.model, **advice.as_dict(), "seconds": seconds, **html}, indent=2))
+        weights = {"weights": weights_note(model, args.model, args.precision)}
+        print(json.dumps({"model": args.model, **weights, **advice.as_dict(), "seconds": seconds, **html}, indent=2))
     else:
         print(f"{args.model}, {step}:")
+        print(weights_note(model, args.model, args.precision))
         print(advice)
         print(f"advised in {seconds:.1f} s (simulated steps; nothing allocated)")
         if args.html is not None:

@@ -19,7 +19,6 @@ import json
 import time
 from typing import Any
 
-from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
@@ -36,13 +35,15 @@ from lightning_memkit._estimating.analytic import (
 )
 from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
 from lightning_memkit.cli._models import (
+    analytic_precision,
     analytic_shape,
     check_seq_len,
     example_batch,
-    lm_loss,
     load_model,
     optimizer_used,
     step_errors,
+    step_options,
+    weights_note,
 )
 from lightning_memkit.cli._parsers import add_estimate
 
@@ -50,11 +51,11 @@ __all__ = ["add_estimate", "run_estimate"]
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    model = load_model(args.model)
+    model = load_model(args.model, args.loop)
     shape, note = analytic_shape(model)
     check_seq_len(model, shape, args.seq_len)
     args.optimizer_used, catalogued = optimizer_used(model, args.optimizer)
-    notes: list[str] = [note] if note else []
+    notes: list[str] = [weights_note(model, args.model, args.precision), *([note] if note else [])]
     analytic = None
     if shape is not None:
         if catalogued is None:
@@ -65,7 +66,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             shape,
             args.batch_size,
             args.seq_len,
-            precision=args.precision,
+            precision=analytic_precision(model, args.precision),
             optimizer=catalogued or "adamw",
             checkpointing=args.checkpointing,
             attention="sdpa",
@@ -93,7 +94,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     elif args.gpus > 1 or args.strategy != "ddp":
         sharded = STRATEGIES[args.strategy]
         analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
-        grads = model_static(model, args.precision).gradients
+        grads = model_static(model, analytic_precision(model, args.precision)).gradients
         simulated = shard(simulated, args.strategy, args.gpus, gradient_bytes=grads)
         buckets = " and adds its all-reduce buckets (a copy of the gradients)" if args.gpus > 1 else ""
         notes.append(
@@ -120,7 +121,6 @@ def _fit(model: nn.Module, args: argparse.Namespace, simulated: MemoryBreakdown)
     usable = f"{format_bytes(budget.usable)} usable on {budget.source}"
     if simulated.peak <= budget.usable:
         return [f"Fits: {format_bytes(simulated.peak)} of the {usable}."]
-    lightning = isinstance(model, LightningModule)
     global_batch = args.batch_size * args.accumulate * args.gpus
     with step_errors(model, args.model, global_batch, args.seq_len):
         batch = example_batch(model, args.model, global_batch, args.seq_len)
@@ -136,7 +136,7 @@ def _fit(model: nn.Module, args: argparse.Namespace, simulated: MemoryBreakdown)
             strategy=args.strategy,
             n_gpus=args.gpus,
             device=args.device,
-            loss_fn=None if lightning else lm_loss,
+            loss_fn=step_options(model, args.optimizer)["loss_fn"],
         ),
     ]
 
@@ -147,11 +147,9 @@ def _simulate(
     """The simulated step's breakdown, the op at which its peak falls (the first of the highest) and, with
     ``--snapshot`` or ``--html``, the step as a PyTorch memory snapshot from the same simulation (written to
     ``--snapshot``'s file)."""
-    lightning = isinstance(model, LightningModule)
     batch = example_batch(model, args.model, args.batch_size, args.seq_len)
     kwargs: dict[str, Any] = dict(
-        optimizer=args.optimizer if lightning else args.optimizer or "adamw",
-        loss_fn=None if lightning else lm_loss,
+        **step_options(model, args.optimizer),
         precision=args.precision,
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,

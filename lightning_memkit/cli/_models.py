@@ -13,11 +13,13 @@ The example batch, for any model: if the module has a method ``example_batch(bat
 what it returns is the batch (build it on the meta device to keep it free). Otherwise the batch is
 ``(x, y)``, two int64 token-id tensors of shape ``(batch_size, seq_len)``: what a causal language model's
 ``training_step`` takes. A ``LightningModule`` runs its own ``training_step`` (and ``configure_optimizers``
-unless ``--optimizer`` is given); a plain ``nn.Module`` is stepped as a language model,
-``cross_entropy(model(x), y)`` over its output's last dimension (the first element of a tuple output). A
-Hugging Face ``PreTrainedModel`` is stepped as it trains itself: ``model(input_ids=x, labels=x)`` and the
-``loss`` of its ``ModelOutput`` (a model without ``labels`` in its ``forward``: cross-entropy over its
-``logits``, else its first output).
+unless ``--optimizer`` is given), after its ``configure_model`` (run once, under the meta device, as the
+Trainer runs it); a plain ``nn.Module`` is stepped as a language model, ``cross_entropy(model(x), y)`` over
+its output's last dimension (the first element of a tuple output). A Hugging Face ``PreTrainedModel`` is
+stepped as it trains itself: ``model(input_ids=x, labels=x)`` and the ``loss`` of its ``ModelOutput`` (a
+model without ``labels`` in its ``forward``: cross-entropy over its ``logits``, else its first output).
+Both run inside `LanguageModelModule`, in Lightning's order (the previous step's gradients alive through
+the forward), unless ``--loop plain`` asks for a plain loop's.
 
 The user's own code failing (the factory, ``example_batch``, the model's step) is bad input: a one-line
 `UsageError` with what was being done and how to fix it. A preset failing is our bug, and keeps its
@@ -35,6 +37,7 @@ import logging
 import os
 import reprlib
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -43,10 +46,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_memkit._estimating.analytic import TransformerShape, count_parameters
 from lightning_memkit._estimating.lightning_step import lightning_stand_ins, optimizers_from
+from lightning_memkit._estimating.simulate import PRECISION_DTYPES
 from lightning_memkit._optimizers.swap import identify
 from lightning_memkit.cli._args import UsageError, usage_error
 from lightning_memkit.cli._parsers import add_model_argument, add_step_arguments  # noqa: F401 (the old home)
@@ -60,13 +65,31 @@ MAX_TOKENS = 2**40
 HF_PREFIX = "hf:"
 
 
-def load_model(spec: str) -> nn.Module:
+def load_model(spec: str, loop: str = "lightning") -> nn.Module:
     """A preset's GPTLightningModule, what ``package.module:factory`` returns, or the Hugging Face model
-    ``hf:<directory or org/name>`` describes, built on meta."""
+    ``hf:<directory or org/name>`` describes, built on meta. A plain ``nn.Module`` (a Hugging Face one too)
+    comes back inside `LanguageModelModule`, stepped in Lightning's order, unless ``loop`` is ``"plain"``
+    (``HFLanguageModel`` or the module itself: zero_grad, forward, backward, step)."""
+    model = _user_model(spec)
+    if isinstance(model, LightningModule):
+        if loop == "plain":
+            raise UsageError(
+                f"--loop plain steps a plain nn.Module; --model {spec} is a LightningModule "
+                f"({type(model).__name__}), whose training_step runs in Lightning's order: leave --loop out"
+            )
+        return model
+    if loop == "lightning":
+        return LanguageModelModule(model)
+    return HFLanguageModel(model) if _is_hf(model) else model
+
+
+def _user_model(spec: str) -> nn.Module:
+    """The model ``spec`` names, as built: a preset's GPTLightningModule, what the factory returns, or the
+    ``hf:`` model, checked to be trainable."""
     if spec.startswith(HF_PREFIX):
         model = _hf_from_config(spec)
         _check_trainable(model, spec)
-        return HFLanguageModel(model)
+        return model
     if ":" not in spec:
         if spec not in PRESETS:
             module_name, _, attr = spec.rpartition(".")
@@ -88,18 +111,37 @@ def load_model(spec: str) -> nn.Module:
         got = f"{reprlib.repr(model)} ({type(model).__name__})"
         got = "None (does it return the model?)" if model is None else got
         raise UsageError(f"--model {spec}: {name} returned {got}, not an nn.Module or LightningModule")
+    _configure(model, spec)
     _check_trainable(model, spec)
-    if _is_hf(model):
-        return HFLanguageModel(model)
     return model
+
+
+def _configure(model: nn.Module, spec: str) -> None:
+    """A LightningModule's ``configure_model``, run as the Trainer runs it before the first step (under the
+    meta device here), so that the layers it builds or compiles are the ones simulated."""
+    if not isinstance(model, LightningModule) or not is_overridden("configure_model", model):
+        return
+    with (
+        usage_error(
+            context=f"--model {spec}: its configure_model() failed",
+            fix="it runs under torch.device('meta') before the simulated step, as a Trainer runs it before "
+            "the first one",
+        ),
+        torch.device("meta"),
+        lightning_stand_ins(model, torch.device("meta")),
+    ):
+        model.configure_model()
+    # Run once, as the Trainer would: the hook is now LightningModule's own (nothing left to configure).
+    model.configure_model = types.MethodType(LightningModule.configure_model, model)  # type: ignore[method-assign]
 
 
 def _hf_from_config(spec: str) -> nn.Module:
     """The model ``hf:<directory or org/name>`` describes: its ``config.json`` read (an ``org/name`` from
     the local cache only), then ``AutoModelForCausalLM.from_config`` (``AutoModel`` for a family without a
     causal-LM head) on the meta device: random weights, nothing allocated or downloaded. The parameters
-    are fp32 whatever ``dtype`` the config records: ``--precision`` sets the training precision, as
-    Lightning's Trainer does."""
+    are in the ``dtype`` (``torch_dtype``) the config records, fp32 where it records none, as
+    ``from_pretrained`` and ``from_config`` load them: Lightning's ``32-true`` and mixed precisions train
+    them so, a ``-true`` 16-bit precision converts them (`weights_note` says which)."""
     target = spec[len(HF_PREFIX) :].strip()
     if not target:
         raise UsageError(
@@ -158,7 +200,44 @@ def _hf_from_config(spec: str) -> nn.Module:
         ),
         torch.device("meta"),
     ):
-        return auto.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        return auto.from_config(config, dtype=config_dtype(config), trust_remote_code=False)
+
+
+def config_dtype(config: Any) -> torch.dtype:
+    """The weights' dtype a Hugging Face config records (``dtype``, formerly ``torch_dtype``); fp32 where it
+    records none or one that is not a floating-point dtype (``"auto"``)."""
+    recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded.removeprefix("torch."), None)
+    return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
+
+
+def analytic_precision(model: nn.Module, precision: str) -> str:
+    """The precision the analytic arithmetic reads for ``model`` trained at ``precision``: a precision that
+    keeps the weights as built (``32-true``, the mixed ones) over 16-bit weights is the 16-bit ``-true``
+    one (16-bit parameters, gradients and optimizer state)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if PRECISION_DTYPES[precision][0] is not None or len(dtypes) != 1:
+        return precision
+    return {torch.bfloat16: "bf16-true", torch.float16: "16-true"}.get(dtypes.pop(), precision)
+
+
+def weights_note(model: nn.Module, spec: str, precision: str) -> str:
+    """One line: the dtype the weights are built in (for ``hf:``, where it comes from) and what
+    ``precision`` makes of them, so that a plan never silently assumes fp32 weights."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    source = (
+        "config.json's dtype (fp32 where it records none), as from_pretrained and from_config load them"
+        if spec.startswith(HF_PREFIX)
+        else "as the model builds them"
+    )
+    converted = PRECISION_DTYPES[precision][0]
+    what = (
+        f"{precision} converts them to {str(converted).removeprefix('torch.')}"
+        if converted is not None
+        else f"{precision} trains them as they are"
+    )
+    return f"weights: {'/'.join(dtypes)} ({source}); {what}"
 
 
 @contextlib.contextmanager
@@ -249,10 +328,9 @@ def _check_trainable(model: nn.Module, spec: str) -> None:
     params = list(model.parameters())
     name = type(model).__name__
     if not params:
-        built_later = " (layers built in configure_model are not seen: build them in __init__)"
         raise UsageError(
             f"--model {spec} ({name}) has no parameters, so there is nothing to train; return the model "
-            "that holds them" + (built_later if hasattr(model, "configure_model") else "")
+            "that holds them"
         )
     lazy = [m for m in model.modules() if isinstance(m, nn.modules.lazy.LazyModuleMixin)]
     if lazy:
@@ -283,22 +361,68 @@ def _is_hf(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+def _language_model_forward(model: nn.Module, x: torch.Tensor) -> Any:
+    """``model`` on token ids ``x``: a Hugging Face model as it trains itself, ``model(input_ids=x,
+    labels=x)`` (the collator's ``labels`` are the input ids; a causal LM shifts them itself; a ``forward``
+    without ``labels`` gets ``input_ids`` alone), any other module ``model(x)``."""
+    if not _is_hf(model):
+        return model(x)
+    if "labels" in inspect.signature(model.forward).parameters:
+        return model(input_ids=x, labels=x)
+    return model(input_ids=x)
+
+
 class HFLanguageModel(nn.Module):
-    """A Hugging Face model stepped on token ids as it trains itself: ``model(input_ids=x, labels=x)``
-    (the collator's ``labels`` are the input ids; a causal LM shifts them itself) and its own ``.loss``;
-    a model whose ``forward`` takes no ``labels`` gets ``input_ids`` alone and the loss from its logits
-    (`lm_loss`). Its parameters, blocks and ``config`` are the wrapped model's."""
+    """A Hugging Face model stepped on token ids as it trains itself (`_language_model_forward`), the loss
+    its own ``.loss`` or from its logits (`lm_loss`), in a plain loop (``--loop plain``). Its parameters,
+    blocks and ``config`` are the wrapped model's."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self.config = model.config
-        self.takes_labels = "labels" in inspect.signature(model.forward).parameters
 
     def forward(self, input_ids: torch.Tensor) -> Any:
-        if self.takes_labels:
-            return self.model(input_ids=input_ids, labels=input_ids)
-        return self.model(input_ids=input_ids)
+        return _language_model_forward(self.model, input_ids)
+
+
+class LanguageModelModule(LightningModule):
+    """A plain ``nn.Module`` (a Hugging Face model too) in the LightningModule a user writes around it, so
+    that the step simulated is the one a Trainer runs: ``training_step`` (the forward on the batch's ``x``
+    and `lm_loss` against its ``y``), then Lightning's ``zero_grad``, backward and step, the previous
+    step's gradients alive through the forward; AdamW from ``configure_optimizers``. Parameters and blocks
+    are the wrapped model's, under ``model.``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = getattr(model, "config", None)  # the analytic column's architecture
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return _language_model_forward(self.model, x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, target = batch
+        return lm_loss(self(inputs), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def user_model(model: nn.Module) -> nn.Module:
+    """The module the user's ``--model`` built: inside `LanguageModelModule`, the wrapped one."""
+    return model.model if isinstance(model, LanguageModelModule) else model
+
+
+def step_options(model: nn.Module, optimizer: str | None) -> dict[str, Any]:
+    """`estimate_memory`'s ``optimizer`` and ``loss_fn`` for ``model``'s step: a user's LightningModule
+    its own (``configure_optimizers`` unless ``optimizer`` names one, its ``training_step``), any other
+    model ``optimizer`` or AdamW, and `lm_loss` for a plain loop."""
+    own = isinstance(model, LightningModule) and not isinstance(model, LanguageModelModule)
+    return {
+        "optimizer": optimizer if own else optimizer or "adamw",
+        "loss_fn": None if isinstance(model, LightningModule) else lm_loss,
+    }
 
 
 def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -377,7 +501,7 @@ def optimizer_used(model: nn.Module, optimizer: str | None) -> tuple[str, str | 
     """(what the header names, its catalogue name or ``None``) of the optimizer the simulation steps."""
     if optimizer is not None:
         return optimizer, optimizer
-    if not isinstance(model, LightningModule):
+    if not isinstance(model, LightningModule) or isinstance(model, LanguageModelModule):
         return "adamw", "adamw"
     try:
         with lightning_stand_ins(model, torch.device("cpu")), warnings.catch_warnings():
@@ -397,12 +521,12 @@ def example_batch(model: nn.Module, spec: str, batch_size: int, seq_len: int) ->
             f"a batch of {batch_size} x {seq_len} is {batch_size * seq_len:,} tokens, more than the "
             f"{MAX_TOKENS:,} the simulation counts; check --seq-len and the batch size"
         )
-    if callable(getattr(model, "example_batch", None)):
+    if callable(getattr(user_model(model), "example_batch", None)):
         with usage_error(
             context=f"--model {spec}: its example_batch({batch_size}, {seq_len}) failed",
             fix="it is called as example_batch(batch_size, seq_len) and returns the batch its step takes",
         ):
-            return model.example_batch(batch_size, seq_len)
+            return user_model(model).example_batch(batch_size, seq_len)
     x = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")  # (B, T) token ids
     return x, x.clone()
 
@@ -414,14 +538,14 @@ def step_errors(model: nn.Module, spec: str, batch_size: int, seq_len: int) -> I
     if ":" not in spec:
         yield
         return
-    if callable(getattr(model, "example_batch", None)):
+    if callable(getattr(user_model(model), "example_batch", None)):
         batch = f"the batch was its example_batch({batch_size}, {seq_len})"
     else:
         how = (
-            "its training_step"
-            if isinstance(model, LightningModule)
-            else "model(input_ids=x, labels=x)"
-            if isinstance(model, HFLanguageModel)
+            "model(input_ids=x, labels=x)"
+            if _is_hf(user_model(model)) or isinstance(model, HFLanguageModel)
+            else "its training_step"
+            if isinstance(model, LightningModule) and model is user_model(model)
             else "cross_entropy(model(x), y)"
         )
         batch = (

@@ -26,6 +26,8 @@ from lightning_memkit.cli._args import gpu, gpu_or_memory, margin, names, one_of
 
 __all__ = ["add_advise", "add_estimate", "add_model_argument", "add_plan", "add_step_arguments", "deferred"]
 
+#: ``--loop``: the order a plain module's step runs in (`lightning_memkit.cli._models.load_model`).
+LOOPS = ("lightning", "plain")
 #: The GPT presets and the strategies a step is sharded by.
 PRESETS, STRATEGIES = tuple(_analytic.PRESETS), tuple(_analytic.STRATEGIES)
 #: What `memkit plan` relaxes, in order, when nothing fits as asked: precisions (unless ``--precision``
@@ -57,6 +59,15 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
         "nn.Module or LightningModule; called under the meta device) or hf:<directory or org/name>: a "
         "Hugging Face model from its config.json, random weights (an org/name from the local cache only: "
         "nothing is downloaded)",
+    )
+    p.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default="lightning",
+        help="the order a plain nn.Module's (or hf: model's) step runs in: lightning (default), as a "
+        "LightningModule around it trains under a Trainer: training_step, zero_grad, backward, step, so the "
+        "previous step's gradients are alive through the forward; plain: zero_grad, forward, backward, step "
+        "(a loop of your own). A LightningModule always runs Lightning's",
     )
 
 

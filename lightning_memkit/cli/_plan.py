@@ -15,7 +15,6 @@ import sys
 import time
 from typing import Any
 
-from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
@@ -26,16 +25,24 @@ from lightning_memkit._estimating.analytic import model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_slice
 from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
 from lightning_memkit._fitting.plan import FitPlan
-from lightning_memkit._fitting.search import LEVER_CALLBACKS, LOWER_PRECISION_HINT, plan_fit, static_floor
+from lightning_memkit._fitting.search import (
+    LEVER_CALLBACKS,
+    LOWER_PRECISION_HINT,
+    plan_fit,
+    refine_limit_for,
+    static_floor,
+)
 from lightning_memkit._optimizers.swap import COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit.cli._args import UsageError, usage_error
 from lightning_memkit.cli._models import (
+    analytic_precision,
     analytic_shape,
     check_seq_len,
     example_batch,
-    lm_loss,
     load_model,
     step_errors,
+    step_options,
+    weights_note,
 )
 from lightning_memkit.cli._parsers import REFINE_SECONDS, RELAXED_PRECISIONS, add_plan
 
@@ -43,13 +50,13 @@ __all__ = ["REFINE_SECONDS", "RELAXED_PRECISIONS", "add_plan", "plan_code", "run
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    model = load_model(args.model)
+    model = load_model(args.model, args.loop)
     check_seq_len(model, analytic_shape(model)[0], args.seq_len)
     if args.global_batch % args.gpus:
         raise UsageError(
             f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}"
         )
-    lightning = isinstance(model, LightningModule)
+    loss_fn = step_options(model, None)["loss_fn"]
     args.gpu = _budget(args)
     start = time.perf_counter()
     attempts = _attempts(args)
@@ -70,13 +77,13 @@ def run_plan(args: argparse.Namespace) -> int:
                 strategy=args.strategy,
                 n_gpus=args.gpus,
                 device=args.device,
-                loss_fn=None if lightning else lm_loss,
+                loss_fn=loss_fn,
                 cost="flops",
                 progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
                 release_gradients=attempt.release_gradients,
                 fused_step=attempt.fused_step,
                 offload=attempt.offload,
-                refine_seconds=args.refine_seconds,
+                refine_limit=refine_limit_for(args.refine_seconds),  # a count, not a clock
                 # FSDP2 on a GPU: offload if nothing fits
                 cpu_offload=None if args.strategy == "fsdp2" and args.device == "cuda" else False,
                 mixed_precision_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
@@ -129,11 +136,13 @@ def run_plan(args: argparse.Namespace) -> int:
     code = plan_code(found, model, global_batch=args.global_batch, optimizers=args.optimizer)
     given_up = _given_up(found, model, args, attempts[0]) if relaxed else []
     if args.json:
-        data = {"model": args.model, **found.as_dict(), "code": code, "seconds": seconds}
+        data = {"model": args.model, "weights": weights_note(model, args.model, found.precision), **found.as_dict()}
+        data |= {"code": code, "seconds": seconds}
         print(json.dumps({**data, "gives_up": given_up}, indent=2))
     else:
         print(f"{args.model} on {args.gpu.source}, global batch {args.global_batch} x {args.seq_len}:")
         print(_budget_line(args.gpu, args.margin, args.device))
+        print(weights_note(model, args.model, found.precision))
         print(found)
         if given_up:
             print(f"Nothing fits {_describe(attempts[0])}; this plan gives up:", *given_up, sep="\n  - ")
@@ -272,13 +281,11 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
     optimizer = args.optimizer[0] if args.optimizer else lighter_candidates(model)[0]
     if optimizer is not None and sixteen_bit_weights(prec):
         optimizer = COMPENSATED.get(optimizer, optimizer)  # as plan_fit plans 16-bit weights
-    lightning = isinstance(model, LightningModule)
     try:
         need = estimate_memory(
             model,
             batch_slice(batch, m),
-            optimizer=optimizer if optimizer is not None or lightning else "adamw",
-            loss_fn=None if lightning else lm_loss,
+            **step_options(model, optimizer),
             precision=prec,
             checkpointing=level,
             device=args.device,
@@ -290,7 +297,7 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
     except Exception:
         return ""
     if args.gpus > 1:
-        need = shard(need, args.strategy, args.gpus, gradient_bytes=model_static(model, prec).gradients)
+        need = shard(need, args.strategy, args.gpus, gradient_bytes=model_static(model, analytic_precision(model, prec)).gradients)
     return (
         f"memkit plan: the smallest step tried (micro-batch {m}, "
         f"{'no' if level == 'none' else level} checkpointing, {optimizer or 'the configured optimizer'}, "
