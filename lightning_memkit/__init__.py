@@ -27,6 +27,7 @@ Lightning, so the ``memkit`` command answers ``--help`` at once; ``from lightnin
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__` imports each on first use
@@ -163,6 +164,58 @@ _EXPORTS: dict[str, str] = {
     "OptimizerSwap": "lightning_memkit.callbacks",
     "AutoFitStrategy": "lightning_memkit.strategies",
 }
+
+
+# Lightning's StrategyRegistry learns "autofit" (`Trainer(strategy="autofit")`, LightningCLI's
+# ``--trainer.strategy autofit``) once this package and ``lightning.pytorch.strategies`` are both imported,
+# in either order, without importing Lightning here: where Lightning comes later, a finder on
+# ``sys.meta_path`` registers it as soon as that module has run. The registry builds the strategy through
+# `_autofit_strategy`, which imports it then; by name its budget is ``"auto"``, the CUDA device each rank
+# runs on (`AutoFitStrategy` refuses a run without one, saying how to give a size).
+_STRATEGIES = "lightning.pytorch.strategies"
+
+
+def _autofit_strategy(**init_args: Any) -> Any:
+    from lightning_memkit.strategies.auto_fit import AutoFitStrategy
+
+    return AutoFitStrategy(**init_args)
+
+
+def _register_strategy(registry: Any) -> None:
+    if "autofit" not in registry:
+        registry.register(
+            "autofit",
+            _autofit_strategy,
+            description="FSDP2 sharded, checkpointed and sized to fit the CUDA device (lightning_memkit)",
+        )
+
+
+class _RegisterOnImport:
+    """A `sys.meta_path` finder that lets ``lightning.pytorch.strategies`` load as it would, then registers
+    the strategy in its ``StrategyRegistry``; it removes itself on that import."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _STRATEGIES:
+            return None
+        sys.meta_path.remove(self)
+        spec = next(
+            (s for f in sys.meta_path if (s := f.find_spec(name, path, target)) is not None), None
+        )  # fmt: skip
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run(module)
+                _register_strategy(module.StrategyRegistry)
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _STRATEGIES in sys.modules:
+    _register_strategy(sys.modules[_STRATEGIES].StrategyRegistry)
+elif not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterOnImport())
 
 
 def __getattr__(name: str) -> Any:

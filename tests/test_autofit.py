@@ -103,16 +103,16 @@ def test_a_per_block_plan_is_the_planners_and_fits_when_simulated(module, batch,
 
 
 @pytest.mark.slow
-def test_past_refine_seconds_no_planner_runs_and_the_note_says_so(module, batch, plan):
-    """With no time to refine (``refine_seconds=0``), the micro-batches that would get a block-by-block
+def test_past_refine_limit_no_planner_runs_and_the_note_says_so(module, batch, plan):
+    """With no micro-batch to refine (``refine_limit=0``), the micro-batches that would get a block-by-block
     plan get the strongest mode simulated, every block fully checkpointed (here slower than a smaller
     micro-batch without checkpointing); the plan still fits, and its note says the search was cut. The
     plan above, with time, is a per-block one."""
     with mock.patch("lightning_memkit._fitting.search.CheckpointPlanner") as planner:
-        quick = plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST, refine_seconds=0)
+        quick = plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST, refine_limit=0)
     assert not planner.called and quick.checkpoint_plan is None
     assert quick.checkpointing in ("none", "full") and quick.estimated_peak <= quick.limit
-    assert "block-by-block checkpointing not searched at every micro-batch (past 0 s)" in quick.note
+    assert "not searched at every micro-batch (past refine_limit=0 micro-batches)" in quick.note
     assert plan.checkpoint_plan is not None and "not searched" not in plan.note
 
 

@@ -9,6 +9,9 @@ session and run every `RUNS` entry in turn.
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 import traceback
 import warnings
 from datetime import timedelta
@@ -153,10 +156,28 @@ def _refused(out: Path) -> None:
 
 
 def _resume(out: Path) -> None:
-    """Two steps under a roomy budget, saved; resumed under a tight one: the saved plan goes on."""
+    """Two steps under a roomy budget, saved; resumed under a tight one (a plan for another budget: the
+    tight one's goes on, with the checkpoint's optimizer), and resumed from the checkpoint with its plan
+    rewritten: to 2 x 2 (for this run: installed), and to 2 x 2 on 4 ranks (not installed)."""
     checkpoint = out / "first.ckpt"
     _fit(out / "first", AutoFitStrategy(budget="1GiB"), Llama(), max_steps=2, save=checkpoint)
     _fit(out / "resumed", AutoFitStrategy(budget="900KiB"), Llama(), ckpt_path=checkpoint)
+    for name, n_gpus in (("same_run", WORLD), ("four_ranks", 4)):
+        rewritten = out / f"{name}.ckpt"
+        if torch.distributed.get_rank() == 0:
+            _rewrite_plan(checkpoint, rewritten, micro_batch_size=2, accumulate_grad_batches=2, n_gpus=n_gpus)
+        torch.distributed.barrier()
+        _fit(out / name, AutoFitStrategy(budget="1GiB"), Llama(), ckpt_path=rewritten)
+
+
+def _rewrite_plan(source: Path, target: Path, **plan) -> None:
+    """A copy of the distributed checkpoint ``source`` whose AutoFit plan has the fields ``plan``."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    shutil.copytree(source, target)
+    metadata = torch.load(target / _METADATA_FILENAME, weights_only=False)
+    metadata["callbacks"]["AutoFit"]["plan"].update(plan)
+    torch.save(metadata, target / _METADATA_FILENAME)
 
 
 def _plain() -> ModelParallelStrategy:
@@ -211,6 +232,11 @@ def read(folder: Path, rank: int) -> dict:
     return json.loads((folder / f"rank_{rank}.json").read_text())
 
 
+def _warned(folder: Path, text: str) -> bool:
+    """Whether global rank 0 of the run in ``folder`` warned ``text`` (rank_zero_warn: rank 0's only)."""
+    return any(text in said for said in json.loads((folder / "warnings_0.json").read_text()))
+
+
 @pytest.fixture(scope="module")
 def runs(once):
     return once("autofit_strategy", run_ranks)
@@ -224,6 +250,49 @@ def test_the_strategy_is_registered_by_name():
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="autofit", logger=False)
     assert isinstance(trainer.strategy, AutoFitStrategy)
     assert trainer.strategy.autofit.budget == "auto"
+
+
+#: a fresh process: lightning_memkit imported before Lightning, AutoFitStrategy never imported by name
+_BY_NAME = """
+import sys
+import lightning_memkit
+assert "lightning" not in sys.modules and "lightning_memkit.strategies" not in sys.modules
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+common = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false"]
+named = LightningCLI(BoringModel, run=False, args=[*common, "--trainer.strategy=autofit"])
+sized = LightningCLI(BoringModel, run=False, args=[
+    *common, "--trainer.strategy=lightning_memkit.AutoFitStrategy", "--trainer.strategy.budget=8GiB"])
+print(type(named.trainer.strategy).__name__, named.trainer.strategy.autofit.budget,
+      sized.trainer.strategy.autofit.budget)
+"""
+
+
+@pytest.mark.slow  # a fresh process importing Lightning
+def test_importing_lightning_memkit_registers_the_strategy_by_name():
+    """``import lightning_memkit`` alone, before Lightning, registers ``"autofit"`` (it failed with
+    "invalid strategy name" unless AutoFitStrategy itself was imported), and LightningCLI gives the budget
+    through the class's path."""
+    done = subprocess.run([sys.executable, "-c", _BY_NAME], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-3:] == ["AutoFitStrategy", "auto", "8GiB"]
+
+
+def test_by_name_on_a_cpu_the_strategy_says_how_to_give_a_budget(tmp_path):
+    """By name the budget is the CUDA device; without one the run is refused at its start, with the two
+    ways to give a size (it was AutoFit's message, naming a callback the user never wrote)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy="autofit", logger=False,
+        max_steps=1, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    refusal = r"AutoFitStrategy\(budget='auto'\) reads the CUDA device"
+    with pytest.raises(ValueError, match=refusal) as refused:
+        trainer.fit(BoringModel())
+    assert 'AutoFitStrategy(budget="8GiB")' in str(refused.value)
+    assert "--trainer.strategy.budget=8GiB" in str(refused.value)
 
 
 @pytest.mark.slow
@@ -327,17 +396,38 @@ def test_a_budget_nothing_meets_is_refused_on_every_rank_with_the_figures(runs):
 @needs_distributed
 @ranks
 def test_a_resumed_run_trains_on_with_the_saved_plan(runs):
-    """The checkpoint keeps the plan: resumed under a tighter budget (whose own plan differs), the run
-    installs the saved one over it (micro-batch, accumulation, reshard_after_forward, the optimizer rebuilt
-    before its state loads) and finishes its steps."""
-    tight = read(runs / "900KiB", 0)["plan"]
+    """The checkpoint keeps the plan. Resumed under the budget it was made for, the run installs it over
+    its own (micro-batch, accumulation, reshard_after_forward, the optimizer rebuilt before its state loads)
+    and finishes its steps; resumed under a tighter budget, the tight plan trains, with the checkpoint's
+    optimizer state."""
     for rank in range(WORLD):
-        first, resumed = read(runs / "resume" / "first", rank), read(runs / "resume" / "resumed", rank)
-        assert first["global_step"] == 2 and resumed["global_step"] == STEPS
-        assert resumed["plan"] == first["plan"] != tight
-        assert resumed["batch_size"] == first["plan"]["micro_batch_size"]
-        assert len(resumed["losses"]) == STEPS - 2
-        assert first["optimizer_steps"] == [2.0] and resumed["optimizer_steps"] == [float(STEPS)]
+        first = read(runs / "resume" / "first", rank)
+        same, tight = read(runs / "resume" / "same_run", rank), read(runs / "resume" / "resumed", rank)
+        assert first["global_step"] == 2 and first["optimizer_steps"] == [2.0]
+        assert (first["plan"]["micro_batch_size"], first["plan"]["accumulate_grad_batches"]) != (2, 2)
+        assert (same["plan"]["micro_batch_size"], same["plan"]["accumulate_grad_batches"]) == (2, 2)
+        assert (same["batch_size"], same["accumulate"]) == (2, 2)
+        assert tight["plan"]["budget"]["source"] == "900KiB" and tight["plan"]["optimizer"] == "adamw"
+        assert tight["batch_size"] == tight["plan"]["micro_batch_size"]
+        for resumed in (same, tight):
+            assert resumed["global_step"] == STEPS and resumed["optimizer_steps"] == [float(STEPS)]
+            assert len(resumed["losses"]) == (STEPS - 2) * resumed["accumulate"]  # one a micro-batch
+    assert _warned(runs / "resume" / "resumed", "made for another run (budget 1.00 GiB (1GiB) -> 900.00 KiB")
+
+
+@pytest.mark.slow
+@needs_distributed
+@ranks
+def test_a_plan_saved_on_four_ranks_is_not_installed_on_two(runs):
+    """The checkpoint's plan rewritten as 4 ranks would have saved it (2 x 2 each): on 2 ranks it would
+    peak over its limit, so this run's own plan trains (its micro-batch, "x 2 GPUs"), with the checkpoint's
+    optimizer state, and a warning names the world size, both values."""
+    for rank in range(WORLD):
+        four = read(runs / "resume" / "four_ranks", rank)
+        assert four["plan"]["n_gpus"] == WORLD and (four["batch_size"], four["accumulate"]) != (2, 2)
+        assert four["batch_size"] == four["plan"]["micro_batch_size"]
+        assert four["global_step"] == STEPS and four["optimizer_steps"] == [float(STEPS)]
+    assert _warned(runs / "resume" / "four_ranks", "made for another run (world size 4 -> 2)")
 
 
 @pytest.mark.slow

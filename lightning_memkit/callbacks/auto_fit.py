@@ -21,6 +21,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import (
     _lightning_get_all_attr_holders,
@@ -51,6 +52,7 @@ from lightning_memkit._estimating.lightning_step import (
     repeat_batch,
 )
 from lightning_memkit._fitting.plan import FitPlan, StepCost
+from lightning_memkit._fitting.resume import optimizer_name, refusal, said, stale
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
 from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes, renamed
@@ -624,28 +626,83 @@ class AutoFit(Callback):
         return {"plan": self.plan.as_dict() if self.plan is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume with the saved plan. Lightning restores callbacks after ``setup`` and, for one device and
-        DDP, before ``configure_optimizers``: the saved optimizer is the one built."""
+        """Resume from the checkpoint's plan (`resume_with`). Lightning restores callbacks after ``setup``
+        and, for one device and DDP, before ``configure_optimizers``; the strategies that restore them after
+        building the optimizers (``restore_checkpoint_after_setup``: FSDP, DeepSpeed, ModelParallelStrategy)
+        can neither install another plan nor plan again then."""
         saved = FitPlan.from_dict(state_dict["plan"]) if state_dict.get("plan") else None
         if saved is None or saved == self.plan:
             return
-        if self._target is not None and self._target[0].strategy.restore_checkpoint_after_setup:
-            strategy = type(self._target[0].strategy).__name__
-            planned = self.plan.summary() if self.plan else "nothing"
-            raise RuntimeError(
-                f"AutoFit: the checkpoint was trained with {saved.summary()}, but this run planned "
-                f"{planned}, and {strategy} restores callbacks only after it built the optimizers. Resume "
-                "with the same budget and margin, so that the same plan is made."
-            )
-        self.resume_with(saved)
+        built = self._target is not None and self._target[0].strategy.restore_checkpoint_after_setup
+        self.resume_with(saved, install=not built, replan=not built)
 
-    def resume_with(self, saved: FitPlan) -> None:
-        """Install ``saved``, a checkpoint's plan, over the one this fit made (`AutoFitStrategy` calls it
-        as it loads the checkpoint, before the optimizer state, and rebuilds the optimizers)."""
-        self.plan, self._resumed = saved, True
-        if self._target is not None:
+    def resume_with(self, saved: FitPlan, *, install: bool = True, replan: bool = True) -> bool:
+        """Resume from ``saved``, a checkpoint's plan. Where it was made for this run (`stale`: the same
+        world size, layout, budget, margin, precision, device, step lever, batch and checkpointing modes) it
+        is installed over the one this fit made, and the run goes on as it was. Otherwise this fit's plan,
+        made for this run, stays, with the checkpoint's optimizer, whose state the checkpoint holds: planned
+        again with it where this fit chose another, and refused, with what to do, where no plan with it
+        fits or the optimizers cannot be planned again. A warning names what differed, both values.
+
+        ``install``: the optimizers are built after this (so ``saved``'s can be); ``replan``: this fit can
+        plan again. `AutoFitStrategy` loads the checkpoint once the model is sharded, and rebuilds the
+        optimizers itself for an installed plan: it passes ``replan=False``. Returns whether ``saved`` was
+        installed.
+        """
+        trainer, current = (self._target[0] if self._target else None), self.plan
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if not fitting or trainer.state.status != TrainerStatus.RUNNING or current is None:
+            self.plan = saved  # outside a fit: the checkpoint's plan, to read
+            return False
+        self._resumed = True
+        changed = stale(saved, current)
+        if not changed and install:
+            self.plan = saved
             self._install(saved)
             rank_zero_info(f"AutoFit: resumed with the saved plan: {saved.summary()}")
+            return True
+
+        def warn_once(message: str) -> None:  # load_state_dict comes after AutoFitStrategy's call
+            if message not in self._warned:
+                self._warned.add(message)
+                rank_zero_warn(message)
+
+        strategy = type(trainer.strategy).__name__
+        head = (
+            f"AutoFit: the checkpoint's plan was made for another run ({said(changed)})"
+            if changed
+            else f"AutoFit: the checkpoint's plan ({saved.summary()}) is not this fit's, and {strategy} "
+            "restores it after building the optimizers"
+        )
+        if saved.optimizer == current.optimizer:
+            warn_once(
+                f"{head}: this fit's plan, made for this run, goes on with {optimizer_name(saved)}, whose "
+                f"state the checkpoint holds: {current.summary()}"
+            )
+            return False
+        module = self._target[1]
+        weights = (
+            f"(its state goes on), or start from its weights alone ({type(module).__name__}"
+            f".load_from_checkpoint(path), then fit without ckpt_path), {optimizer_name(current)} afresh."
+        )
+        if not replan:
+            who = "AutoFitStrategy" if strategy == "AutoFitStrategy" else "AutoFit"
+            fix = f"Give {who}(..., optimizers=[{saved.optimizer!r}]) to plan with the checkpoint's optimizer"
+            why = f"and {strategy} built it before restoring the checkpoint"
+            raise RuntimeError("AutoFit: " + refusal(saved, current, changed, why, f"{fix} {weights}"))
+        name = optimizer_name(saved)
+        warn_once(f"{head}: planning again for this run, with {name}, whose state the checkpoint holds")
+        asked, self.optimizers = self.optimizers, (saved.optimizer,)
+        try:
+            self._decide(trainer, module, self._modes(trainer))
+        except ValueError as error:
+            made_for = "; ".join(f"{what} {old}" for what, old, _ in changed)
+            why = f"and no plan with {name} fits here ({str(error).splitlines()[0]})"
+            fix = f"Resume where the checkpoint's plan fits ({made_for}) {weights}"
+            raise RuntimeError("AutoFit: " + refusal(saved, current, changed, why, fix)) from error
+        finally:
+            self.optimizers = asked
+        return False
 
 
 def _unrecoverable(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:

@@ -20,10 +20,15 @@ the plan's ``reshard_after_forward``. Checkpointing is applied before the shardi
 it. ``configure_model`` need not be overridden.
 
 Resume. The plan is in the checkpoint (AutoFit's state). ``ModelParallelStrategy`` loads the checkpoint
-after it built the optimizers, so a resumed run plans first; where the saved plan differs (a new budget),
-the saved one is installed over it as the checkpoint is loaded, before the optimizer state: its batch size,
-accumulation, checkpointing, ``reshard_after_forward`` and optimizer (rebuilt). CPU offload cannot change
-once the model is sharded: a checkpoint planned otherwise is refused, with what to do.
+after it built the optimizers, so a resumed run plans first. Where the saved plan was made for this run
+(the same world size, layout, budget, margin and precision: `_fitting.resume.stale`) and differs, it is
+installed over the fresh one as the checkpoint is loaded, before the optimizer state: its batch size,
+accumulation, checkpointing, ``reshard_after_forward`` and optimizer (rebuilt). A plan made for another run
+(saved on 4 ranks, resumed on 2) is not: the fresh plan trains, a warning names what differed, and the
+checkpoint's optimizer state loads where the fresh plan steps the same optimizer; where it steps another,
+the resume is refused with the ``optimizers=`` that plans with the checkpoint's (the model is sharded by
+then: it is not planned again). CPU offload cannot change once the model is sharded: a checkpoint planned
+for this run otherwise is refused, with what to do.
 
 CPU offload. Where no plan fits, the plan is made again with FSDP2's ``CPUOffloadPolicy`` (the shards,
 their gradients and the optimizer state in host memory, the optimizer stepping there): its device peak is
@@ -39,8 +44,11 @@ gradients reduce-scattered and the optimizer stepped in fp32; the plan simulates
 A budget that nothing fits is refused at ``setup`` with AutoFit's figures (the static floor, the leanest
 plan's peak, and the number of FSDP ranks or the GPU that fits).
 
-Registered as ``"autofit"`` (``Trainer(strategy="autofit")``, ``--trainer.strategy autofit`` in LightningCLI,
-once ``lightning_memkit`` is imported), with the budget ``"auto"`` (the current CUDA device).
+Registered as ``"autofit"`` (``Trainer(strategy="autofit")``, ``--trainer.strategy autofit`` in LightningCLI)
+once ``lightning_memkit`` is imported, before or after Lightning, with the budget ``"auto"``: the CUDA device
+each rank runs on. A size is given to the class: ``AutoFitStrategy(budget="24GiB")``, in LightningCLI
+``--trainer.strategy lightning_memkit.AutoFitStrategy --trainer.strategy.budget 24GiB``; a run without a CUDA
+device is refused at its start, saying so.
 """
 
 from __future__ import annotations
@@ -59,9 +67,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_memkit._budget import Budget, flag
+from lightning_memkit._budget import Budget, flag, reads_device
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._fitting.plan import FitPlan
+from lightning_memkit._fitting.resume import stale
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._vocabulary import AUTO, renamed
 from lightning_memkit.callbacks.auto_fit import AutoFit
@@ -152,6 +161,14 @@ class AutoFitStrategy(ModelParallelStrategy):
         trainer.callbacks.insert(0, self.autofit)  # it plans before the other callbacks' setup
 
     def setup_environment(self) -> None:
+        budget = self.autofit.budget
+        if self.root_device.type != "cuda" and reads_device(budget):
+            raise ValueError(
+                f"AutoFitStrategy(budget={budget!r}) reads the CUDA device each rank runs on (by name, "
+                f'strategy="autofit" plans for it), but this run is on {self.root_device.type}: give the '
+                'budget as a size, Trainer(strategy=AutoFitStrategy(budget="8GiB")), or in LightningCLI '
+                "--trainer.strategy=lightning_memkit.AutoFitStrategy --trainer.strategy.budget=8GiB."
+            )
         # Every rank in the one data-parallel dimension: FSDP2 over the world, no tensor parallelism.
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
@@ -225,26 +242,29 @@ class AutoFitStrategy(ModelParallelStrategy):
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Resume: the checkpoint's plan, where it differs from the one this fit made, is installed first
-        (its batch size, accumulation, checkpointing, ``reshard_after_forward``, and its optimizer, rebuilt),
-        so that the checkpoint's optimizer state loads into the optimizer it was saved from."""
+        """Resume: the checkpoint's plan, where it was made for this run (`stale`) and differs from the one
+        this fit made, is installed first (its batch size, accumulation, checkpointing,
+        ``reshard_after_forward``, and its optimizer, rebuilt), so that the checkpoint's optimizer state
+        loads into the optimizer it was saved from. A plan made for another run (world size, budget,
+        precision, ...) is not: this fit's stays, with the checkpoint's optimizer, or is refused
+        (`AutoFit.resume_with`)."""
         saved = _saved_plan(Path(self.broadcast(checkpoint_path)), self.autofit.state_key)
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if saved is not None and saved != self.autofit.plan and fitting:
-            if saved.cpu_offload != self._offloaded:
+        plan, fitting = self.autofit.plan, self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if saved is not None and plan is not None and saved != plan and fitting:
+            if not stale(saved, plan) and saved.cpu_offload != self._offloaded:
                 trained = "with" if saved.cpu_offload else "without"
                 raise RuntimeError(
                     f"AutoFitStrategy: the checkpoint was trained {trained} CPU offload, and this run's plan "
                     "shards the model otherwise; FSDP2's offload cannot change once sharded. Resume with the "
                     "budget and margin the checkpoint was planned with."
                 )
-            self.autofit.resume_with(saved)
-            module = self.lightning_module
-            reshard = saved.reshard_after_forward is not False
-            for name in self.units[:-1] if reshard else self.units:  # the root keeps its own (gathered)
-                module.get_submodule(name).set_reshard_after_forward(reshard)
-            self.setup_optimizers(module.trainer)
-            _optimizers_to_device(self.optimizers, self.root_device)
+            if self.autofit.resume_with(saved, replan=False):  # the model is sharded: rebuilt, not re-planned
+                module = self.lightning_module
+                reshard = saved.reshard_after_forward is not False
+                for name in self.units[:-1] if reshard else self.units:  # the root keeps its own (gathered)
+                    module.get_submodule(name).set_reshard_after_forward(reshard)
+                self.setup_optimizers(module.trainer)
+                _optimizers_to_device(self.optimizers, self.root_device)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @classmethod

@@ -1,0 +1,131 @@
+"""A checkpoint's plan is installed only in the run it was made for; otherwise AutoFit plans for the run
+at hand, with the checkpoint's optimizer, or refuses with what to do (`_fitting.resume`).
+
+One device, `models.MLPModule` made wide (its optimizer state, not its activations, sets the peak: AdamW's
+1.70 MB, SGD with momentum's 1.23 MB at most), plans counted in FLOPs: each fit takes about a second. A
+plan made for several ranks is a checkpoint's plan rewritten as those ranks would have saved it.
+AutoFitStrategy's resumes, on gloo ranks, are in test_autofit_strategy.
+"""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from models import MLPModule
+
+from lightning_memkit import AutoFit
+
+STEPS = 2  # a fit's optimizer steps; a resumed fit runs as many again
+
+
+class _Seen(L.Callback):
+    """The training batches' sizes, and the optimizer's state as the resumed fit starts training."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.state: dict | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.state = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.sizes.append(len(batch[0]))
+
+
+class _LateRestore(SingleDeviceStrategy):
+    """One device restoring the checkpoint after building the optimizers, as FSDP and DeepSpeed do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def _fit(tmp_path, callback, *, ckpt_path=None, strategy="auto", save=None):
+    seen = _Seen()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=2 * STEPS if ckpt_path else STEPS, accelerator="cpu", devices=1,
+        strategy=strategy, callbacks=[callback, seen], enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(MLPModule(hidden=4096, batch_size=8), ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return trainer, seen
+
+
+def _saved(tmp_path, optimizers=None, **plan):
+    """A checkpoint of `STEPS` steps planned at 100 TB (with ``optimizers``), its plan's fields set to
+    ``plan``."""
+    path = tmp_path / "saved.ckpt"
+    _fit(tmp_path, AutoFit("100TB", cost="flops", optimizers=optimizers), save=path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["callbacks"]["AutoFit"]["plan"].update(plan)
+    torch.save(checkpoint, path)
+    return path, checkpoint
+
+
+def test_a_plan_made_for_four_ranks_is_not_installed_on_one(tmp_path):
+    """Saved by 4 FSDP ranks (micro-batch 4 x 2 each), resumed on one device: this run's own plan (the
+    user's 8 x 1) trains, and a warning names the world size and the strategy, both values."""
+    path, _ = _saved(tmp_path, n_gpus=4, strategy="fsdp", micro_batch_size=4, accumulate_grad_batches=2)
+    callback = AutoFit("100TB", cost="flops")
+    with pytest.warns(UserWarning, match=r"made for another run \(world size 4 -> 1; strategy fsdp -> \w+\)"):
+        trainer, seen = _fit(tmp_path, callback, ckpt_path=path)
+    assert callback.plan.n_gpus == 1 and "GPUs" not in callback.plan.summary()
+    assert seen.sizes == [8] * STEPS and trainer.global_step == 2 * STEPS
+    assert {float(s["step"]) for s in seen.state.values()} == {float(STEPS)}  # AdamW's state went on
+
+
+def test_a_plan_made_for_this_run_is_installed(tmp_path):
+    """The same world size, budget and precision: the checkpoint's plan (rewritten to 4 x 2) goes on."""
+    path, _ = _saved(tmp_path, micro_batch_size=4, accumulate_grad_batches=2)
+    callback = AutoFit("100TB", cost="flops")
+    _, seen = _fit(tmp_path, callback, ckpt_path=path)
+    assert (callback.plan.micro_batch_size, callback.plan.accumulate_grad_batches) == (4, 2)
+    assert seen.sizes == [4] * 2 * STEPS
+
+
+def test_a_new_budget_plans_again_with_the_checkpoints_optimizer(tmp_path):
+    """Saved with SGD (momentum) at 100 TB, resumed at 50 TB, where AutoFit alone would choose the module's
+    AdamW: planned for 50 TB with SGD, whose momentum buffers the checkpoint holds and the fit continues."""
+    path, checkpoint = _saved(tmp_path, optimizers=["sgd_momentum"])
+    callback = AutoFit("50TB", cost="flops")
+    with pytest.warns(UserWarning, match=r"budget 90.95 TiB \(100TB\) -> 45.47 TiB \(50TB\).*planning again"):
+        trainer, seen = _fit(tmp_path, callback, ckpt_path=path)
+    assert callback.plan.budget.source == "50TB" and callback.plan.optimizer == "sgd_momentum"
+    assert type(trainer.optimizers[0]).__name__ == "SGD"
+    saved = checkpoint["optimizer_states"][0]["state"]
+    assert seen.state.keys() == saved.keys() and all(
+        torch.equal(seen.state[k]["momentum_buffer"], saved[k]["momentum_buffer"]) for k in saved
+    )
+
+
+def test_a_budget_the_checkpoints_optimizer_cannot_meet_is_refused_with_the_fix(tmp_path):
+    """Saved with AdamW (1.70 MB), resumed at 1.6 MB (a limit of 1.44 MB after the margin): no plan with
+    AdamW fits, and a lighter optimizer would start from no state: refused, naming both ways on."""
+    path, _ = _saved(tmp_path)
+    with pytest.raises(RuntimeError) as refused:
+        _fit(tmp_path, AutoFit("1.6MB", cost="flops", optimizers=["adamw", "sgd_momentum"]), ckpt_path=path)
+    message = str(refused.value)
+    assert "the checkpoint holds the state of adamw" in message
+    assert "no plan with adamw fits here (No plan fits" in message
+    assert "Resume where the checkpoint's plan fits (budget 90.95 TiB (100TB))" in message
+    assert "MLPModule.load_from_checkpoint(path)" in message
+
+
+def test_a_strategy_that_restores_after_setup_keeps_this_fits_plan_with_the_same_optimizer(tmp_path):
+    """Restored after the optimizers are built (FSDP, DeepSpeed): a plan for another budget with the same
+    optimizer (AdamW) goes on as this fit planned it, its state loaded; another optimizer is refused, with
+    the ``optimizers=`` that plans with the checkpoint's."""
+    path, _ = _saved(tmp_path)
+    callback = AutoFit("50TB", cost="flops")
+    with pytest.warns(UserWarning, match="this fit's plan, made for this run, goes on with adamw"):
+        trainer, seen = _fit(tmp_path, callback, ckpt_path=path, strategy=_LateRestore("cpu"))
+    assert callback.plan.budget.source == "50TB" and trainer.global_step == 2 * STEPS
+    assert {float(s["step"]) for s in seen.state.values()} == {float(STEPS)}
+
+    path, _ = _saved(tmp_path / "sgd", optimizers=["sgd_momentum"])
+    with pytest.raises(RuntimeError, match=r"Give AutoFit\(\.\.\., optimizers=\['sgd_momentum'\]\)"):
+        _fit(tmp_path, AutoFit("50TB", cost="flops"), ckpt_path=path, strategy=_LateRestore("cpu"))
