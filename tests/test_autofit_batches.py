@@ -301,3 +301,50 @@ def test_a_set_up_that_fits_is_kept_as_written_and_the_run_is_bit_identical(tmp_
     assert "kept as set up" in autofit.plan.note
     for a, b in zip(plain.parameters(), fitted.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# --- several loaders: a dict of them, which the fit loop combines --------------------------------------
+
+
+class _TwoLoaders(MLPModule):
+    """Two regression loaders, one of them time-major ((T, B, d) through a collate), as a dict: the fit loop
+    combines them into one batch of both."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.shapes: list[tuple] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch["rows"]
+        seq = batch["seq"]  # (T, B, 16)
+        self.shapes.append((tuple(x.shape), tuple(seq.shape)))
+        return F.mse_loss(self.net(x), y) + self.net(seq).mean()
+
+    def train_dataloader(self):
+        seq = DataLoader(list(torch.randn(64, 3, 16)), batch_size=self.batch_size,
+                         collate_fn=lambda rows: torch.stack(rows, dim=1))  # fmt: skip
+        return {"rows": DataLoader(_rows(), batch_size=self.batch_size), "seq": seq}
+
+
+def test_a_dict_of_loaders_is_planned_as_the_fit_loop_combines_them(tmp_path):
+    """The first batch was the dict's first key, a string, before: now one batch of each loader, each
+    tensor cut along its own sample dimension."""
+    module = _TwoLoaders(batch_size=16)
+    autofit = AutoFit(budget="100TB", cost="flops")
+    _fit(tmp_path, module, [autofit], max_steps=1)
+    assert autofit._axes == (0, 0, 1)  # rows' x and y along dim 0, the sequences along dim 1
+    assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (16, 1)
+    assert module.shapes == [((16, 16), (3, 16, 16))]
+
+
+def test_a_loader_of_one_sample_is_planned_not_refused(tmp_path):
+    """At batch size 1 the loader is built again at 2: a dataset of one sample gives one sample either way,
+    which is not a loader ignoring the attribute."""
+
+    class One(MLPModule):
+        def train_dataloader(self):
+            return DataLoader(_rows(1), batch_size=self.batch_size)
+
+    autofit = AutoFit(budget="100TB", cost="flops")
+    _fit(tmp_path, One(batch_size=1), [autofit], max_steps=1)
+    assert autofit.plan.micro_batch_size == 1

@@ -259,6 +259,31 @@ def _failing(out: Path) -> None:
     _trainer(out, max_steps=3, logger=CSVLogger(out, name="ddp"), callbacks=callbacks).fit(EncoderLM())
 
 
+class _RankOneFixed(EncoderLM):
+    """Rank 1's loader keeps the batch size of 8 (a sampler of its own, say); rank 0's reads the attribute,
+    and rank 0 is the rank that plans."""
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        if self.trainer.global_rank == 1:
+            loader = torch.utils.data.DataLoader(loader.dataset, batch_size=8)
+        return loader
+
+
+def _first_batch(out: Path) -> None:
+    autofit = AutoFit(budget=8_000_000, cost="flops", optimizers=["adamw"], checkpointing=["none"])
+    torch.manual_seed(0)  # the same weights on both ranks: DDP broadcasts rank 0's as it wraps the module
+    module = _RankOneFixed(batch_size=8)
+    before = [p.detach().clone() for p in module.parameters()]
+    rank = torch.distributed.get_rank()
+    try:
+        _trainer(out, max_steps=2, logger=False, callbacks=[autofit]).fit(module)
+    except RuntimeError as error:
+        (out / f"refused_{rank}.txt").write_text(str(error))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    (out / f"unchanged_{rank}.json").write_text(json.dumps(unchanged))
+
+
 #: In the order the ranks run them. The allocator's record is last: torch.profiler now and then fails on
 #: a DDP step (see `_buckets`), and a rank that fails in a Trainer leaves the other waiting in a collective.
 SCENARIOS = dict(
@@ -266,6 +291,7 @@ SCENARIOS = dict(
     checkpointing=_checkpointing,
     swap=_swap,
     failing=_failing,
+    first_batch=_first_batch,
     buckets=_buckets,
     compiled=_compiled,
     compiled_budget=_compiled_budget,
@@ -480,6 +506,19 @@ def test_a_decision_that_fails_on_rank_zero_fails_on_every_rank():
         on_rank_zero(rank1, lambda: pytest.fail("only rank 0 decides"), "Planning")
     assert copy.value is not own.value
     assert on_rank_zero(rank0, lambda: {"plan": 1}, "Planning") == {"plan": 1} == sent[-1][1]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_ddp_autofit_checks_every_ranks_first_batch_against_the_plan(ddp):
+    """Issue 46 item 1: rank 1's loader keeps 8 samples a batch while the plan's micro-batch is smaller: both
+    ranks stop before the first optimizer step (none waits in DDP's all-reduce), rank 1 naming its batch."""
+    out = ddp("first_batch")
+    refused = [(out / f"refused_{r}.txt").read_text() for r in (0, 1)]
+    assert all(re.match(r"AutoFit planned micro-batch [124] x accumulate [248] ", t) for t in refused), refused
+    assert "but the first training batch on rank 1 holds 8 samples" in refused[1]
+    assert "but another rank's first training batch does not hold that (rank 0's does)" in refused[0]
+    assert [json.loads((out / f"unchanged_{r}.json").read_text()) for r in (0, 1)] == [True, True]
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import (
     _lightning_get_all_attr_holders,
     lightning_getattr,
@@ -275,8 +275,13 @@ class AutoFit(Callback):
         )
 
     def _first_batch(self, trainer: pl.Trainer) -> Any:
-        """The train dataloader's first batch, built now from the batch size attribute (``None``: none)."""
-        return next((b for b in fit_data_source(trainer).dataloader() if b is not None), None)  # as Lightning
+        """The train dataloader's first batch as the fit loop yields it, built now from the batch size
+        attribute (``None``: none): several loaders (a dict or list of them, or a `CombinedLoader`) give
+        one batch of each, as the fit loop's ``CombinedLoader`` does."""
+        loaders = fit_data_source(trainer).dataloader()
+        if not isinstance(loaders, CombinedLoader):
+            loaders = CombinedLoader(loaders, "max_size_cycle")  # the fit loop's mode
+        return next((batch for batch, _, _ in loaders if batch is not None), None)  # Lightning skips None
 
     def _sample_axes(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, example: Any, users: Any
@@ -302,6 +307,8 @@ class AutoFit(Callback):
                 f"built at two batch sizes, {users} and {other}, but {error}: give the loader a fixed "
                 "structure (the same keys and tensors in every batch)."
             ) from error
+        if axes is None and users == 1:  # nothing moved, but a loader of one sample gives one at any size
+            return default_axes(example)  # (the first real batch is checked all the same)
         if axes is None:
             shapes = ", ".join(f"{tuple(t.shape)}" for t in _tensors(example)[:3])
             raise ValueError(
@@ -481,12 +488,16 @@ class AutoFit(Callback):
         fine = rows == planned or (rows is not None and rows < planned and last)
         if trainer.strategy.reduce_boolean_decision(fine, all=True):
             return
-        got = f"{rows} samples" if rows is not None else f"a batch AutoFit cannot count ({why})"
+        if fine:
+            got = f"another rank's first training batch does not hold that (rank {trainer.global_rank}'s does)"
+        else:
+            got = f"the first training batch on rank {trainer.global_rank} holds " + (
+                f"{rows} samples" if rows is not None else f"a batch AutoFit cannot count ({why})"
+            )
         raise RuntimeError(
             f"AutoFit planned micro-batch {planned} x accumulate {self.plan.accumulate_grad_batches} and "
-            f"set `{self.batch_arg_name}` = {planned}, but the first training batch on rank "
-            f"{trainer.global_rank} holds {got}"
-            + ": the run would not be the plan (another global batch, another peak). Build the DataLoader "
+            f"set `{self.batch_arg_name}` = {planned}, but {got}"
+            ": the run would not be the plan (another global batch, another peak). Build the DataLoader "
             f"in train_dataloader() from self.{self.batch_arg_name} each time it is called, with no "
             "sampler or collate function of its own that sets the batch size, or remove AutoFit."
         )
