@@ -79,6 +79,7 @@ from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import valid_name
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import CheckpointPlan, apply_checkpointing
+from lightning_memkit._estimating import quantized as _quantized
 from lightning_memkit._estimating import repeated
 from lightning_memkit._estimating import routing as _routing
 from lightning_memkit._estimating import shadow as _shadow
@@ -379,11 +380,19 @@ def _fake_like(t: Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> Te
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=_SIM_DEVICE)
 
 
-def _fake_parameters(
-    model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
-) -> contextlib.AbstractContextManager:
-    """Every parameter and buffer of ``model`` swapped for a fake twin while inside (`_twinned`)."""
-    return _twinned(model, functools.partial(_fake_like, mode=mode, dtype=dtype))
+@contextlib.contextmanager
+def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> Iterator[None]:
+    """Every parameter and buffer of ``model`` swapped for a fake twin while inside (`_twinned`); a
+    bitsandbytes quantized weight for one carrying its quantization state, faked (`_estimating.quantized`),
+    and a quantized layer's own state too."""
+    fake = functools.partial(_fake_like, mode=mode, dtype=dtype)
+    twins = _quantized.QuantizedTwins(mode, fake)
+
+    def make(t: Tensor) -> Tensor:
+        return twins.parameter(t) if _quantized.is_quantized(t) else fake(t)
+
+    with _twinned(model, make), _quantized.fake_layer_states(model, twins):
+        yield
 
 
 @contextlib.contextmanager
@@ -405,7 +414,7 @@ def _twinned(model: nn.Module, make: Callable[[Tensor], Tensor]) -> Iterator[Non
                     twin = twins.get(id(t))
                     if twin is None:
                         twin = make(t)
-                        if is_param:
+                        if is_param and not isinstance(twin, nn.Parameter):  # a quantized twin is one
                             twin = nn.Parameter(twin, requires_grad=t.requires_grad)
                         twins[id(t)] = twin
                     swapped.append((table, name, t))
@@ -569,8 +578,10 @@ def _track(
         step.run(tracker)
     if routes is not None:
         routes.check()
-    # State born during a first step, and FSDP2's first unsharded copies, are known only now.
+    # State born during a first step, a parameter's data replaced in it, and FSDP2's first unsharded
+    # copies, are known only now.
     tracker.claim_optimizer_state(step.optimizers)
+    tracker.claim_parameters(model)
     tracker.claim_sharded(model)
     return tracker
 

@@ -205,8 +205,47 @@ def state_tensors(state: Any) -> Iterator[Tensor]:
 
 
 def model_tensors(model: nn.Module) -> Iterator[Tensor]:
-    yield from model.parameters()
+    """The model's parameters with their quantization state (`quantization_state`), and its buffers."""
+    for p in model.parameters():
+        yield p
+        yield from quantization_state(p)
     yield from model.buffers()
+    yield from layer_quantization_state(model)
+
+
+#: Where bitsandbytes keeps a quantized parameter's state: ``Params4bit.quant_state`` (a ``QuantState``),
+#: ``Int8Params.CB`` (its int8 data) and ``.SCB`` (the row scales). Read by name: bitsandbytes is not
+#: imported here.
+_QUANTIZED_ATTRIBUTES = ("quant_state", "CB", "SCB")
+
+
+def quantization_state(t: Tensor) -> Iterator[Tensor]:
+    """The tensors a quantized parameter keeps beside its data, memory of that parameter: a bitsandbytes
+    ``Params4bit``'s ``quant_state`` (the blocks' ``absmax``, the ``code`` table; with double quantization
+    the ``offset`` and ``state2``'s own absmax and code) and an ``Int8Params``' ``CB`` and ``SCB``. A plain
+    tensor has none."""
+    if type(t) in (Tensor, nn.Parameter):
+        return
+    for name in _QUANTIZED_ATTRIBUTES:
+        yield from _state_tensors(getattr(t, name, None))
+
+
+def layer_quantization_state(model: nn.Module) -> Iterator[Tensor]:
+    """The tensors quantized layers keep outside their parameters: bitsandbytes' ``Linear8bitLt`` moves
+    its weight's ``CB`` and ``SCB`` into its ``state`` (a ``MatmulLtState``) at its first forward."""
+    for module in model.modules():
+        state = getattr(module, "state", None)
+        if type(state).__name__ == "MatmulLtState":
+            yield from (t for t in vars(state).values() if isinstance(t, Tensor))
+
+
+def _state_tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors of a bitsandbytes ``QuantState`` (its nested ``state2`` too), or ``value`` if a tensor."""
+    if isinstance(value, Tensor):
+        yield value
+    elif type(value).__name__ == "QuantState":
+        for item in vars(value).values():
+            yield from _state_tensors(item)
 
 
 def gradient_tensors(model: nn.Module) -> Iterator[Tensor]:
@@ -288,7 +327,9 @@ def _on(place: torch.device, device: torch.device) -> bool:
 class Storage:
     """One storage's life inside the measured step. ``clock`` values are op counts."""
 
-    __slots__ = ("__weakref__", "born_in", "category", "grad_at", "kind", "nbytes", "origin", "saved_at")
+    __slots__ = (
+        "__weakref__", "born_in", "category", "frozen", "grad_at", "kind", "nbytes", "origin", "saved_at"
+    )  # fmt: skip
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -296,6 +337,8 @@ class Storage:
         self.kind: str | None = None
         self.origin: Any = None  # what created it, when a tracer asks (`_estimating.simulate.trace_step`)
         self.category: str | None = None  # "parameters" / "optimizer_state", fixed by identity
+        #: a parameter's storage that no gradient reaches (a frozen weight, its quantization state, a buffer)
+        self.frozen = False
         self.grad_at: int | None = None  # clock when it became some parameter's .grad
         self.saved_at: int | None = None  # clock when autograd first saved it for backward
         #: the sequence number of the backward node whose ops made it; ``None`` outside the backward
@@ -646,15 +689,28 @@ class Tracker(TorchDispatchMode):
 
     def adopt(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Register what is live when the step begins, with the categories their owners give them."""
-        for t in model_tensors(model):
-            for rec in self.records(t, preexisting=True):
-                rec.category = "parameters"
+        self.claim_parameters(model, preexisting=True)
         self.claim_optimizer_state(optimizers, preexisting=True)
         for t in gradient_tensors(model):
             for rec in self.records(t, preexisting=True):
                 if rec.category is None:
                     rec.grad_at = 0
         self.claim_sharded(model, preexisting=True)
+
+    def claim_parameters(self, model: nn.Module, *, preexisting: bool = False) -> None:
+        """Mark the model's parameters, their quantization state and its buffers as parameters, each
+        trainable (``requires_grad``) or frozen. At the step's start and again at its end: a parameter's
+        data replaced inside the step (bitsandbytes repacks a 4-bit weight for its CPU kernel at the first
+        forward without gradients) is a parameter too."""
+        for p in model.parameters():
+            for t in (p, *quantization_state(p)):
+                for rec in self.records(t, preexisting=preexisting):
+                    if rec.category in (None, "parameters"):
+                        rec.category, rec.frozen = "parameters", not (t is p and p.requires_grad)
+        for t in itertools.chain(model.buffers(), layer_quantization_state(model)):
+            for rec in self.records(t, preexisting=preexisting):
+                if rec.category is None:
+                    rec.category, rec.frozen = "parameters", True
 
     def adopt_batch(self, batch: Any) -> None:
         """Register the batch's tensors as live since the step began. An eager step's ops read them, and
@@ -796,6 +852,15 @@ class Tracker(TorchDispatchMode):
         total = self.peak if peak is None else peak
         return MemoryBreakdown(**sums, temporary=max(total - sum(sums.values()), 0))
 
+    def parameter_split(self) -> dict[str, int]:
+        """The parameters at the peak split by whether a gradient reaches them (bytes): ``trainable_parameters``
+        and ``frozen_parameters`` (frozen weights with their quantization state, and buffers)."""
+        split = {"trainable_parameters": 0, "frozen_parameters": 0}
+        for rec, nbytes in self._at_peak():
+            if self._category(rec) == "parameters":
+                split["frozen_parameters" if rec.frozen else "trainable_parameters"] += nbytes
+        return split
+
     def sharded_breakdown(self) -> dict[str, int]:
         """FSDP2's part of the peak by `SHARDED_KINDS` (bytes): the sharded and unsharded parameters and
         gradients, and the collectives' buffers (temporary). Each is part of one of the five categories."""
@@ -850,6 +915,10 @@ class MemoryMeasurement:
         self.value_shaped: str | None = None
         #: under FSDP2 (``fully_shard``), the peak's FSDP2 part by `SHARDED_KINDS` (bytes); else ``None``
         self.sharded: dict[str, int] | None = None
+        #: where some parameters are frozen (an adapter fine-tune: LoRA, QLoRA), the peak's ``parameters``
+        #: split into ``trainable_parameters`` and ``frozen_parameters`` (with their quantization state, and
+        #: the buffers), in bytes; else ``None``
+        self.parameter_split: dict[str, int] | None = None
         #: the error the measurement's own bookkeeping hit inside the step, or ``None``: the step ran on
         #: untouched (the error never reaches it), and there is no `breakdown`
         self.failure: Exception | None = None
@@ -891,9 +960,11 @@ class MemoryMeasurement:
         self.failure = tracker.failure
         if self.failure is not None:
             return
-        # Optimizer state born during this step (the first step of a lazily initialised optimizer),
-        # and FSDP2's first unsharded copies and this step's sharded gradients, are known only now.
+        # Optimizer state born during this step (the first step of a lazily initialised optimizer), a
+        # parameter's data replaced in it, and FSDP2's first unsharded copies and this step's sharded
+        # gradients, are known only now.
         tracker.claim_optimizer_state(self.optimizers)
+        tracker.claim_parameters(self.model)
         sharded = tracker.claim_sharded(self.model)
         allocator_peak = None
         if self.device.type == "cuda":
@@ -901,6 +972,8 @@ class MemoryMeasurement:
             allocator_peak = torch.cuda.max_memory_allocated(self.device)
         self._breakdown = tracker.breakdown(allocator_peak)
         self.sharded = tracker.sharded_breakdown() if sharded else None
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        self.parameter_split = tracker.parameter_split() if frozen else None
         self.unfollowed = tracker.unfollowed
         self.value_shaped = tracker.value_shaped
 

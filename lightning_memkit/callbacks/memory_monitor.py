@@ -73,6 +73,15 @@ _MAX_NODES = 10_000
 _MAX_DEPTH = 32
 
 
+def _parts(measurement: Any) -> dict[str, int] | None:
+    """The parts of categories a measured step logs besides them (bytes), by key after ``memory/``: FSDP2's
+    (``fsdp/sharded_parameters``, ...) and the parameters' split where some are frozen
+    (``trainable_parameters``, ``frozen_parameters``); ``None`` for a step that has neither."""
+    parts = {f"fsdp/{kind}": value for kind, value in (measurement.sharded or {}).items()}
+    parts.update(measurement.parameter_split or {})
+    return parts or None
+
+
 class MemoryMonitor(Callback):
     r"""Log every training step's peak memory, split into parameters, gradients, optimizer state,
     activations and temporary buffers.
@@ -99,6 +108,10 @@ class MemoryMonitor(Callback):
       ``memory/parameters``; ``memory/fsdp/sharded_gradients`` (after their reduce-scatter) and
       ``memory/fsdp/unsharded_gradients`` (before it), in ``memory/gradients``;
       ``memory/fsdp/communication`` (the collectives' buffers), in ``memory/temporary``.
+    - Some parameters frozen (a LoRA or QLoRA fine-tune, a frozen backbone), in MiB, the two parts of
+      ``memory/parameters``: ``memory/trainable_parameters`` (those a gradient reaches: the adapters) and
+      ``memory/frozen_parameters`` (the frozen base, a quantized weight with its quantization state, and
+      the buffers).
 
     At the end of fit it prints a table of the peak step and saves ``memory.png``, a stacked-area plot of
     the categories over steps, in the logger's directory (and logs it as an image where the logger takes
@@ -198,9 +211,11 @@ class MemoryMonitor(Callback):
         self.history: list[tuple[int, MemoryBreakdown]] = []
         #: under FSDP2, (step, FSDP2's part of the peak by `SHARDED_KINDS`) for every step of `history`
         self.sharded_history: list[tuple[int, dict[str, int]]] = []
-        self._sharded_twins: dict[tuple, dict[str, int]] = {}
-        self._last_sharded: dict[str, int] | None = None
-        self._pending_sharded: dict[str, int] | None = None
+        #: the parts of categories a step logs besides them (`_parts`: FSDP2's, the parameters' split),
+        #: for each measured signature, the last measured step, and the step to log
+        self._part_twins: dict[tuple, dict[str, int]] = {}
+        self._last_parts: dict[str, int] | None = None
+        self._pending_parts: dict[str, int] | None = None
         #: whether steps alike allocate alike: not for FSDP2 on the CPU, where gloo's worker threads time
         #: when a collective's buffers are freed (the same step peaked up to a layer's buffers higher)
         self._twins_alike: bool | None = None
@@ -295,7 +310,7 @@ class MemoryMonitor(Callback):
                 if breakdown is not None and (self._pending is None or breakdown.peak >= self._pending.peak):
                     self._pending = breakdown
                     self._pending_extras = self._cuda_stats()
-                    self._pending_sharded = self._sharded_twins.get(self._signature, self._last_sharded)
+                    self._pending_parts = self._part_twins.get(self._signature, self._last_parts)
             except Exception as err:
                 self._fail(trainer, err)
         self._in_step = False
@@ -328,7 +343,7 @@ class MemoryMonitor(Callback):
         hint = explain_mixed_tensors(exception, pl_module)
         if hint is not None:
             self._warn_once("mixed", f"MemoryMonitor: {hint}")
-        if isinstance(exception, torch.OutOfMemoryError) and not self._explained and trainer.is_global_zero:
+        if isinstance(exception, torch.OutOfMemoryError) and not self._explained:  # the rank that ran out
             self._explained = True
             measured = None
             if self._in_step and not self._disabled and self._failure is None and self._signature is not None:
@@ -423,9 +438,9 @@ class MemoryMonitor(Callback):
                 self._twins[signature] = breakdown
                 self._twins.move_to_end(signature)
                 while len(self._twins) > _MAX_SIGNATURES:
-                    self._sharded_twins.pop(self._twins.popitem(last=False)[0], None)
-                if self._last_sharded is not None:
-                    self._sharded_twins[signature] = self._last_sharded
+                    self._part_twins.pop(self._twins.popitem(last=False)[0], None)
+                if self._last_parts is not None:
+                    self._part_twins[signature] = self._last_parts
             self.measured_steps += breakdown is not None
             self._since_measured = 0
             return breakdown
@@ -450,7 +465,7 @@ class MemoryMonitor(Callback):
             return None
         measurement, self._measurement = self._measurement, None
         measurement.__exit__(None, None, None)
-        self._last_measured, self._last_sharded = measurement.breakdown, measurement.sharded
+        self._last_measured, self._last_parts = measurement.breakdown, _parts(measurement)
         self._last_value_shaped = measurement.value_shaped
         return measurement.unfollowed
 
@@ -468,16 +483,17 @@ class MemoryMonitor(Callback):
 
     def _flush(self, trainer: pl.Trainer, peaks: list[int]) -> None:
         """Close one optimizer step: keep it in the history and log it, with every rank's peak."""
-        breakdown, extras, sharded = self._pending, self._pending_extras, self._pending_sharded
-        self._pending, self._pending_extras, self._pending_sharded = None, {}, None
+        breakdown, extras, parts = self._pending, self._pending_extras, self._pending_parts or {}
+        self._pending, self._pending_extras, self._pending_parts = None, {}, None
         assert breakdown is not None
         step = optimizer_steps_done(trainer)
         self.history.append((step, breakdown))
         metrics = {f"memory/{key}": value / MiB for key, value in breakdown.as_dict().items()}
         metrics.update(extras)
-        if sharded is not None:
+        metrics.update({f"memory/{key}": value / MiB for key, value in parts.items()})
+        sharded = {key[len("fsdp/") :]: value for key, value in parts.items() if key.startswith("fsdp/")}
+        if sharded:
             self.sharded_history.append((step, sharded))
-            metrics.update({f"memory/fsdp/{kind}": value / MiB for kind, value in sharded.items()})
         fraction = self._fraction(breakdown.peak)
         if fraction is not None:
             metrics["memory/peak_fraction"] = fraction

@@ -1,0 +1,146 @@
+"""Quantized weights in a simulated step: bitsandbytes' 4-bit (``Params4bit``) and 8-bit (``Int8Params``)
+parameters on fake tensors.
+
+The simulation swaps every parameter for a fake twin (`_estimating.simulate`). A quantized parameter is a
+tensor subclass whose forward needs more than its data: ``Linear4bit`` reads ``weight.quant_state`` (the
+blocks' absmax, the code table, with double quantization a nested state), ``Linear8bitLt`` its weight's
+``CB``/``SCB`` or, after its first forward, its own ``state``. torch cannot turn a FakeTensor into a
+``Params4bit`` (the fake already owns the raw tensor: "Creating a new Tensor subclass Params4bit but the raw
+Tensor object is already associated to a python object of type FakeTensor"), so the twin is a fake
+parameter that carries the quantized one's attributes, its quantization state faked too. bitsandbytes'
+layers then run on it as on the real weight: their ops (``torch.ops.bitsandbytes.dequantize_4bit``,
+``int8_vectorwise_quant``, ...) have fake kernels of bitsandbytes' own (``register_fake``), so what they
+allocate is theirs, not modelled here.
+
+A weight that is not quantized yet (built on the meta device: bitsandbytes quantizes when the weight is
+moved to a device) is quantized on fake tensors by bitsandbytes' own ``quantize_4bit`` and
+``int8_vectorwise_quant``: the bytes of the packed data, the absmax, the code tables and the nested
+state come from the shapes, and nothing is materialised. What is modelled by hand: the one code table
+bitsandbytes builds from Python floats for double quantization (``create_dynamic_map``, 256 values) is
+built for real once, outside the fake mode, as bitsandbytes itself caches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+#: The parameter classes of bitsandbytes' quantized layers, by name (bitsandbytes is imported only when
+#: a model has one).
+QUANTIZED_PARAMETERS = ("Params4bit", "Int8Params")
+
+
+def is_quantized(t: Tensor) -> bool:
+    """Whether ``t`` is a bitsandbytes quantized parameter (4-bit or 8-bit)."""
+    return type(t).__name__ in QUANTIZED_PARAMETERS
+
+
+class QuantizedTwins:
+    """Fake twins of quantized parameters and of the quantization state they hold, one per real tensor
+    (a state shared by a weight and its layer, or an ``Int8Params``' data and its ``CB``, stays shared)."""
+
+    def __init__(self, mode: FakeTensorMode, fake: Callable[[Tensor], Tensor]) -> None:
+        self.mode = mode
+        self.fake = fake  # a real (or meta) tensor -> its fake twin, in the simulation's dtype
+        self._twins: dict[int, Tensor] = {}
+        self._keep: list[Tensor] = []  # the real tensors keyed by id above, kept alive while we are
+
+    def tensor(self, t: Tensor) -> Tensor:
+        """The fake twin of a quantization state's tensor: its own dtype, whatever the precision."""
+        twin = self._twins.get(_key(t))
+        if twin is None:
+            with self.mode:
+                twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            self._remember(t, twin)
+        return twin
+
+    def _remember(self, t: Tensor, twin: Tensor) -> None:
+        self._twins[_key(t)] = twin
+        self._keep.append(t)
+
+    def state(self, state: Any) -> Any:
+        """A copy of a bitsandbytes ``QuantState`` (or ``MatmulLtState``) whose tensors are fake twins."""
+        if state is None:
+            return None
+        twin = copy.copy(state)
+        for name, value in vars(state).items():
+            if isinstance(value, Tensor):
+                setattr(twin, name, self.tensor(value))
+            elif type(value).__name__ == "QuantState":
+                setattr(twin, name, self.state(value))
+        return twin
+
+    def parameter(self, t: Tensor) -> nn.Parameter:
+        """The fake twin of a quantized parameter: a fake parameter carrying ``t``'s attributes, its
+        quantization state faked (or made by quantizing a fake of ``t``, if ``t`` is not quantized yet)."""
+        attributes = {k: v for k, v in vars(t).items() if k not in ("quant_state", "CB", "SCB")}
+        if type(t).__name__ == "Params4bit":
+            data, state = self._four_bit(t)
+            extra = {"quant_state": state, "bnb_quantized": True}
+        else:
+            data, cb, scb = self._eight_bit(t)
+            extra = {"CB": cb, "SCB": scb}
+        twin = nn.Parameter(data, requires_grad=t.requires_grad)
+        for name, value in {**attributes, **extra}.items():
+            setattr(twin, name, value)
+        return twin
+
+    def _four_bit(self, t: Tensor) -> tuple[Tensor, Any]:
+        if t.bnb_quantized:
+            return self.fake(t), self.state(t.quant_state)
+        import bitsandbytes as bnb
+
+        dynamic = bnb.functional.name2qmap
+        if t.compress_statistics and "dynamic" not in dynamic:  # made from Python floats: not on fakes
+            dynamic["dynamic"] = bnb.functional.create_dynamic_map()
+        weight = self.fake(t)
+        with self.mode:
+            return bnb.functional.quantize_4bit(
+                weight,
+                blocksize=t.blocksize,
+                compress_statistics=t.compress_statistics,
+                quant_type=t.quant_type,
+                quant_storage=t.quant_storage,
+            )
+
+    def _eight_bit(self, t: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        if t.dtype == torch.int8 or getattr(t, "has_fp16_weights", True):  # quantized, or kept in 16 bits
+            data = self.fake(t)
+            self._remember(t, data)  # its CB, in the parameter or moved to its layer's state, is its data
+            cb, scb = getattr(t, "CB", None), getattr(t, "SCB", None)
+            return data, None if cb is None else self.tensor(cb), None if scb is None else self.tensor(scb)
+        weight = self.fake(t)
+        with self.mode:
+            cb, scb, _ = torch.ops.bitsandbytes.int8_vectorwise_quant.default(weight.to(torch.float16))
+        return cb, cb, scb
+
+
+def _key(t: Tensor) -> Any:
+    """One twin per stretch of memory: tensors over the same data (an ``Int8Params`` and its ``CB``) share
+    theirs. A tensor on the meta device has no address: itself."""
+    if t.device.type == "meta" or t.data_ptr() == 0:
+        return id(t)
+    return t.data_ptr(), t.dtype, tuple(t.shape)
+
+
+@contextlib.contextmanager
+def fake_layer_states(model: nn.Module, twins: QuantizedTwins) -> Iterator[None]:
+    """Each bitsandbytes ``Linear8bitLt``'s ``state`` swapped for a copy with fake tensors while inside (its
+    forward moves the weight's ``CB``/``SCB`` there, and reads them from there); the real one put back."""
+    swapped = []
+    for module in model.modules():
+        state = getattr(module, "state", None)
+        if type(state).__name__ == "MatmulLtState":
+            swapped.append((module, state))
+            module.state = twins.state(state)
+    try:
+        yield
+    finally:
+        for module, state in swapped:
+            module.state = state
