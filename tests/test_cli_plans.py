@@ -5,7 +5,7 @@ anything is imported or simulated."""
 
 import contextlib
 import json
-import time
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -35,7 +35,18 @@ def _json(argv):
 
 
 def _estimate(model, *extra):
-    return ["estimate", "--model", model, "--batch-size", str(B), "--seq-len", str(T), "--device", "cpu", *extra]
+    return [
+        "estimate",
+        "--model",
+        model,
+        "--batch-size",
+        str(B),
+        "--seq-len",
+        str(T),
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def _trainer_peak(config) -> int:
@@ -143,9 +154,13 @@ def test_estimate_memory_says_configure_model_did_not_run():
         module = BuiltInConfigureModel()
         module.net = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
     x = torch.zeros(B, T, dtype=torch.long, device="meta")
-    with pytest.warns(UserWarning, match=r"BuiltInConfigureModel.configure_model\(\) first, as the Trainer will"):
+    with pytest.warns(
+        UserWarning, match=r"BuiltInConfigureModel.configure_model\(\) first, as the Trainer will"
+    ):
         estimate_memory(module, (x, x), device="cpu")
-    plain = torch.nn.Sequential(torch.nn.Embedding(64, 32, device="meta"), torch.nn.Linear(32, 64, device="meta"))
+    plain = torch.nn.Sequential(
+        torch.nn.Embedding(64, 32, device="meta"), torch.nn.Linear(32, 64, device="meta")
+    )
     with warnings_as_errors():  # a module without the hook: nothing to say
         estimate_memory(plain, (x, x), optimizer="adamw", loss_fn=lambda out, y: out.sum(), device="cpu")
 
@@ -159,8 +174,8 @@ def warnings_as_errors():
 
 
 def _fsdp2(gpus: int) -> dict:
-    return _json(["estimate", "--model", "tiny", "--batch-size", "1", "--seq-len", "32", "--strategy", "fsdp2",
-                  "--gpus", str(gpus)])  # fmt: skip
+    argv = ["estimate", "--model", "tiny", "--batch-size", "1", "--seq-len", "32", "--strategy", "fsdp2"]
+    return _json([*argv, "--gpus", str(gpus)])
 
 
 def test_fsdp2_estimate_time_does_not_grow_with_the_ranks():
@@ -179,3 +194,164 @@ def test_fsdp2_rank_zero_chunks_are_torchs(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(fsdp2, "_rank_zero_chunks", contextlib.nullcontext)
             assert _fsdp2(gpus)["simulated"] == ours, gpus
+
+
+# --- every model-free argument checked before torch is imported (issue 46 item 9) ---------------------
+
+ESTIMATE = ["estimate", "--model", "tiny", "--batch-size", "2", "--seq-len", "32"]
+PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([*ESTIMATE, "--snapshot", "/nonexistent/x"], "cannot write /nonexistent/x: its folder /nonexistent "
+         "does not exist; create it (mkdir -p /nonexistent) or give another path"),
+        ([*ESTIMATE, "--html", "/nonexistent/x.html"], "its folder /nonexistent does not exist"),
+        (["advise", *ESTIMATE[1:], "--html", "/"], "/ is a directory; give a file name in it"),
+        ([*PLAN, "--gpu", "A100-40GB", "--refine-seconds", "-1"], "must be a number of seconds, 0 or more, "
+         "got '-1'"),
+        ([*PLAN, "--gpu", "4090"], "'4090' reads as 4090 bytes; did you mean RTX-4090? Give a GPU name"),
+        ([*ESTIMATE, "--gpu", "4090"], "did you mean RTX-4090?"),
+        ([*PLAN, "--gpu", "A100-40GB", "--gpus", "3"], "--global-batch 8 does not split evenly across --gpus "
+         "3; give a multiple of 3 (6 or 9)"),
+        ([*PLAN, "--device", "cpu", "--memory", "A100-40GB"], "A100-40GB names a GPU; give a size instead"),
+        (["advise", *ESTIMATE[1:], "--fsdp2", "4", "--gpus", "2"], "--fsdp2 4 is the old spelling of --gpus "
+         "4 --strategy fsdp2; give those alone"),
+        (["advise", *ESTIMATE[1:], "--gpus", "2", "--strategy", "zero3"], "Unknown strategy 'zero3'"),
+    ],
+    ids=lambda v: " ".join(v[-2:]) if isinstance(v, list) else "",
+)  # fmt: skip
+def test_a_bad_argument_is_refused_before_anything_is_imported(argv, message):
+    """A usage error in a fraction of a second: torch, Lightning and transformers unimported, nothing
+    simulated (``--snapshot /nonexistent/x`` was a traceback after the whole run)."""
+    from test_cli_lazy import _memkit
+
+    status, heavy, _, err = _memkit(*argv)
+    assert (status, heavy) == (2, []), err
+    assert err.startswith(f"memkit {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_advise_spells_the_ranks_as_estimate_and_plan_do(capsys, tmp_path):
+    """``--gpus N --strategy fsdp2``; ``--fsdp2 N``, the old spelling, is the same and says so."""
+    from lightning_memkit.cli import _advise
+
+    seen = []
+    with pytest.MonkeyPatch.context() as m:  # what run_advise is asked: the step's arguments, no simulation
+        m.setattr(_advise, "run_advise", lambda args: seen.append((args.gpus, args.strategy)) or 0)
+        assert run_cli(["advise", *ESTIMATE[1:], "--gpus", "4", "--strategy", "fsdp2"])[0] == 0
+        status, _, err = run_cli(["advise", *ESTIMATE[1:], "--fsdp2", "4"])
+        assert run_cli(["advise", *ESTIMATE[1:], "--gpus", "4"])[0] == 0
+    assert status == 0 and err == "memkit advise: --fsdp2 N is deprecated; give --gpus 4 --strategy fsdp2\n"
+    assert seen == [(4, "fsdp2"), (4, "fsdp2"), (4, "ddp")]
+
+
+def test_a_cpu_plan_names_no_gpu():
+    """Nothing fits a CPU run's memory: the refusal says how much host memory would, never a GPU (it
+    proposed "one T4 (15 GiB)")."""
+    from lightning_memkit._budget import GPUS
+
+    argv = [*PLAN, "--device", "cpu", "--memory", "2MB", "--precision", "32-true", "--optimizer", "adamw"]
+    status, _, err = run_cli(argv)
+    assert status == 2
+    assert re.search(r"What would fit: [\d.]+ MiB of host memory at micro-batch 1; or allow a lower", err), (
+        err
+    )
+    assert not any(name in err for name in GPUS) and "GPU" not in err, err
+
+
+# --- several GPUs and no strategy named: DDP and FSDP2 both planned (issue 46 item 8) ----------------
+
+#: tiny's AdamW step at 32-true holds 13.36 MiB of parameters, gradients and state: no DDP rank fits
+#: 9 MB, four FSDP2 ranks do.
+SHARDED = [
+    *PLAN, "--device", "cpu", "--memory", "9MB", "--gpus", "4", "--precision", "32-true",
+    "--optimizer", "adamw",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fsdp2_plan():
+    return _json([*SHARDED, "--strategy", "fsdp2"])
+
+
+@pytest.mark.slow  # three plans on fake ranks: 10 s each on two busy cores
+def test_several_gpus_plan_fsdp2_where_ddp_does_not_fit(fsdp2_plan):
+    """The plan is the one ``--strategy fsdp2`` gives, and says why it is FSDP2 (DDP was planned alone,
+    and refused: "no single GPU or up to 64 FSDP ranks fits it")."""
+    status, out, err = run_cli([*SHARDED, "--json"])
+    assert status == 0, err
+    assert "memkit plan: no DDP plan fits; planning FSDP2 over 4 GPUs" in err
+    chosen = json.loads(out)
+    why = "strategy: fsdp2 over 4 GPUs (no DDP plan fits: --strategy ddp says why)"
+    assert chosen["strategy_choice"] == why
+    for key in ("strategy", "micro_batch_size", "accumulate_grad_batches", "checkpointing", "estimated_peak"):
+        assert chosen[key] == fsdp2_plan[key], key
+
+
+@pytest.mark.slow
+def test_a_ddp_refusal_names_the_fsdp2_plan(fsdp2_plan):
+    """``--strategy ddp`` that nothing fits, where FSDP2 would: the refusal says so, with FSDP2's plan."""
+    status, _, err = run_cli([*SHARDED, "--strategy", "ddp"])
+    assert status == 2
+    line = err.strip().splitlines()[-1]
+    m, k = fsdp2_plan["micro_batch_size"], fsdp2_plan["accumulate_grad_batches"]
+    assert line.startswith(
+        "memkit plan: error: No plan fits 7.72 MiB (9MB, usable 8.58 MiB less the 10% margin) over 4 GPUs "
+        f"(ddp). FSDP2 over 4 GPUs fits it: micro-batch {m} x {k}, "
+    ), line
+    assert line.endswith("a rank; give --strategy fsdp2, or leave --strategy out to plan both"), line
+    assert "FSDP ranks" not in line
+
+
+def test_several_gpus_keep_ddp_where_it_fits():
+    chosen = _json([*PLAN, "--device", "cpu", "--memory", "1GB", "--gpus", "4", "--precision", "32-true"])
+    assert chosen["strategy"] == "ddp"
+    assert chosen["strategy_choice"] == (
+        "strategy: ddp over 4 GPUs (it fits as asked; each rank keeps the whole model)"
+    )
+
+
+@pytest.mark.slow  # two plans of a 70B model: minutes on two cores
+def test_llama_70b_on_64_h100s_is_planned_with_fsdp2():
+    """The issue's case: DDP alone answered "no single GPU or up to 64 FSDP ranks fits it"."""
+    argv = ["plan", "--model", "llama-70b", "--gpu", "H100-80GB", "--gpus", "64", "--global-batch", "256",
+            "--seq-len", "4096"]  # fmt: skip
+    chosen = _json(argv)
+    assert chosen["strategy"] == "fsdp2" and chosen["strategy_choice"].startswith("strategy: fsdp2 over 64")
+    assert chosen["estimated_peak"] <= chosen["limit"]
+
+
+@pytest.mark.parametrize(
+    ("ddp", "fsdp2", "chosen", "why"),
+    [
+        ("as asked", "as asked", "ddp", "it fits as asked"),
+        ("relaxed", "as asked", "fsdp2", "DDP fits only by giving up more"),
+        (None, "relaxed", "fsdp2", "no DDP plan fits"),
+        ("relaxed", "relaxed", "ddp", "FSDP2 gives up as much or more"),
+        ("relaxed", None, "ddp", "no FSDP2 plan fits"),
+    ],
+)
+def test_which_strategy(monkeypatch, ddp, fsdp2, chosen, why):
+    """DDP where it fits as asked (FSDP2 then not planned); else FSDP2 as asked; between two relaxed plans
+    the one giving up less, DDP on a tie."""
+    import argparse
+
+    from lightning_memkit.cli import _plan
+
+    planned = []
+
+    def best_plan(model, batch, args, strategy, quiet=False):
+        planned.append(strategy)
+        outcome = {"ddp": ddp, "fsdp2": fsdp2}[strategy]
+        if outcome is None:
+            raise ValueError("No plan fits 1 B")
+        return argparse.Namespace(strategy=strategy), outcome == "relaxed", []
+
+    monkeypatch.setattr(_plan, "_best_plan", best_plan)
+    monkeypatch.setattr(_plan, "_rank", lambda plan, model, args: (0, 0, 0))
+    args = argparse.Namespace(strategy=None, gpus=8)
+    plan, _, _, line = _plan._across_strategies(None, None, args)
+    assert plan.strategy == chosen and line.startswith(f"strategy: {chosen} over 8 GPUs ({why}")
+    assert planned == (["ddp"] if ddp == "as asked" else ["ddp", "fsdp2"])

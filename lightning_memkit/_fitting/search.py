@@ -1088,6 +1088,9 @@ def _infeasible(search, pairs, precisions, modes, limit, budget, margin, total) 
     if gpu is not None:
         fixes.append(f"one {gpu} ({GPUS[gpu] / 1024:.0f} GiB) fits it at micro-batch {search.smallest}")
     hint = "; ".join(fixes) or "no single GPU or up to 64 FSDP ranks fits it"
+    if search.device == "cpu":  # a CPU run: no card to name, the memory its step needs
+        needed = format_bytes(int(whole.peak / (1 - margin)) + 1)
+        hint = f"{needed} of host memory at micro-batch {search.smallest}"
     static_parts = (
         "parameters + optimizer state: the fused step holds no gradients"
         if fused

@@ -171,7 +171,8 @@ class _Chunks(Sequence):
         if i >= self.made:
             return self[0].new_empty(0)
         start = i * self.rows_per_chunk
-        return self.tensor.narrow(self.dim, start, min(self.rows_per_chunk, self.tensor.size(self.dim) - start))
+        rows = min(self.rows_per_chunk, self.tensor.size(self.dim) - start)
+        return self.tensor.narrow(self.dim, start, rows)
 
 
 @contextlib.contextmanager

@@ -38,8 +38,8 @@ def run_advise(args: argparse.Namespace) -> int:
         precision=args.precision,
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,
-        strategy=None if args.fsdp2 is None else "fsdp2",
-        world_size=args.fsdp2 or 1,
+        strategy="fsdp2" if args.strategy == "fsdp2" else None,
+        world_size=args.gpus if args.strategy == "fsdp2" else 1,  # DDP's ranks each run the one-device step
     )
     start = time.perf_counter()
     with step_errors(model, args.model, args.batch_size, args.seq_len):
@@ -50,14 +50,20 @@ def run_advise(args: argparse.Namespace) -> int:
             advice, snapshot = advised_snapshot(model, batch, **kwargs)
     seconds = time.perf_counter() - start
     step = f"micro-batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.device}"
-    if args.fsdp2 is not None:
-        step += f", one rank of {args.fsdp2} under FSDP2"
+    if args.strategy == "fsdp2":
+        step += f", one rank of {args.gpus} under FSDP2"
+    elif args.gpus > 1:
+        step += f", the step each of {args.gpus} DDP ranks runs (its all-reduce buckets aside)"
     if args.html is not None:
         _write_html(args, snapshot, advice, step)
     if args.json:
         html = {"html": args.html} if args.html is not None else {}
         weights = {"weights": weights_note(model, args.model, args.precision)}
-        print(json.dumps({"model": args.model, **weights, **advice.as_dict(), "seconds": seconds, **html}, indent=2))
+        print(
+            json.dumps(
+                {"model": args.model, **weights, **advice.as_dict(), "seconds": seconds, **html}, indent=2
+            )
+        )
     else:
         print(f"{args.model}, {step}:")
         print(weights_note(model, args.model, args.precision))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
-from lightning_memkit._budget import Budget, parse_budget, valid_name
+from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name
 
 
 class UsageError(Exception):
@@ -65,10 +67,42 @@ def _gpu(text: str, *, device_size: bool) -> Budget:
             f"{text!r} is neither a GPU name nor a card size; give a name (A100-40GB) or a size with its "
             "unit (24GB, 24GiB)"
         )
+    if text.strip().isdigit() and int(text) < 2**20:  # a card's number (4090), not a byte count
+        cards = [name for name in GPUS if text.strip() in name.replace("-", "")]
+        guess = f"; did you mean {' or '.join(cards)}?" if cards else ", too small for a budget;"
+        raise argparse.ArgumentTypeError(
+            f"{text!r} reads as {int(text)} bytes{guess} Give a GPU name or a size with its unit (24GB, "
+            "24GiB)"
+        )
     try:
         return parse_budget(text, device_size=device_size)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def output_file(text: str) -> str:
+    """``--snapshot`` / ``--html``: a file the command can write once its simulation is done, checked now,
+    so that a bad path fails in a fraction of a second instead of after the whole run."""
+    path = Path(text).expanduser()
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name in it")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: its folder {folder} does not exist; create it (mkdir -p {folder}) or give "
+            "another path"
+        )
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied; give a path you can write")
+    return text
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds, 0 or more (``inf``: no limit)."""
+    value = _number(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text!r}")
+    return value
 
 
 def one_of(kind: str, valid: Sequence[str]) -> Callable[[str], str]:
@@ -95,11 +129,16 @@ def names(kind: str, valid: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-def margin(text: str) -> float:
+def _number(text: str) -> float:
+    """``text`` as a float; NaN, which every range check refuses, where it is none."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = float("nan")
+        return float("nan")
+
+
+def margin(text: str) -> float:
+    value = _number(text)
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be a share of the budget in [0, 1), got {text!r}")
     return value

@@ -225,7 +225,9 @@ def analytic_precision(model: nn.Module, precision: str) -> str:
 def weights_note(model: nn.Module, spec: str, precision: str) -> str:
     """One line: the dtype the weights are built in (for ``hf:``, where it comes from) and what
     ``precision`` makes of them, so that a plan never silently assumes fp32 weights."""
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    dtypes = sorted(
+        {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    )
     source = (
         "config.json's dtype (fp32 where it records none), as from_pretrained and from_config load them"
         if spec.startswith(HF_PREFIX)

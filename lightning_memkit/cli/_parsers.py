@@ -15,14 +15,25 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from lightning_memkit._budget import GPUS
+from lightning_memkit._budget import GPUS, parse_budget
 from lightning_memkit._estimating import analytic as _analytic
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
-from lightning_memkit.cli._args import gpu, gpu_or_memory, margin, names, one_of, positive_int
+from lightning_memkit.cli._args import (
+    UsageError,
+    gpu,
+    gpu_or_memory,
+    margin,
+    names,
+    one_of,
+    output_file,
+    positive_int,
+    seconds,
+)
 
 __all__ = ["add_advise", "add_estimate", "add_model_argument", "add_plan", "add_step_arguments", "deferred"]
 
@@ -40,10 +51,15 @@ REFINE_SECONDS = 30.0
 _GPU_HELP = f"a GPU name ({', '.join(GPUS)}) or a card size (24GB)"
 
 
-def deferred(module: str, name: str) -> Callable[[argparse.Namespace], int]:
-    """A subcommand's ``run``: ``lightning_memkit.cli.<module>.<name>``, imported when first called."""
+def deferred(
+    module: str, name: str, check: Callable[[argparse.Namespace], None] | None = None
+) -> Callable[[argparse.Namespace], int]:
+    """A subcommand's ``run``: ``check(args)`` (what the arguments say together, without the model:
+    raises `UsageError`), then ``lightning_memkit.cli.<module>.<name>``, imported when first called."""
 
     def run(args: argparse.Namespace) -> int:
+        if check is not None:
+            check(args)
         return getattr(importlib.import_module(f"lightning_memkit.cli.{module}"), name)(args)
 
     run.__name__ = run.__qualname__ = name
@@ -115,10 +131,75 @@ def add_step_arguments(
     )
 
 
+#: What ``memkit advise --strategy`` advises: the one-device step each DDP rank runs, or one FSDP2 rank's.
+ADVISED_STRATEGIES = ("ddp", "fsdp2")
+
+
+def _add_ranks(
+    p: argparse.ArgumentParser,
+    *,
+    sharded: str,
+    strategies: tuple[str, ...] = STRATEGIES,
+    default: str | None = "ddp",
+) -> None:
+    """``--gpus N`` and ``--strategy S``, spelled alike in every subcommand (``sharded``: the strategy's
+    help)."""
+    p.add_argument(
+        "--gpus", type=positive_int, default=1, metavar="N", help="ranks, one GPU each (default: 1)"
+    )
+    p.add_argument(
+        "--strategy", type=one_of("strategy", strategies), default=default, metavar="S", help=sharded
+    )
+
+
+def check_advise(args: argparse.Namespace) -> None:
+    """``--fsdp2 N``, the old spelling, is ``--gpus N --strategy fsdp2`` (said on stderr); with them, a
+    contradiction is a usage error."""
+    if args.fsdp2 is None:
+        return
+    if args.gpus not in (1, args.fsdp2) or args.strategy != "ddp":
+        raise UsageError(
+            f"--fsdp2 {args.fsdp2} is the old spelling of --gpus {args.fsdp2} --strategy fsdp2; give those "
+            f"alone, not with --gpus {args.gpus} --strategy {args.strategy}"
+        )
+    print(
+        f"memkit advise: --fsdp2 N is deprecated; give --gpus {args.fsdp2} --strategy fsdp2",
+        file=sys.stderr,
+    )
+    args.gpus, args.strategy = args.fsdp2, "fsdp2"
+
+
+def check_plan(args: argparse.Namespace) -> None:
+    """What ``memkit plan``'s arguments say together, before the model is built: the global batch splits
+    over the GPUs, ``--gpu`` for ``--device`` (`Budget`: on cuda the card less the CUDA context and
+    reserve; on cpu the size as given, a GPU name refused: it says nothing of the host's memory), and no
+    GPU lever on a CPU."""
+    if args.global_batch % args.gpus:
+        raise UsageError(
+            f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}; give a "
+            f"multiple of {args.gpus} ({args.global_batch // args.gpus * args.gpus or args.gpus} or "
+            f"{(args.global_batch // args.gpus + 1) * args.gpus})"
+        )
+    on_cpu = args.device == "cpu"
+    try:
+        budget = parse_budget(args.gpu, device_size=not on_cpu)
+    except ValueError as e:  # a size too small for the CUDA context; on a CPU: --device cpu
+        raise UsageError(f"argument --gpu/--memory: {e} (planning a CPU run? --device cpu)") from None
+    if on_cpu and budget.source in GPUS:
+        raise UsageError(
+            f"--device cpu plans for the memory a CPU run may use, and {budget.source} names a GPU; give "
+            "a size instead: --memory 16GB"
+        )
+    if on_cpu and args.offload:
+        raise UsageError("--offload moves the optimizer from a GPU to the host; --device cpu has no GPU")
+    args.gpu = budget
+
+
 def _add_html(p: argparse.ArgumentParser, *, findings: str = "") -> None:
     """``--html FILE``: the simulated step's peak as one self-contained HTML page."""
     p.add_argument(
         "--html",
+        type=output_file,
         default=None,
         metavar="FILE",
         help="also write one self-contained HTML page (inline SVG, nothing fetched) of the simulated step: "
@@ -153,15 +234,9 @@ def add_estimate(subparsers: Any) -> None:
         help="micro-batches per optimizer step (default: 1); above 1 the simulated column is the highest "
         "micro-batch, whose backward adds to gradients already there",
     )
-    p.add_argument(
-        "--gpus", type=positive_int, default=1, metavar="N", help="ranks to shard over (default: 1)"
-    )
-    p.add_argument(
-        "--strategy",
-        type=one_of("strategy", STRATEGIES),
-        default="ddp",
-        metavar="S",
-        help=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus, except fsdp2: "
+    _add_ranks(
+        p,
+        sharded=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus, except fsdp2: "
         "one rank's FSDP2 step simulated (fully_shard on each block, then the model)",
     )
     p.add_argument(
@@ -174,6 +249,7 @@ def add_estimate(subparsers: Any) -> None:
     )
     p.add_argument(
         "--snapshot",
+        type=output_file,
         default=None,
         metavar="FILE",
         help="also write the simulated step as a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot's "
@@ -208,11 +284,10 @@ def add_plan(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per step")
     p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
-    p.add_argument("--gpus", type=positive_int, default=1, metavar="N", help="ranks (default: 1)")
-    p.add_argument(
-        "--strategy", type=one_of("strategy", STRATEGIES), default="ddp", metavar="S",
-        help=f"{', '.join(STRATEGIES)} (default: ddp): the step divided, except fsdp2: one rank's FSDP2 "
-        "step simulated",
+    _add_ranks(
+        p, default=None,
+        sharded=f"{', '.join(STRATEGIES)}: the step divided, except fsdp2: one rank's FSDP2 step simulated "
+        "(default: ddp on one GPU; on several, ddp and fsdp2 both planned, and the plan says which)",
     )  # fmt: skip
     p.add_argument("--margin", type=margin, default=0.1, help="share of the budget kept free (default: 0.1)")
     p.add_argument(
@@ -240,12 +315,12 @@ def add_plan(subparsers: Any) -> None:
         "(1 GPU)",
     )  # fmt: skip
     p.add_argument(
-        "--refine-seconds", type=float, default=REFINE_SECONDS, metavar="S",
+        "--refine-seconds", type=seconds, default=REFINE_SECONDS, metavar="S",
         help="seconds of planning after which no block-by-block checkpointing plan is sought: the rest "
         f"is planned with full checkpointing (default: {REFINE_SECONDS:g})",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
-    p.set_defaults(run=deferred("_plan", "run_plan"))
+    p.set_defaults(run=deferred("_plan", "run_plan", check=check_plan))
 
 
 def add_advise(subparsers: Any) -> None:
@@ -259,14 +334,16 @@ def add_advise(subparsers: Any) -> None:
         ),
     )
     add_step_arguments(p, checkpointing="the checkpointing the run already uses")
-    p.add_argument(
-        "--fsdp2",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="advise one rank's step of FSDP2 over N ranks (fully_shard on each block, then the model), "
-        "simulated in this process",
+    _add_ranks(
+        p,
+        strategies=ADVISED_STRATEGIES,
+        sharded="ddp (default): the one-device step each rank runs; fsdp2: one rank's FSDP2 step "
+        "(fully_shard on each block, then the model), simulated in this process",
     )
+    p.add_argument(
+        "--fsdp2", type=positive_int, default=None, metavar="N",
+        help="deprecated: --gpus N --strategy fsdp2",
+    )  # fmt: skip
     _add_html(p, findings=", and the findings with their fixes")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(run=deferred("_advise", "run_advise"))
+    p.set_defaults(run=deferred("_advise", "run_advise", check=check_advise))

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE, GPUS, Budget, parse_budget
+from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE, GPUS, Budget
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._diagnosis.oom import plan_code
 from lightning_memkit._estimating.analytic import model_static, shard
@@ -33,7 +33,7 @@ from lightning_memkit._fitting.search import (
     static_floor,
 )
 from lightning_memkit._optimizers.swap import COMPENSATED, KAHAN, lighter_candidates
-from lightning_memkit.cli._args import UsageError, usage_error
+from lightning_memkit.cli._args import usage_error
 from lightning_memkit.cli._models import (
     analytic_precision,
     analytic_shape,
@@ -52,97 +52,29 @@ __all__ = ["REFINE_SECONDS", "RELAXED_PRECISIONS", "add_plan", "plan_code", "run
 def run_plan(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.loop)
     check_seq_len(model, analytic_shape(model)[0], args.seq_len)
-    if args.global_batch % args.gpus:
-        raise UsageError(
-            f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}"
-        )
-    loss_fn = step_options(model, None)["loss_fn"]
-    args.gpu = _budget(args)
     start = time.perf_counter()
-    attempts = _attempts(args)
-    limit = int(args.gpu.usable * (1 - args.margin))
     # The library's ValueErrors (nothing fits, a batch it cannot cut) say what to change; what else the
     # step raises is the user's model failing.
     with step_errors(model, args.model, args.global_batch, args.seq_len), usage_error(ValueError):
         batch = example_batch(model, args.model, args.global_batch, args.seq_len)
-
-        def plan(attempt: argparse.Namespace) -> FitPlan:
-            return plan_fit(
-                model,
-                batch,
-                args.gpu,
-                margin=args.margin,
-                optimizers=args.optimizer,
-                precision=attempt.precision,
-                strategy=args.strategy,
-                n_gpus=args.gpus,
-                device=args.device,
-                loss_fn=loss_fn,
-                cost="flops",
-                progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
-                release_gradients=attempt.release_gradients,
-                fused_step=attempt.fused_step,
-                offload=attempt.offload,
-                refine_limit=refine_limit_for(args.refine_seconds),  # a count, not a clock
-                # FSDP2 on a GPU: offload if nothing fits
-                cpu_offload=None if args.strategy == "fsdp2" and args.device == "cuda" else False,
-                mixed_precision_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
-            )
-
-        # As asked first; where nothing fits that way, every relaxed set-up, the best plan kept: the
-        # optimizer first (AdamW offloaded beats SGD fused), then the precision, then the lever.
-        plans: list[FitPlan] = []
-        tried: list[str] = []
-        first_error: ValueError | None = None
-        for i, attempt in enumerate(attempts):
-            floor = static_floor(
-                model, args.optimizer, attempt.precision, strategy=args.strategy, n_gpus=args.gpus,
-                **_levers(attempt),
-            )  # fmt: skip
-            if len(attempts) > 1 and floor is not None and floor > limit:  # known without a simulation
-                tried.append(f"{_describe(attempt)}: static floor {format_bytes(floor)}")
-                continue
-            try:
-                plans.append(plan(attempt))
-            except ValueError as err:
-                if i == 0 and not str(err).startswith("No plan fits"):
-                    raise  # as asked, and not for lack of memory: the user's to fix
-                first_error = first_error or (err if i == 0 else None)
-                why = "no plan fits" if str(err).startswith("No plan fits") else str(err).split(":")[0]
-                tried.append(f"{_describe(attempt)}: {why}")
-                continue
-            if i == 0:
-                break
-        relaxed = bool(plans) and i > 0
-        if not plans:  # the answer for the run as asked, with its floor and what would fit
-            if len(attempts) > 1:
-                print("memkit plan: also tried, none fits:", *tried, sep="\n  ", file=sys.stderr)
-            if first_error is None:
-                try:
-                    plan(attempts[0])
-                except ValueError as err:
-                    first_error = err
-            assert first_error is not None, "the run as asked fits on a second try"
-            if str(first_error).startswith("No plan fits"):
-                needs = _smallest_step(model, batch, args, attempts[0])
-                if needs:
-                    print(needs, file=sys.stderr)
-            if any(len(a.precision) > len(attempts[0].precision) for a in attempts):
-                # The lower precisions were tried already: no advice to allow them.
-                raise ValueError(str(first_error).replace(LOWER_PRECISION_HINT, "")) from first_error
-            raise first_error
-        found = min(plans, key=lambda p: _rank(p, model, args))
+        found, relaxed, attempts, choice = _across_strategies(model, batch, args)
     seconds = time.perf_counter() - start
     code = plan_code(found, model, global_batch=args.global_batch, optimizers=args.optimizer)
     given_up = _given_up(found, model, args, attempts[0]) if relaxed else []
     if args.json:
-        data = {"model": args.model, "weights": weights_note(model, args.model, found.precision), **found.as_dict()}
-        data |= {"code": code, "seconds": seconds}
+        data = {
+            "model": args.model,
+            "weights": weights_note(model, args.model, found.precision),
+            **found.as_dict(),
+        }
+        data |= {"strategy_choice": choice, "code": code, "seconds": seconds}
         print(json.dumps({**data, "gives_up": given_up}, indent=2))
     else:
         print(f"{args.model} on {args.gpu.source}, global batch {args.global_batch} x {args.seq_len}:")
         print(_budget_line(args.gpu, args.margin, args.device))
         print(weights_note(model, args.model, found.precision))
+        if choice:
+            print(choice)
         print(found)
         if given_up:
             print(f"Nothing fits {_describe(attempts[0])}; this plan gives up:", *given_up, sep="\n  - ")
@@ -151,25 +83,147 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-_LEVERS = tuple(LEVER_CALLBACKS)
+STRATEGY_CHOICE = ("ddp", "fsdp2")
 
 
-def _budget(args: argparse.Namespace) -> Budget:
-    """``--gpu`` for ``--device``: on cuda the card less the CUDA context and reserve (as parsed); on cpu
-    the size as given, nothing taken off (a GPU name is refused: it says nothing of the host's memory)."""
-    on_cpu = args.device == "cpu"
-    try:
-        budget = parse_budget(args.gpu, device_size=not on_cpu)
-    except ValueError as e:  # a size too small for the CUDA context; on a CPU: --device cpu
-        raise UsageError(f"argument --gpu/--memory: {e} (planning a CPU run? --device cpu)") from None
-    if on_cpu and budget.source in GPUS:
-        raise UsageError(
-            f"--device cpu plans for the memory a CPU run may use, and {budget.source} names a GPU; give "
-            "a size instead: --memory 16GB"
+def _across_strategies(
+    model: nn.Module, batch: Any, args: argparse.Namespace
+) -> tuple[FitPlan, bool, list[argparse.Namespace], str]:
+    """The plan for ``--strategy``, or, with several GPUs and none named, the better of DDP's and FSDP2's:
+    DDP where it fits as asked (each rank keeps the whole model; least communication), else FSDP2 where
+    it fits as asked, else the better relaxed plan (`_rank`; DDP on a tie). Returns the plan, whether it
+    relaxed the run as asked, the set-ups tried and a line saying which strategy and why (empty when it
+    was named). A strategy named that does not fit while FSDP2 would is refused saying so: a refusal never
+    says less than the planner would answer."""
+    if args.strategy is not None or args.gpus == 1:
+        strategy = args.strategy or "ddp"
+        try:
+            return (*_best_plan(model, batch, args, strategy), "")
+        except ValueError as err:
+            if strategy == "fsdp2" or args.gpus == 1 or not str(err).startswith("No plan fits"):
+                raise
+            try:
+                other, _, _ = _best_plan(model, batch, args, "fsdp2", quiet=True)
+            except ValueError:
+                raise err from None
+            raise ValueError(
+                f"{str(err).split('. ')[0]}. FSDP2 over {args.gpus} GPUs fits it: micro-batch "
+                f"{other.micro_batch_size} x {other.accumulate_grad_batches}, {other.checkpointing} "
+                f"checkpointing, peak {format_bytes(other.estimated_peak)} a rank; give --strategy fsdp2, or "
+                "leave --strategy out to plan both"
+            ) from err
+    answers: dict[str, tuple[FitPlan, bool, list[argparse.Namespace]]] = {}
+    errors: dict[str, ValueError] = {}
+    for strategy in STRATEGY_CHOICE:
+        try:
+            answers[strategy] = _best_plan(model, batch, args, strategy, quiet=strategy == "ddp")
+        except ValueError as err:
+            if not str(err).startswith("No plan fits"):
+                raise
+            errors[strategy] = err
+            if strategy == "ddp":
+                print(f"memkit plan: no DDP plan fits; planning FSDP2 over {args.gpus} GPUs", file=sys.stderr)
+            continue
+        if strategy == "ddp" and not answers["ddp"][1]:
+            break  # DDP as asked: nothing to gain from sharding
+    if not answers:
+        raise ValueError(
+            f"Neither DDP nor FSDP2 over {args.gpus} GPUs fits. DDP: {errors['ddp']} FSDP2: {errors['fsdp2']}"
         )
-    if on_cpu and args.offload:
-        raise UsageError("--offload moves the optimizer from a GPU to the host; --device cpu has no GPU")
-    return budget
+    ddp, fsdp2 = answers.get("ddp"), answers.get("fsdp2")
+    ranks = f"over {args.gpus} GPUs"
+    if ddp is not None and not ddp[1]:
+        return (*ddp, f"strategy: ddp {ranks} (it fits as asked; each rank keeps the whole model)")
+    if ddp is not None and (
+        fsdp2 is None or (fsdp2[1] and _rank(ddp[0], model, args) <= _rank(fsdp2[0], model, args))
+    ):
+        why = "no FSDP2 plan fits" if fsdp2 is None else "FSDP2 gives up as much or more"
+        return (*ddp, f"strategy: ddp {ranks} ({why}; each rank keeps the whole model)")
+    assert fsdp2 is not None
+    why = "no DDP plan fits" if ddp is None else "DDP fits only by giving up more"
+    return (*fsdp2, f"strategy: fsdp2 {ranks} ({why}: --strategy ddp says why)")
+
+
+def _best_plan(
+    model: nn.Module, batch: Any, args: argparse.Namespace, strategy: str, *, quiet: bool = False
+) -> tuple[FitPlan, bool, list[argparse.Namespace]]:
+    """The plan under ``strategy``: as asked first; where nothing fits that way, every relaxed set-up, the
+    best plan kept (`_rank`). Returns it, whether it relaxed the run, and the set-ups; raises the run as
+    asked's `ValueError` where none fits (``quiet``: without the lines on stderr saying what was tried)."""
+    args = argparse.Namespace(**{**vars(args), "strategy": strategy})
+    loss_fn = step_options(model, None)["loss_fn"]
+    attempts = _attempts(args)
+    limit = int(args.gpu.usable * (1 - args.margin))
+
+    def plan(attempt: argparse.Namespace) -> FitPlan:
+        return plan_fit(
+            model,
+            batch,
+            args.gpu,
+            margin=args.margin,
+            optimizers=args.optimizer,
+            precision=attempt.precision,
+            strategy=args.strategy,
+            n_gpus=args.gpus,
+            device=args.device,
+            loss_fn=loss_fn,
+            cost="flops",
+            progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
+            release_gradients=attempt.release_gradients,
+            fused_step=attempt.fused_step,
+            offload=attempt.offload,
+            refine_limit=refine_limit_for(args.refine_seconds),  # a count, not a clock
+            # FSDP2 on a GPU: offload if nothing fits
+            cpu_offload=None if args.strategy == "fsdp2" and args.device == "cuda" else False,
+            mixed_precision_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
+        )
+
+    # As asked first; where nothing fits that way, every relaxed set-up, the best plan kept: the
+    # optimizer first (AdamW offloaded beats SGD fused), then the precision, then the lever.
+    plans: list[FitPlan] = []
+    tried: list[str] = []
+    first_error: ValueError | None = None
+    for i, attempt in enumerate(attempts):
+        floor = static_floor(
+            model, args.optimizer, attempt.precision, strategy=args.strategy, n_gpus=args.gpus,
+            **_levers(attempt),
+        )  # fmt: skip
+        if len(attempts) > 1 and floor is not None and floor > limit:  # known without a simulation
+            tried.append(f"{_describe(attempt)}: static floor {format_bytes(floor)}")
+            continue
+        try:
+            plans.append(plan(attempt))
+        except ValueError as err:
+            if i == 0 and not str(err).startswith("No plan fits"):
+                raise  # as asked, and not for lack of memory: the user's to fix
+            first_error = first_error or (err if i == 0 else None)
+            why = "no plan fits" if str(err).startswith("No plan fits") else str(err).split(":")[0]
+            tried.append(f"{_describe(attempt)}: {why}")
+            continue
+        if i == 0:
+            break
+    relaxed = bool(plans) and i > 0
+    if not plans:  # the answer for the run as asked, with its floor and what would fit
+        if len(attempts) > 1 and not quiet:
+            print("memkit plan: also tried, none fits:", *tried, sep="\n  ", file=sys.stderr)
+        if first_error is None:
+            try:
+                plan(attempts[0])
+            except ValueError as err:
+                first_error = err
+        assert first_error is not None, "the run as asked fits on a second try"
+        if str(first_error).startswith("No plan fits"):
+            needs = "" if quiet else _smallest_step(model, batch, args, attempts[0])
+            if needs:
+                print(needs, file=sys.stderr)
+        if any(len(a.precision) > len(attempts[0].precision) for a in attempts):
+            # The lower precisions were tried already: no advice to allow them.
+            raise ValueError(str(first_error).replace(LOWER_PRECISION_HINT, "")) from first_error
+        raise first_error
+    return min(plans, key=lambda p: _rank(p, model, args)), relaxed, attempts
+
+
+_LEVERS = tuple(LEVER_CALLBACKS)
 
 
 def _budget_line(budget: Budget, margin: float, device: str) -> str:
@@ -297,9 +351,15 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
     except Exception:
         return ""
     if args.gpus > 1:
-        need = shard(need, args.strategy, args.gpus, gradient_bytes=model_static(model, analytic_precision(model, prec)).gradients)
+        need = shard(
+            need,
+            args.strategy,
+            args.gpus,
+            gradient_bytes=model_static(model, analytic_precision(model, prec)).gradients,
+        )
+    per_rank = ", per GPU" if args.device == "cuda" else ", per rank" if args.gpus > 1 else ""
     return (
         f"memkit plan: the smallest step tried (micro-batch {m}, "
         f"{'no' if level == 'none' else level} checkpointing, {optimizer or 'the configured optimizer'}, "
-        f"{prec}) needs, per GPU:\n{need}"
+        f"{prec}) needs{per_rank}:\n{need}"
     )
