@@ -19,13 +19,17 @@ SETUPS: dict[str, dict | None] = {
     "qlora-nf4-double": {"quant_type": "nf4", "compress_statistics": True},
     # the QLoRA paper's recipe: nf4, double quantization, bf16 compute (and storage, as FSDP+QLoRA keeps it)
     "qlora-nf4-double-bf16": {
-        "quant_type": "nf4", "compress_statistics": True, "quant_storage": torch.bfloat16,
+        "quant_type": "nf4",
+        "compress_statistics": True,
+        "quant_storage": torch.bfloat16,
         "compute_dtype": torch.bfloat16,
-    },  # fmt: skip
+    },
     "qlora-fp4": {"quant_type": "fp4", "compress_statistics": False},
     "qlora-fp4-double-bf16-storage": {
-        "quant_type": "fp4", "compress_statistics": True, "quant_storage": torch.bfloat16,
-    },  # fmt: skip
+        "quant_type": "fp4",
+        "compress_statistics": True,
+        "quant_storage": torch.bfloat16,
+    },
     "lora-int8": {"int8": True},
 }
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
@@ -55,7 +59,9 @@ def quantized(linear: nn.Linear, options: dict) -> nn.Module:
     sizes = (linear.in_features, linear.out_features)
     bias = linear.bias is not None
     if options.pop("int8", False):
-        layer = bnb.nn.Linear8bitLt(*sizes, bias=bias, has_fp16_weights=False, device="meta" if meta else None)
+        layer = bnb.nn.Linear8bitLt(
+            *sizes, bias=bias, has_fp16_weights=False, device="meta" if meta else None
+        )
         if not meta:
             layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
     else:

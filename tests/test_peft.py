@@ -9,13 +9,16 @@ never read the 4-bit code tables the layers keep (64 bytes each, 0.03 % of these
 from __future__ import annotations
 
 import csv
+import functools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import cpu_trainer
 from peft_models import SETUPS, AdapterModule, adapter_model, token_batch
+from torch.utils.checkpoint import checkpoint
 
-from lightning_memkit import MemoryMonitor, estimate_memory, measure
+from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, estimate_memory, measure
 from lightning_memkit._measuring.tracker import (
     gradient_tensors,
     model_tensors,
@@ -117,10 +120,82 @@ def test_a_base_in_eval_mode_repacked_at_its_first_forward(one_thread):
 
     peaks = AllocatorPeaks(all_threads=True)
     for i in range(STEPS):
-        peaks._open(lambda: [*model_tensors(model), *gradient_tensors(model), *optimizer_tensors([optimizer])])
+        peaks._open(
+            lambda: [*model_tensors(model), *gradient_tensors(model), *optimizer_tensors([optimizer])]
+        )
         with measure(model, optimizer) as m:
             step()
         peaks._close()
         assert m.peak == pytest.approx(peaks.peaks[-1], rel=1e-3), f"step {i}"
         assert m.breakdown.parameters == storage_bytes(model_tensors(model))
     assert weight.weight.shape != before  # repacked, as this test means
+
+
+class _AdapterGradients(pl.Callback):
+    """The adapters' gradients of every step, as the optimizer is about to read them."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        named = pl_module.named_parameters()
+        self.steps.append({n: p.grad.clone() for n, p in named if p.requires_grad and p.grad is not None})
+
+
+def _adapter_gradients(setup: str, tmp_path, callbacks: list) -> tuple[list[dict], AdapterModule]:
+    torch.manual_seed(0)
+    module, grads = AdapterModule(setup), _AdapterGradients()
+    cpu_trainer(tmp_path, [*callbacks, grads], max_steps=2).fit(module)
+    return grads.steps, module
+
+
+@pytest.mark.parametrize("setup", _params(["qlora-nf4"]) + _params(["lora-fp32", "lora-int8"]))
+def test_checkpointing_keeps_the_adapters_gradients_exact(setup, tmp_path, one_thread):
+    """Every decoder layer checkpointed (`ActivationCheckpointing`, non-reentrant): every adapter's gradient
+    on both steps is the run's without it, bit for bit. The classic trap, reentrant checkpointing, drops the
+    gradients of every adapter whose block's input needs no gradient (the first block's, over the frozen
+    embedding): shown here too, so that the comparison is one that can fail."""
+    plain, module = _adapter_gradients(setup, tmp_path / "plain", [])
+    module.zero_grad(set_to_none=True)
+    checkpointed, _ = _adapter_gradients(
+        setup, tmp_path / "full", [ActivationCheckpointing(checkpointing="full")]
+    )
+    adapters = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert len(plain) == len(checkpointed) == 2
+    for step, (a, b) in enumerate(zip(plain, checkpointed, strict=True)):
+        assert set(a) == set(b) == adapters, f"step {step}"
+        for name in adapters:
+            assert torch.equal(a[name], b[name]), f"step {step}: {name}"
+
+    first = module.model.base_model.model.model.layers[0]
+    first.forward = functools.partial(_reentrant, first.forward)  # torch's reentrant checkpoint on block 0
+    module.model(**token_batch()).loss.backward()
+    grads = {n: p.grad for n, p in module.named_parameters() if p.requires_grad}
+    assert all((grads[n] is None) == ("layers.0." in n) for n in adapters)
+
+
+def _reentrant(forward, hidden_states, *args, **kwargs):
+    """``forward`` under reentrant checkpointing, the default of older Hugging Face set-ups."""
+    return checkpoint(lambda h: forward(h, *args, **kwargs), hidden_states, use_reentrant=True)
+
+
+@pytest.mark.slow  # a planned fit
+def test_autofit_plans_a_qlora_run_that_fits(tmp_path, one_thread):
+    """AutoFit on QLoRA at a budget 45 % of the way from the static memory to the naive peak (global batch
+    8): it plans a micro-batch and the blocks' checkpointing, keeps the global batch, every real step fits,
+    and the plan's peak is the highest real step's within 1 %."""
+    module = AdapterModule("qlora-nf4", batch_size=8, n_batches=8)
+    naive = estimate_memory(module, token_batch(8), device="cpu")
+    static = naive.parameters + naive.gradients + naive.optimizer_state
+    budget = int(static + 0.45 * (naive.peak - static))
+    autofit = AutoFit(
+        budget=budget, margin=0.01, cost="flops", optimizers=["adamw"], checkpointing=("none", "full")
+    )
+    peaks = AllocatorPeaks(all_threads=True)
+    cpu_trainer(tmp_path, [autofit, *peaks.around()], max_steps=2).fit(module)
+    plan = autofit.plan
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == 8
+    assert plan.micro_batch_size < 8 or plan.checkpointing != "none"
+    assert len(peaks.peaks) == 2 * plan.accumulate_grad_batches
+    assert max(peaks.peaks) <= budget
+    assert plan.estimated_peak == pytest.approx(max(peaks.peaks), rel=0.01)

@@ -853,8 +853,9 @@ class Tracker(TorchDispatchMode):
         return MemoryBreakdown(**sums, temporary=max(total - sum(sums.values()), 0))
 
     def parameter_split(self) -> dict[str, int]:
-        """The parameters at the peak split by whether a gradient reaches them (bytes): ``trainable_parameters``
-        and ``frozen_parameters`` (frozen weights with their quantization state, and buffers)."""
+        """The parameters at the peak split by whether a gradient reaches them (bytes):
+        ``trainable_parameters`` and ``frozen_parameters`` (frozen weights with their quantization state, and
+        buffers)."""
         split = {"trainable_parameters": 0, "frozen_parameters": 0}
         for rec, nbytes in self._at_peak():
             if self._category(rec) == "parameters":
