@@ -12,6 +12,9 @@ with Hugging Face's eager experts (a ``nonzero`` of the routing, which the estim
 compiled in ``configure_model``. ``benchmarks/bench_zoo.py`` prints their rows; EfficientNet's needs timm,
 which the test extras do not install.
 
+`ADAPTED` are issue 45's adapter fine-tunes (LoRA and QLoRA) over a decoder, an encoder-decoder and a
+mixture of experts, kept out of `MODELS` too; ``benchmarks/bench_zoo.py`` prints them when named.
+
 ``ZooModule(name)`` is a LightningModule over one of them; ``zoo_batch(name)`` a batch of its shape.
 """
 
@@ -186,7 +189,44 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "qwen2_moe_eager": (partial(_qwen2_moe, experts_implementation="eager"), "causal"),
     "compiled_llama": (_llama, "compiled"),
 }
-ZOO = MODELS | FAMILIES
+
+
+def _adapted(base: str, targets: list[str], quantize: bool) -> Callable[[], nn.Module]:
+    """Zoo model ``base`` under peft's LoRA (r=8 on ``targets``), its other weights frozen; with ``quantize``,
+    QLoRA: every ``nn.Linear`` of the base but the head a bitsandbytes ``Linear4bit`` first (nf4, double
+    quantization, as tests/peft_models.py builds them)."""
+
+    def build() -> nn.Module:
+        import peft
+        from peft_models import quantized
+
+        model = MODELS[base][0]()
+        if quantize:  # every Linear but those transformers' quantizer leaves: the head, T5's `wo`
+            options = {"quant_type": "nf4", "compress_statistics": True}
+            kept = {"lm_head", *(getattr(model, "_keep_in_fp32_modules", None) or ())}
+            for module in list(model.modules()):
+                for name, child in list(module.named_children()):
+                    if type(child) is nn.Linear and name not in kept:
+                        setattr(module, name, quantized(child, options))
+        return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+
+    return build
+
+
+#: Issue 45's adapter fine-tunes on three families: a decoder, an encoder-decoder and a mixture of experts
+#: (its experts one fused parameter, which bitsandbytes leaves unquantized), each LoRA over its fp32 base
+#: and QLoRA over its 4-bit one. Named "<base>+lora" and "<base>+qlora".
+_ADAPTER_TARGETS = {
+    "qwen2": ["q_proj", "v_proj", "up_proj", "down_proj"],
+    "t5": ["q", "v", "wi", "wo"],
+    "mixtral": ["q_proj", "v_proj"],
+}
+ADAPTED: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    f"{base}+{kind}": (_adapted(base, targets, kind == "qlora"), MODELS[base][1])
+    for base, targets in _ADAPTER_TARGETS.items()
+    for kind in ("lora", "qlora")
+}
+ZOO = MODELS | FAMILIES | ADAPTED
 
 
 def zoo_batch(name: str, batch_size: int = BATCH, seq_len: int = SEQ, seed: int = 0) -> dict:
@@ -252,7 +292,7 @@ class ZooModule(pl.LightningModule):
         return self(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
     def train_dataloader(self) -> DataLoader:
         h = self.hparams
