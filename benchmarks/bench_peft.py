@@ -13,7 +13,7 @@ installed before any model is built):
 - trainable / frozen: the monitor's split of the parameters (bytes).
 
     python benchmarks/bench_peft.py               # every set-up; prints a Markdown table (docs/peft.md's)
-    python benchmarks/bench_peft.py qlora-nf4     # some
+    python benchmarks/bench_peft.py qlora-nf4 lora-int8@bf16-true    # some, at a precision
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ from lightning_memkit.testing import AllocatorPeaks, counting_allocator
 STEPS = 3
 
 
-def _estimate(module: AdapterModule) -> int | str:
+#: Lightning's 16-bit precisions over a quantized base, after every set-up at 32-true.
+PRECISIONS = ["qlora-nf4-double-bf16@bf16-mixed", "lora-int8@bf16-true"]
+
+
+def _estimate(module: AdapterModule, precision: str) -> int | str:
     """`estimate_memory`'s peak, or the first words of its error."""
     try:
-        return estimate_memory(module, token_batch(), device="cpu").peak
+        return estimate_memory(module, token_batch(), device="cpu", precision=precision).peak
     except Exception as error:
         return f"{type(error).__name__}: {str(error)[:60]}"
 
@@ -48,13 +52,16 @@ def _error(value: int | str, truth: int) -> str:
     return value if isinstance(value, str) else f"{100 * (value - truth) / truth:+.3f} %"
 
 
-def row(setup: str) -> str:
+def row(name: str) -> str:
+    """``name``: a set-up, at ``@precision`` (default 32-true)."""
+    setup, _, precision = name.partition("@")
+    precision = precision or "32-true"
     module = AdapterModule(setup)
-    estimate = _estimate(module)
-    meta = _estimate(AdapterModule(setup, device="meta"))
+    estimate = _estimate(module, precision)
+    meta = _estimate(AdapterModule(setup, device="meta"), precision)
     peaks, monitor = AllocatorPeaks(all_threads=True), MemoryMonitor(plot=False, summary=False)
     with tempfile.TemporaryDirectory() as root:
-        cpu_trainer(root, peaks.around(monitor), max_steps=STEPS).fit(module)
+        cpu_trainer(root, peaks.around(monitor), max_steps=STEPS, precision=precision).fit(module)
     monitor_error = max(
         ((b.peak - truth) / truth for (_, b), truth in zip(monitor.history, peaks.peaks, strict=True)),
         key=abs,
@@ -63,7 +70,7 @@ def row(setup: str) -> str:
     _, last = monitor.history[-1]
     trainable = sum(p.untyped_storage().nbytes() for p in module.parameters() if p.requires_grad)
     return (
-        f"| {setup} | {max(peaks.peaks):,} | {100 * monitor_error:+.3f} % | "
+        f"| {setup} | {precision} | {max(peaks.peaks):,} | {100 * monitor_error:+.3f} % | "
         f"{_error(estimate, steady)} | {_error(meta, steady)} | "
         f"{trainable:,} | {last.parameters - trainable:,} |"
     )
@@ -74,9 +81,10 @@ def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    print("| set-up | allocator (B) | monitor | estimate | estimate, meta | trainable (B) | frozen (B) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name in names or list(SETUPS):
+    columns = ["set-up", "precision", "allocator (B)", "monitor", "estimate", "estimate, meta"]
+    print("| " + " | ".join([*columns, "trainable (B)", "frozen (B)"]) + " |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name in names or [*SETUPS, *PRECISIONS]:
         print(row(name), flush=True)
 
 

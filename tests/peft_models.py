@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 #: setup -> how the base's linear layers are quantized (``None``: left in fp32). The 4-bit ones take
-#: ``Linear4bit``'s own keywords (its defaults: fp4, double quantization, uint8 storage, no compute dtype).
+#: ``Linear4bit``'s own keywords (its defaults: fp4, double quantization, uint8 storage, no compute dtype);
+#: ``dtype`` converts an unquantized base.
 SETUPS: dict[str, dict | None] = {
     "lora-fp32": None,
+    "lora-bf16": {"dtype": torch.bfloat16},  # the base (and so the adapters, peft's default) in bf16
     "qlora-nf4": {"quant_type": "nf4", "compress_statistics": False},
     "qlora-nf4-double": {"quant_type": "nf4", "compress_statistics": True},
     # the QLoRA paper's recipe: nf4, double quantization, bf16 compute (and storage, as FSDP+QLoRA keeps it)
@@ -82,7 +84,9 @@ def adapter_model(setup: str, device: str = "cpu") -> nn.Module:
 
     model = llama(device)
     options = SETUPS[setup]
-    if options is not None:
+    if options is not None and "dtype" in options:
+        model.to(options["dtype"])
+    elif options is not None:
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear and name != "lm_head":

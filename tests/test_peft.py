@@ -32,7 +32,6 @@ pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 QUICK = ["lora-fp32", "qlora-nf4"]
-SLOW = [name for name in SETUPS if name not in QUICK]
 STEPS = 3
 
 
@@ -42,8 +41,16 @@ def counted():
     counting_allocator()
 
 
-def _params(setup: str):
-    return [pytest.param(s, marks=() if s in QUICK else pytest.mark.slow) for s in setup]
+def _params(setups: list[str]) -> list:
+    return [pytest.param(s, marks=() if s in QUICK else pytest.mark.slow) for s in setups]
+
+
+#: Lightning's 16-bit precisions over a quantized base: the QLoRA paper's recipe under autocast, and the
+#: 8-bit base with its adapters converted to bf16.
+PRECISIONS = [
+    pytest.param("qlora-nf4-double-bf16", "bf16-mixed", marks=pytest.mark.slow),
+    pytest.param("lora-int8", "bf16-true", marks=pytest.mark.slow),
+]
 
 
 def _split(module: torch.nn.Module) -> tuple[int, int]:
@@ -53,17 +60,22 @@ def _split(module: torch.nn.Module) -> tuple[int, int]:
     return trainable, storage_bytes(model_tensors(module)) - trainable
 
 
-@pytest.mark.parametrize("setup", _params(QUICK) + _params(SLOW))
-def test_monitor_and_estimate_match_the_allocator(setup, tmp_path, one_thread):
+@pytest.mark.parametrize(
+    ("setup", "precision"),
+    [pytest.param(*p.values, "32-true", marks=p.marks) for p in _params(list(SETUPS))] + PRECISIONS,
+)
+def test_monitor_and_estimate_match_the_allocator(setup, precision, tmp_path, one_thread):
     """The monitor within 0.1 % of the allocator on every step; its parameters are the module's tensors
     with the quantization state (absmax, code tables, the nested state), split into the adapters and the
     frozen base, both logged; the gradients and optimizer state are the adapters'. `estimate_memory`
     within 1 % of the steady steps, and its meta-device twin (quantized from the shapes) to the byte."""
     module = AdapterModule(setup)
-    estimate = estimate_memory(module, token_batch(), device="cpu")
-    from_meta = estimate_memory(AdapterModule(setup, device="meta"), token_batch(), device="cpu")
+    estimate = estimate_memory(module, token_batch(), device="cpu", precision=precision)
+    meta = AdapterModule(setup, device="meta")
+    from_meta = estimate_memory(meta, token_batch(), device="cpu", precision=precision)
     peaks, monitor = AllocatorPeaks(all_threads=True), MemoryMonitor(plot=False, summary=False)
-    cpu_trainer(tmp_path, peaks.around(monitor), max_steps=STEPS, log_every_n_steps=1).fit(module)
+    callbacks = peaks.around(monitor)
+    cpu_trainer(tmp_path, callbacks, max_steps=STEPS, log_every_n_steps=1, precision=precision).fit(module)
 
     assert len(monitor.history) == len(peaks.peaks) == STEPS
     trainable, frozen = _split(module)
