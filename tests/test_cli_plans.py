@@ -106,11 +106,11 @@ def test_hf_weights_are_in_the_dtype_the_config_records(tmp_path):
     assert report["simulated"]["parameters"] == pytest.approx(2 * n, abs=1024)  # + the rotary table
     weights = next(note for note in report["notes"] if note.startswith("weights: "))
     assert weights == (
-        "weights: bfloat16 (config.json's dtype (fp32 where it records none), as from_pretrained and "
-        "from_config load them); 32-true trains them as they are"
+        "weights: bfloat16, config.json's dtype (fp32 where it records none), as from_pretrained and "
+        "from_config load them; 32-true trains them as they are"
     )
     status, out, _ = run_cli(["advise", "--model", f"hf:{tmp_path}", "--batch-size", "2", "--seq-len", "32"])
-    assert status == 0 and "weights: bfloat16 (config.json's dtype" in out
+    assert status == 0 and "weights: bfloat16, config.json's dtype" in out
 
 
 class BuiltInConfigureModel(pl.LightningModule):
@@ -216,6 +216,8 @@ PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
         ([*PLAN, "--gpu", "A100-40GB", "--gpus", "3"], "--global-batch 8 does not split evenly across --gpus "
          "3; give a multiple of 3 (6 or 9)"),
         ([*PLAN, "--device", "cpu", "--memory", "A100-40GB"], "A100-40GB names a GPU; give a size instead"),
+        ([*ESTIMATE, "--device", "cpu", "--gpu", "A100-40GB"], "A100-40GB names a GPU; give a size instead: "
+         "--gpu 16GB"),
         (["advise", *ESTIMATE[1:], "--fsdp2", "4", "--gpus", "2"], "--fsdp2 4 is the old spelling of --gpus "
          "4 --strategy fsdp2; give those alone"),
         (["advise", *ESTIMATE[1:], "--gpus", "2", "--strategy", "zero3"], "Unknown strategy 'zero3'"),
@@ -245,6 +247,13 @@ def test_advise_spells_the_ranks_as_estimate_and_plan_do(capsys, tmp_path):
         assert run_cli(["advise", *ESTIMATE[1:], "--gpus", "4"])[0] == 0
     assert status == 0 and err == "memkit advise: --fsdp2 N is deprecated; give --gpus 4 --strategy fsdp2\n"
     assert seen == [(4, "fsdp2"), (4, "fsdp2"), (4, "ddp")]
+
+
+def test_a_cpu_estimate_takes_nothing_off_its_memory():
+    """``estimate --device cpu --gpu 1GB``: 1 GB of host memory, no CUDA context or reserve taken off."""
+    status, out, err = run_cli([*ESTIMATE, "--device", "cpu", "--gpu", "1GB"])
+    assert status == 0, err
+    assert re.search(r"^Fits: [\d.]+ MiB of the 953.67 MiB usable on 1GB\.$", out, re.MULTILINE), out
 
 
 def test_a_cpu_plan_names_no_gpu():
@@ -355,3 +364,11 @@ def test_which_strategy(monkeypatch, ddp, fsdp2, chosen, why):
     plan, _, _, line = _plan._across_strategies(None, None, args)
     assert plan.strategy == chosen and line.startswith(f"strategy: {chosen} over 8 GPUs ({why}")
     assert planned == (["ddp"] if ddp == "as asked" else ["ddp", "fsdp2"])
+
+
+def test_loop_plain_is_for_a_plain_module():
+    status, _, err = run_cli([*ESTIMATE, "--loop", "plain"])
+    assert status == 2 and err == (
+        "memkit estimate: error: --loop plain steps a plain nn.Module; --model tiny is a LightningModule "
+        "(GPTLightningModule), whose training_step runs in Lightning's order: leave --loop out\n"
+    )

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name
+from lightning_memkit._budget import GPUS, parse_budget, valid_name
 
 
 class UsageError(Exception):
@@ -45,19 +45,10 @@ def positive_int(text: str) -> int:
     return value
 
 
-def gpu(text: str) -> Budget:
-    """``--gpu``: a `Budget` from a GPU name or a card size; ``0.5`` (a size without its unit) is refused."""
-    return _gpu(text, device_size=True)
-
-
 def gpu_or_memory(text: str) -> str:
-    """``memkit plan --gpu``: a GPU name or a size, checked as `gpu` checks it but kept as written: what
-    is taken off it depends on ``--device`` (`lightning_memkit.cli._plan`)."""
-    _gpu(text, device_size=False)
-    return text
-
-
-def _gpu(text: str, *, device_size: bool) -> Budget:
+    """``--gpu``: a GPU name or a card size, kept as written: what is taken off it depends on
+    ``--device`` (`lightning_memkit.cli._parsers.check_plan`); ``0.5`` (a size without its unit) and
+    ``4090`` (a card's number) are refused here."""
     try:
         value = float(text)
     except ValueError:
@@ -75,9 +66,10 @@ def _gpu(text: str, *, device_size: bool) -> Budget:
             "24GiB)"
         )
     try:
-        return parse_budget(text, device_size=device_size)
+        parse_budget(text, device_size=False)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def output_file(text: str) -> str:

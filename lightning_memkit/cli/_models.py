@@ -239,7 +239,7 @@ def weights_note(model: nn.Module, spec: str, precision: str) -> str:
         if converted is not None
         else f"{precision} trains them as they are"
     )
-    return f"weights: {'/'.join(dtypes)} ({source}); {what}"
+    return f"weights: {'/'.join(dtypes)}, {source}; {what}"
 
 
 @contextlib.contextmanager

@@ -19,13 +19,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from lightning_memkit._budget import GPUS, parse_budget
+from lightning_memkit._budget import GPUS, Budget, parse_budget
 from lightning_memkit._estimating import analytic as _analytic
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
 from lightning_memkit.cli._args import (
     UsageError,
-    gpu,
     gpu_or_memory,
     margin,
     names,
@@ -180,19 +179,31 @@ def check_plan(args: argparse.Namespace) -> None:
             f"multiple of {args.gpus} ({args.global_batch // args.gpus * args.gpus or args.gpus} or "
             f"{(args.global_batch // args.gpus + 1) * args.gpus})"
         )
-    on_cpu = args.device == "cpu"
+    args.gpu = _device_budget(args.gpu, args.device, "--gpu/--memory")
+    if args.device == "cpu" and args.offload:
+        raise UsageError("--offload moves the optimizer from a GPU to the host; --device cpu has no GPU")
+
+
+def check_estimate(args: argparse.Namespace) -> None:
+    """``memkit estimate --gpu`` for ``--device``, as `check_plan` reads it."""
+    if args.gpu is not None:
+        args.gpu = _device_budget(args.gpu, args.device, "--gpu")
+
+
+def _device_budget(text: str, device: str, flag: str) -> Budget:
+    """``--gpu`` for ``--device``: on cuda the card less the CUDA context and reserve; on cpu the size as
+    given, nothing taken off, and a GPU name refused (it says nothing of the host's memory)."""
+    on_cpu = device == "cpu"
     try:
-        budget = parse_budget(args.gpu, device_size=not on_cpu)
+        budget = parse_budget(text, device_size=not on_cpu)
     except ValueError as e:  # a size too small for the CUDA context; on a CPU: --device cpu
-        raise UsageError(f"argument --gpu/--memory: {e} (planning a CPU run? --device cpu)") from None
+        raise UsageError(f"argument {flag}: {e} (planning a CPU run? --device cpu)") from None
     if on_cpu and budget.source in GPUS:
         raise UsageError(
             f"--device cpu plans for the memory a CPU run may use, and {budget.source} names a GPU; give "
-            "a size instead: --memory 16GB"
+            f"a size instead: {flag.split('/')[-1]} 16GB"
         )
-    if on_cpu and args.offload:
-        raise UsageError("--offload moves the optimizer from a GPU to the host; --device cpu has no GPU")
-    args.gpu = budget
+    return budget
 
 
 def _add_html(p: argparse.ArgumentParser, *, findings: str = "") -> None:
@@ -241,11 +252,12 @@ def add_estimate(subparsers: Any) -> None:
     )
     p.add_argument(
         "--gpu",
-        type=gpu,
+        type=gpu_or_memory,
         default=None,
         metavar="GPU|SIZE",
-        help=f"{_GPU_HELP} the step should fit: when it does not, the fastest plans that do (micro-batch, "
-        "accumulation, checkpointing, optimizer), as code",
+        help=f"{_GPU_HELP} the step should fit (with --device cpu, the memory it may use: a size, nothing "
+        "taken off): when it does not, the fastest plans that do (micro-batch, accumulation, "
+        "checkpointing, optimizer), as code",
     )
     p.add_argument(
         "--snapshot",
@@ -258,7 +270,7 @@ def add_estimate(subparsers: Any) -> None:
     )
     _add_html(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(run=deferred("_estimate", "run_estimate"))
+    p.set_defaults(run=deferred("_estimate", "run_estimate", check=check_estimate))
 
 
 def add_plan(subparsers: Any) -> None:
