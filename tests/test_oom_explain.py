@@ -16,7 +16,6 @@ from lightning.pytorch.loggers import CSVLogger
 from models import BlockNet, tiny_lm
 
 import lightning_memkit
-import lightning_memkit._fitting.search as autofit
 from lightning_memkit import (
     CATEGORIES,
     AutoFit,
@@ -26,7 +25,6 @@ from lightning_memkit import (
     format_bytes,
     parse_budget,
 )
-from lightning_memkit._diagnosis import oom
 from lightning_memkit._estimating.lightning_step import batch_slice
 from lightning_memkit.callbacks import _oom_report
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
@@ -258,19 +256,6 @@ def test_estimate_on_a_gpu_it_does_not_fit_prints_plans_that_do():
     status, out, err = _run([*argv, "--gpu", "512.1MiB"])  # 0.1 MiB: not even the parameters fit
     assert status == 0, err
     assert re.search(r"^  No plan fits .* Static floor .* What would fit: ", out, re.M)
-
-
-def test_planning_stops_after_plan_seconds(monkeypatch):
-    """An explanation never hangs on a model that takes long to plan: past `PLAN_SECONDS` (here 0, with
-    every simulation reported) it gives the AutoFit line that plans as the fit starts."""
-    monkeypatch.setattr(autofit, "PROGRESS_AFTER_S", 0.0)
-    monkeypatch.setattr(oom, "PLAN_SECONDS", 0.0)
-    x = torch.zeros(4, 8, dtype=torch.long)
-    lines = oom.plans_section(
-        tiny_lm(), (x, x), parse_budget(10**6), loss_fn=lambda out, y: out.sum(), device="cpu"
-    )
-    assert lines == ["  No plan within 0 s of simulation; AutoFit plans as the fit starts: "
-                     "trainer = Trainer(callbacks=[AutoFit(budget=1_000_000)])"]  # fmt: skip
 
 
 def test_plan_that_nothing_fits_says_what_the_smallest_step_needs():

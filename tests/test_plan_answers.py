@@ -9,16 +9,25 @@ machine 100x slower, and a refusal must name the step lever that would fit.
 from __future__ import annotations
 
 import re
+import time
+import warnings
+from functools import partial
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
+from models import tiny_lm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lightning_memkit
-from lightning_memkit import AutoFit, FitPlan, advise, parse_budget
+from lightning_memkit import AutoFit, FitPlan, advise, format_bytes, parse_budget, plan_fit
+from lightning_memkit._diagnosis import oom
 from lightning_memkit._diagnosis.advise import _chunked_loss
 from lightning_memkit._diagnosis.oom import plan_code
+from lightning_memkit._fitting import search
+from lightning_memkit._fitting.plan import StepCost
+from lightning_memkit._fitting.search import TIMED_NOTE, refine_limit_for
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 # --- item 6: the plan's code builds the plan ------------------------------------------------------------
@@ -96,11 +105,11 @@ def test_a_per_block_plan_gives_activation_checkpointing_a_size():
 
 
 class _CausalLM(pl.LightningModule):
-    def __init__(self):
+    def __init__(self, vocab_size: int = 1024, hidden_size: int = 32):
         super().__init__()
         config = AutoConfig.for_model(
-            "llama", vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+            "llama", vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, use_cache=False,
         )  # fmt: skip
         self.model = AutoModelForCausalLM.from_config(config)
 
@@ -145,3 +154,155 @@ def test_advise_gives_the_chunked_loss_that_is_the_models_own():
     module, batch = _CausalLM(), _batch()
     fix = advise(module, batch, device="cpu")["logits"].fix
     torch.testing.assert_close(_advised_loss(module, fix, batch), module.model(**batch).loss)
+
+
+# --- item 7: a plan does not depend on how busy the machine is -------------------------------------------
+
+
+def _slow_clock(monkeypatch, factor: float = 100.0) -> None:
+    """Every clock the search could read runs ``factor`` times slower: a machine that busy."""
+    for name in ("perf_counter", "monotonic"):
+        real = getattr(time, name)
+        start = real()
+        monkeypatch.setattr(time, name, lambda real=real, start=start: start + factor * (real() - start))
+
+
+def _gpt_plan(**kwargs) -> FitPlan:
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (8, 32))
+    cost = StepCost(fixed=0.01, per_sample=0.01)  # a fixed cost model: the search alone is under test
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # refine_seconds, deprecated
+        module = GPTLightningModule("tiny")
+        return plan_fit(module, (x, x.roll(-1, 1)), 20_000_000, device="cpu", cost=cost, **kwargs)
+
+
+@pytest.mark.slow  # three plans of the tiny GPT, each with its checkpointing planners: about 20 s
+def test_the_same_plan_on_a_machine_100x_slower(monkeypatch):
+    """The search bounds its work by counts: a plan made while every clock runs 100x slower is the plan
+    made at full speed, by default and with the CLI's ``refine_seconds=30`` (now 7 micro-batches). Before,
+    past 30 s of that clock no micro-batch got its block-by-block plan, and where a simulation took over
+    2 s the planner refined once."""
+    fast = _gpt_plan()
+    assert fast.checkpoint_plan is not None  # a block-by-block plan: the planners ran
+    _slow_clock(monkeypatch)
+    for slow in (_gpt_plan(refine_seconds=30), _gpt_plan()):
+        assert slow.as_dict() == fast.as_dict() and slow.note == fast.note
+
+
+def test_refine_seconds_is_read_as_a_count():
+    """The deprecated ``refine_seconds`` is read as ``refine_limit = seconds // 4`` micro-batches, with a
+    warning, never as time; bad values of either are refused before any simulation."""
+    x = torch.zeros(4, 16, dtype=torch.long)
+    args = (GPTLightningModule("tiny"), (x, x), 16_940_824)
+    assert refine_limit_for(3.9) == 0 and refine_limit_for(30) == 7 and refine_limit_for(float("inf")) is None
+    deprecated = r"plan_fit\(refine_seconds=...\) is deprecated: the argument is refine_limit= now"
+    with pytest.warns(FutureWarning, match=deprecated), pytest.raises(ValueError, match="n_gpus"):
+        plan_fit(*args, refine_seconds=30, n_gpus=0)  # read, warned, then the bad n_gpus refused
+    with pytest.raises(ValueError, match="refine_seconds must be a number of seconds, at least 0; got -1"):
+        plan_fit(*args, refine_seconds=-1)
+    with pytest.raises(ValueError, match="refine_limit must be a whole number of micro-batches, at least 0"):
+        plan_fit(*args, refine_limit=-1)
+    with pytest.raises(TypeError, match="give refine_limit alone"):
+        plan_fit(*args, refine_limit=1, refine_seconds=4)
+
+
+@pytest.mark.slow  # a plan of the tiny GPT: 3 s on idle cores, 11 s on busy ones
+def test_refine_limit_counts_micro_batches():
+    """``refine_limit=0``: no micro-batch gets a block-by-block plan (micro-batch 4 fits only fully
+    checkpointed), and the note says so in those words."""
+    x = torch.zeros(4, 16, dtype=torch.long)
+    quick = plan_fit(
+        GPTLightningModule("tiny"), (x, x), 16_940_824, device="cpu", cost="flops", refine_limit=0
+    )
+    assert quick.checkpoint_plan is None and quick.checkpointing == "full"
+    assert quick.estimated_peak <= quick.limit
+    assert "not searched at every micro-batch (past refine_limit=0 micro-batches)" in quick.note
+
+
+def test_a_plan_ranked_by_timed_steps_says_so():
+    """``cost="measured"`` times real steps, whose times move with the machine's load: the note says so
+    (and the summary, which shows the note); a plan ranked by FLOPs does not."""
+    x = torch.zeros(4, 16, dtype=torch.long)
+    args = (tiny_lm(), (x, x), 10**9)
+    kwargs = dict(device="cpu", loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    timed = plan_fit(*args, cost="measured", **kwargs)
+    assert TIMED_NOTE in timed.note and "whose times move with its load" in timed.summary()
+    assert TIMED_NOTE not in plan_fit(*args, cost="flops", **kwargs).note
+
+
+def test_an_oom_reports_plans_are_the_same_on_a_machine_100x_slower(monkeypatch):
+    """An explanation's plans are bounded by a count (`PLAN_REFINE_LIMIT`), not by 60 s of a clock: with
+    every clock 100x slower (and every simulation reported), the same plans. Before, past the time it
+    gave no plan ("No plan within 60 s of simulation")."""
+    x = torch.zeros(8, 32, dtype=torch.long)
+    section = partial(
+        oom.plans_section, tiny_lm(), (x, x), parse_budget(3 * 10**6), loss_fn=lambda out, y: out.sum(),
+        device="cpu",
+    )  # fmt: skip
+    fast = section()
+    assert fast[0].startswith("Plans that fit in")
+    monkeypatch.setattr(search, "PROGRESS_AFTER_S", 0.0)
+    _slow_clock(monkeypatch, factor=10_000.0)
+    assert section() == fast
+
+
+# --- item 8: a refusal names the step lever that fits ----------------------------------------------------
+
+
+def test_a_refusal_names_the_fused_step_where_it_fits():
+    """An embedding and a 32,000-word head at 6 B/param + 4 MiB with SGD: weights and gradients alone are
+    8 B/param, so nothing fits as asked; the refusal names FusedOptimizerStep with the peak of its leanest
+    plan (one micro-batch of 2), under the limit, and plan_fit(fused_step=True) plans exactly that peak."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(32_000, 64), torch.nn.Linear(64, 32_000))
+    limit = 6 * sum(p.numel() for p in model.parameters()) + 4 * 2**20
+    x = torch.zeros(2, 16, dtype=torch.long)
+    run = dict(
+        margin=0.0, optimizers=["sgd"], cost="flops", device="cpu", checkpointing="none",
+        loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="No plan fits") as refused:
+        plan_fit(model, (x, x), limit, **run)
+    fused = plan_fit(model, (x, x), limit, fused_step=True, **run)
+    assert (fused.micro_batch_size, fused.lever) == (
+        2,
+        "FusedOptimizerStep",
+    ) and fused.estimated_peak <= limit
+    named = (
+        "What would fit: FusedOptimizerStep() (plan_fit's fused_step=True): its leanest plan, micro-batch 2, "
+        f"none checkpointing, sgd, 32-true, peaks at {format_bytes(fused.estimated_peak)}; or "
+    )
+    assert named in str(refused.value)
+
+
+@pytest.mark.slow  # a Hugging Face model's first CPU kernels are measured in a worker: about 15 s
+def test_a_refusal_names_the_step_lever_that_fits_and_the_planner_agrees():
+    """A bf16-true tiny LLaMA (8.3 M parameters, mostly its embedding and head) at 3 B/param + 4 MiB,
+    planned as AutoFit plans with SGD (the Trainer's precision kept, ``compensate=False``): every plan
+    holds 4 B/param of weights and gradients and is refused (SGD at micro-batch 1: 3 B/param + 12.9 MiB);
+    the refusal names FusedOptimizerStep, which holds no whole gradient, with its leanest plan's peak (SGD
+    at micro-batch 2: 3 B/param + 3.95 MiB), and plan_fit(fused_step=True) plans it. It named a larger
+    card (or host memory) instead."""
+    with torch.device("meta"):
+        module = _CausalLM(vocab_size=32_000, hidden_size=128)
+    n = sum(p.numel() for p in module.parameters())
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    batch, limit = {"input_ids": tokens, "labels": tokens}, 3 * n + 4 * 2**20
+    run = dict(
+        margin=0.0, optimizers=["sgd"], precision="bf16-true", compensate=False, cost="flops", device="cpu"
+    )
+    with pytest.raises(ValueError, match="No plan fits") as refused:
+        plan_fit(module, batch, limit, **run)
+    named = re.search(
+        r"What would fit: FusedOptimizerStep\(\) \(plan_fit's fused_step=True\): its leanest plan, "
+        r"micro-batch 2, none checkpointing, sgd, bf16-true, peaks at ([\d.]+) MiB; or ",
+        str(refused.value),
+    )
+    assert named is not None, str(refused.value)
+    assert float(named.group(1)) * 2**20 <= limit
+    fused = plan_fit(module, batch, limit, fused_step=True, **run)  # the planner agrees
+    assert fused.lever == "FusedOptimizerStep" and fused.estimated_peak <= limit
+    with pytest.raises(ValueError) as nothing:  # no lever fits half of it: none is named
+        plan_fit(module, batch, limit // 2, **run)
+    assert "plan_fit's" not in str(nothing.value)

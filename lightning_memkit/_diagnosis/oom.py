@@ -8,15 +8,15 @@ that size), each with its simulated peak and the code that sets it (`plan_code`,
 prints whole). ``memkit estimate --gpu`` prints the same plans for a step that does not fit a card.
 
 Nothing here allocates on the device that ran out: the need and the plans are simulated on fake tensors
-(from a CPU copy of the batch), and the plans are ranked by counted FLOPs, never timed. Planning stops
-after `PLAN_SECONDS`: a large model's step takes seconds to simulate, and a plan dozens of them.
+(from a CPU copy of the batch), and the plans are ranked by counted FLOPs, never timed. A large model's
+step takes seconds to simulate, and a plan dozens of them: at most `PLAN_REFINE_LIMIT` micro-batches get a
+block-by-block checkpointing plan. A count, not a clock: the answer is the same on a busy machine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -51,7 +51,7 @@ from lightning_memkit._step import Step
 __all__ = [
     "MAX_PLANS",
     "PHASES",
-    "PLAN_SECONDS",
+    "PLAN_REFINE_LIMIT",
     "StepInFlight",
     "autofit_code",
     "by_hand_code",
@@ -70,12 +70,9 @@ __all__ = [
 PHASES = ("forward", "backward", "optimizer step")
 #: Plans an explanation shows at most.
 MAX_PLANS = 3
-#: Seconds an explanation may spend planning; past them it gives the AutoFit line alone.
-PLAN_SECONDS = 60.0
-
-
-class _OutOfTime(Exception):
-    """Planning took more than `PLAN_SECONDS`."""
+#: Micro-batches an explanation's plan gives a block-by-block checkpointing plan (`plan_fit`'s
+#: ``refine_limit``); the others get full checkpointing, where it fits.
+PLAN_REFINE_LIMIT = 2
 
 
 class StepInFlight:
@@ -223,15 +220,9 @@ def plans_section(
     planned as written: checkpointing a callback applied is set aside while planning, and so is the
     torch.compile activation budget a plan set (the simulation reads it; nothing compiled is forgotten).
     When nothing fits, the lines give `plan_fit`'s reason (the floor and what would fit); a plan that
-    fails otherwise, or takes more than `PLAN_SECONDS`, is one line.
+    fails otherwise is one line. The work is bounded by a count (`PLAN_REFINE_LIMIT`), never by time.
     """
-    deadline = time.monotonic() + PLAN_SECONDS
-
-    def progress(_: str) -> None:  # called before each simulation, once planning takes 2 s
-        if time.monotonic() > deadline:
-            raise _OutOfTime
-
-    options = {"cost": "flops", "progress": progress, **plan_options}
+    options = {"cost": "flops", "refine_limit": PLAN_REFINE_LIMIT, **plan_options}
     from torch._functorch import config
 
     # a compiled model's activation budget as the user's run sets it, for the simulations only: dynamo's
@@ -244,11 +235,6 @@ def plans_section(
             plan = plan_fit(model, batch, budget, margin=margin, optimizers=optimizers, **options)
     except ValueError as err:  # nothing fits: plan_fit says the floor and what would
         return [f"  {err}"]
-    except _OutOfTime:
-        call = _call("trainer = Trainer", {"callbacks": f"[AutoFit(budget={_budget_argument(budget)})]"})
-        return [
-            f"  No plan within {PLAN_SECONDS:.0f} s of simulation; AutoFit plans as the fit starts: {call}"
-        ]
     except Exception as err:
         return [f"  No plan: {err!r}."]
     ranked = fastest_plans(plan)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import numbers
 import time
 import warnings
 from collections import Counter
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
-from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name
+from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name, whole_number
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.compiled import (
     COMPILE_BUDGET,
@@ -31,7 +33,6 @@ from lightning_memkit._checkpointing.compiled import (
 )
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
-from lightning_memkit._estimating import repeated as _repeated
 from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.lightning_step import (
@@ -55,7 +56,7 @@ from lightning_memkit._optimizers.swap import (
 )
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import Lever, Sharding, Step
-from lightning_memkit._vocabulary import AUTO, allowed_modes
+from lightning_memkit._vocabulary import AUTO, allowed_modes, renamed
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -78,8 +79,14 @@ MODEL_SLACK = 0.05
 #: Full checkpointing's recompute as a share of forward + backward, where no planner measured it: the
 #: forward again, a third of the FLOPs (a bound for the other modes).
 FULL_RECOMPUTE = 1 / 3
-#: Seconds per simulated step above which the checkpointing planner refines a micro-batch's plan once.
-SLOW_SIMULATION_S = 2.0
+#: Forward and backward ops of a whole step (`counted_step`'s) above which the checkpointing planner
+#: refines a micro-batch's plan once, not three times: a step of that many takes about 2 s to simulate on
+#: two cores (GPT-2's 1,447 ops 0.7 s, LLaMA-7B's 7,841 ops 7 s). A count, so that the plan does not
+#: depend on how busy the machine is.
+SLOW_SIMULATION_OPS = 3_000
+#: Seconds a deprecated ``refine_seconds`` counts for one micro-batch refined (`refine_limit_for`): a
+#: LLaMA-7B planner on two idle cores (docs/repeated-blocks.md).
+REFINE_SECONDS_EACH = 4.0
 #: The step levers, `plan_fit`'s keywords, cheapest first, and the callback that makes each in a Trainer.
 LEVER_CALLBACKS = {
     "release_gradients": "GradientRelease",
@@ -88,6 +95,11 @@ LEVER_CALLBACKS = {
 }
 #: The end of the no-fit message where no 16-bit weights were allowed.
 LOWER_PRECISION_HINT = "; or allow a lower precision (bf16-true)"
+#: `FitPlan.note` where the plans were ranked by real steps timed (``cost="measured"``).
+TIMED_NOTE = (
+    "ranked by real steps timed on this machine, whose times move with its load: another run can rank "
+    "the plans otherwise (cost='flops' counts FLOPs, the same every run)"
+)
 #: Seconds of planning after which each further simulation is reported to ``plan_fit(progress=...)``.
 PROGRESS_AFTER_S = 2.0
 
@@ -121,15 +133,15 @@ class _Search:
         self.timed: dict[int, StepCost] = {}
         #: the smallest micro-batch the step accepts (`_runnable`)
         self.smallest = 1
-        self.seconds = 0.0
         self.progress = progress
         self.started = time.perf_counter()
         #: FSDP2's CPUOffloadPolicy: the sharded parameters and optimizer state on the host (`offloaded`)
         self.cpu_offload = False
         self._shard_bytes: dict[int | None, tuple[int, int]] = {}  # `offloaded`'s, by element size
-        #: planning seconds after which no checkpointing planner is started (`plan_fit`'s refine_seconds)
-        self.refine_seconds: float | None = None
-        self.unrefined = False  # whether a micro-batch was left at full checkpointing for lack of time
+        #: micro-batches that may get a block-by-block plan (`plan_fit`'s refine_limit); ``None``: all
+        self.refine_limit: int | None = None
+        self.refined = 0  # micro-batches that got one (a planner, or a compiled model's budget search)
+        self.unrefined = False  # whether a micro-batch was left at full checkpointing past the limit
         #: the bytes a step may peak at (`plan_fit`'s limit): what a compiled model's activation budget is
         #: planned for (`compiled_plan`)
         self.limit: int | None = None
@@ -163,10 +175,12 @@ class _Search:
         return batch_slice(self.batch, m, axes=self.axes)
 
     def refining(self) -> bool:
-        """Whether there is time left to plan checkpointing block by block."""
-        late = self.refine_seconds is not None and time.perf_counter() - self.started > self.refine_seconds
-        self.unrefined |= late
-        return not late
+        """Whether one more micro-batch may get its block-by-block plan (`refine_limit`), counted if so."""
+        if self.refine_limit is not None and self.refined >= self.refine_limit:
+            self.unrefined = True
+            return False
+        self.refined += 1
+        return True
 
     def estimate(self, m, checkpointing, *, optimizer=None, precision="32-true", counting=False, **changes):
         """One rank's simulated step (``counting``: `counted_step`'s breakdown, FLOPs and ops)."""
@@ -174,21 +188,17 @@ class _Search:
         budget = label_budget(checkpointing)
         if budget is not None:  # a compiled step: torch.compile's activation budget, no block wrapped
             checkpointing, changes["compile_budget"] = "none", budget
-        start = time.perf_counter()
         ctx = apply_checkpointing(self.model, checkpointing) if checkpointing != "none" else None
-        try:
-            with ctx or contextlib.nullcontext(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return (counted_step if counting else estimate_step)(
-                    self.model,
-                    self.micro_batch(m),
-                    self.step(m, precision, **changes),
-                    optimizer=optimizer,
-                    loss_fn=self.loss_fn,
-                    device=self.device,
-                )
-        finally:
-            self.seconds += time.perf_counter() - start
+        with ctx or contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return (counted_step if counting else estimate_step)(
+                self.model,
+                self.micro_batch(m),
+                self.step(m, precision, **changes),
+                optimizer=optimizer,
+                loss_fn=self.loss_fn,
+                device=self.device,
+            )
 
     def counted(
         self, m: int, optimizer: str | None, precision: str, checkpointing: str = "none"
@@ -278,28 +288,24 @@ class _Search:
         key = (m, optimizer, precision)
         if key not in self.planners:
             self._report(f"measuring the blocks' checkpointing costs at micro-batch {m}")
-            # A per-block plan's step is simulated whole: for copies of one block, costlier than the
-            # uniform modes' steps (`_estimating.repeated`'s shortcut) by the blocks it runs.
-            per_plan = self.seconds / max(len(self.cache), 1) * _repeated.cost_ratio(self.model)
-            start = time.perf_counter()
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    self.planners[key] = CheckpointPlanner(
-                        self.model,
-                        self.micro_batch(m),
-                        checkpointing=("none", *modes) if "none" not in modes else modes,
-                        cost="flops",  # the FLOPs of the ops recomputed; a measured step times plans
-                        device=self.device,
-                        optimizer=optimizer,
-                        loss_fn=self.loss_fn,
-                        step=self.step(m, precision),  # FSDP2: every plan's step simulated sharded
-                        # a few plans per micro-batch (uniform modes are candidates too); one where each
-                        # simulation takes seconds (a 7B model's)
-                        max_rounds=1 if per_plan > SLOW_SIMULATION_S else 3,
-                    )
-            finally:
-                self.seconds += time.perf_counter() - start
+            # A per-block plan's step is simulated whole (`_estimating.repeated`'s shortcut does not take
+            # every plan): its ops, those of the step first counted, say how long it takes.
+            ops = next(iter(self.counts.values()), (0, 0))[1]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.planners[key] = CheckpointPlanner(
+                    self.model,
+                    self.micro_batch(m),
+                    checkpointing=("none", *modes) if "none" not in modes else modes,
+                    cost="flops",  # the FLOPs of the ops recomputed; a measured step times plans
+                    device=self.device,
+                    optimizer=optimizer,
+                    loss_fn=self.loss_fn,
+                    step=self.step(m, precision),  # FSDP2: every plan's step simulated sharded
+                    # a few plans per micro-batch (uniform modes are candidates too); one where each
+                    # simulation takes seconds (a 7B model's)
+                    max_rounds=1 if ops > SLOW_SIMULATION_OPS else 3,
+                )
             for (m_, mode, optimizer_, precision_), breakdown in self.whole.items():
                 if (m_, optimizer_, precision_) == key:  # steps the search simulated already
                     self.planners[key].remember(self.planners[key].uniform(mode), breakdown)
@@ -313,19 +319,15 @@ class _Search:
         planner's search stops after a few rounds), and the strongest mode (the floor, simulated anyway:
         where the step is timed it can be the fastest, see `timed_recompute`). Empty if nothing fits."""
         planner = self.planner(m, modes, optimizer, precision)
-        start = time.perf_counter()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                floor = planner.simulate(planner.uniform(modes[-1]))
-                # The planner fits the whole step; one rank keeps only its share of what is sharded.
-                offset = floor.peak - self.per_rank(floor, precision).peak
-                options = []
-                with contextlib.suppress(ValueError):  # raised below the floor
-                    plan = planner.plan(limit + offset, modes=modes)  # block by block, among `modes`
-                    options.append((plan.overhead or 0.0, plan))
-        finally:
-            self.seconds += time.perf_counter() - start
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            floor = planner.simulate(planner.uniform(modes[-1]))
+            # The planner fits the whole step; one rank keeps only its share of what is sharded.
+            offset = floor.peak - self.per_rank(floor, precision).peak
+            options = []
+            with contextlib.suppress(ValueError):  # raised below the floor
+                plan = planner.plan(limit + offset, modes=modes)  # block by block, among `modes`
+                options.append((plan.overhead or 0.0, plan))
         cheapest = min((o for o, _ in options), default=float("inf"))
         for mode in modes[1:] if modes[0] == "none" else modes:
             uniform = planner.uniform(mode)
@@ -391,20 +393,16 @@ class _Search:
 
         For a measured step cost the recompute is timed too: on the CPU, op-mode (selective) checkpointing
         costs far more than its recomputed ops (its dispatch mode runs on every op of the forward)."""
-        start = time.perf_counter()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if m not in self.timed:
-                    self.timed[m] = measured_cost(
-                        self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m), axes=self.axes
-                    )
-                with apply_checkpointing(self.model, plan):
-                    checkpointed = measured_cost(
-                        self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m), axes=self.axes
-                    )
-        finally:
-            self.seconds += time.perf_counter() - start
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if m not in self.timed:
+                self.timed[m] = measured_cost(
+                    self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m), axes=self.axes
+                )
+            with apply_checkpointing(self.model, plan):
+                checkpointed = measured_cost(
+                    self.model, self.batch, loss_fn=self.loss_fn, sizes=(m, m), axes=self.axes
+                )
         return max(checkpointed.per_sample / self.timed[m].per_sample - 1.0, 0.0)
 
     def _report(self, line: str) -> None:
@@ -535,6 +533,7 @@ def plan_fit(
     fused_step: bool = False,
     offload: bool = False,
     compensate: bool = True,
+    refine_limit: int | None = None,
     refine_seconds: float | None = None,
     cpu_offload: bool | None = False,
     link: _fsdp2.Link | None = None,
@@ -584,10 +583,13 @@ def plan_fit(
             ``"adamw_kahan"``, ``"sgd_kahan"`` (torch-optimi; `COMPENSATED`) there, and the other
             optimizers are not planned there. ``False`` plans every optimizer at every precision (AutoFit:
             the Trainer's precision and optimizer are the user's).
-        refine_seconds: seconds of planning after which no micro-batch gets its block-by-block
-            checkpointing plan (a planner costs several simulated steps, seconds each for a 7B model): the
-            micro-batches left are planned with every block fully checkpointed, where that was simulated
-            already, and `FitPlan.note` says so. ``None``: no limit.
+        refine_limit: how many micro-batches may get a block-by-block checkpointing plan (a planner costs
+            several simulated steps, seconds each for a 7B model; a compiled model's activation-budget
+            search up to ten): the micro-batches past it, the smaller ones, are planned with every block
+            fully checkpointed, where that was simulated already, and `FitPlan.note` says so. A count, so
+            the plan is the same on a busy machine. ``None``: no limit.
+        refine_seconds: deprecated, for ``refine_limit``: read as ``refine_seconds / 4`` micro-batches
+            (`refine_limit_for`; a 7B model's planner takes about 4 s on two cores), never as time.
         link: with ``strategy="fsdp2"``, how fast the ranks' collectives run (`_sharding.fsdp2.Link`; default
             `_sharding.fsdp2.LINKS` for ``device``): each micro-step's all-gathers and reduce-scatters are
             added to
@@ -627,6 +629,15 @@ def plan_fit(
     budget = parse_budget(budget)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
+    if refine_seconds is not None and refine_limit is not None:
+        raise TypeError("refine_seconds is the deprecated form of refine_limit: give refine_limit alone")
+    if refine_seconds is not None:
+        counted = " (a count of micro-batches, so that the plan does not depend on the machine's load)"
+        refine_limit = renamed(
+            "plan_fit", "refine_seconds", "refine_limit", refine_limit_for(refine_seconds), also=counted
+        )
+    if refine_limit is not None:
+        refine_limit = whole_number("refine_limit", refine_limit, of="micro-batches", at_least=0)
     limit = int(budget.usable * (1 - margin))
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
     if not precisions:
@@ -687,7 +698,7 @@ def plan_fit(
             f"weights ({', '.join(precisions)}): allow adamw or sgd (planned as their Kahan-summed "
             "adamw_kahan, sgd_kahan), or a precision with fp32 weights (32-true, bf16-mixed)."
         )
-    search.refine_seconds = refine_seconds
+    search.refine_limit = refine_limit
     search.limit = limit
     if cpu_offload and strategy != "fsdp2":
         raise ValueError(
@@ -700,7 +711,7 @@ def plan_fit(
             f"{strategy!r}"
         )
     search.mixed_precision_policy = mixed_precision_policy
-    candidates = tuple(dict.fromkeys(o for o, _ in pairs))  # with the Kahan twins, in quality order
+    asked, candidates = candidates, tuple(dict.fromkeys(o for o, _ in pairs))  # with the Kahan twins
     # The pairs in order of preference whose static memory alone is not over the limit (no simulation).
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
     sizes = _runnable(search, sizes, *(viable or pairs)[0])
@@ -709,7 +720,8 @@ def plan_fit(
     chosen = _first_fitting(search, pairs, viable, sizes[0], modes[-1], limit, offloads=offloads)
     if chosen is None:
         pairs = [pair for pair in pairs if _loads(pair[0])] or pairs  # known by now: all were tried
-        message = _infeasible(search, pairs, precisions, modes, limit, budget, margin, total)
+        lever_fits = _lever_that_fits(search, asked, precisions, modes, limit, compensate)
+        message = _infeasible(search, pairs, precisions, modes, limit, budget, margin, total, lever_fits)
         if cpu_offload is None and search.sharding:
             leanest = search.whole[(search.smallest, modes[-1], *pairs[-1])]  # FSDP2: no COMPILE_BUDGET
             offloaded = search.offloaded(leanest, pairs[-1][1]).peak
@@ -721,6 +733,8 @@ def plan_fit(
 
     opt, prec = chosen
     step_cost = _cost(cost, model, per_rank, loss_fn, device, search, prec, opt)
+    if step_cost.source == "measured":  # the only part of a plan the machine's load can change
+        note = _also(note, TIMED_NOTE)
     if search.sharding and n_gpus > 1:  # FSDP2's collectives, every micro-step
         static = model_static(model, prec)
         n_units = len(find_blocks(model)) + 1
@@ -750,10 +764,9 @@ def plan_fit(
         options, best = [*options, kept], kept
         note = _also(note, f"micro-batch {kept.m} x accumulate {G // kept.m} kept as set up: it fits")
     reshard = None
-    out_of_time = refine_seconds is not None and time.perf_counter() - search.started > refine_seconds
-    if search.sharding and out_of_time:  # no time left for one more simulation: FSDP2's default
+    if search.sharding and search.unrefined:  # the work past refine_limit: FSDP2's default
         reshard = True
-        untried = f"reshard_after_forward=False not tried (past {refine_seconds:g} s)"
+        untried = f"reshard_after_forward=False not tried (past refine_limit={refine_limit})"
         note = _also(note, untried)
     elif search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
         whole = search.estimate(
@@ -765,7 +778,10 @@ def plan_fit(
             options = [o._replace(peak=kept.peak) if o == best else o for o in options]
             best = best._replace(peak=kept.peak)
     if search.unrefined:
-        late = f"block-by-block checkpointing not searched at every micro-batch (past {refine_seconds:g} s)"
+        late = (
+            "block-by-block checkpointing not searched at every micro-batch (past "
+            f"refine_limit={refine_limit} micro-batches)"
+        )
         note = _also(note, late)
     if routed(model):
         note = _also(note, ROUTING_ASSUMED)
@@ -803,6 +819,14 @@ def _as_set_up(search, step_cost, m, sizes, chosen, first, limit, G) -> _Option 
     opt, prec = chosen
     peak = search.peak(m, "none", opt, prec).peak
     return _Option(step_cost.time(m, G // m), m, "none", peak, None) if peak <= limit else None
+
+
+def refine_limit_for(seconds: float) -> int | None:
+    """The `plan_fit` ``refine_limit`` a deprecated ``refine_seconds`` stands for: a micro-batch refined per
+    `REFINE_SECONDS_EACH` seconds, rounded down (30 s: 7); ``None`` (no limit) for infinity. Never a clock."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds >= 0:
+        raise ValueError(f"refine_seconds must be a number of seconds, at least 0; got {seconds!r}")
+    return None if math.isinf(seconds) else math.floor(seconds / REFINE_SECONDS_EACH)
 
 
 def _first_fitting(search, pairs, viable, m, strongest, limit, *, offloads: Sequence[bool]):
@@ -908,7 +932,7 @@ def _fastest(search, step_cost, sizes, modes, opt, prec, limit, G) -> list[_Opti
                 continue
             if modes[-1] == COMPILE_BUDGET:  # torch.compile's activation budget: no planner, no timing
                 if (m, opt, prec) not in search.compiled and not search.refining():
-                    continue  # up to ten simulations: not past refine_seconds
+                    continue  # up to ten simulations: not past refine_limit
                 plan, _ = search.compiled_plan(m, opt, prec)
                 if plan is not None:  # its recompute in FLOPs, under either cost
                     seconds = step_cost.time(m, G // m, plan.overhead or 0.0)
@@ -1053,8 +1077,39 @@ def _cost(cost, model, batch, loss_fn, device, search, precision, optimizer) -> 
     return flops_cost(flops, ops, search.smallest, device)
 
 
-def _infeasible(search, pairs, precisions, modes, limit, budget, margin, total) -> str:
-    """The error text: static floor, leanest plan's peak, and what would fit."""
+def _lever_that_fits(search, candidates, precisions, modes, limit, compensate) -> str:
+    """Where nothing fits as asked and no step lever was, the cheapest lever (`LEVER_CALLBACKS`) whose
+    leanest plan fits ``limit``, as the fix the refusal names, with its figure; ``""`` if none does (or a
+    lever was asked, or several ranks). One simulation a lever, of the step `plan_fit` plans with that
+    lever's keyword: its leanest optimizer and precision (`_pairs` as it forms them), the strongest
+    checkpointing, and for the fused step one micro-batch, the global batch per GPU. Where it fits, that
+    `plan_fit` finds a plan: a refusal never contradicts the planner."""
+    if search.lever is not None or search.n_gpus > 1 or search.sharding:
+        return ""
+    strongest = modes[-1] if modes[-1] in CHECKPOINT_MODES else "none"  # compiled: the budget configured
+    for keyword, callback in LEVER_CALLBACKS.items():
+        fused = keyword == "fused_step"
+        pairs = _pairs(candidates, precisions, compensate and keyword != "offload", fused)
+        pairs = [p for p in pairs if _loads(p[0])]
+        if not pairs:
+            continue
+        optimizer, precision = pairs[-1]
+        m = batch_size(search.batch, search.axes) if fused else search.smallest
+        try:
+            peak = search.estimate(m, strongest, optimizer=optimizer, precision=precision, lever=keyword).peak
+        except ValueError:  # the step refuses the lever (an optimizer the fused step cannot take)
+            continue
+        if peak <= limit:
+            return (
+                f"{callback}() (plan_fit's {keyword}=True): its leanest plan, micro-batch {m}, {strongest} "
+                f"checkpointing, {optimizer}, {precision}, peaks at {format_bytes(peak)}"
+            )
+    return ""
+
+
+def _infeasible(search, pairs, precisions, modes, limit, budget, margin, total, lever_fits="") -> str:
+    """The error text: static floor, leanest plan's peak, and what would fit (``lever_fits`` first: the
+    step lever that fits, `_lever_that_fits`)."""
     (first_opt, first_prec), (leanest_opt, leanest_prec) = pairs[0], pairs[-1]
     strongest = modes[-1]
     if strongest == COMPILE_BUDGET and search.static(leanest_opt, leanest_prec) > limit:
@@ -1091,6 +1146,8 @@ def _infeasible(search, pairs, precisions, modes, limit, budget, margin, total) 
     if search.device == "cpu":  # a CPU run: no card to name, the memory its step needs
         needed = format_bytes(int(whole.peak / (1 - margin)) + 1)
         hint = f"{needed} of host memory at micro-batch {search.smallest}"
+    if lever_fits:  # the step's own lever first: no other device, no other card
+        hint = f"{lever_fits}; or {hint}"
     static_parts = (
         "parameters + optimizer state: the fused step holds no gradients"
         if fused
