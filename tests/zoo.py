@@ -198,10 +198,11 @@ def _adapted(base: str, targets: list[str], quantize: bool) -> Callable[[], nn.M
 
     def build() -> nn.Module:
         import peft
-        from peft_models import quantized
 
         model = MODELS[base][0]()
         if quantize:  # every Linear but those transformers' quantizer leaves: the head, T5's `wo`
+            from peft_models import quantized
+
             options = {"quant_type": "nf4", "compress_statistics": True}
             kept = {"lm_head", *(getattr(model, "_keep_in_fp32_modules", None) or ())}
             for module in list(model.modules()):
