@@ -465,8 +465,8 @@ def test_plan_at_bf16_true_prints_the_kahan_optimizer_for_both_set_ups():
 @pytest.mark.slow
 def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback():
     """``--fused-step``: the step inside backward cannot accumulate, so the micro-batch is the global batch,
-    and both Trainers in the code carry FusedOptimizerStep; on several GPUs it is
-    refused, saying why."""
+    and both Trainers in the code carry FusedOptimizerStep; on several GPUs under DDP it is refused, saying
+    why, and planned with FSDP2 where no strategy is named."""
     argv = ["plan", "--model", "tiny", "--gpu", "1GB", "--global-batch", "64", "--seq-len", "128"]
     report = _json([*argv, "--fused-step"])
     assert (report["micro_batch_size"], report["accumulate_grad_batches"]) == (64, 1)
@@ -477,8 +477,13 @@ def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback()
     namespace = {"Trainer": dict}
     exec(report["code"].replace("from lightning.pytorch import Trainer\n", ""), namespace)
     assert isinstance(namespace["trainer"]["callbacks"][0], FusedOptimizerStep)
-    status, _, err = _run([*argv, "--fused-step", "--gpus", "2"])
+    status, _, err = _run([*argv, "--fused-step", "--gpus", "2", "--strategy", "ddp"])
     assert status == 2 and "fused into backward cannot run under ddp" in err
+    sharded = _json([*argv, "--fused-step", "--gpus", "2"])  # no strategy named: FSDP2, which can
+    assert sharded["strategy"] == "fsdp2" and sharded["strategy_choice"] == (
+        "strategy: fsdp2 over 2 GPUs (The optimizer step fused into backward cannot run under ddp: "
+        "--strategy ddp says why)"
+    )
     small = [*argv[:4], "600MB", *argv[5:], "--fused-step", "--optimizer", "sgd"]
     status, _, err = _run(small)  # nothing fits: the floor has no gradients, and no FSDP is suggested
     assert status == 2 and "(parameters + optimizer state: the fused step holds no gradients)" in err

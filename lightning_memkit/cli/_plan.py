@@ -100,7 +100,7 @@ def _across_strategies(
         try:
             return (*_best_plan(model, batch, args, strategy), "")
         except ValueError as err:
-            if strategy == "fsdp2" or args.gpus == 1 or not str(err).startswith("No plan fits"):
+            if strategy == "fsdp2" or args.gpus == 1 or not _no_fit(err):
                 raise
             try:
                 other, _, _ = _best_plan(model, batch, args, "fsdp2", quiet=True)
@@ -117,16 +117,17 @@ def _across_strategies(
     for strategy in STRATEGY_CHOICE:
         try:
             answers[strategy] = _best_plan(model, batch, args, strategy, quiet=strategy == "ddp")
-        except ValueError as err:
-            if not str(err).startswith("No plan fits"):
-                raise
+        except ValueError as err:  # for lack of memory, or a set-up DDP cannot run (the fused step)
             errors[strategy] = err
             if strategy == "ddp":
-                print(f"memkit plan: no DDP plan fits; planning FSDP2 over {args.gpus} GPUs", file=sys.stderr)
+                why = _ddp_refused(err)
+                print(f"memkit plan: {why}; planning FSDP2 over {args.gpus} GPUs", file=sys.stderr)
             continue
         if strategy == "ddp" and not answers["ddp"][1]:
             break  # DDP as asked: nothing to gain from sharding
     if not answers:
+        if not _no_fit(errors["ddp"]):
+            raise errors["fsdp2"] if _no_fit(errors["fsdp2"]) else errors["ddp"]
         raise ValueError(
             f"Neither DDP nor FSDP2 over {args.gpus} GPUs fits. DDP: {errors['ddp']} FSDP2: {errors['fsdp2']}"
         )
@@ -140,8 +141,18 @@ def _across_strategies(
         why = "no FSDP2 plan fits" if fsdp2 is None else "FSDP2 gives up as much or more"
         return (*ddp, f"strategy: ddp {ranks} ({why}; each rank keeps the whole model)")
     assert fsdp2 is not None
-    why = "no DDP plan fits" if ddp is None else "DDP fits only by giving up more"
+    why = "DDP fits only by giving up more" if ddp is not None else _ddp_refused(errors["ddp"])
     return (*fsdp2, f"strategy: fsdp2 {ranks} ({why}: --strategy ddp says why)")
+
+
+def _ddp_refused(error: ValueError) -> str:
+    """Why DDP was not planned, in a few words: no plan fits, or the first clause of why it cannot run."""
+    return "no DDP plan fits" if _no_fit(error) else str(error).split(":")[0]
+
+
+def _no_fit(error: ValueError) -> bool:
+    """Whether ``error`` is `plan_fit`'s refusal for lack of memory (not a set-up it cannot run)."""
+    return str(error).startswith("No plan fits")
 
 
 def _best_plan(
@@ -194,10 +205,10 @@ def _best_plan(
         try:
             plans.append(plan(attempt))
         except ValueError as err:
-            if i == 0 and not str(err).startswith("No plan fits"):
+            if i == 0 and not _no_fit(err):
                 raise  # as asked, and not for lack of memory: the user's to fix
             first_error = first_error or (err if i == 0 else None)
-            why = "no plan fits" if str(err).startswith("No plan fits") else str(err).split(":")[0]
+            why = "no plan fits" if _no_fit(err) else str(err).split(":")[0]
             tried.append(f"{_describe(attempt)}: {why}")
             continue
         if i == 0:
@@ -212,7 +223,7 @@ def _best_plan(
             except ValueError as err:
                 first_error = err
         assert first_error is not None, "the run as asked fits on a second try"
-        if str(first_error).startswith("No plan fits"):
+        if _no_fit(first_error):
             needs = "" if quiet else _smallest_step(model, batch, args, attempts[0])
             if needs:
                 print(needs, file=sys.stderr)
