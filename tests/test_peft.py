@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import cpu_trainer
-from peft_models import SETUPS, AdapterModule, adapter_model, token_batch
+from peft_models import SETUPS, TARGETS, AdapterModule, adapter_model, quantized, token_batch
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, estimate_memory, measure
@@ -23,11 +23,12 @@ from lightning_memkit._measuring.tracker import (
     gradient_tensors,
     model_tensors,
     optimizer_tensors,
+    rounded,
     storage_bytes,
 )
 from lightning_memkit.testing import AllocatorPeaks, counting_allocator
 
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -233,3 +234,52 @@ def test_hugging_face_checkpointing_of_a_qlora_model(reentrant, tmp_path, one_th
     assert estimate.peak == pytest.approx(max(peaks.peaks[1:]), rel=0.01)
     plain = estimate_memory(AdapterModule("qlora-nf4"), token_batch(), device="cpu")
     assert estimate.activations < plain.activations  # checkpointing is on
+
+
+def _nf4_double_bytes(n: int, block: int = 512) -> int:
+    """Bytes of one ``n``-weight layer quantized by bitsandbytes to 4 bits with double quantization (blocks
+    of 64), each tensor in the CUDA allocator's 512-byte blocks: the packed data (2 weights a byte), one
+    uint8 absmax a block, the fp32 offset, the nested state's fp32 absmax (one per 256 absmax) and
+    256-value fp32 code table, and the 16-value fp32 code table."""
+    blocks = n // 64
+    parts = (n // 2, blocks, 4, 4 * -(-blocks // 256), 4 * 256, 4 * 16)
+    return sum(rounded(part, block) for part in parts)
+
+
+@pytest.mark.slow  # a 7B model's step, simulated
+def test_a_7b_qlora_built_on_the_meta_device_is_quantized_from_its_shapes():
+    """LLaMA-2-7B's shapes on the meta device, every linear layer of its blocks bitsandbytes' nf4 with
+    double quantization and bf16 storage (the QLoRA paper's recipe), LoRA r=8, bf16-true, a CUDA target:
+    the parameters are bitsandbytes' layout of those shapes, byte for byte, nothing materialised; the
+    optimizer state is AdamW's over the adapters alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, use_cache=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    options = SETUPS["qlora-nf4-double-bf16"]
+    for module in list(base.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and name != "lm_head":
+                setattr(module, name, quantized(child, options))
+    module = AdapterModule("lora-fp32", device="meta")
+    with torch.device("meta"):
+        module.model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=TARGETS))
+    ids = torch.zeros(1, 512, dtype=torch.long)
+    estimate = estimate_memory(
+        module, {"input_ids": ids, "labels": ids}, precision="bf16-true", device="cuda"
+    )
+
+    weights = [p for p in module.parameters() if type(p).__name__ == "Params4bit"]
+    assert len(weights) == 32 * 7 and all(p.device.type == "meta" for p in weights)
+    others = [t for t in (*module.parameters(), *module.buffers()) if type(t).__name__ != "Params4bit"]
+    expected = sum(_nf4_double_bytes(p.numel()) for p in weights) + sum(
+        rounded(2 * t.numel(), 512) for t in others
+    )
+    assert estimate.parameters == expected
+    adapters = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert adapters == 32 * 8 * (2 * (4096 + 4096) + 2 * (4096 + 11008))
+    assert estimate.optimizer_state == pytest.approx(2 * 2 * adapters, rel=1e-3)  # bf16 moments
