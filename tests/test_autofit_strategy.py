@@ -32,6 +32,7 @@ from lightning_memkit import (
     ActivationCheckpointing,
     AutoFit,
     AutoFitStrategy,
+    chunked_cross_entropy,
     estimate_memory,
     parse_bytes,
     plan_fit,
@@ -142,16 +143,33 @@ def _fit(
         trainer.save_checkpoint(save)
 
 
-def _refused(out: Path) -> None:
+class BuiltLate(Llama):
+    """Llama with a layer ``configure_model`` adds after AutoFitStrategy planned (64 x 64 + 64 parameters)."""
+
+    def configure_model(self):
+        if not hasattr(self, "extra"):
+            self.extra = torch.nn.Linear(64, 64)
+
+
+class ChunkedLlama(Llama):
+    """The chunked-loss pattern (`advise`'s fix): the decoder's output, then the head a slice at a time;
+    ``self.model``, the smallest module holding every parameter, never runs its own forward."""
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.model.model(input_ids=batch["input_ids"]).last_hidden_state
+        return chunked_cross_entropy(hidden[:, :-1], self.model.lm_head, batch["labels"][:, 1:])
+
+
+def _refused(out: Path, budget: str = "200KiB", module=Llama) -> None:
     out.mkdir(parents=True, exist_ok=True)
     trainer = pl.Trainer(
         default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=1, logger=False,
-        strategy=AutoFitStrategy(budget="200KiB"), enable_progress_bar=False, enable_model_summary=False,
+        strategy=AutoFitStrategy(budget=budget), enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False,
     )  # fmt: skip
     try:
-        trainer.fit(Llama())
-    except ValueError as error:
+        trainer.fit(module())
+    except (ValueError, RuntimeError) as error:
         (out / f"error_{trainer.global_rank}.txt").write_text(str(error))
 
 
@@ -200,6 +218,8 @@ RUNS = {
     # bf16-mixed: every unit gathered in bf16 (MixedPrecisionPolicy), as planned
     "bf16": lambda out: _fit(out, AutoFitStrategy(budget="600KiB"), Llama(), precision="bf16-mixed"),
     "refused": _refused,
+    "built_late": lambda out: _refused(out, "1GiB", BuiltLate),
+    "chunked": lambda out: _refused(out, "1GiB", ChunkedLlama),
     "resume": _resume,
 }
 
@@ -267,6 +287,33 @@ sized = LightningCLI(BoringModel, run=False, args=[
 print(type(named.trainer.strategy).__name__, named.trainer.strategy.autofit.budget,
       sized.trainer.strategy.autofit.budget)
 """
+
+
+class _Scaled(pl.LightningModule):
+    """A parameter on the LightningModule itself (a learned scale), beside ``self.model``: the smallest module
+    holding every parameter is the LightningModule, whose forward the step never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.model(batch) * self.scale).mean()
+
+
+def test_a_root_unit_the_step_never_calls_is_refused_naming_the_parameter(tmp_path):
+    """AutoFitStrategy refuses, as the fit starts, to make the LightningModule the root FSDP2 unit where it
+    has no forward (the first op then met a sharded ``scale``: "mixed torch.Tensor and DTensor", raised
+    from inside the plan's simulation)."""
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy=AutoFitStrategy(budget="1GiB"),
+        logger=False, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    refusal = r"holding every parameter is _Scaled itself \(it holds `scale`"
+    with pytest.raises(ValueError, match=refusal) as refused:
+        trainer.fit(_Scaled())
+    assert "Move `scale` into the module training_step calls" in str(refused.value)
 
 
 @pytest.mark.slow  # a fresh process importing Lightning
@@ -390,6 +437,31 @@ def test_a_budget_nothing_meets_is_refused_on_every_rank_with_the_figures(runs):
     for rank in range(WORLD):
         error = (runs / "refused" / f"error_{rank}.txt").read_text()
         assert "No plan fits 180.00 KiB" in error and "Static floor" in error and "peaks at" in error
+
+
+@pytest.mark.slow
+@needs_distributed
+@ranks
+def test_layers_configure_model_builds_after_the_plan_are_refused_on_every_rank(runs):
+    """configure_model adds a layer after the plan was made (at setup): refused before sharding, naming it
+    and its size, and where to build it."""
+    for rank in range(WORLD):
+        error = (runs / "built_late" / f"error_{rank}.txt").read_text()
+        assert "BuiltLate.configure_model built 4,160 parameters (`extra.weight`, `extra.bias`)" in error
+        assert "Build those layers in __init__" in error
+
+
+@pytest.mark.slow
+@needs_distributed
+@ranks
+def test_a_step_around_the_root_units_forward_is_refused_naming_the_unit(runs):
+    """The chunked loss calls the decoder and the head, never ``self.model``'s forward, so the root unit's
+    own parameters (embeddings, norm, head) stay sharded: refused on every rank, naming the unit and them,
+    where the simulation said only "mixed torch.Tensor and DTensor"."""
+    for rank in range(WORLD):
+        error = (runs / "chunked" / f"error_{rank}.txt").read_text()
+        assert "the smallest module holding every parameter, is `model` (LlamaForCausalLM)" in error
+        assert "`model.model.embed_tokens.weight`" in error and "Call self.model(...)" in error
 
 
 @pytest.mark.slow

@@ -449,16 +449,18 @@ def test_the_end_of_fit_advice_is_one_ranks_sharded_step(fsdp):
 @pytest.mark.slow
 @needs_distributed
 def test_an_oom_under_fsdp2_is_explained_per_rank(fsdp):
-    """An out-of-memory error in a sharded step: rank 0 says what one rank's step needs, simulated on the
-    model's unsharded twin (the module is sharded by then), and plans that fit, for FSDP2 again."""
+    """An out-of-memory error in a sharded step: each rank that ran out (here every one) says what one
+    rank's step needs, simulated on the model's unsharded twin (the module is sharded by then), and plans
+    that fit, for FSDP2 again."""
     world, out = fsdp
     explanations = []
     for rank in range(world):
         record = read(out, "oom", rank)
         assert "pretend" in record["error"]
         explanations += [w for w in record["warnings"] if "MemoryMonitor: out of memory" in w]
-    assert len(explanations) == 1, explanations  # said once, on rank 0
-    [message] = explanations
+    assert len(explanations) == world, explanations  # said once on each rank, which names itself
+    assert sorted(m.split("]")[0] for m in explanations) == [f"[rank {r}" for r in range(world)]
+    message = explanations[0]
     need = format_bytes(simulated_rank(world, first_step=True))
     assert f"The step needs {need} (one rank's step of {world} under FSDP2, simulated" in message
     assert "Plans that fit in" in message and "fsdp2" in message, message

@@ -55,6 +55,24 @@ def is_lightning(model: nn.Module) -> bool:
     return isinstance(model, pl.LightningModule)
 
 
+def without_parameters(model: nn.Module) -> str | None:
+    """Why ``model``'s step cannot be estimated or planned where it has no parameters, in a sentence
+    (``None`` where it has some): it trains nothing, or its ``configure_model`` has yet to build them."""
+    if any(True for _ in model.parameters()):
+        return None
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    name = type(model).__name__
+    if not (is_lightning(model) and is_overridden("configure_model", model)):
+        return f"{name} has no parameters: its step trains nothing, so there is nothing to estimate or plan."
+    return (
+        f"{name} has no parameters yet: its configure_model builds them, which a Trainer runs after AutoFit "
+        "and AutoFitStrategy plan (at setup), and estimate_memory does not run. Build the layers in __init__ "
+        '(under `with torch.device("meta"):` for a model too large for the host, with AutoFitStrategy, '
+        "which materializes it once sharded), so that they are planned."
+    )
+
+
 @contextlib.contextmanager
 def lightning_stand_ins(module: nn.Module, device: torch.device) -> Iterator[None]:
     """Make a LightningModule's hooks runnable outside ``Trainer.fit``, and undo it afterwards.

@@ -91,6 +91,7 @@ from lightning_memkit._estimating.lightning_step import (
     lightning_stand_ins,
     loss_of,
     optimizers_from,
+    without_parameters,
 )
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._estimating.trace import Tracer
@@ -753,6 +754,8 @@ def estimate_memory(
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
     """
+    if (empty := without_parameters(model)) is not None:
+        raise ValueError(f"estimate_memory: {empty}")
     if _configure_model_pending(model):
         name = type(model).__name__
         warnings.warn(

@@ -41,6 +41,7 @@ from lightning_memkit._estimating.lightning_step import (
     batch_slice,
     default_axes,
     is_lightning,
+    without_parameters,
 )
 from lightning_memkit._estimating.routing import ROUTING_ASSUMED, routed
 from lightning_memkit._estimating.simulate import counted_step, estimate_step, sixteen_bit_weights
@@ -626,6 +627,8 @@ def plan_fit(
             "simulated: plan the underlying nn.Module instead, with loss_fn= (and optimizers= to name the "
             "candidates)."
         )
+    if (empty := without_parameters(model)) is not None:
+        raise ValueError(empty)
     budget = parse_budget(budget)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")

@@ -1,12 +1,14 @@
 """What `MemoryMonitor` and `AutoFit` print when a training step runs out of memory: the run read from the
 Trainer (its budget or plan, precision, sharding, step levers, optimizer), explained by
-`_diagnosis.oom.explain_oom`."""
+`_diagnosis.oom.explain_oom`, on the rank that ran out (rank 1's OOM is rank 1's step: its own batch)."""
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import Budget
@@ -35,16 +37,19 @@ def report_oom(
     who: str,
     measured: MemoryBreakdown | None = None,
 ) -> None:
-    """Warn (rank 0) what `explain_run_oom` says of an OOM in ``step``. Never raises: the OOM, not an error
-    of explaining it, is what the run dies of; such an error is one line."""
+    """Warn what `explain_run_oom` says of an OOM in ``step``, on the rank it struck (named where there are
+    several: another rank may never see an error, only wait in its next collective). Never raises: the
+    OOM, not an error of explaining it, is what the run dies of; such an error is one line."""
     try:
         message = explain_run_oom(trainer, pl_module, step, budget, who=who, measured=measured)
     except Exception as err:
         message = f"{who}: out of memory; explaining it failed ({err!r}). The error follows."
+    if trainer.world_size > 1:
+        message = f"[rank {trainer.global_rank}] {message}"
     try:
-        rank_zero_warn(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
     except Exception:  # warnings turned into errors (-W error): say it as information instead
-        rank_zero_info(message)
+        logging.getLogger(__name__).info(message)
 
 
 def explain_run_oom(

@@ -544,7 +544,7 @@ class AutoFit(Callback):
             monitor = next((c for c in trainer.callbacks if isinstance(c, MemoryMonitor)), None)
             if monitor is not None:
                 monitor.on_exception(trainer, pl_module, exception)  # explains once, whichever asks first
-            elif trainer.is_global_zero:
+            else:  # on the rank that ran out
                 report_oom(trainer, pl_module, self._step, None, who="AutoFit")
         self._step.end()
         self._unapply()

@@ -53,6 +53,7 @@ device is refused at its start, saying so.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -128,7 +129,7 @@ class AutoFitStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         #: the planner: added to the Trainer's callbacks when the strategy is connected
-        self.autofit = AutoFit(
+        self.autofit = _Planner(
             budget,
             margin=margin,
             batch_arg_name=batch_arg_name,
@@ -141,6 +142,8 @@ class AutoFitStrategy(ModelParallelStrategy):
         #: the FSDP2 units, as sharded (parents after their children), once set up
         self.units: list[str] = []
         self._offloaded = False  # whether this strategy applied CPUOffloadPolicy
+        #: the parameters the plan is made for (elements, names), read as the module is connected
+        self._planned: tuple[int | None, set[str]] = (None, set())
 
     @property
     def plan(self) -> FitPlan | None:
@@ -149,6 +152,9 @@ class AutoFitStrategy(ModelParallelStrategy):
 
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
+        _check_root(model)
+        # What the plan will be made for: configure_model, which runs after it, must not add to it.
+        self._planned = sum(p.numel() for p in model.parameters()), {n for n, _ in model.named_parameters()}
         trainer = model._trainer
         if trainer is None or any(c is self.autofit for c in trainer.callbacks):
             return
@@ -159,6 +165,22 @@ class AutoFitStrategy(ModelParallelStrategy):
                 "callbacks, and give its arguments to AutoFitStrategy(...)."
             )
         trainer.callbacks.insert(0, self.autofit)  # it plans before the other callbacks' setup
+
+    def _check_planned_parameters(self) -> None:
+        """Refuse parameters ``configure_model`` built after the plan was made (at ``setup``, before it): the
+        plan's figures are not the model's, and the layout would shard what was never planned."""
+        module, (count, names) = self.lightning_module, self._planned
+        now = sum(p.numel() for p in module.parameters())
+        if count is None or now <= count:
+            return
+        wrapped = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
+        built = [name for name, _ in module.named_parameters() if wrapped.sub("", name) not in names]
+        raise RuntimeError(
+            f"AutoFitStrategy: {type(module).__name__}.configure_model built {now - count:,} parameters "
+            f"({_names(built)}) after the plan was made (at setup, for {count:,}): the plan is not this "
+            'model\'s. Build those layers in __init__ (under `with torch.device("meta"):` for a model too '
+            "large for the host; the strategy materializes it once sharded), so that they are planned."
+        )
 
     def setup_environment(self) -> None:
         budget = self.autofit.budget
@@ -181,6 +203,8 @@ class AutoFitStrategy(ModelParallelStrategy):
         move, build the optimizers), without asking for a ``configure_model``."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self.autofit.plan is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._check_planned_parameters()
         self._shard(self.lightning_module)
         # FSDP2's offloaded shards must be materialized on the host, and stay there; the buffers go.
         host = torch.device("cpu")
@@ -287,6 +311,74 @@ def _saved_plan(path: Path, state_key: str) -> FitPlan | None:
     checkpoint = torch.load(source, map_location="cpu", mmap=path.is_file(), weights_only=False)
     state = checkpoint.get("callbacks", {}).get(state_key) or {}
     return FitPlan.from_dict(state["plan"]) if state.get("plan") else None
+
+
+class _Planner(AutoFit):
+    """`AutoFit` as AutoFitStrategy plans with it: its state under AutoFit's key (a checkpoint resumes with
+    either), and a plan whose simulated sharded step met parameters the layout never gathers refused,
+    naming the root unit (`_ungathered`), where the simulation's DTensor error said nothing of the cause."""
+
+    @property
+    def state_key(self) -> str:
+        return "AutoFit"
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        try:
+            super().setup(trainer, pl_module, stage)
+        except (ValueError, RuntimeError) as error:
+            if "mixed torch.Tensor and DTensor" not in str(error):
+                raise
+            raise ValueError(_ungathered(pl_module)) from error
+
+
+def _ungathered(module: pl.LightningModule) -> str:
+    """Why the planned step met parameters FSDP2 had not gathered: the root unit's own (those in no block)
+    are gathered only by its forward, which the training step went around."""
+    root = _fsdp2.root_name(module)
+    blocks = [f"{name}." for name, _ in find_blocks(module)]
+    inside = f"{root}." if root else ""
+    own = [
+        n for n, _ in module.named_parameters() if n.startswith(inside) and not n.startswith(tuple(blocks))
+    ]
+    unit = f"`{root}` ({type(module.get_submodule(root)).__name__})" if root else type(module).__name__
+    call = f"self.{root}(...)" if root else "self(...)"
+    return (
+        'AutoFitStrategy: the planned step computed with parameters FSDP2 had not gathered ("mixed '
+        f"torch.Tensor and DTensor\"). The layout's root unit, the smallest module holding every parameter, "
+        f"is {unit}: it gathers its own parameters ({_names(own)}) only while its forward runs, and "
+        "training_step used modules inside it without that forward (the decoder, then the head through a "
+        f"chunked loss, say). Call {call} (a chunked loss inside the forward of a module holding the head), "
+        "or shard by hand in configure_model under ModelParallelStrategy, a unit for each module the step "
+        "calls."
+    )
+
+
+def _check_root(module: pl.LightningModule) -> None:
+    """Refuse a layout whose root unit would be the LightningModule itself (the smallest module holding
+    every parameter: one on the module itself, or several children holding them) where it has no forward
+    of its own: FSDP2 gathers a unit's parameters only in that unit's forward, which the training step
+    then never calls, so they would stay sharded ("mixed torch.Tensor and DTensor" at the first op)."""
+    if _fsdp2.root_name(module) != "" or type(module).forward is not pl.LightningModule.forward:
+        return
+    name = type(module).__name__
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    holders = [n for n, child in module.named_children() if any(True for _ in child.parameters())]
+    held = (
+        f"it holds {_names(own)} itself"
+        if own
+        else f"its parameters are in {_names(holders)}, none of which holds them all"
+    )
+    move = (
+        f"Move {_names(own)} into the module training_step calls (self.model, say)"
+        if own
+        else (f"Put {_names(holders)} in one module that training_step calls")
+    )
+    raise ValueError(
+        f"AutoFitStrategy: the smallest module holding every parameter is {name} itself ({held}), so its "
+        f"root FSDP2 unit would be {name}, whose forward the training step never calls ({name} has none of "
+        "its own); FSDP2 gathers a unit's parameters only in that unit's forward, so those would stay "
+        f"sharded. {move}, or give {name} a forward that runs the model and call self(...) in training_step."
+    )
 
 
 def _names(units: Sequence[str]) -> str:
