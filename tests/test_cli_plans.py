@@ -3,6 +3,7 @@ step's gradients alive through the forward), an ``hf:`` model's weights in the d
 plans across DDP and FSDP2 when several GPUs are given, and every model-free argument checked before
 anything is imported or simulated."""
 
+import argparse
 import contextlib
 import json
 import re
@@ -345,8 +346,6 @@ def test_llama_70b_on_64_h100s_is_planned_with_fsdp2():
 def test_which_strategy(monkeypatch, ddp, fsdp2, chosen, why):
     """DDP where it fits as asked (FSDP2 then not planned); else FSDP2 as asked; between two relaxed plans
     the one giving up less, DDP on a tie."""
-    import argparse
-
     from lightning_memkit.cli import _plan
 
     planned = []
@@ -372,3 +371,25 @@ def test_loop_plain_is_for_a_plain_module():
         "memkit estimate: error: --loop plain steps a plain nn.Module; --model tiny is a LightningModule "
         "(GPTLightningModule), whose training_step runs in Lightning's order: leave --loop out\n"
     )
+
+
+def test_neither_strategy_fits(monkeypatch):
+    """Both refused for lack of memory: FSDP2's refusal, the sharded one, said to be the last word; a set-up
+    DDP cannot run (the fused step) is DDP's refusal when FSDP2 cannot run it either."""
+    from lightning_memkit.cli import _plan
+
+    refusals = {"ddp": "No plan fits 1 B (ddp)", "fsdp2": "No plan fits 1 B (fsdp2)"}
+
+    def best_plan(model, batch, args, strategy, quiet=False):
+        raise ValueError(refusals[strategy])
+
+    monkeypatch.setattr(_plan, "_best_plan", best_plan)
+    args = argparse.Namespace(strategy=None, gpus=8)
+    with pytest.raises(ValueError, match=re.escape(
+        "Neither DDP nor FSDP2 over 8 GPUs fits (--strategy ddp says why DDP does not); FSDP2: No plan fits "
+        "1 B (fsdp2)"
+    )):  # fmt: skip
+        _plan._across_strategies(None, None, args)
+    refusals = {"ddp": "The optimizer step fused into backward cannot run under ddp", "fsdp2": "other"}
+    with pytest.raises(ValueError, match=r"^The optimizer step fused into backward cannot run under ddp$"):
+        _plan._across_strategies(None, None, args)

@@ -129,7 +129,8 @@ def _across_strategies(
         if not _no_fit(errors["ddp"]):
             raise errors["fsdp2"] if _no_fit(errors["fsdp2"]) else errors["ddp"]
         raise ValueError(
-            f"Neither DDP nor FSDP2 over {args.gpus} GPUs fits. DDP: {errors['ddp']} FSDP2: {errors['fsdp2']}"
+            f"Neither DDP nor FSDP2 over {args.gpus} GPUs fits (--strategy ddp says why DDP does not); "
+            f"FSDP2: {errors['fsdp2']}"
         )
     ddp, fsdp2 = answers.get("ddp"), answers.get("fsdp2")
     ranks = f"over {args.gpus} GPUs"
