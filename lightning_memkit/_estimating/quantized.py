@@ -48,8 +48,8 @@ class QuantizedTwins:
     def __init__(self, mode: FakeTensorMode, fake: Callable[[Tensor], Tensor]) -> None:
         self.mode = mode
         self.fake = fake  # a real (or meta) tensor -> its fake twin, in the simulation's dtype
-        self._twins: dict[int, Tensor] = {}
-        self._keep: list[Tensor] = []  # the real tensors keyed by id above, kept alive while we are
+        self._twins: dict[Any, Tensor] = {}  # by `_key`
+        self._keep: list[Tensor] = []  # the real tensors keyed above, kept alive (an id is not reused)
 
     def tensor(self, t: Tensor) -> Tensor:
         """The fake twin of a quantization state's tensor: its own dtype, whatever the precision."""
@@ -92,8 +92,11 @@ class QuantizedTwins:
         return twin
 
     def _four_bit(self, t: Tensor) -> tuple[Tensor, Any]:
-        if t.bnb_quantized:
-            return self.fake(t), self.state(t.quant_state)
+        if t.bnb_quantized:  # a state lost from the weight (FSDP's flat copies) is still its layer's
+            state = t.quant_state
+            if state is None:
+                state = getattr(getattr(t, "module", None), "quant_state", None)
+            return self.fake(t), self.state(state)
         import bitsandbytes as bnb
 
         dynamic = bnb.functional.name2qmap
