@@ -39,7 +39,8 @@ class MemoryBreakdown:
     All fields are integers in bytes.
 
     Attributes:
-        parameters: the model's parameters and buffers (storages shared by ties/views counted once).
+        parameters: the model's parameters and buffers (storages shared by ties/views counted once), a
+            quantized weight with its quantization state (bitsandbytes' absmax and code tables).
         gradients: the ``.grad`` tensors of the parameters.
         optimizer_state: every tensor in ``optimizer.state`` (AdamW's moments, 8-bit states and their
             quantization scales, ...).

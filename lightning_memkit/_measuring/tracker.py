@@ -5,7 +5,8 @@ every storage an op allocates is seen when it is born, and a weak reference tell
 running sum of live storages gives the peak, op by op, and a snapshot of what was live at that moment.
 Categories are assigned afterwards from identity, not guessed from sizes:
 
-* parameters and buffers, optimizer state: the storages the model and optimizer hold;
+* parameters and buffers, optimizer state: the storages the model and optimizer hold (a quantized weight's
+  quantization state is its parameter's; each parameter is trainable or frozen, for `parameter_split`);
 * gradients: storages that became some parameter's ``.grad`` (post-accumulate-grad hooks) before the
   peak;
 * activations: storages that autograd saved for backward (saved-tensor hooks) before the peak;
