@@ -180,7 +180,9 @@ def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, m
 
 
 def test_infeasible_budget_names_floor_and_fixes(module, batch):
-    with pytest.raises(ValueError, match=r"Static floor.*leanest plan.*What would fit: .*GPUs .*fsdp"):
+    """The step lever that fits first, with its peak (issue 46 item 8); then, for a CPU run, host memory."""
+    fixes = r"What would fit: FusedOptimizerStep\(\) .*peaks at [\d.]+ MiB; or [\d.]+ MiB of host memory"
+    with pytest.raises(ValueError, match=rf"Static floor.*leanest plan.*{fixes}"):
         plan_fit(module, batch, 8_000_000, device="cpu", cost=COST)
 
 
