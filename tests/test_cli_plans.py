@@ -222,6 +222,9 @@ PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
         (["advise", *ESTIMATE[1:], "--fsdp2", "4", "--gpus", "2"], "--fsdp2 4 is the old spelling of --gpus "
          "4 --strategy fsdp2; give those alone"),
         (["advise", *ESTIMATE[1:], "--gpus", "2", "--strategy", "zero3"], "Unknown strategy 'zero3'"),
+        (["estimate", "--model", "tiny", "--batch-size", "2000000", "--seq-len", "1000000"], "a batch of "
+         "2000000 x 1000000 is 2,000,000,000,000 tokens, more than the 1,099,511,627,776 the simulation "
+         "counts"),
     ],
     ids=lambda v: " ".join(v[-2:]) if isinstance(v, list) else "",
 )  # fmt: skip

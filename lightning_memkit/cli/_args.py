@@ -16,6 +16,19 @@ class UsageError(Exception):
     """Bad input from the command line; `main` prints it as one line and exits with status 2."""
 
 
+#: Most tokens in one batch: B x T x the vocabulary x 8 bytes must stay an int64 byte count.
+MAX_TOKENS = 2**40
+
+
+def check_tokens(batch_size: int, seq_len: int) -> None:
+    """A batch of ``batch_size`` x ``seq_len`` tokens the simulation can count (`MAX_TOKENS`)."""
+    if batch_size * seq_len > MAX_TOKENS:
+        raise UsageError(
+            f"a batch of {batch_size} x {seq_len} is {batch_size * seq_len:,} tokens, more than the "
+            f"{MAX_TOKENS:,} the simulation counts; check --seq-len and the batch size"
+        )
+
+
 @contextlib.contextmanager
 def usage_error(*catch: type[Exception], context: str = "", fix: str = "") -> Iterator[None]:
     """Raise what ``catch`` (default: any exception) catches as a one-line `UsageError`.

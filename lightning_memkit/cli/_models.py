@@ -53,13 +53,9 @@ from lightning_memkit._estimating.analytic import TransformerShape, count_parame
 from lightning_memkit._estimating.lightning_step import lightning_stand_ins, optimizers_from
 from lightning_memkit._estimating.simulate import PRECISION_DTYPES
 from lightning_memkit._optimizers.swap import identify
-from lightning_memkit.cli._args import UsageError, usage_error
+from lightning_memkit.cli._args import UsageError, check_tokens, usage_error
 from lightning_memkit.cli._parsers import add_model_argument, add_step_arguments  # noqa: F401 (the old home)
 from lightning_memkit.demos.gpt import PRESETS, GPTConfig, GPTLightningModule
-
-#: Most tokens in one batch: B x T x the vocabulary x 8 bytes must stay an int64 byte count.
-MAX_TOKENS = 2**40
-
 
 #: ``--model hf:<directory or org/name>``: a Hugging Face architecture from its ``config.json``.
 HF_PREFIX = "hf:"
@@ -518,11 +514,7 @@ def optimizer_used(model: nn.Module, optimizer: str | None) -> tuple[str, str | 
 
 
 def example_batch(model: nn.Module, spec: str, batch_size: int, seq_len: int) -> Any:
-    if batch_size * seq_len > MAX_TOKENS:
-        raise UsageError(
-            f"a batch of {batch_size} x {seq_len} is {batch_size * seq_len:,} tokens, more than the "
-            f"{MAX_TOKENS:,} the simulation counts; check --seq-len and the batch size"
-        )
+    check_tokens(batch_size, seq_len)
     if callable(getattr(user_model(model), "example_batch", None)):
         with usage_error(
             context=f"--model {spec}: its example_batch({batch_size}, {seq_len}) failed",

@@ -25,6 +25,7 @@ from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
 from lightning_memkit.cli._args import (
     UsageError,
+    check_tokens,
     gpu_or_memory,
     margin,
     names,
@@ -152,8 +153,9 @@ def _add_ranks(
 
 
 def check_advise(args: argparse.Namespace) -> None:
-    """``--fsdp2 N``, the old spelling, is ``--gpus N --strategy fsdp2`` (said on stderr); with them, a
-    contradiction is a usage error."""
+    """The batch's token count; ``--fsdp2 N``, the old spelling, is ``--gpus N --strategy fsdp2`` (said on
+    stderr); with them, a contradiction is a usage error."""
+    check_tokens(args.batch_size, args.seq_len)
     if args.fsdp2 is None:
         return
     if args.gpus not in (1, args.fsdp2) or args.strategy != "ddp":
@@ -173,6 +175,7 @@ def check_plan(args: argparse.Namespace) -> None:
     over the GPUs, ``--gpu`` for ``--device`` (`Budget`: on cuda the card less the CUDA context and
     reserve; on cpu the size as given, a GPU name refused: it says nothing of the host's memory), and no
     GPU lever on a CPU."""
+    check_tokens(args.global_batch, args.seq_len)
     if args.global_batch % args.gpus:
         raise UsageError(
             f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}; give a "
@@ -185,7 +188,9 @@ def check_plan(args: argparse.Namespace) -> None:
 
 
 def check_estimate(args: argparse.Namespace) -> None:
-    """``memkit estimate --gpu`` for ``--device``, as `check_plan` reads it."""
+    """The batch's token count (all ranks' and micro-batches' at once, as ``--gpu``'s plans cut it), and
+    ``memkit estimate --gpu`` for ``--device``, as `check_plan` reads it."""
+    check_tokens(args.batch_size * (args.accumulate * args.gpus if args.gpu is not None else 1), args.seq_len)
     if args.gpu is not None:
         args.gpu = _device_budget(args.gpu, args.device, "--gpu")
 
