@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from models import MLPModule
+from models import BlockNet, MLPModule
 
 from lightning_memkit import AutoFit
 
@@ -129,3 +129,32 @@ def test_a_strategy_that_restores_after_setup_keeps_this_fits_plan_with_the_same
     path, _ = _saved(tmp_path / "sgd", optimizers=["sgd_momentum"])
     with pytest.raises(RuntimeError, match=r"Give AutoFit\(\.\.\., optimizers=\['sgd_momentum'\]\)"):
         _fit(tmp_path, AutoFit("50TB", cost="flops"), ckpt_path=path, strategy=_LateRestore("cpu"))
+
+
+class _Compiled(BlockNet):
+    """Repeated blocks compiled in ``configure_model``, as Lightning documents compiling: the eager plan's
+    checkpointing modes are the blocks', the compiled plan's torch.compile's activation budget."""
+
+    def configure_model(self) -> None:
+        for block in self.blocks:
+            block.compile()
+
+
+@pytest.mark.slow  # torch.compile on the CPU
+def test_a_model_compiled_in_configure_model_resumes_with_its_compiled_plan(tmp_path):
+    """setup plans the eager step, and the checkpoint's plan is the compiled step's (made at on_fit_start):
+    the same run resumed installs it (the compiled step is what on_fit_start would plan), rather than
+    keeping the eager plan setup made, which the resume would then train the compiled model with."""
+    path, plans = tmp_path / "compiled.ckpt", []
+    for ckpt_path in (None, path):
+        callback = AutoFit("100TB", cost="flops")
+        trainer = L.Trainer(
+            default_root_dir=tmp_path, max_steps=2 * STEPS if ckpt_path else STEPS, accelerator="cpu",
+            devices=1, callbacks=[callback], enable_progress_bar=False, enable_model_summary=False,
+            logger=False, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(_Compiled(batch_size=16), ckpt_path=ckpt_path)
+        trainer.save_checkpoint(path)
+        plans.append(callback.plan)
+    assert "compile budget" in plans[0].modes and plans[1] == plans[0]
+    assert trainer.global_step == 2 * STEPS

@@ -666,7 +666,14 @@ class AutoFit(Callback):
             self.plan = saved  # outside a fit: the checkpoint's plan, to read
             return False
         self._resumed = True
+        module = self._target[1]
+        # configure_model compiled the model after setup planned its eager step: the run's plan is the
+        # compiled step's (on_fit_start would make it), so the saved plan is held to that, and planned so.
+        recompiled = not self._compiled and bool(compiled_modules(module))
         changed = stale(saved, current)
+        if recompiled:  # the eager plan's checkpointing modes, against the compiled plan's budget
+            changed = [change for change in changed if change[0] != "checkpointing modes"]
+            self._compiled = True
         if not changed and install:
             self.plan = saved
             self._install(saved)
@@ -685,13 +692,12 @@ class AutoFit(Callback):
             else f"AutoFit: the checkpoint's plan ({saved.summary()}) is not this fit's, and {strategy} "
             "restores it after building the optimizers"
         )
-        if saved.optimizer == current.optimizer:
+        if saved.optimizer == current.optimizer and not recompiled:
             warn_once(
                 f"{head}: this fit's plan, made for this run, goes on with {optimizer_name(saved)}, whose "
                 f"state the checkpoint holds: {current.summary()}"
             )
             return False
-        module = self._target[1]
         weights = (
             f"(its state goes on), or start from its weights alone ({type(module).__name__}"
             f".load_from_checkpoint(path), then fit without ckpt_path), {optimizer_name(current)} afresh."
