@@ -283,3 +283,22 @@ def test_a_7b_qlora_built_on_the_meta_device_is_quantized_from_its_shapes():
     adapters = sum(p.numel() for p in module.parameters() if p.requires_grad)
     assert adapters == 32 * 8 * (2 * (4096 + 4096) + 2 * (4096 + 11008))
     assert estimate.optimizer_state == pytest.approx(2 * 2 * adapters, rel=1e-3)  # bf16 moments
+
+
+@pytest.mark.slow  # a planned fit
+def test_optimizer_swap_on_a_qlora_run_swaps_the_adapters_optimizer(tmp_path, one_thread):
+    """OptimizerSwap at a budget that AdamW's two moments over the adapters overflow by a quarter of them:
+    the optimizer it swaps in holds the adapters alone, and every real step fits."""
+    from lightning_memkit import OptimizerSwap
+
+    module = AdapterModule("qlora-nf4")
+    naive = estimate_memory(module, token_batch(), device="cpu")
+    budget = naive.peak - naive.optimizer_state // 4
+    peaks = AllocatorPeaks(all_threads=True)
+    trainer = cpu_trainer(tmp_path, [OptimizerSwap(budget=budget), *peaks.around()], max_steps=STEPS)
+    trainer.fit(module)
+    optimizer = trainer.optimizers[0]
+    assert not isinstance(optimizer, torch.optim.AdamW)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for p in module.parameters() if p.requires_grad}
+    assert max(peaks.peaks) <= budget
