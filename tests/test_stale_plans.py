@@ -71,7 +71,8 @@ def test_a_plan_made_for_four_ranks_is_not_installed_on_one(tmp_path):
     user's 8 x 1) trains, and a warning names the world size and the strategy, both values."""
     path, _ = _saved(tmp_path, n_gpus=4, strategy="fsdp", micro_batch_size=4, accumulate_grad_batches=2)
     callback = AutoFit("100TB", cost="flops")
-    with pytest.warns(UserWarning, match=r"made for another run \(world size 4 -> 1; strategy fsdp -> \w+\)"):
+    said = r"made for another run \(world size 4 -> 1; strategy fsdp -> one device\)"
+    with pytest.warns(UserWarning, match=said):
         trainer, seen = _fit(tmp_path, callback, ckpt_path=path)
     assert callback.plan.n_gpus == 1 and "GPUs" not in callback.plan.summary()
     assert seen.sizes == [8] * STEPS and trainer.global_step == 2 * STEPS
@@ -129,6 +130,22 @@ def test_a_strategy_that_restores_after_setup_keeps_this_fits_plan_with_the_same
     path, _ = _saved(tmp_path / "sgd", optimizers=["sgd_momentum"])
     with pytest.raises(RuntimeError, match=r"Give AutoFit\(\.\.\., optimizers=\['sgd_momentum'\]\)"):
         _fit(tmp_path, AutoFit("50TB", cost="flops"), ckpt_path=path, strategy=_LateRestore("cpu"))
+
+
+def test_a_plan_saved_before_its_run_was_recorded_still_resumes(tmp_path):
+    """A checkpoint whose plan predates the fields that say what it was made for (world size, strategy,
+    device, step lever, modes, FSDP2's options): read with their defaults, so the CPU run differs from the
+    CUDA device assumed, plans again, says so, and its AdamW state goes on."""
+    path, checkpoint = _saved(tmp_path)
+    plan = checkpoint["callbacks"]["AutoFit"]["plan"]
+    for key in ("n_gpus", "strategy", "device", "lever", "modes", "mixed_precision_policy", "cpu_offload"):
+        del plan[key]
+    torch.save(checkpoint, path)
+    callback = AutoFit("100TB", cost="flops")
+    with pytest.warns(UserWarning, match=r"made for another run \(device cuda -> cpu; "):
+        trainer, seen = _fit(tmp_path, callback, ckpt_path=path)
+    assert callback.plan.device == "cpu" and trainer.global_step == 2 * STEPS
+    assert {float(s["step"]) for s in seen.state.values()} == {float(STEPS)}
 
 
 class _Compiled(BlockNet):

@@ -34,7 +34,7 @@ def stale(saved: FitPlan, current: FitPlan) -> list[Change]:
             changes.append((what, show(old), show(new)))
 
     differ("world size", saved.n_gpus, current.n_gpus)
-    differ("strategy", saved.strategy, current.strategy)
+    differ("strategy", _layout(saved), _layout(current))
     differ("FSDP2 bf16 MixedPrecisionPolicy", saved.mixed_precision_policy, current.mixed_precision_policy)
     usable = (saved.budget.total, saved.budget.usable), (current.budget.total, current.budget.usable)
     if usable[0] != usable[1]:
@@ -66,6 +66,12 @@ def refusal(saved: FitPlan, current: FitPlan, changed: list[Change], why: str, f
         f"the checkpoint holds the state of {optimizer_name(saved)}, saved with the plan "
         f"{saved.summary()}{differs}; this run's plan steps {optimizer_name(current)}, {why}. {fix}"
     )
+
+
+def _layout(plan: FitPlan) -> str:
+    """The plan's strategy, one device read alike whatever its name (``"auto"``; ``"ddp"``, the default of a
+    plan saved without one)."""
+    return "one device" if plan.n_gpus == 1 and plan.strategy in ("auto", "ddp") else plan.strategy
 
 
 def _per_rank(plan: FitPlan) -> int:
