@@ -40,6 +40,7 @@ from lightning_memkit import (
 from lightning_memkit._diagnosis.oom import plan_code
 from lightning_memkit._fitting.plan import StepCost
 from lightning_memkit._sharding.fsdp2 import Link, collective_seconds, shard_bytes
+from lightning_memkit.strategies.auto_fit import _check_root
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
 #: the tests that read the ranks' runs: one set of rank processes at a time, with test_ddp's and test_fsdp's
@@ -314,6 +315,16 @@ def test_a_root_unit_the_step_never_calls_is_refused_naming_the_parameter(tmp_pa
     with pytest.raises(ValueError, match=refusal) as refused:
         trainer.fit(_Scaled())
     assert "Move `scale` into the module training_step calls" in str(refused.value)
+
+
+def test_a_module_without_parameters_yet_is_left_to_the_planners_sentence():
+    """No parameters at all (configure_model builds them) is no root unit to refuse: planning then says
+    why, in `without_parameters`' words (tests/test_refusals.py), not "its parameters are in , ..."."""
+    from test_refusals import _Built
+
+    _check_root(_Built(build_later=True))  # nothing raised
+    with pytest.raises(ValueError, match="is _Scaled itself"):
+        _check_root(_Scaled())
 
 
 @pytest.mark.slow  # a fresh process importing Lightning

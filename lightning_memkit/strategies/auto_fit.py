@@ -360,6 +360,8 @@ def _check_root(module: pl.LightningModule) -> None:
     then never calls, so they would stay sharded ("mixed torch.Tensor and DTensor" at the first op)."""
     if _fsdp2.root_name(module) != "" or type(module).forward is not pl.LightningModule.forward:
         return
+    if not any(True for _ in module.parameters()):  # none yet: planning says so (`without_parameters`)
+        return
     name = type(module).__name__
     own = [n for n, _ in module.named_parameters(recurse=False)]
     holders = [n for n, child in module.named_children() if any(True for _ in child.parameters())]
