@@ -5,6 +5,8 @@ fits is kept as the user wrote it."""
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -348,3 +350,37 @@ def test_a_loader_of_one_sample_is_planned_not_refused(tmp_path):
     autofit = AutoFit(budget="100TB", cost="flops")
     _fit(tmp_path, One(batch_size=1), [autofit], max_steps=1)
     assert autofit.plan.micro_batch_size == 1
+
+
+class _RunsOut(_LSTM):
+    """`_LSTM` on a device that runs out in the second batch's forward (real tensors only: the planning's
+    fake ones pass)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1 and not isinstance(batch[0], torch._subclasses.FakeTensor):
+            raise torch.OutOfMemoryError("pretend: out of memory")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_oom_report_plans_along_the_loaders_batch_dimension(tmp_path):
+    """The report counted the (T, B) batch's samples along T and planned from a global batch repeated along
+    it (so the inputs and targets disagreed and no plan came): now along B, as AutoFit read it."""
+    module = _RunsOut(batch_size=16)
+    x, y = _time_major([_Sequences()[i] for i in range(16)])
+    axes = (1, 0)
+    plan = plan_fit(module, (x, y), "100TB", margin=0.0, device="cpu", cost="flops", checkpointing="none",
+                    batch_axes=axes)  # fmt: skip
+    whole = next(a.peak for a in plan.alternatives if a.micro_batch_size == 16)
+    half = plan_fit(module, batch_slice((x, y), 8, axes=axes), "100TB", margin=0.0, device="cpu",
+                    cost="flops", checkpointing="none", batch_axes=axes).estimated_peak  # fmt: skip
+    budget = (half + whole) // 2  # micro-batch 8 x 2, as in the test above
+    autofit = AutoFit(budget=budget, margin=0.0, cost="flops", checkpointing="none", verify_steps=0)
+    trainer = cpu_trainer(tmp_path, [autofit], max_steps=3, logger=False)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(torch.OutOfMemoryError):
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    (message,) = [str(w.message) for w in caught if "out of memory in" in str(w.message)]
+    assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (8, 2)
+    assert "(batch 1, 8 samples)" in message
+    assert "with batch_size = 16 (the global batch per GPU)" in message
+    assert "No plan" not in message

@@ -31,7 +31,7 @@ from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, apply_plan, budget_before_plans
 from lightning_memkit._estimating.analytic import model_static, shard
-from lightning_memkit._estimating.lightning_step import batch_size, repeat_rows
+from lightning_memkit._estimating.lightning_step import batch_size, repeat_batch
 from lightning_memkit._estimating.simulate import estimate_step
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.search import plan_fit
@@ -197,7 +197,7 @@ def explain_oom(
         )
         budget = Budget(need.peak, need.peak, f"{format_bytes(need.peak)}, this step's need")
     copies = accumulate * plan_options.get("n_gpus", 1)  # (micro, ...) -> (micro * copies, ...)
-    whole = apply_to_collection(on_cpu(batch), Tensor, lambda t: repeat_rows(t, copies) if t.dim() else t)
+    whole = repeat_batch(on_cpu(batch), copies, plan_options.get("batch_axes"))
     lines += [*table, *plans_section(model, whole, budget, **plan_options)]
     return "\n".join(lines)
 
@@ -251,7 +251,7 @@ def plans_section(
         )
         lines += [f"       {line}" for code in by_hand_code(option, model) for line in code.splitlines()]
         names.update(c.split("(")[0] for c in _levers(option))
-    per_gpu = batch_size(batch) // plan.n_gpus
+    per_gpu = batch_size(batch, plan_options.get("batch_axes")) // plan.n_gpus
     verb = "give" if planner_present else "use" if fsdp2 else "add"
     what = f"{planner} these arguments, which make" if planner_present else f"{planner}, which makes"
     lines += [

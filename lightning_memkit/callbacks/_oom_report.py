@@ -80,6 +80,7 @@ def explain_run_oom(
         guard.remove()
     planner = next((c for c in trainer.callbacks if isinstance(getattr(c, "plan", None), FitPlan)), None)
     plan = None if planner is None else planner.plan
+    axes = getattr(planner, "sample_axes", None)  # as AutoFit read them off the loader; else dim 0
     device = trainer.strategy.root_device
     if budget is None and plan is not None:
         budget = plan.budget
@@ -106,8 +107,8 @@ def explain_run_oom(
         device=kind,
     )
     try:
-        samples = f", {batch_size(step.batch)} samples"
-    except ValueError:  # tensors of several sizes along dim 0
+        samples = f", {batch_size(step.batch, axes)} samples"
+    except ValueError:  # tensors that disagree on their samples
         samples = ""
     where = f"the {step.phase} of step {trainer.global_step} (batch {step.batch_idx}{samples})"
     title = f"{who}: out of memory in {where}."
@@ -136,5 +137,6 @@ def explain_run_oom(
         device=kind,
         compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
         planner_present=plan is not None,
+        batch_axes=axes,
         **levers,
     )

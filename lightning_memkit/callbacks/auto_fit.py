@@ -163,6 +163,12 @@ class AutoFit(Callback):
         #: the ranks' collectives, timed by AutoFitStrategy (else `_sharding.fsdp2.LINKS`' for the device)
         self._link: Any = None
 
+    @property
+    def sample_axes(self) -> SampleAxes | None:
+        """Which dimension of each tensor in the train dataloader's batches holds the samples, as read at
+        planning (`SampleAxes`); ``None`` before."""
+        return self._axes
+
     # --- planning -----------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -489,7 +495,8 @@ class AutoFit(Callback):
         if trainer.strategy.reduce_boolean_decision(fine, all=True):
             return
         if fine:
-            got = f"another rank's first training batch does not hold that (rank {trainer.global_rank}'s does)"
+            rank = trainer.global_rank
+            got = f"another rank's first training batch does not hold that (rank {rank}'s does)"
         else:
             got = f"the first training batch on rank {trainer.global_rank} holds " + (
                 f"{rows} samples" if rows is not None else f"a batch AutoFit cannot count ({why})"
