@@ -8,12 +8,16 @@ AutoFitStrategy's resumes, on gloo ranks, are in test_autofit_strategy.
 """
 
 import copy
+import os
+from datetime import timedelta
 
 import lightning as L
 import pytest
 import torch
+from helpers import spawn_ranks
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from models import BlockNet, MLPModule
+from test_ddp import needs_distributed
 
 from lightning_memkit import AutoFit
 
@@ -175,3 +179,37 @@ def test_a_model_compiled_in_configure_model_resumes_with_its_compiled_plan(tmp_
         plans.append(callback.plan)
     assert "compile budget" in plans[0].modes and plans[1] == plans[0]
     assert trainer.global_step == 2 * STEPS
+
+
+def _ddp_rank(rank: int, out) -> None:
+    """One of 2 DDP ranks on gloo: `STEPS` steps planned at 100 TB (AdamW), saved by rank 0."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # Lightning then launches no processes itself
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2, timeout=timedelta(minutes=3)
+    )  # fmt: skip
+    trainer = L.Trainer(
+        default_root_dir=out, max_steps=STEPS, accelerator="cpu", devices=2, strategy="ddp",
+        callbacks=[AutoFit("100TB", cost="flops")], enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(MLPModule(hidden=4096, batch_size=8))
+    trainer.save_checkpoint(out / "ddp.ckpt")
+    torch.distributed.destroy_process_group()
+
+
+@needs_distributed
+@pytest.mark.slow  # two processes
+def test_a_plan_saved_by_two_ddp_ranks_is_not_installed_on_one_device(tmp_path):
+    """Saved by 2 DDP ranks, resumed on one device: the plan is made for one device, a warning names the
+    world size and the strategy, and the checkpoint's AdamW state goes on."""
+    spawn_ranks(_ddp_rank, (tmp_path,), 2, "DDP")
+    saved = torch.load(tmp_path / "ddp.ckpt", weights_only=False)["callbacks"]["AutoFit"]["plan"]
+    assert (saved["n_gpus"], saved["strategy"]) == (2, "ddp")
+    callback = AutoFit("100TB", cost="flops")
+    said = r"made for another run \(world size 2 -> 1; strategy ddp -> one device\)"
+    with pytest.warns(UserWarning, match=said):
+        trainer, seen = _fit(tmp_path, callback, ckpt_path=tmp_path / "ddp.ckpt")
+    assert callback.plan.n_gpus == 1 and trainer.global_step == 2 * STEPS
+    assert {float(s["step"]) for s in seen.state.values()} == {float(STEPS)}
+
