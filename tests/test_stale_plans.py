@@ -100,6 +100,8 @@ def test_a_new_budget_plans_again_with_the_checkpoints_optimizer(tmp_path):
     with pytest.warns(UserWarning, match=r"budget 90.95 TiB \(100TB\) -> 45.47 TiB \(50TB\).*planning again"):
         trainer, seen = _fit(tmp_path, callback, ckpt_path=path)
     assert callback.plan.budget.source == "50TB" and callback.plan.optimizer == "sgd_momentum"
+    plan = callback.plan
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches) == (8, 1) and seen.sizes == [8] * STEPS
     assert type(trainer.optimizers[0]).__name__ == "SGD"
     saved = checkpoint["optimizer_states"][0]["state"]
     assert seen.state.keys() == saved.keys() and all(

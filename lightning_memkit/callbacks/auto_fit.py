@@ -716,6 +716,9 @@ class AutoFit(Callback):
             raise RuntimeError("AutoFit: " + refusal(saved, current, changed, why, f"{fix} {weights}"))
         name = optimizer_name(saved)
         warn_once(f"{head}: planning again for this run, with {name}, whose state the checkpoint holds")
+        self._put_back_batch_sizes()  # planned from the user's batch and accumulation, as at setup
+        if self._accumulate is not None:
+            trainer.accumulate_grad_batches = self._accumulate[1]
         asked, self.optimizers = self.optimizers, (saved.optimizer,)
         try:
             self._decide(trainer, module, self._modes(trainer))
