@@ -141,29 +141,42 @@ def test_the_cli_runs_configure_model_as_the_trainer_does():
         by_hand = BuiltInConfigureModel()
         by_hand.configure_model()
     x = torch.zeros(B, T, dtype=torch.long, device="meta")
-    with pytest.warns(UserWarning, match="overrides configure_model, which a Trainer runs"):
-        expected = estimate_memory(by_hand, (x, x), device="cpu")  # it cannot know the hook ran
     with warnings_as_errors():
+        expected = estimate_memory(by_hand, (x, x), device="cpu")
         report = _json(["estimate", "--model", "test_cli_plans:BuiltInConfigureModel", "--batch-size", str(B),
                         "--seq-len", str(T), "--device", "cpu"])  # fmt: skip
     assert report["simulated"] == expected.as_dict()
 
 
+class CompiledInConfigureModel(BuiltInConfigureModel):
+    """The way Lightning documents compiling: in configure_model."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+
+    def configure_model(self):
+        if not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
+            self.net = torch.compile(self.net)
+
+
 def test_estimate_memory_says_configure_model_did_not_run():
-    """Called on a module whose configure_model a Trainer has yet to run, estimate_memory says so."""
-    with torch.device("meta"):
-        module = BuiltInConfigureModel()
-        module.net = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+    """Called on a module whose configure_model a Trainer has yet to run, and which would change the module
+    (compile it: tried on a copy, on the meta device), estimate_memory says so; not where the hook has run,
+    or changes nothing (it warned whenever the hook was overridden and nothing was compiled)."""
     x = torch.zeros(B, T, dtype=torch.long, device="meta")
+    with torch.device("meta"):
+        compiled, built = CompiledInConfigureModel(), BuiltInConfigureModel()
     with pytest.warns(
-        UserWarning, match=r"BuiltInConfigureModel.configure_model\(\) first, as the Trainer will"
+        UserWarning, match=r"CompiledInConfigureModel.configure_model\(\) first, as the Trainer"
     ):
-        estimate_memory(module, (x, x), device="cpu")
-    plain = torch.nn.Sequential(
-        torch.nn.Embedding(64, 32, device="meta"), torch.nn.Linear(32, 64, device="meta")
-    )
-    with warnings_as_errors():  # a module without the hook: nothing to say
-        estimate_memory(plain, (x, x), optimizer="adamw", loss_fn=lambda out, y: out.sum(), device="cpu")
+        estimate_memory(compiled, (x, x), device="cpu")
+    assert not isinstance(compiled.net, torch._dynamo.eval_frame.OptimizedModule)  # tried on a copy only
+    compiled.configure_model()
+    built.configure_model()
+    with warnings_as_errors():  # the hook has run (compiled), or changes nothing now (idempotent)
+        estimate_memory(compiled, (x, x), device="cpu")
+        estimate_memory(built, (x, x), device="cpu")
 
 
 @contextlib.contextmanager

@@ -791,16 +791,33 @@ def estimate_memory(
 
 
 def _configure_model_pending(model: nn.Module) -> bool:
-    """Whether ``model`` is a LightningModule whose ``configure_model`` a Trainer has yet to run: the hook
-    overridden, no Trainer attached, and nothing compiled (what the hook most often does)."""
+    """Whether ``model`` is a LightningModule whose ``configure_model`` a Trainer has yet to run and would
+    change: the hook overridden, no Trainer attached, nothing compiled yet, and the hook, run on a copy of
+    the module (its parameters and buffers on the meta device: nothing copied), builds, replaces or
+    compiles a module there. Where the copy or the hook fails, it cannot be known: pending."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    return (
-        is_lightning(model)
-        and model._trainer is None
-        and is_overridden("configure_model", model)
-        and not compiled_modules(model)
-    )
+    if not (is_lightning(model) and model._trainer is None and is_overridden("configure_model", model)):
+        return False
+    if compiled_modules(model):
+        return False
+
+    def layout(module: nn.Module) -> list:
+        modules = [(name, type(m)) for name, m in module.named_modules()]
+        return [*modules, *((name, p.shape) for name, p in module.named_parameters())]
+
+    memo: dict[int, Any] = {id(b): b.detach().to("meta") for b in model.buffers()}
+    memo |= {id(p): nn.Parameter(p.detach().to("meta"), p.requires_grad) for p in model.parameters()}
+    try:
+        twin = copy.deepcopy(model, memo)
+        before = layout(twin)
+        meta = torch.device("meta")
+        with meta, lightning_stand_ins(twin, meta), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            twin.configure_model()
+    except Exception:
+        return True
+    return layout(twin) != before or bool(compiled_modules(twin))
 
 
 def estimate_step(
