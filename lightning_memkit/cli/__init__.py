@@ -18,8 +18,11 @@ prints what the step's peak holds that it need not, largest first, each with the
 the fix (`lightning_memkit.advise`).
 
 ``--model`` is a GPT preset (``tiny``, ``gpt2``, ... ``llama-7b``) or ``package.module:factory``, a
-callable taking no arguments, called under the meta device; the batch is ``(x, y)``, token ids of shape
-``(batch_size, seq_len)``, unless the module defines ``example_batch(batch_size, seq_len)``.
+callable taking no arguments, called under the meta device, or ``hf:<directory or org/name>``; the batch is
+``(x, y)``, token ids of shape ``(batch_size, seq_len)``, unless the module defines
+``example_batch(batch_size, seq_len)``. A plain ``nn.Module`` is stepped as the LightningModule around it
+would be under a Trainer (Lightning's order: the previous step's gradients alive through the forward;
+``--loop plain`` for a loop of your own), a LightningModule after its ``configure_model``.
 
 Each subcommand has a module beside this one, sharing the argument types, `UsageError` and the model
 loading. Its parser is built in ``_parsers``, which imports neither torch nor Lightning: ``--help`` and a
