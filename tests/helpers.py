@@ -8,6 +8,7 @@ import io
 import os
 import tempfile
 import time
+from pathlib import Path
 from unittest import mock
 
 import lightning.pytorch as pl
@@ -15,9 +16,15 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memkit import estimate_memory
+from lightning_memkit._measuring.tracker import (
+    gradient_tensors,
+    model_tensors,
+    optimizer_tensors,
+    storage_bytes,
+)
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
-from lightning_memkit.testing import allocator_peak
+from lightning_memkit.testing import allocator_peak, build_counting_allocator
 
 B, T = 8, 64
 
@@ -81,6 +88,28 @@ def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 
                 raise TimeoutError(
                     f"the {world} {what} ranks did not finish in {timeout_s / 60:.0f} minutes: a hang"
                 )
+
+
+def counted_ranks(once, name: str, rank_fn, world: int, what: str) -> Path:
+    """The folder where ``rank_fn(rank, folder)`` ran on ``world`` spawned ranks, once per test session
+    (`once`), after the counting allocator was built here (not by every rank at once)."""
+
+    def run(out: Path) -> None:
+        build_counting_allocator()
+        spawn_ranks(rank_fn, (out,), world, what)
+
+    return once(name, run)
+
+
+def counted_step(counter, model, optimizers, batch, step) -> int:
+    """``step()``'s peak on ``counter`` (`counting_allocator`, every thread) as `AllocatorPeaks(all_threads=
+    True)` counts a step: what was live before it and is not its own (the model and its quantization state,
+    gradients, the optimizers' state, ``batch``) taken off."""
+    own = [*model_tensors(model), *gradient_tensors(model), *optimizer_tensors(optimizers), batch]
+    counter.reset_peak()
+    not_the_steps = counter.live_bytes() - storage_bytes(own, torch.device("cpu"))
+    step()
+    return counter.peak_bytes() - not_the_steps
 
 
 class Regression(pl.LightningModule):

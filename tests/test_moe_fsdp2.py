@@ -16,20 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
-from helpers import spawn_ranks
+from helpers import counted_ranks, counted_step
 from test_ddp import needs_distributed
 from test_moe import _eager_moe, _loss
 
 from lightning_memkit import estimate_memory
 from lightning_memkit._checkpointing.blocks import find_blocks
-from lightning_memkit._measuring.tracker import (
-    gradient_tensors,
-    model_tensors,
-    optimizer_tensors,
-    storage_bytes,
-)
 from lightning_memkit._sharding.fsdp2 import largest_unit_shard, shard_layout
-from lightning_memkit.testing import build_counting_allocator, counting_allocator
+from lightning_memkit.testing import counting_allocator
 
 WORLD = 2
 BATCH = 8
@@ -53,26 +47,21 @@ def _rank(rank: int, out: Path) -> None:
     model, _ = _eager_moe(BATCH)
     shard_layout(model, init_device_mesh("cpu", (WORLD,)), [name for name, _ in find_blocks(model)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    ids, peaks = _batch(rank), []
-    for _ in range(3):  # as `AllocatorPeaks(all_threads=True)` counts a step: what is not its, taken off
-        step = [*model_tensors(model), *gradient_tensors(model), *optimizer_tensors([optimizer]), ids]
-        counter.reset_peak()
-        not_the_steps = counter.live_bytes() - storage_bytes(step, torch.device("cpu"))
+    ids = _batch(rank)
+
+    def step() -> None:
         _loss(model(ids), ids).backward()
         optimizer.step()
         optimizer.zero_grad()
-        peaks.append(counter.peak_bytes() - not_the_steps)
+
+    peaks = [counted_step(counter, model, [optimizer], ids, step) for _ in range(3)]
     (out / f"rank_{rank}.json").write_text(json.dumps({"peaks": peaks}))
     torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(once):
-    def run(out: Path) -> None:
-        build_counting_allocator()  # compiled here once, not by both ranks at once
-        spawn_ranks(_rank, (out,), WORLD, "FSDP2 mixture-of-experts")
-
-    return once("moe_fsdp2", run)
+    return counted_ranks(once, "moe_fsdp2", _rank, WORLD, "FSDP2 mixture-of-experts")
 
 
 @pytest.mark.slow

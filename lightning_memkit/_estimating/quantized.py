@@ -134,16 +134,51 @@ def _key(t: Tensor) -> Any:
 
 @contextlib.contextmanager
 def fake_layer_states(model: nn.Module, twins: QuantizedTwins) -> Iterator[None]:
-    """Each bitsandbytes ``Linear8bitLt``'s ``state`` swapped for a copy with fake tensors while inside (its
-    forward moves the weight's ``CB``/``SCB`` there, and reads them from there); the real one put back."""
+    """Each bitsandbytes layer's own state swapped for a copy with fake tensors while inside, the real one
+    put back: a ``Linear8bitLt``'s ``state`` (its forward moves the weight's ``CB``/``SCB`` there, and reads
+    them from there), and a ``Linear4bit``'s ``quant_state``, which its forward gives back to a weight that
+    lost it (FSDP2's unsharded copies are plain parameters: `_weight_given_its_layers_state`)."""
     swapped = []
     for module in model.modules():
-        state = getattr(module, "state", None)
-        if type(state).__name__ == "MatmulLtState":
-            swapped.append((module, state))
-            module.state = twins.state(state)
+        for name, kind in (("state", "MatmulLtState"), ("quant_state", "QuantState")):
+            state = getattr(module, name, None)
+            if type(state).__name__ == kind and not isinstance(module, Tensor):
+                swapped.append((module, name, state))
+                setattr(module, name, twins.state(state))
+    try:
+        with _weight_given_its_layers_state() if swapped else contextlib.nullcontext():
+            yield
+    finally:
+        for module, name, state in swapped:
+            setattr(module, name, state)
+
+
+@contextlib.contextmanager
+def _weight_given_its_layers_state() -> Iterator[None]:
+    """bitsandbytes' ``fix_4bit_weight_quant_state_from_module`` as it runs on fake tensors: a 4-bit layer's
+    weight that lost its quantization state (FSDP2 all-gathers a ``Params4bit`` shard into a plain
+    parameter) gets the layer's. bitsandbytes wraps the weight in a new ``Params4bit`` for that, which
+    torch refuses for a FakeTensor; the state is set on the parameter as it is. Its private name, read here
+    only: on a bitsandbytes without it nothing is patched (and such a weight is refused as before)."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    fix = getattr(bnb_modules, "fix_4bit_weight_quant_state_from_module", None)
+    if fix is None:
+        yield
+        return
+
+    def given(module: nn.Module) -> None:
+        weight = module.weight
+        if getattr(weight, "quant_state", None) is None and getattr(module, "quant_state", None) is not None:
+            if isinstance(weight, torch._subclasses.FakeTensor) or isinstance(
+                getattr(weight, "data", None), torch._subclasses.FakeTensor
+            ):
+                weight.quant_state = module.quant_state
+                return
+        fix(module)
+
+    bnb_modules.fix_4bit_weight_quant_state_from_module = given
     try:
         yield
     finally:
-        for module, state in swapped:
-            module.state = state
+        bnb_modules.fix_4bit_weight_quant_state_from_module = fix

@@ -233,11 +233,15 @@ def quantization_state(t: Tensor) -> Iterator[Tensor]:
 
 def layer_quantization_state(model: nn.Module) -> Iterator[Tensor]:
     """The tensors quantized layers keep outside their parameters: bitsandbytes' ``Linear8bitLt`` moves
-    its weight's ``CB`` and ``SCB`` into its ``state`` (a ``MatmulLtState``) at its first forward."""
+    its weight's ``CB`` and ``SCB`` into its ``state`` (a ``MatmulLtState``) at its first forward, and a
+    ``Linear4bit`` keeps its weight's ``quant_state`` too, the one copy left where the weight is no longer a
+    ``Params4bit`` (FSDP2's sharded DTensor); the same tensors as the weight's where it is."""
     for module in model.modules():
         state = getattr(module, "state", None)
         if type(state).__name__ == "MatmulLtState":
             yield from (t for t in vars(state).values() if isinstance(t, Tensor))
+        if not isinstance(module, Tensor):
+            yield from _state_tensors(getattr(module, "quant_state", None))
 
 
 def _state_tensors(value: Any) -> Iterator[Tensor]:
