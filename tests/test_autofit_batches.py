@@ -132,7 +132,9 @@ def test_a_loader_that_ignores_the_batch_size_is_refused_before_planning(tmp_pat
     else:
         module, data = (_Fixed if case == "hard-coded" else _PreMade)(samples=64, batch_size=16), None
     before = [p.detach().clone() for p in module.parameters()]
-    with pytest.raises(ValueError, match=r"does not read it: built with batch_size = 8, its first batch is the same"):
+    with pytest.raises(
+        ValueError, match=r"does not read it: built with batch_size = 8, its first batch is the same"
+    ):
         _fit(tmp_path, module, [AutoFit(budget="100TB", cost="flops")], data)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
 
@@ -384,3 +386,19 @@ def test_an_oom_report_plans_along_the_loaders_batch_dimension(tmp_path):
     assert "(batch 1, 8 samples)" in message
     assert "with batch_size = 16 (the global batch per GPU)" in message
     assert "No plan" not in message
+
+
+class _GrowsInConfigureModel(MLPModule):
+    """A head built in configure_model, after AutoFit planned the module at setup."""
+
+    def configure_model(self):
+        if not hasattr(self, "extra"):
+            self.extra = nn.Linear(1, 1)
+
+
+def test_layers_configure_model_builds_after_the_plan_are_refused_by_name(tmp_path):
+    module = _GrowsInConfigureModel(batch_size=16)
+    with pytest.raises(
+        RuntimeError, match=r"configure_model built 2 parameters \(`extra.weight`, `extra.bias`\)"
+    ):
+        _fit(tmp_path, module, [AutoFit(budget="100TB", cost="flops")])

@@ -5,6 +5,7 @@ upgrade that moves one breaks this file only (the versions tested are bounded in
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -256,3 +257,31 @@ def the_optimizer(trainer: pl.Trainer) -> torch.optim.Optimizer | None:
     """The run's optimizer when it has one, for a simulation to copy; ``None`` with several (the simulation
     then calls ``configure_optimizers``)."""
     return trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+
+
+#: Where a parameter's name moves when torch.compile, checkpoint_wrapper or FSDP1 wrap its module.
+_WRAPPED = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
+
+
+def parameters_of(module: nn.Module) -> tuple[int, set[str]]:
+    """How many parameter elements ``module`` has and their names: what a plan is made for."""
+    return sum(p.numel() for p in module.parameters()), {n for n, _ in module.named_parameters()}
+
+
+def built_late(who: str, module: nn.Module, planned: tuple[int, set[str]]) -> str | None:
+    """Why the plan made for ``planned`` (`parameters_of` at ``setup``) is not ``module``'s, whose
+    ``configure_model`` added parameters after it (a refusal's words), or ``None``."""
+    count, names = planned
+    now = sum(p.numel() for p in module.parameters())
+    if now <= count:
+        return None
+    built = [name for name, _ in module.named_parameters() if _WRAPPED.sub("", name) not in names]
+    shown = ", ".join(f"`{n}`" for n in built[:3]) + (
+        f", ... ({len(built)} in all)" if len(built) > 3 else ""
+    )
+    return (
+        f"{who}: {type(module).__name__}.configure_model built {now - count:,} parameters ({shown}) after "
+        f"the plan was made (at setup, for {count:,}): the plan is not this model's. Build those layers in "
+        '__init__ (under `with torch.device("meta"):` for a model too large for the host), so that they '
+        "are planned."
+    )

@@ -59,9 +59,11 @@ from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes, renamed
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
+    built_late,
     call_logger,
     fit_data_source,
     on_rank_zero,
+    parameters_of,
     precision,
     sharding,
     step_levers,
@@ -149,6 +151,8 @@ class AutoFit(Callback):
         self._batch_sizes: list[tuple[Any, Any]] = []
         self._accumulate: tuple[pl.Trainer, int] | None = None
         self._counts: dict[str, Any] = {}  # the Trainer's `_BATCH_COUNTS` as the user set them
+        #: what the plan was made for (`parameters_of` at ``setup``): configure_model must not add to it
+        self._planned: tuple[int, set[str]] = (0, set())
         #: each tensor's sample dimension in the train dataloader's batches, as read at planning
         self._axes: SampleAxes | None = None
         #: whether the fit's first batch is still to be checked against the plan (`_check_batch`)
@@ -205,6 +209,7 @@ class AutoFit(Callback):
 
         self._target = (trainer, pl_module)
         self._compiled = bool(compiled_modules(pl_module))
+        self._planned = parameters_of(pl_module)
         self._decide(trainer, pl_module, modes)
 
     def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> None:
@@ -219,6 +224,10 @@ class AutoFit(Callback):
         rank_zero_info(f"AutoFit: {self.plan}")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Layers ``configure_model`` built after ``setup`` were never planned (nor are they in the optimizer
+        # the plan chose): refused, naming them.
+        if self.plan is not None and (why := built_late("AutoFit", pl_module, self._planned)):
+            raise RuntimeError(why)
         # A model compiled in ``configure_model`` (after ``setup``) is planned again, as compiled: its
         # checkpointing is then torch.compile's activation_memory_budget, and its step is not the eager one.
         if self.plan is None or self._compiled or self._resumed or not compiled_modules(pl_module):

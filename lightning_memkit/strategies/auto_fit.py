@@ -53,7 +53,6 @@ device is refused at its start, saying so.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -74,6 +73,7 @@ from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.resume import stale
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._vocabulary import AUTO, renamed
+from lightning_memkit.callbacks._trainer import built_late, parameters_of
 from lightning_memkit.callbacks.auto_fit import AutoFit
 
 __all__ = ["AutoFitStrategy"]
@@ -154,7 +154,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         super().connect(model)
         _check_root(model)
         # What the plan will be made for: configure_model, which runs after it, must not add to it.
-        self._planned = sum(p.numel() for p in model.parameters()), {n for n, _ in model.named_parameters()}
+        self._planned = parameters_of(model)
         trainer = model._trainer
         if trainer is None or any(c is self.autofit for c in trainer.callbacks):
             return
@@ -169,18 +169,9 @@ class AutoFitStrategy(ModelParallelStrategy):
     def _check_planned_parameters(self) -> None:
         """Refuse parameters ``configure_model`` built after the plan was made (at ``setup``, before it): the
         plan's figures are not the model's, and the layout would shard what was never planned."""
-        module, (count, names) = self.lightning_module, self._planned
-        now = sum(p.numel() for p in module.parameters())
-        if count is None or now <= count:
-            return
-        wrapped = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
-        built = [name for name, _ in module.named_parameters() if wrapped.sub("", name) not in names]
-        raise RuntimeError(
-            f"AutoFitStrategy: {type(module).__name__}.configure_model built {now - count:,} parameters "
-            f"({_names(built)}) after the plan was made (at setup, for {count:,}): the plan is not this "
-            'model\'s. Build those layers in __init__ (under `with torch.device("meta"):` for a model too '
-            "large for the host; the strategy materializes it once sharded), so that they are planned."
-        )
+        if self._planned[0] is not None and (why := built_late("AutoFitStrategy", self.lightning_module,
+                                                                self._planned)):  # fmt: skip
+            raise RuntimeError(why)
 
     def setup_environment(self) -> None:
         budget = self.autofit.budget
