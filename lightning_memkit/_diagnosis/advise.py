@@ -15,6 +15,9 @@ Findings (each only where it saves something):
 - ``unused_parameters``: trainable parameters this batch's loss does not reach (no gradient). Fix: remove
   them, if no batch reaches them.
 - ``stale_optimizer_state``: optimizer state kept for parameters that no longer train.
+- ``optimizer_state``: where part of the model is frozen (LoRA, QLoRA), AdamW's fp32 moments of the
+  parameters that train (the adapters; the frozen base has none). Fix: bitsandbytes' 8-bit AdamW, or its
+  paged variant, each priced by simulating the step with it.
 - ``logits``: the logits, their float32 copies and their gradients at the peak. Fix: a chunked loss
   (`chunked_cross_entropy`).
 - ``activations``: what is saved for backward at the peak, by block and by op, with the checkpointing plan
@@ -42,9 +45,11 @@ from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit._checkpointing.policies import CheckpointPlan
 from lightning_memkit._diagnosis.report import render_table
+from lightning_memkit._estimating.optimizer_state import BNB_MIN_8BIT_SIZE
 from lightning_memkit._estimating.simulate import OptimizerLike, estimate_step, simulate_step
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._measuring.tracker import state_tensors, storage_bytes
+from lightning_memkit._optimizers.swap import bitsandbytes_installed, identify, own_optimizer
 from lightning_memkit._step import Step
 
 __all__ = ["Advice", "Finding", "advise"]
@@ -202,11 +207,16 @@ def advise_traced(
         """The peak of the same step with ``changes`` to it (a `Step`'s fields)."""
         return estimate_step(model, batch, step.but(**changes), **run).peak
 
+    def step_with(optimizer: str) -> MemoryBreakdown:
+        """The same step with the optimizer ``optimizer`` (a catalogue name) over the trainable parameters."""
+        return estimate_step(model, batch, step, **{**run, "optimizer": optimizer})
+
     findings = [
         *_gradients(breakdown, tracer.peak_phase, step, peak_with),
         *_untrained(model, tracer, peak, peak_with),
         *_unused(tracer),
         *_stale_state(model, optimizer),
+        *_optimizer_state(model, optimizer, breakdown, step, step_with),
         *_logits(model, tracker.peak_live, tracer, peak),
         *_activations(model, batch, tracker.peak_live, breakdown, step, run),
         *_fragmentation(memory_stats, torch.device(device)),
@@ -343,6 +353,63 @@ def _stale_state(model: nn.Module, optimizer: Any) -> list[Finding]:
     ]
 
 
+def _optimizer_state(
+    model: nn.Module, optimizer: Any, breakdown: MemoryBreakdown, step: Step, step_with: Any
+) -> list[Finding]:
+    """AdamW's state where part of the model is frozen (an adapter fine-tune: LoRA, QLoRA), and what
+    bitsandbytes' 8-bit AdamW and its paged variant save, each simulated. Only there: the frozen base has
+    no state, so the state is the adapters', and an 8-bit optimizer changes nothing else about the run; a
+    full fine-tune's optimizer is `OptimizerSwap`'s to plan against a budget. Not for one rank under FSDP2
+    (not simulated on sharded parameters) nor with the state offloaded to the host already."""
+    if step.offload or step.sharding is not None or not breakdown.optimizer_state:
+        return []
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    if not trained or len(trained) == len(params) or _optimizer_kind(model, optimizer) != "adamw":
+        return []
+    if not bitsandbytes_installed():
+        return []
+    large = sum(1 for p in trained if p.numel() >= BNB_MIN_8BIT_SIZE)
+    if not large:  # bitsandbytes keeps fp32 moments for them all: it saves torch's step counters only
+        return []
+    eight_bit, paged = step_with("adamw8bit"), step_with("paged_adamw8bit")
+    saved = breakdown.peak - eight_bit.peak
+    if saved <= 0:
+        return []
+    n = sum(p.numel() for p in trained)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    what = (
+        f"AdamW's state of the {len(trained)} trainable parameter tensor(s) ({n:,} elements: the adapters; "
+        f"the {frozen:,} frozen elements have no gradient and no state) is "
+        f"{format_bytes(breakdown.optimizer_state)} at the peak, two fp32 moments per element; "
+        f"{large} of the tensors have {BNB_MIN_8BIT_SIZE} elements or more, which bitsandbytes' 8-bit AdamW "
+        "quantizes (the others keep fp32 moments)"
+    )
+    paged_saved = breakdown.peak - paged.peak
+    fix = (
+        "in configure_optimizers, return bitsandbytes.optim.AdamW8bit((p for p in self.parameters() if "
+        "p.requires_grad), lr=...) with AdamW's lr, betas, eps and weight_decay: each moment block-wise "
+        "quantized to uint8 with an fp32 scale per 256 elements, about 2 B per element instead of 8 (the "
+        "update is close to AdamW's, not bit-identical); bitsandbytes.optim.PagedAdamW8bit keeps the same "
+        f"state ({format_bytes(paged.optimizer_state)}) and saves {format_bytes(paged_saved)} as simulated: "
+        "on CUDA its state is managed memory that the driver moves to host RAM only when the GPU runs out, "
+        "so a step that would run out of memory slows down on page transfers instead, but a peak that fits "
+        "is no lower; on a CPU it pages nothing. OptimizerSwap(budget=...) swaps the 8-bit one in only "
+        "where a budget needs it"
+    )
+    return [Finding("optimizer_state", what, saved, fix)]
+
+
+def _optimizer_kind(model: nn.Module, optimizer: Any) -> str | None:
+    """The catalogue name of the optimizer the step runs (``optimizer``, else ``configure_optimizers``'s),
+    or ``None`` when it is a factory or unknown."""
+    if isinstance(optimizer, str):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return identify(optimizer)
+    return own_optimizer(model) if optimizer is None else None
+
+
 def _logits(model: nn.Module, peak_live: list[Any], tracer: Tracer, peak: int) -> list[Finding]:
     held = [rec for rec in peak_live if rec.origin is not None and rec.origin.logits]
     if not held:
@@ -456,6 +523,17 @@ def _activations(
             f"; checkpointing='selective' saves {format_bytes(peak - selective.peak)} for "
             f"+{100 * (selective.overhead or 0):.1f}%; ActivationCheckpointing(budget=...) plans the "
             "cheapest mix for a budget"
+        )
+    if any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+        fix += (
+            "; these percentages leave out the 4-bit base's matmuls (bitsandbytes' gemm_4bit has no FLOP "
+            "formula), so the recompute cost reads low"
+        )
+    if any(not p.requires_grad for p in model.parameters()):  # an adapter run: the trap it must avoid
+        fix += (
+            "; its checkpoint is torch's non-reentrant one, so every adapter keeps its gradient (reentrant "
+            "checkpointing, use_reentrant=True, gives none to the adapters of a block whose input needs no "
+            "gradient, the first block over a frozen embedding)"
         )
     return [Finding("activations", what, saved, fix)]
 
