@@ -43,10 +43,10 @@ def test_sample_axes_follow_the_dimension_that_moves_with_the_batch_size():
     T = 5
 
     def batch(b):
-        return {"x": torch.randn(T, b, 3), "y": torch.zeros(b, dtype=torch.long), "pos": torch.arange(T)[None],
-                "scale": torch.tensor(2.0)}  # fmt: skip
+        x, y = torch.randn(T, b, 3), torch.zeros(b, dtype=torch.long)
+        return {"x": x, "y": y, "pos": torch.arange(T)[None], "scale": torch.tensor(2.0)}
 
-    axes = loader_axes(batch(8), 8, batch(4), 4)
+    axes = loader_axes([(batch(8), 8), (batch(4), 4)])
     assert axes == (1, 0, None, None)
     whole = batch(8)
     assert batch_size(whole, axes) == 8
@@ -56,7 +56,7 @@ def test_sample_axes_follow_the_dimension_that_moves_with_the_batch_size():
     doubled = repeat_batch(whole, 2, axes)
     assert doubled["x"].shape == (T, 16, 3) and doubled["y"].shape == (16,) and doubled["pos"].shape == (1, T)
     # A loader that ignores the batch size moves nothing.
-    assert loader_axes(batch(8), 8, batch(8), 4) is None
+    assert loader_axes([(batch(8), 8), (batch(8), 4)]) is None
     # Without a loader: dim 0, and a tensor of size 1 there beside larger ones is shared (HF's position_ids).
     hf = {"input_ids": torch.zeros(4, T, dtype=torch.long), "position_ids": torch.arange(T)[None]}
     assert default_axes(hf) == (0, None)
@@ -133,7 +133,7 @@ def test_a_loader_that_ignores_the_batch_size_is_refused_before_planning(tmp_pat
         module, data = (_Fixed if case == "hard-coded" else _PreMade)(samples=64, batch_size=16), None
     before = [p.detach().clone() for p in module.parameters()]
     with pytest.raises(
-        ValueError, match=r"does not read it: built with batch_size = 8, its first batch is the same"
+        ValueError, match=r"does not read it: built with batch_size = 8 or 1, its first batch is the same"
     ):
         _fit(tmp_path, module, [AutoFit(budget="100TB", cost="flops")], data)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
@@ -223,8 +223,8 @@ def test_an_rnn_fed_time_major_batches_is_planned_along_its_batch_dimension(tmp_
     plan = plan_fit(module, (x, y), "100TB", margin=0.0, device="cpu", cost="flops", checkpointing="none",
                     batch_axes=axes)  # fmt: skip
     peaks = {a.micro_batch_size: a.peak for a in plan.alternatives}
-    half = plan_fit(module, batch_slice((x, y), 8, axes=axes), "100TB", margin=0.0, device="cpu", cost="flops",
-                    checkpointing="none", batch_axes=axes).estimated_peak  # fmt: skip
+    half = plan_fit(module, batch_slice((x, y), 8, axes=axes), "100TB", margin=0.0, device="cpu",
+                    cost="flops", checkpointing="none", batch_axes=axes).estimated_peak  # fmt: skip
     assert half < peaks[16]
     budget = (half + peaks[16]) // 2
     monitor = MemoryMonitor()
@@ -402,3 +402,164 @@ def test_layers_configure_model_builds_after_the_plan_are_refused_by_name(tmp_pa
         RuntimeError, match=r"configure_model built 2 parameters \(`extra.weight`, `extra.bias`\)"
     ):
         _fit(tmp_path, module, [AutoFit(budget="100TB", cost="flops")])
+
+
+# --- a hostile pass's loaders (issue 46, "Then try again") -------------------------------------------
+
+
+def test_a_padded_time_dimension_that_moves_is_not_taken_for_the_samples():
+    """(T, B) batches padded to their longest sequence: T moved too (16 at 16 samples, 10 at 8), which was
+    taken for the samples (the first dimension that moved); only B moved in proportion."""
+    axes = loader_axes(
+        [((torch.zeros(16, 16, 3), torch.zeros(16)), 16), ((torch.zeros(10, 8, 3), torch.zeros(8)), 8)]
+    )
+    assert axes == (1, 0)
+
+
+def test_a_loader_of_two_views_a_sample_is_cut_by_its_rows_a_sample(tmp_path):
+    """SimCLR's collate: two augmented views of each sample, 2B rows. Refused before as a loader that did
+    not read the attribute; now 2 rows a sample, micro-batch m runs 2m rows, and the first batch passes."""
+    assert loader_axes([((torch.zeros(32, 4),), 16), ((torch.zeros(16, 4),), 8)]) == ((0, 2),)
+    assert batch_size((torch.zeros(32, 4),), ((0, 2),)) == 16
+    assert batch_slice((torch.zeros(32, 4),), 3, axes=((0, 2),))[0].shape == (6, 4)
+
+    class TwoViews(MLPModule):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.shapes: list[tuple] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.shapes.append(tuple(x.shape))
+            return F.mse_loss(self.net(x), y)
+
+        def train_dataloader(self):
+            def views(rows):
+                x, y = (torch.stack(t) for t in zip(*rows, strict=True))
+                return torch.cat([x, x + 0.1]), torch.cat([y, y])
+
+            return DataLoader(_rows(), batch_size=self.batch_size, collate_fn=views)
+
+    module = TwoViews(batch_size=8)
+    autofit = AutoFit(budget="100TB", cost="flops")
+    _fit(tmp_path, module, [autofit], max_steps=1)
+    assert autofit.sample_axes == ((0, 2), (0, 2))
+    assert (autofit.plan.micro_batch_size, module.shapes[-1]) == (8, (16, 16))
+
+
+def test_one_loader_of_several_that_ignores_the_batch_size_is_refused_by_name(tmp_path):
+    """`b` kept its own 16 while `a` read the attribute: b's tensors were taken as shared by the samples, and
+    each optimizer step trained 4x b's rows."""
+
+    class Two(MLPModule):
+        def training_step(self, batch, batch_idx):
+            return sum(F.mse_loss(self.net(x), y) for x, y in batch.values())
+
+        def train_dataloader(self):
+            return {
+                "a": DataLoader(_rows(), batch_size=self.batch_size),
+                "b": DataLoader(_rows(), batch_size=16),
+            }
+
+    with pytest.raises(ValueError, match=r"of the train loaders 'a', 'b', 'b' does not read it"):
+        _fit(tmp_path, Two(batch_size=16), [AutoFit(budget="100TB", cost="flops")])
+
+
+class _Setup(MLPModule):
+    """Its dataset built in its own setup(), which Lightning calls after the callbacks' setup."""
+
+    def setup(self, stage):
+        self.data = _rows()
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+class _Iter(MLPModule):
+    def training_step(self, dataloader_iter):
+        x, y = next(dataloader_iter)
+        return F.mse_loss(self.net(x), y)
+
+
+class _ReadOnly(MLPModule):
+    batch_size = property(lambda self: 16)
+
+    def __init__(self):
+        L.LightningModule.__init__(self)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def train_dataloader(self):
+        return DataLoader(_rows(), batch_size=16)
+
+
+class _NoneBatches(MLPModule):
+    """Batches made beforehand: the attribute is None, the loader's own batch size."""
+
+    def train_dataloader(self):
+        x, y = _rows().tensors
+        return DataLoader(list(zip(x.split(16), y.split(16), strict=True)), batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "said"),
+    [
+        (
+            lambda: _NoneBatches(batch_size=None),
+            ValueError,
+            r"which holds None: it must be the number of samples",
+        ),
+        (
+            lambda: _Setup(batch_size=16),
+            RuntimeError,
+            r"building it failed: AttributeError.*own setup\(\) runs after",
+        ),
+        (
+            lambda: _Iter(batch_size=16),
+            NotImplementedError,
+            r"takes dataloader_iter and fetches its batches itself",
+        ),
+        (_ReadOnly, ValueError, r"through `batch_size`, but it cannot be set"),
+    ],
+    ids=["None", "module-setup", "dataloader_iter", "read-only"],
+)
+def test_set_ups_autofit_cannot_plan_get_a_sentence(tmp_path, make, error, said):
+    """Each ran into a raw traceback, or (None) trained 16 batches made beforehand as one, 6.3x over the
+    budget, past the first-batch check."""
+    with pytest.raises(error, match=said):
+        _fit(tmp_path, make(), [AutoFit(budget="100TB", cost="flops")])
+
+
+def test_a_short_dataset_is_told(tmp_path):
+    """A dataset of 5 samples at batch size 16 gives 5 at every size, which cannot be told from a loader
+    that ignores the attribute: the refusal says both."""
+
+    class Short(MLPModule):
+        def train_dataloader(self):
+            return DataLoader(_rows(5), batch_size=self.batch_size)
+
+    with pytest.raises(ValueError, match=r"or the dataset holds 5 samples, fewer than 16"):
+        _fit(tmp_path, Short(batch_size=16), [AutoFit(budget="100TB", cost="flops")])
+
+
+def test_whole_batch_counts_scale_by_the_batch_size_the_loader_reads(tmp_path):
+    """hparams' batch_size 32 beside the datamodule's 16, which the loader reads: limit_train_batches=4 was
+    scaled by 32 / 8 (the epoch trained 128 samples where the user's trained 64)."""
+
+    class HP(_NoAttribute):
+        def __init__(self, batch_size=32):
+            super().__init__()
+            self.save_hyperparameters()
+
+    class Data(L.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = 16
+
+        def train_dataloader(self):
+            return DataLoader(_rows(), batch_size=self.batch_size)
+
+    module = HP()
+    autofit = AutoFit(budget=_budget_for_half(module), margin=0.0, cost="flops", checkpointing="none")
+    trainer = _fit(tmp_path, module, [autofit], Data(), max_steps=-1, max_epochs=1, limit_train_batches=4)
+    assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (8, 2)
+    assert trainer.global_step == 4  # 4 x 16 samples, as the user's

@@ -31,6 +31,7 @@ from lightning_memkit._levers.fused_step import fuse_optimizer_step, needs_closu
 from lightning_memkit._levers.offload import Offload
 
 __all__ = [
+    "AmbiguousAxes",
     "SampleAxes",
     "TrainingStep",
     "batch_size",
@@ -41,6 +42,7 @@ __all__ = [
     "loader_axes",
     "loss_of",
     "optimizers_from",
+    "parts_without_samples",
     "pieces",
     "repeat_batch",
 ]
@@ -300,10 +302,20 @@ def _full_lbfgs_history(optimizer: torch.optim.Optimizer) -> None:
 
 
 #: Which dimension of each tensor in a batch counts its samples, one entry per tensor in the order
-#: ``apply_to_collection`` visits them: a dimension, or ``None`` for a tensor every sample shares (kept whole
-#: when the batch is cut or repeated: Hugging Face's ``position_ids`` of shape (1, T), a 0-dim scalar).
-#: `default_axes` reads it off one batch; `loader_axes` off two batches of one loader at two sizes.
-SampleAxes = tuple[int | None, ...]
+#: ``apply_to_collection`` visits them: a dimension; ``(dimension, rows)`` for a tensor of ``rows`` rows a
+#: sample (two augmented views of each: 2); or ``None`` for a tensor every sample shares (kept whole when
+#: the batch is cut or repeated: Hugging Face's ``position_ids`` of shape (1, T), a 0-dim scalar).
+#: `default_axes` reads it off one batch; `loader_axes` off batches of one loader at several sizes.
+SampleAxes = tuple[int | tuple[int, int] | None, ...]
+
+
+class AmbiguousAxes(ValueError):
+    """A tensor moved with the batch size along more than one dimension: batches at another size tell."""
+
+
+def _dim_rows(axis: int | tuple[int, int]) -> tuple[int, int]:
+    """An entry of `SampleAxes` as (dimension, rows a sample)."""
+    return (axis, 1) if isinstance(axis, int) else axis
 
 
 def default_axes(batch: Any) -> SampleAxes:
@@ -314,31 +326,85 @@ def default_axes(batch: Any) -> SampleAxes:
     return tuple(None if n is None or (n == 1 and most > 1) else 0 for n in firsts)
 
 
-def loader_axes(first: Any, n_first: int, second: Any, n_second: int) -> SampleAxes | None:
-    """`SampleAxes` read off two batches of one loader, built with ``n_first`` and ``n_second`` samples a
-    batch: each tensor's samples lie along the dimension whose size moved with the batch size (which is
-    not always dimension 0: torch's RNNs take (T, B, ...)). A tensor whose sizes did not move is shared by
-    the samples. ``None`` when no tensor moved: the loader ignores the batch size it was given.
+def loader_axes(batches: list[tuple[Any, int]]) -> SampleAxes | None:
+    """`SampleAxes` read off batches of one loader, each ``(batch, n)`` built with ``n`` samples a batch:
+    each tensor's samples lie along the dimension whose size moved in proportion to ``n`` (which is not
+    always dimension 0: torch's RNNs take (T, B, ...); a padded time dimension moves too, but not in
+    proportion), ``rows`` a sample where it is a multiple of ``n``. A tensor whose sizes did not move is
+    shared by the samples. ``None`` when no tensor moved: the loader ignores the batch size it was given.
 
     Raises:
-        ValueError: the two batches hold different tensors, so they cannot be matched.
+        AmbiguousAxes: a tensor moved in proportion along several dimensions (more batches may tell).
+        ValueError: the batches hold different tensors, so they cannot be matched; a tensor moved by a
+            fraction of a row a sample.
     """
-    xs, ys = _named_tensors(first), _named_tensors(second)
+    named = [_named_tensors(batch) for batch, _ in batches]
+    n_first, n_second = batches[0][1], batches[1][1]
+    xs, ys = named[0], named[1]
     if [name for name, _ in xs] != [name for name, _ in ys]:
+        if len(xs) != len(ys) and len(xs) * n_second == len(ys) * n_first:
+            raise ValueError(
+                f"its batches list their samples, one tensor each ({len(xs)} tensors at {n_first} samples, "
+                f"{len(ys)} at {n_second}), which cannot be cut into micro-batches: collate each field into "
+                "one tensor with a batch dimension"
+            )
         raise ValueError(
             f"its batches hold different tensors at {n_first} and at {n_second} samples "
             f"({', '.join(n for n, _ in xs)} against {', '.join(n for n, _ in ys)}), so their samples "
-            "cannot be matched"
+            "cannot be matched: give the loader a fixed structure (the same keys and tensors in every batch)"
         )
-    axes: list[int | None] = []
-    for (_, x), (_, y) in zip(xs, ys, strict=True):
+    axes: list[int | tuple[int, int] | None] = []
+    for i, (name, x) in enumerate(xs):
+        shapes = [tuple(tensors[i][1].shape) for tensors in named]
+        sizes = [n for _, n in batches]
+        if len({len(shape) for shape in shapes}) != 1:
+            raise ValueError(f"{name} has {len(shapes[0])} dimensions at {n_first} samples and "
+                             f"{len(shapes[1])} at {n_second}")  # fmt: skip
         moved = [
             d
-            for d in range(min(x.dim(), y.dim()))
-            if x.shape[d] != y.shape[d] and (x.shape[d] == n_first or y.shape[d] == n_second)
+            for d in range(x.dim())
+            if len({shape[d] for shape in shapes}) > 1
+            and all(
+                shapes[k][d] * sizes[k + 1] == shapes[k + 1][d] * sizes[k] for k in range(len(shapes) - 1)
+            )
         ]
-        axes.append(moved[0] if moved and x.dim() == y.dim() else None)
+        if len(moved) > 1:
+            raise AmbiguousAxes(
+                f"{name} moved with the batch size along dimensions {', '.join(map(str, moved))} "
+                f"({' then '.join(map(str, shapes))} at {', '.join(map(str, sizes))} samples), so which one "
+                "holds the samples cannot be told"
+            )
+        if not moved:
+            axes.append(None)
+            continue
+        d = moved[0]
+        rows, left = divmod(shapes[0][d], sizes[0])
+        if left or rows == 0:
+            raise ValueError(
+                f"{name} holds {shapes[0][d]} rows along dimension {d} at {sizes[0]} samples and "
+                f"{shapes[1][d]} at {sizes[1]}: a fraction of a row a sample (an attribute that counts the "
+                "global batch, divided among the ranks?); AutoFit sets the number of samples each "
+                "rank's batch holds"
+            )
+        axes.append(d if rows == 1 else (d, rows))
     return tuple(axes) if any(axis is not None for axis in axes) else None
+
+
+def parts_without_samples(batch: Any, axes: SampleAxes, parts: list[Any]) -> list[Any]:
+    """Of ``batch``'s top-level ``parts`` (its keys, or its indices), those none of whose tensors holds
+    samples: one loader's batch, of several combined, that ignores the batch size."""
+    named = [name for name, _ in _named_tensors(batch)]
+
+    def within(name: str, part: Any) -> bool:
+        head = f"batch[{part!r}]"
+        return name == head or name.startswith((f"{head}[", f"{head}."))
+
+    return [
+        part
+        for part in parts
+        if any(within(n, part) for n in named)
+        and all(axis is None for n, axis in zip(named, axes, strict=True) if within(n, part))
+    ]
 
 
 def batch_size(batch: Any, axes: SampleAxes | None = None) -> int:
@@ -348,7 +414,9 @@ def batch_size(batch: Any, axes: SampleAxes | None = None) -> int:
     named = _named_tensors(batch)
     _check_axes(named, axes)
     sizes = {
-        name: (t.shape[axis], axis) for (name, t), axis in zip(named, axes, strict=True) if axis is not None
+        name: (t.shape[_dim_rows(axis)[0]] // _dim_rows(axis)[1], _dim_rows(axis)[0])
+        for (name, t), axis in zip(named, axes, strict=True)
+        if axis is not None
     }
     counts = {n for n, _ in sizes.values()}
     if len(counts) != 1:
@@ -370,24 +438,24 @@ def batch_size(batch: Any, axes: SampleAxes | None = None) -> int:
 def batch_slice(batch: Any, stop: int, start: int = 0, axes: SampleAxes | None = None) -> Any:
     """Samples ``start:stop`` of every tensor in ``batch`` (along ``axes``, default `default_axes`); other
     leaves, and tensors the samples share, are kept whole."""
-    return _per_sample(batch, axes, lambda t, axis: rows(t, start, stop, axis))
+    return _per_sample(batch, axes, lambda t, dim, k: rows(t, start * k, stop * k, dim))
 
 
 def repeat_batch(batch: Any, copies: int, axes: SampleAxes | None = None) -> Any:
     """``batch`` with its samples ``copies`` times (`repeat_rows` along ``axes``): the global batch of a
     step that accumulates or runs on several ranks, from one micro-batch."""
-    return _per_sample(batch, axes, lambda t, axis: repeat_rows(t, copies, axis))
+    return _per_sample(batch, axes, lambda t, dim, k: repeat_rows(t, copies, dim))
 
 
-def _per_sample(batch: Any, axes: SampleAxes | None, fn: Callable[[Tensor, int], Tensor]) -> Any:
-    """``fn(t, axis)`` on each tensor of ``batch`` that holds samples (`SampleAxes`)."""
+def _per_sample(batch: Any, axes: SampleAxes | None, fn: Callable[[Tensor, int, int], Tensor]) -> Any:
+    """``fn(t, dimension, rows a sample)`` on each tensor of ``batch`` that holds samples (`SampleAxes`)."""
     axes = default_axes(batch) if axes is None else axes
     _check_axes(_named_tensors(batch), axes)
     each = iter(axes)
 
     def one(t: Tensor) -> Tensor:
         axis = next(each)
-        return t if axis is None else fn(t, axis)
+        return t if axis is None else fn(t, *_dim_rows(axis))
 
     return apply_to_collection(batch, Tensor, one)
 

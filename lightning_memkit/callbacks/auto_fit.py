@@ -9,9 +9,11 @@ and keeps the plan for a resume. Logged once: ``autofit/micro_batch_size``,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -29,6 +31,7 @@ from lightning.pytorch.utilities.parsing import (
     lightning_hasattr,
     lightning_setattr,
 )
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_memkit._breakdown import MiB, format_bytes
@@ -45,10 +48,12 @@ from lightning_memkit._diagnosis.oom import StepInFlight
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.isolate import isolated, rng_kept
 from lightning_memkit._estimating.lightning_step import (
+    AmbiguousAxes,
     SampleAxes,
     batch_size,
     default_axes,
     loader_axes,
+    parts_without_samples,
     repeat_batch,
 )
 from lightning_memkit._fitting.plan import FitPlan, StepCost
@@ -149,6 +154,7 @@ class AutoFit(Callback):
         # What the fit changed, to put back at its end: [(holder, value)] of the batch size attribute
         # (module, hparams, datamodule, its hparams), and the Trainer's accumulate_grad_batches.
         self._batch_sizes: list[tuple[Any, Any]] = []
+        self._users: Any = None  # the batch size attribute as the loader reads it, at setup
         self._accumulate: tuple[pl.Trainer, int] | None = None
         self._counts: dict[str, Any] = {}  # the Trainer's `_BATCH_COUNTS` as the user set them
         #: what the plan was made for (`parameters_of` at ``setup``): configure_model must not add to it
@@ -191,6 +197,13 @@ class AutoFit(Callback):
                 "its hparams nor the datamodule has; set batch_arg_name= to the attribute your dataloader "
                 "reads."
             )
+        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+            raise NotImplementedError(
+                f"AutoFit plans a training_step(batch, batch_idx), but {type(pl_module).__name__}."
+                "training_step takes dataloader_iter and fetches its batches itself, so no micro-batch "
+                "AutoFit sets is one step's: remove AutoFit, or take (batch, batch_idx) and let Lightning "
+                "fetch the batch."
+            )
         if not pl_module.automatic_optimization:
             raise NotImplementedError(
                 f"AutoFit plans Lightning's automatic optimization (training_step, zero_grad, backward, "
@@ -204,6 +217,10 @@ class AutoFit(Callback):
         # Each fit plans afresh from the user's settings (a resume then installs its saved plan instead).
         holders = _lightning_get_all_attr_holders(pl_module, self.batch_arg_name)
         self._batch_sizes = [(holder, _get(holder, self.batch_arg_name)) for holder in holders]
+        users = lightning_getattr(pl_module, self.batch_arg_name)
+        self._users = (
+            int(users) if isinstance(users, numbers.Integral) and not isinstance(users, bool) else users
+        )
         self._accumulate = (trainer, trainer.accumulate_grad_batches)
         self._counts = {name: getattr(trainer, name) for name in _BATCH_COUNTS}
 
@@ -254,7 +271,7 @@ class AutoFit(Callback):
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
         strategy, ranks = sharding(trainer)
         copies = trainer.accumulate_grad_batches * ranks
-        users = lightning_getattr(pl_module, self.batch_arg_name)
+        users = self._batch_size(pl_module)
         example = self._first_batch(trainer)
         if example is None or _is_empty(example):
             what = "yields no batch" if example is None else "yields a first batch of 0 samples"
@@ -285,55 +302,114 @@ class AutoFit(Callback):
             mixed_precision_policy=self._mixed_precision_policy and strategy == "fsdp2",
             link=self._link,
             batch_axes=self._axes,
-            micro_batch_size=users if _whole(users) else None,
+            micro_batch_size=users,
             **step_levers(trainer),
         )
+
+    def _batch_size(self, pl_module: pl.LightningModule) -> int:
+        """The batch size attribute's value, a whole number of samples, and one AutoFit can set."""
+        value = lightning_getattr(pl_module, self.batch_arg_name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(
+                f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, which holds {value!r}: it "
+                "must be the number of samples each batch of the train dataloader holds (a whole number, "
+                "at least 1), read by train_dataloader() as DataLoader(..., batch_size=self."
+                f"{self.batch_arg_name}). Over batches made beforehand (batch_size=None) AutoFit cannot "
+                "change the micro-batch: remove it, or let the loader batch the samples."
+            )
+        try:
+            lightning_setattr(pl_module, self.batch_arg_name, int(value))
+        except AttributeError as error:
+            raise ValueError(
+                f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, but it cannot be set "
+                f"({error}): make it a plain attribute (or give the property a setter)."
+            ) from error
+        return int(value)
 
     def _first_batch(self, trainer: pl.Trainer) -> Any:
         """The train dataloader's first batch as the fit loop yields it, built now from the batch size
         attribute (``None``: none): several loaders (a dict or list of them, or a `CombinedLoader`) give
         one batch of each, as the fit loop's ``CombinedLoader`` does."""
-        loaders = fit_data_source(trainer).dataloader()
-        if not isinstance(loaders, CombinedLoader):
-            loaders = CombinedLoader(loaders, "max_size_cycle")  # the fit loop's mode
-        return next((batch for batch, _, _ in loaders if batch is not None), None)  # Lightning skips None
+        try:
+            loaders = fit_data_source(trainer).dataloader()
+            if not isinstance(loaders, CombinedLoader):
+                loaders = CombinedLoader(loaders, "max_size_cycle")  # the fit loop's mode
+            return next((batch for batch, _, _ in loaders if batch is not None), None)  # Lightning skips None
+        except Exception as error:
+            raise RuntimeError(
+                f"AutoFit plans at setup('fit') from the train dataloader's first batch, but building it "
+                f"failed: {type(error).__name__}: {error}. The LightningModule's own setup() runs after the "
+                "callbacks' (after AutoFit's): build what train_dataloader() reads in __init__ or "
+                "prepare_data(), or in a LightningDataModule's setup(), which runs before."
+            ) from error
 
     def _sample_axes(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, example: Any, users: Any
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, example: Any, users: int
     ) -> SampleAxes:
         """Each tensor's sample dimension (`SampleAxes`), read off the train dataloader built again at
-        another batch size: the dimension that moved is the one the micro-batches are cut along (torch's
-        RNNs take (T, B, ...)), and a tensor that did not move is shared by the samples. A loader that
-        ignores the attribute is refused here, before any planning: the plan's micro-batch would never
-        reach it."""
-        if not _whole(users) or users < 1:
-            return default_axes(example)
-        other = users // 2 if users > 1 else 2
-        try:
-            lightning_setattr(pl_module, self.batch_arg_name, other)
-            second = self._first_batch(trainer)
-        finally:
-            self._put_back_batch_sizes()
-        try:
-            axes = None if second is None else loader_axes(example, users, second, other)
-        except ValueError as error:
-            raise ValueError(
-                f"AutoFit reads which dimension of each tensor holds the samples from the train dataloader "
-                f"built at two batch sizes, {users} and {other}, but {error}: give the loader a fixed "
-                "structure (the same keys and tensors in every batch)."
-            ) from error
-        if axes is None and users == 1:  # nothing moved, but a loader of one sample gives one at any size
+        other batch sizes: the dimension that moved in proportion is the one the micro-batches are cut along
+        (torch's RNNs take (T, B, ...)), and a tensor that did not move is shared by the samples. A loader
+        that ignores the attribute is refused here, before any planning: the plan's micro-batch would never
+        reach it; so is one loader of several."""
+        probes = [(example, users)]
+        sizes = [size for size in dict.fromkeys((users // 2, 1, users * 2)) if size >= 1 and size != users]
+        axes, ambiguous = None, None
+        for size in sizes[:2]:  # a second size; a third where the second tells nothing (a short dataset)
+            try:
+                lightning_setattr(pl_module, self.batch_arg_name, size)
+                batch = self._first_batch(trainer)
+            finally:
+                self._put_back_batch_sizes()
+            if batch is None:
+                continue
+            probes.append((batch, size))
+            try:
+                axes, ambiguous = loader_axes(probes), None
+            except AmbiguousAxes as error:
+                axes, ambiguous = None, error
+                continue
+            except ValueError as error:
+                raise ValueError(
+                    f"AutoFit reads which dimension of each tensor holds the samples from the train "
+                    f"dataloader built at {' and '.join(str(n) for _, n in probes)} samples, but {error}."
+                ) from error
+            if axes is not None:
+                break
+        if ambiguous is not None:
+            raise ValueError(f"AutoFit cannot plan this train dataloader's batches: {ambiguous}.")
+        if axes is None and users == 1 and batch_size(example) == 1:  # a loader of one sample, at any size
             return default_axes(example)  # (the first real batch is checked all the same)
         if axes is None:
-            shapes = ", ".join(f"{tuple(t.shape)}" for t in _tensors(example)[:3])
+            tensors = _tensors(example)
+            shapes = ", ".join(f"{tuple(t.shape)}" for t in tensors[:3]) or "none: it holds no tensor"
+            short = min((t.shape[0] for t in tensors if t.dim()), default=users)
+            if short < users:  # or the dataset holds fewer samples than either size asked
+                shapes += (
+                    f"; or the dataset holds {short} samples, fewer than {users}, and gives them all at any "
+                    "batch size: then give a batch size at most its length"
+                )
             raise ValueError(
                 f"AutoFit sets the micro-batch through `{self.batch_arg_name}` ({users} now), but the train "
-                f"dataloader does not read it: built with {self.batch_arg_name} = {other}, its first batch "
-                f"is the same as with {users} (tensors of shapes {shapes}). So every batch would stay as it "
-                f"is while AutoFit set the accumulation for its plan: another global batch, and a step over "
-                f"the budget. Build the DataLoader in train_dataloader() from self.{self.batch_arg_name} "
-                "each time it is called (not once in setup(), nor with a fixed batch size or batch_size=None "
-                "over batches made beforehand), or set AutoFit(batch_arg_name=...) to the attribute it reads."
+                f"dataloader does not read it: built with {self.batch_arg_name} = "
+                f"{' or '.join(str(n) for _, n in probes[1:])}, its first batch is the same as with {users} "
+                f"(tensors of shapes {shapes}). So every batch would stay as it is while AutoFit set the "
+                "accumulation for its plan: another global batch, and a step over the budget. Build the "
+                f"DataLoader in train_dataloader() from self.{self.batch_arg_name} each time it is called "
+                "(not once in setup(), nor with a fixed batch size or batch_size=None over batches made "
+                "beforehand), or set AutoFit(batch_arg_name=...) to the attribute it reads."
+            )
+        loaders = fit_data_source(trainer).dataloader()
+        loaders = loaders.iterables if isinstance(loaders, CombinedLoader) else loaders
+        parts = list(loaders) if isinstance(loaders, Mapping) else None
+        if isinstance(loaders, (list, tuple)):
+            parts = list(range(len(loaders)))
+        if parts and (fixed := parts_without_samples(example, axes, parts)):
+            raise ValueError(
+                f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, but of the train loaders "
+                f"{', '.join(map(repr, parts))}, {', '.join(map(repr, fixed))} does not read it: its batches "
+                "stay the same at every batch size, so with AutoFit's accumulation each optimizer step "
+                f"would train more of its samples than you set. Build every loader from "
+                f"self.{self.batch_arg_name}, or plan without AutoFit."
             )
         return axes
 
@@ -376,8 +452,8 @@ class AutoFit(Callback):
         """Whole numbers of training batches (``limit_train_batches``, ``val_check_interval``) count the
         plan's micro-batches: scaled so that they cover the samples the user's batches did. Said in one line;
         ``limit_val_batches``, which counts validation batches the plan may not change, is warned about."""
-        users = next((v for _, v in self._batch_sizes if isinstance(v, int) and v > 0), None)
-        if users is None:
+        users = self._users  # the value the loader reads (of the module's, its hparams' or the datamodule's)
+        if not _whole(users) or users < 1:
             return
         ratio = Fraction(users, plan.micro_batch_size)
         changed, rounded_up = [], False
@@ -603,12 +679,14 @@ class AutoFit(Callback):
             self._applied = None
 
     def _put_back_batch_sizes(self) -> None:
-        """The batch size attribute at the user's values, on every holder."""
+        """The batch size attribute at the user's values, on every holder (one that cannot be set, a
+        property, was never changed)."""
         for holder, value in self._batch_sizes:
             if isinstance(holder, dict):
                 holder[self.batch_arg_name] = value
             else:
-                setattr(holder, self.batch_arg_name, value)
+                with contextlib.suppress(AttributeError):
+                    setattr(holder, self.batch_arg_name, value)
 
     def _restore(self) -> None:
         """The batch size attribute and the Trainer's accumulation back at the user's values."""
