@@ -129,6 +129,34 @@ def test_no_optimizer_finding_for_an_8bit_optimizer_or_a_full_fine_tune(qlora):
     assert "optimizer_state" not in advice
 
 
+@pytest.mark.slow  # a fit and the advice again: about 8 s
+def test_memory_monitor_advises_a_qlora_run(qlora):
+    """``MemoryMonitor(advise=True)`` on the QLoRA fit: the same findings as `advise`, the optimizer's read
+    from the Trainer's AdamW, and logged as ``memory/advice/optimizer_state`` (MiB)."""
+    from lightning_memkit import MemoryMonitor
+
+    _, _, advice = qlora
+    monitor = MemoryMonitor(plot=False, summary=False, advise=True)
+    logged = {}
+
+    class Metrics(pl.loggers.Logger):
+        name, version = "metrics", 0
+
+        def log_metrics(self, metrics, step=None):
+            logged.update(metrics)
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=Metrics(), callbacks=[monitor],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(_adapted("qlora-nf4"))
+    assert [(f.kind, f.saved) for f in monitor.advice] == [(f.kind, f.saved) for f in advice]
+    assert logged["memory/advice/optimizer_state"] == pytest.approx(advice["optimizer_state"].saved / 2**20)
+
+
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
