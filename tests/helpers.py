@@ -8,6 +8,7 @@ import io
 import os
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
@@ -24,7 +25,7 @@ from lightning_memkit._measuring.tracker import (
 )
 from lightning_memkit.cli import main
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
-from lightning_memkit.testing import allocator_peak, build_counting_allocator
+from lightning_memkit.testing import allocator_peak, build_counting_allocator, counting_allocator
 
 B, T = 8, 64
 
@@ -99,6 +100,18 @@ def counted_ranks(once, name: str, rank_fn, world: int, what: str) -> Path:
         spawn_ranks(rank_fn, (out,), world, what)
 
     return once(name, run)
+
+
+def counted_rank(out: Path, rank: int, world: int):
+    """A spawned rank set up to be counted: the counting allocator installed (every thread), one thread,
+    and its gloo process group through a file in ``out``; returns the allocator's counter."""
+    counter = counting_allocator()
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world,
+        timeout=timedelta(minutes=3),
+    )  # fmt: skip
+    return counter
 
 
 def counted_step(counter, model, optimizers, batch, step) -> int:

@@ -10,20 +10,18 @@ optimizer's rate is 0: the weights, and so the routing, of the measured step are
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_ranks, counted_step
+from helpers import counted_rank, counted_ranks, counted_step
 from test_ddp import needs_distributed
 from test_moe import _eager_moe, _loss
 
 from lightning_memkit import estimate_memory
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._sharding.fsdp2 import largest_unit_shard, shard_layout
-from lightning_memkit.testing import counting_allocator
 
 WORLD = 2
 BATCH = 8
@@ -36,12 +34,7 @@ def _batch(rank: int) -> torch.Tensor:
 
 def _rank(rank: int, out: Path) -> None:
     """One rank: three plain steps of the sharded model on its batch, the allocator's peak of the last."""
-    counter = counting_allocator()
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD,
-        timeout=timedelta(minutes=3),
-    )  # fmt: skip
+    counter = counted_rank(out, rank, WORLD)
     from torch.distributed.device_mesh import init_device_mesh
 
     model, _ = _eager_moe(BATCH)

@@ -13,20 +13,18 @@ rank's quantization state (absmax, the code table, the nested state) whole besid
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_ranks, counted_step
+from helpers import counted_rank, counted_ranks, counted_step
 from peft_models import adapter_model, token_batch
 from test_ddp import needs_distributed
 
 from lightning_memkit import estimate_memory, measure
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._sharding.fsdp2 import largest_unit_shard, shard_layout
-from lightning_memkit.testing import counting_allocator
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -47,12 +45,7 @@ def _loss(output, ids: torch.Tensor) -> torch.Tensor:
 
 def _rank(rank: int, out: Path) -> None:
     """One rank: each of `SHARDED` in turn."""
-    counter = counting_allocator()
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD,
-        timeout=timedelta(minutes=3),
-    )  # fmt: skip
+    counter = counted_rank(out, rank, WORLD)
     for setup in SHARDED:
         (out / setup).mkdir(exist_ok=True)
         _steps(setup, rank, out / setup, counter)
