@@ -3,7 +3,8 @@
 Two ranks run the tiny LLaMA of tests/peft_models.py under peft's LoRA, ``fully_shard`` on each decoder layer
 and the root as Lightning's ``ModelParallelStrategy`` documents, AdamW on the adapters alone, each rank on a
 batch of its own. Each rank's steady step is held to `estimate_memory(strategy="fsdp2")`, within the bar of
-the full fine-tune's sharded estimate (tests/test_fsdp.py).
+the full fine-tune's sharded estimate (tests/test_fsdp.py), and `measure` to its allocator; then the same
+models in Lightning's Trainer: MemoryMonitor under ModelParallelStrategy, and AutoFitStrategy's plan.
 
 QLoRA's 4-bit base shards too, as the FSDP+QLoRA recipe keeps it: bitsandbytes' ``Params4bit`` stored as
 bf16 (``quant_storage``), so that FSDP2 flattens, shards and all-gathers it like any bf16 weight, each
@@ -13,18 +14,24 @@ rank's quantization state (absmax, the code table, the nested state) whole besid
 from __future__ import annotations
 
 import json
+import os
+import traceback
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
 from helpers import counted_rank, counted_ranks, counted_step
-from peft_models import adapter_model, token_batch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from peft_models import AdapterModule, adapter_model, token_batch
 from test_ddp import needs_distributed
 
-from lightning_memkit import estimate_memory, measure
+from lightning_memkit import AutoFitStrategy, FitPlan, MemoryMonitor, estimate_memory, measure
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._sharding.fsdp2 import largest_unit_shard, shard_layout
+from lightning_memkit.testing import AllocatorPeaks
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -44,12 +51,65 @@ def _loss(output, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, out: Path) -> None:
-    """One rank: each of `SHARDED` in turn."""
+    """One rank: each of `SHARDED` in turn, in plain steps, then in Lightning's Trainer: sharded by the
+    module's configure_model under ModelParallelStrategy with MemoryMonitor, and by AutoFitStrategy."""
     counter = counted_rank(out, rank, WORLD)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # Lightning then launches no processes itself
     for setup in SHARDED:
         (out / setup).mkdir(exist_ok=True)
         _steps(setup, rank, out / setup, counter)
+        for how in ("monitored", "autofit"):
+            try:
+                _fit(setup, how, out / setup / how)
+            except Exception:
+                (out / setup / how / f"crash_{rank}.txt").write_text(traceback.format_exc())
     torch.distributed.destroy_process_group()
+
+
+class _Sharded(AdapterModule):
+    """The adapter model sharded as Lightning documents FSDP2: each decoder layer, then the model."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+class _Record(pl.Callback):
+    def __init__(self, out: Path, peaks: AllocatorPeaks, monitor: MemoryMonitor) -> None:
+        self.out, self.peaks, self.monitor = out, peaks, monitor
+
+    def on_train_end(self, trainer, pl_module):
+        autofit = next((c for c in trainer.callbacks if isinstance(getattr(c, "plan", None), FitPlan)), None)
+        record = {
+            "allocator": self.peaks.peaks,
+            "monitor": [b.peak for _, b in self.monitor.history],
+            "limit": autofit.plan.limit if autofit else None,
+            "estimated": autofit.plan.estimated_peak if autofit else None,
+        }
+        (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _fit(setup: str, how: str, out: Path) -> None:
+    """Three Trainer steps: ``monitored``, the module's own fully_shard under ModelParallelStrategy; or
+    ``autofit``, AutoFitStrategy planning it."""
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    peaks, monitor = AllocatorPeaks(all_threads=True), MemoryMonitor(plot=False, summary=False)
+    if how == "monitored":
+        module = _Sharded(setup, batch_size=8)
+        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    else:
+        module, strategy = AdapterModule(setup, batch_size=8), AutoFitStrategy(budget="1GiB")
+    callbacks = [*peaks.around(monitor), _Record(out, peaks, monitor)]
+    pl.Trainer(
+        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=3, log_every_n_steps=1,
+        strategy=strategy, logger=CSVLogger(out), callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    ).fit(module)  # fmt: skip
 
 
 def _steps(setup: str, rank: int, out: Path, counter) -> None:
@@ -114,3 +174,24 @@ def test_adapters_under_fsdp2_are_estimated_per_rank(ranks, setup):
             assert abs(seen - real) <= 0.001 * real, (
                 f"rank {rank} step {step}: measured {seen:,}, real {real:,}"
             )
+
+
+@pytest.mark.slow
+@needs_distributed
+@pytest.mark.parametrize("setup", SHARDED)
+def test_adapters_under_lightnings_fsdp2_are_monitored_and_fitted_per_rank(ranks, setup):
+    """Under ModelParallelStrategy (fully_shard in configure_model) MemoryMonitor within 0.1 % of each
+    rank's allocator on every step; under AutoFitStrategy every step of each rank within the plan's limit,
+    the steady step within 1 % of the plan's estimate."""
+    for how in ("monitored", "autofit"):
+        crashes = [p.read_text() for p in sorted((ranks / setup / how).glob("crash_*.txt"))]
+        assert not crashes, "\n".join(crashes)
+    for rank in range(WORLD):
+        record = json.loads((ranks / setup / "monitored" / f"rank_{rank}.json").read_text())
+        for step, (seen, real) in enumerate(zip(record["monitor"], record["allocator"], strict=True)):
+            assert abs(seen - real) <= 0.001 * real, (
+                f"rank {rank} step {step}: monitor {seen:,}, real {real:,}"
+            )
+        fitted = json.loads((ranks / setup / "autofit" / f"rank_{rank}.json").read_text())
+        assert max(fitted["allocator"]) <= fitted["limit"], (rank, fitted)
+        assert max(fitted["allocator"][1:]) == pytest.approx(fitted["estimated"], rel=0.01), (rank, fitted)
