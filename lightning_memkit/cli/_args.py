@@ -134,6 +134,20 @@ def names(kind: str, valid: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def module_names(text: str) -> tuple[str, ...] | str:
+    """``--lora-targets``: module names separated by commas (``q_proj,v_proj``), or ``all-linear``."""
+    if text.strip() == "all-linear":
+        return "all-linear"
+    parts = tuple(part.strip() for part in text.split(","))
+    bad = [part for part in parts if not part.replace("_", "").replace(".", "").isalnum()]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{bad[0]!r} is not a module name; give the adapted modules' names separated by commas, e.g. "
+            "q_proj,v_proj (or all-linear)"
+        )
+    return parts
+
+
 def _number(text: str) -> float:
     """``text`` as a float; NaN, which every range check refuses, where it is none."""
     try:

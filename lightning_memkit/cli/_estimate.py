@@ -26,6 +26,7 @@ from lightning_memkit._diagnosis.html_report import html_report
 from lightning_memkit._diagnosis.oom import plans_section, run_candidates
 from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit._diagnosis.snapshot import simulated_snapshot, write_snapshot
+from lightning_memkit._estimating.adapters import adapter_summary
 from lightning_memkit._estimating.analytic import (
     STRATEGIES,
     TransformerShape,
@@ -41,6 +42,7 @@ from lightning_memkit.cli._models import (
     example_batch,
     load_model,
     optimizer_used,
+    setup_code,
     step_errors,
     step_options,
     weights_note,
@@ -51,11 +53,15 @@ __all__ = ["add_estimate", "run_estimate"]
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    model = load_model(args.model, args.loop)
+    model = load_model(args.model, args.loop, args.adapters)
     shape, note = analytic_shape(model)
     check_seq_len(model, shape, args.seq_len)
     args.optimizer_used, catalogued = optimizer_used(model, args.optimizer)
-    notes: list[str] = [weights_note(model, args.model, args.precision), *([note] if note else [])]
+    notes: list[str] = [weights_note(model, args.model, args.precision)]
+    if args.adapters is not None:  # the analytic model counts a full fine-tune of unquantized weights
+        shape, note = None, "analytic: not available for an adapter fine-tune (it trains every weight)"
+        notes.insert(0, adapter_summary(model, args.adapters, model.lora_targets))
+    notes += [note] if note else []
     analytic = None
     if shape is not None:
         if catalogued is None:
@@ -103,13 +109,15 @@ def run_estimate(args: argparse.Namespace) -> int:
         )
     explanation = _explain(args, shape, analytic, simulated, at_peak) if analytic is not None else []
     fit = _fit(model, args, simulated) if args.gpu is not None else []
+    code = setup_code(model, args.adapters) if args.adapters is not None else None
     if args.json:
         report = _report(args, analytic, simulated, seconds, [*explanation, *notes])
         if args.gpu is not None:
             report |= {"gpu": args.gpu.source, "fits": simulated.peak <= args.gpu.usable, "fit": fit}
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report | ({"adapters": code} if code is not None else {}), indent=2))
     else:
-        print("\n".join([_table(args, analytic, simulated, [*explanation, *notes]), *fit]))
+        setup = [f"The adapter set-up as code (Python):\n{code}"] if code is not None else []
+        print("\n".join([_table(args, analytic, simulated, [*explanation, *notes]), *fit, *setup]))
     return 0
 
 

@@ -32,6 +32,7 @@ import contextlib
 import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -49,6 +50,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from lightning_memkit._estimating.adapters import AdapterSetup, adapter_code, apply_adapters
 from lightning_memkit._estimating.analytic import TransformerShape, count_parameters
 from lightning_memkit._estimating.lightning_step import lightning_stand_ins, optimizers_from
 from lightning_memkit._estimating.simulate import PRECISION_DTYPES
@@ -61,22 +63,28 @@ from lightning_memkit.demos.gpt import PRESETS, GPTConfig, GPTLightningModule
 HF_PREFIX = "hf:"
 
 
-def load_model(spec: str, loop: str = "lightning") -> nn.Module:
+def load_model(spec: str, loop: str = "lightning", adapters: AdapterSetup | None = None) -> nn.Module:
     """A preset's GPTLightningModule, what ``package.module:factory`` returns, or the Hugging Face model
     ``hf:<directory or org/name>`` describes, built on meta. A plain ``nn.Module`` (a Hugging Face one too)
     comes back inside `LanguageModelModule`, stepped in Lightning's order, unless ``loop`` is ``"plain"``
-    (``HFLanguageModel`` or the module itself: zero_grad, forward, backward, step)."""
-    model = _user_model(spec)
+    (``HFLanguageModel`` or the module itself: zero_grad, forward, backward, step). With ``adapters``
+    (``--lora``, ``--quantize``) its base is quantized and given LoRA adapters first (`with_adapters`)."""
+    model, targets = _user_model(spec), None
+    if adapters is not None:
+        model, targets = with_adapters(model, adapters)
     if isinstance(model, LightningModule):
         if loop == "plain":
             raise UsageError(
                 f"--loop plain steps a plain nn.Module; --model {spec} is a LightningModule "
                 f"({type(model).__name__}), whose training_step runs in Lightning's order: leave --loop out"
             )
-        return model
-    if loop == "lightning":
-        return LanguageModelModule(model)
-    return HFLanguageModel(model) if _is_hf(model) else model
+    elif loop == "lightning":
+        model = LanguageModelModule(model)
+    elif _is_hf(model):
+        model = HFLanguageModel(model)
+    if targets is not None:
+        model.lora_targets = targets  # type: ignore[assignment]  # for the summary and the code
+    return model
 
 
 def _user_model(spec: str) -> nn.Module:
@@ -110,6 +118,31 @@ def _user_model(spec: str) -> nn.Module:
     _configure(model, spec)
     _check_trainable(model, spec)
     return model
+
+
+def with_adapters(model: nn.Module, adapters: AdapterSetup) -> tuple[nn.Module, tuple[str, ...] | str]:
+    """``model`` as ``--lora``/``--quantize`` set it up (`apply_adapters`: quantized as transformers'
+    ``BitsAndBytesConfig`` loads it, then peft's LoRA), on the meta device, and the LoRA targets used. A
+    target not in the model, or a missing package, is a usage error."""
+    missing = [name for name in ("peft", "bitsandbytes") if importlib.util.find_spec(name) is None]
+    if adapters.quantize == "none":
+        missing = [name for name in missing if name != "bitsandbytes"]
+    if importlib.util.find_spec("transformers") is None and adapters.quantize != "none":
+        missing.append("transformers")  # BitsAndBytesConfig and its replacement of the linear layers
+    if missing:
+        raise UsageError(
+            f"--lora and --quantize build the set-up with {' and '.join(missing)}, not installed here; "
+            f"pip install {' '.join(missing)}"
+        )
+    with usage_error(ValueError):
+        return apply_adapters(model, adapters)
+
+
+def setup_code(model: nn.Module, adapters: AdapterSetup) -> str:
+    """``--lora``/``--quantize``'s set-up as the lines a user pastes (`adapter_code`): a Hugging Face
+    model loaded with its ``BitsAndBytesConfig`` and wrapped by peft, any other its LoRA as peft adds it."""
+    lightning = isinstance(model, LightningModule) and not isinstance(model, LanguageModelModule)
+    return adapter_code(adapters, model.lora_targets, hf=_hf_model(model) is not None, lightning=lightning)
 
 
 def _configure(model: nn.Module, spec: str) -> None:
@@ -349,23 +382,29 @@ def _check_trainable(model: nn.Module, spec: str) -> None:
 
 
 def _is_hf(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face ``PreTrainedModel``."""
+    """Whether ``model`` is a Hugging Face ``PreTrainedModel``, or peft's adapters over one."""
     # transformers is optional and slow to import: it is imported here, and only once the user's code has
     # imported it (a model of its classes cannot exist before).
     if "transformers" not in sys.modules:
         return False
     from transformers import PreTrainedModel
 
-    return isinstance(model, PreTrainedModel)
+    return isinstance(_peft_base(model), PreTrainedModel)
+
+
+def _peft_base(model: nn.Module) -> nn.Module:
+    """The model a peft ``PeftModel`` wraps (its ``get_base_model()``), else ``model`` itself."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) and "peft" in sys.modules else model
 
 
 def _language_model_forward(model: nn.Module, x: torch.Tensor) -> Any:
-    """``model`` on token ids ``x``: a Hugging Face model as it trains itself, ``model(input_ids=x,
-    labels=x)`` (the collator's ``labels`` are the input ids; a causal LM shifts them itself; a ``forward``
-    without ``labels`` gets ``input_ids`` alone), any other module ``model(x)``."""
+    """``model`` on token ids ``x``: a Hugging Face model (or peft's adapters over one) as it trains itself,
+    ``model(input_ids=x, labels=x)`` (the collator's ``labels`` are the input ids; a causal LM shifts them
+    itself; a ``forward`` without ``labels`` gets ``input_ids`` alone), any other module ``model(x)``."""
     if not _is_hf(model):
         return model(x)
-    if "labels" in inspect.signature(model.forward).parameters:
+    if "labels" in inspect.signature(_peft_base(model).forward).parameters:
         return model(input_ids=x, labels=x)
     return model(input_ids=x)
 
@@ -404,7 +443,7 @@ class LanguageModelModule(LightningModule):
         return lm_loss(self(inputs), target)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters())
+        return torch.optim.AdamW(p for p in self.parameters() if p.requires_grad)  # LoRA: the adapters
 
 
 def user_model(model: nn.Module) -> nn.Module:

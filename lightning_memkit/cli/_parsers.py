@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_memkit._budget import GPUS, Budget, parse_budget
 from lightning_memkit._estimating import analytic as _analytic
+from lightning_memkit._estimating.adapters import QUANTIZATIONS, AdapterSetup, targets_text
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
 from lightning_memkit.cli._args import (
@@ -28,6 +29,7 @@ from lightning_memkit.cli._args import (
     check_tokens,
     gpu_or_memory,
     margin,
+    module_names,
     names,
     one_of,
     output_file,
@@ -35,7 +37,16 @@ from lightning_memkit.cli._args import (
     seconds,
 )
 
-__all__ = ["add_advise", "add_estimate", "add_model_argument", "add_plan", "add_step_arguments", "deferred"]
+__all__ = [
+    "add_adapter_arguments",
+    "add_advise",
+    "add_estimate",
+    "add_model_argument",
+    "add_plan",
+    "add_step_arguments",
+    "check_adapters",
+    "deferred",
+]
 
 #: ``--loop``: the order a plain module's step runs in (`lightning_memkit.cli._models.load_model`).
 LOOPS = ("lightning", "plain")
@@ -131,6 +142,49 @@ def add_step_arguments(
     )
 
 
+def add_adapter_arguments(p: argparse.ArgumentParser) -> None:
+    """``--lora RANK``, ``--lora-targets`` and ``--quantize``: an adapter fine-tune of the model
+    (`lightning_memkit._estimating.adapters`), checked by `check_adapters` before anything is imported."""
+    p.add_argument(
+        "--lora", type=positive_int, default=None, metavar="RANK",
+        help="train LoRA adapters of this rank (peft's LoraConfig(r=RANK)) over the frozen model; the "
+        "optimizer steps the adapters only",
+    )  # fmt: skip
+    p.add_argument(
+        "--lora-targets", type=module_names, default=None, metavar="NAME[,NAME...]",
+        help="the modules LoRA adapts (peft's target_modules, or all-linear); default: every block linear "
+        "of a LLaMA-family model (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or a GPT preset "
+        "(c_attn,c_proj,c_fc,c_gate), else peft's default for the family",
+    )  # fmt: skip
+    p.add_argument(
+        "--quantize", type=one_of("quantization", QUANTIZATIONS), default="none",
+        metavar="{" + ",".join(QUANTIZATIONS) + "}",
+        help="the frozen base's linear layers but the head as transformers' BitsAndBytesConfig loads them: "
+        "nf4 or fp4 (4-bit, double quantization, bf16 compute: QLoRA), int8 (LLM.int8()), none (default); "
+        "needs --lora",
+    )  # fmt: skip
+    p.set_defaults(adapters=None)  # the AdapterSetup `check_adapters` makes of them
+
+
+def check_adapters(args: argparse.Namespace) -> None:
+    """``--lora``, ``--lora-targets`` and ``--quantize`` together: a quantized base or targets need
+    adapters to train. Sets ``args.adapters``: the `AdapterSetup`, or ``None``."""
+    if args.lora is None:
+        if args.quantize != "none":
+            raise UsageError(
+                f"--quantize {args.quantize} freezes the whole base in {args.quantize}, leaving nothing to "
+                f"train; give --lora RANK too (QLoRA: --lora 8 --quantize {args.quantize})"
+            )
+        if args.lora_targets is not None:
+            raise UsageError(
+                f"--lora-targets {targets_text(args.lora_targets)} says where LoRA adapters go; give their "
+                "rank too: --lora 8"
+            )
+        args.adapters = None
+        return
+    args.adapters = AdapterSetup(args.lora, args.lora_targets, args.quantize, sharded=args.gpus > 1)
+
+
 #: What ``memkit advise --strategy`` advises: the one-device step each DDP rank runs, or one FSDP2 rank's.
 ADVISED_STRATEGIES = ("ddp", "fsdp2")
 
@@ -176,6 +230,7 @@ def check_plan(args: argparse.Namespace) -> None:
     reserve; on cpu the size as given, a GPU name refused: it says nothing of the host's memory), and no
     GPU lever on a CPU."""
     check_tokens(args.global_batch, args.seq_len)
+    check_adapters(args)
     if args.global_batch % args.gpus:
         raise UsageError(
             f"--global-batch {args.global_batch} does not split evenly across --gpus {args.gpus}; give a "
@@ -191,6 +246,7 @@ def check_estimate(args: argparse.Namespace) -> None:
     """The batch's token count (all ranks' and micro-batches' at once, as ``--gpu``'s plans cut it), and
     ``memkit estimate --gpu`` for ``--device``, as `check_plan` reads it."""
     check_tokens(args.batch_size * (args.accumulate * args.gpus if args.gpu is not None else 1), args.seq_len)
+    check_adapters(args)
     if args.gpu is not None:
         args.gpu = _device_budget(args.gpu, args.device, "--gpu")
 
@@ -274,6 +330,7 @@ def add_estimate(subparsers: Any) -> None:
         "viewer: python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html, or pytorch.org/memory_viz",
     )
     _add_html(p)
+    add_adapter_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=deferred("_estimate", "run_estimate", check=check_estimate))
 
@@ -336,6 +393,7 @@ def add_plan(subparsers: Any) -> None:
         help="seconds of planning after which no block-by-block checkpointing plan is sought: the rest "
         f"is planned with full checkpointing (default: {REFINE_SECONDS:g})",
     )  # fmt: skip
+    add_adapter_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(run=deferred("_plan", "run_plan", check=check_plan))
 

@@ -21,7 +21,8 @@ from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE, GPUS, Budget
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._diagnosis.oom import plan_code
-from lightning_memkit._estimating.analytic import model_static, shard
+from lightning_memkit._estimating.adapters import adapter_summary
+from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_slice
 from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
 from lightning_memkit._fitting.plan import FitPlan
@@ -40,6 +41,7 @@ from lightning_memkit.cli._models import (
     check_seq_len,
     example_batch,
     load_model,
+    setup_code,
     step_errors,
     step_options,
     weights_note,
@@ -50,7 +52,7 @@ __all__ = ["REFINE_SECONDS", "RELAXED_PRECISIONS", "add_plan", "plan_code", "run
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    model = load_model(args.model, args.loop)
+    model = load_model(args.model, args.loop, args.adapters)
     check_seq_len(model, analytic_shape(model)[0], args.seq_len)
     start = time.perf_counter()
     # The library's ValueErrors (nothing fits, a batch it cannot cut) say what to change; what else the
@@ -60,11 +62,14 @@ def run_plan(args: argparse.Namespace) -> int:
         found, relaxed, attempts, choice = _across_strategies(model, batch, args)
     seconds = time.perf_counter() - start
     code = plan_code(found, model, global_batch=args.global_batch, optimizers=args.optimizer)
+    if args.adapters is not None:  # the peft and BitsAndBytesConfig lines before the Trainer's
+        code = f"{setup_code(model, args.adapters)}\n\n{code}"
     given_up = _given_up(found, model, args, attempts[0]) if relaxed else []
     if args.json:
         data = {
             "model": args.model,
             "weights": weights_note(model, args.model, found.precision),
+            "adapters": adapter_summary(model, args.adapters, model.lora_targets) if args.adapters else None,
             **found.as_dict(),
         }
         data |= {"strategy_choice": choice, "code": code, "seconds": seconds}
@@ -73,6 +78,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"{args.model} on {args.gpu.source}, global batch {args.global_batch} x {args.seq_len}:")
         print(_budget_line(args.gpu, args.margin, args.device))
         print(weights_note(model, args.model, found.precision))
+        if args.adapters is not None:
+            print(adapter_summary(model, args.adapters, model.lora_targets))
         if choice:
             print(choice)
         print(found)
@@ -166,6 +173,7 @@ def _best_plan(
     loss_fn = step_options(model, None)["loss_fn"]
     attempts = _attempts(args)
     limit = int(args.gpu.usable * (1 - args.margin))
+    frozen = _frozen_bytes(model, strategy, args.gpus)
 
     def plan(attempt: argparse.Namespace) -> FitPlan:
         return plan_fit(
@@ -200,6 +208,9 @@ def _best_plan(
             model, args.optimizer, attempt.precision, strategy=args.strategy, n_gpus=args.gpus,
             **_levers(attempt),
         )  # fmt: skip
+        floor = (
+            None if floor is None else floor + frozen
+        )  # a frozen base stays on the device whatever the lever
         if len(attempts) > 1 and floor is not None and floor > limit:  # known without a simulation
             tried.append(f"{_describe(attempt)}: static floor {format_bytes(floor)}")
             continue
@@ -236,6 +247,16 @@ def _best_plan(
 
 
 _LEVERS = tuple(LEVER_CALLBACKS)
+
+
+def _frozen_bytes(model: nn.Module, strategy: str, n_gpus: int) -> int:
+    """The bytes of the parameters no optimizer steps (an adapter fine-tune's base, 4-bit packed data as it
+    is stored) one GPU holds: divided by ``n_gpus`` under a strategy that shards parameters. The static
+    floor counts trainable parameters only; with this, a base too large for the card is known without a
+    simulation of every relaxed set-up (each of a 70B model's takes a minute)."""
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    sharded = strategy == "fsdp2" or "parameters" in STRATEGIES.get(strategy, ())
+    return frozen // n_gpus if sharded else frozen
 
 
 def _budget_line(budget: Budget, margin: float, device: str) -> str:
