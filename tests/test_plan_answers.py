@@ -149,6 +149,19 @@ def test_the_chunked_loss_fix_is_the_models_own_loss():
     assert all(p.grad is not None for p in module.parameters())
 
 
+def test_no_chunked_loss_is_written_for_a_model_that_soft_caps_its_logits():
+    """A hostile pass: Gemma 2 soft-caps its logits (final_logit_softcapping) before its loss; the fix,
+    written as for LLaMA, computed another loss (123.16 against the model's 28.39 once the logits grew)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    assert config.final_logit_softcapping is not None  # Gemma 2's default
+    fix = _chunked_loss(Gemma2ForCausalLM(config), "lm_head")
+    assert "chunked_cross_entropy(" not in fix
+    assert f"final_logit_softcapping={config.final_logit_softcapping}" in fix and "another objective" in fix
+
+
 @pytest.mark.slow  # three simulated steps of a Hugging Face model: about 5 s on 2 busy cores
 def test_advise_gives_the_chunked_loss_that_is_the_models_own():
     module, batch = _CausalLM(), _batch()

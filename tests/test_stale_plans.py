@@ -215,3 +215,66 @@ def test_a_plan_saved_by_two_ddp_ranks_is_not_installed_on_one_device(tmp_path):
     assert callback.plan.n_gpus == 1 and trainer.global_step == 2 * STEPS
     assert {float(s["step"]) for s in seen.state.values()} == {float(STEPS)}
 
+
+class _Tokens(L.LightningModule):
+    """Embedding, MLP and head over token batches: activations set its peak, so the micro-batch moves it."""
+
+    def __init__(self, batch_size=8):
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = torch.nn.Sequential(
+            torch.nn.Embedding(64, 64), torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64),
+            torch.nn.Linear(64, 64),
+        )  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        x = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=self.batch_size)
+
+
+def test_a_resumed_plan_made_again_is_the_plan_a_fresh_fit_makes(tmp_path):
+    """A hostile pass: resumed at a tight budget, the plan made again simulated the step through setup's
+    plan still on the module (its StepGuard cut the simulated batch), so 8 x 1 read 613 KiB where the step
+    peaks at 659 KiB, over the budget. Now setup's plan is set aside first: the plan a fresh fit makes."""
+
+    def fit(budget, optimizers=("sgd_momentum",), **kwargs):
+        callback = AutoFit(budget, cost="flops", optimizers=list(optimizers))
+        trainer = L.Trainer(
+            default_root_dir=tmp_path, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs,
+        )  # fmt: skip
+        return callback, trainer
+
+    saved = tmp_path / "sgd.ckpt"
+    callback, trainer = fit("64MB", max_steps=2)
+    trainer.fit(_Tokens())
+    trainer.save_checkpoint(saved)
+    fresh, trainer = fit("700KB", max_steps=2)
+    trainer.fit(_Tokens())
+    resumed, trainer = fit("700KB", ("sgd", "sgd_momentum"), max_steps=4)  # setup plans plain SGD
+    with pytest.warns(UserWarning, match="planning again"):
+        trainer.fit(_Tokens(), ckpt_path=saved)
+    assert fresh.plan.accumulate_grad_batches > 1  # the budget splits the batch: the guard is at work
+    mine = (resumed.plan.micro_batch_size, resumed.plan.accumulate_grad_batches, resumed.plan.estimated_peak)
+    assert mine == (
+        fresh.plan.micro_batch_size,
+        fresh.plan.accumulate_grad_batches,
+        fresh.plan.estimated_peak,
+    )
+
+
+def test_the_optimizers_asked_for_are_said_to_be_set_aside_when_the_saved_plan_is_installed(tmp_path):
+    """A hostile pass: an AdamW checkpoint resumed with AutoFit(optimizers=["sgd"]) at its own budget trained
+    AdamW on, with only an info line."""
+    path, _ = _saved(tmp_path)
+    callback = AutoFit("100TB", cost="flops", optimizers=["sgd"])
+    with pytest.warns(UserWarning, match=r"AutoFit\(optimizers=\['sgd'\]\) set aside: .* trains with adamw"):
+        _fit(tmp_path, callback, ckpt_path=path)
+    assert callback.plan.optimizer == "adamw"

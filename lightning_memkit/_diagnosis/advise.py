@@ -442,6 +442,17 @@ def _chunked_loss(model: nn.Module, head: str | None) -> str:
             "from the last hidden states"
         )
     path, lm = found
+    transformed = {
+        name: value
+        for name in ("final_logit_softcapping", "logit_scale")  # Gemma 2/3's soft-cap, Cohere's scale
+        if (value := getattr(getattr(lm, "config", None), name, None)) not in (None, 1, 1.0)
+    }
+    if transformed:  # chunked_cross_entropy takes the head's plain logits: another objective
+        said = ", ".join(f"{name}={value}" for name, value in transformed.items())
+        return (
+            f" (not written here for {type(lm).__name__}: its loss transforms the head's logits first "
+            f"({said}), which chunked_cross_entropy does not, so it would train another objective)"
+        )
     owner = ("self" if isinstance(model, LightningModule) else "model") + (f".{path}" if path else "")
     return (
         f", from the last hidden states, the labels shifted as {type(lm).__name__} shifts them (position t "
