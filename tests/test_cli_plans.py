@@ -222,6 +222,8 @@ PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
         ([*ESTIMATE, "--snapshot", "/nonexistent/x"], "cannot write /nonexistent/x: its folder /nonexistent "
          "does not exist; create it (mkdir -p /nonexistent) or give another path"),
         ([*ESTIMATE, "--html", "/nonexistent/x.html"], "its folder /nonexistent does not exist"),
+        # a hostile pass: /proc's permission bits say writable, and the run wrote its report into nothing
+        ([*ESTIMATE, "--html", "/proc/x.html"], "cannot write /proc/x.html: No such file or directory"),
         (["advise", *ESTIMATE[1:], "--html", "/"], "/ is a directory; give a file name in it"),
         ([*PLAN, "--gpu", "A100-40GB", "--refine-seconds", "-1"], "must be a number of seconds, 0 or more, "
          "got '-1'"),
@@ -409,3 +411,23 @@ def test_neither_strategy_fits(monkeypatch):
     refusals = {"ddp": "The optimizer step fused into backward cannot run under ddp", "fsdp2": "other"}
     with pytest.raises(ValueError, match=r"^The optimizer step fused into backward cannot run under ddp$"):
         _plan._across_strategies(None, None, args)
+
+
+def test_a_config_transformers_cannot_read_is_one_line(tmp_path):
+    """A hostile pass: config.json with "torch_dtype": "auto" (what from_pretrained takes, saved into the
+    file) ended in transformers' raw AttributeError traceback."""
+    import json
+
+    from transformers import AutoConfig
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = AutoConfig.for_model("llama", vocab_size=64, num_key_value_heads=1, **sizes)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "torch_dtype": "auto", "dtype": "auto"}))
+    status, _, err = run_cli(["estimate", "--model", f"hf:{tmp_path}", "--batch-size", "2", "--seq-len", "8"])
+    assert status == 2 and "Traceback" not in err
+    assert (
+        f"reading {tmp_path / 'config.json'} failed: AttributeError" in err
+        and len(err.strip().splitlines()) == 1
+    )

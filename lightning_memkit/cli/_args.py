@@ -99,6 +99,15 @@ def output_file(text: str) -> str:
         )
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied; give a path you can write")
+    existed = path.exists()
+    try:  # what the permission bits do not tell (a read-only or special file system, such as /proc)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        why = f"cannot write {text}: {e.strerror}; give a path you can write"
+        raise argparse.ArgumentTypeError(why) from e
+    if not existed:  # nothing left behind by a run that fails later
+        path.unlink()
     return text
 
 

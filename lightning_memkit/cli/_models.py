@@ -204,6 +204,8 @@ def _hf_from_config(spec: str) -> nn.Module:
         usage_error(
             ValueError,
             OSError,
+            AttributeError,  # a field transformers cannot read ("torch_dtype": "auto" saved in the file)
+            TypeError,
             context=f"--model {spec}: reading {source} failed",
             fix="hf: builds the model families transformers ships (custom code is not run)",
         ),
