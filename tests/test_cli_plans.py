@@ -225,6 +225,8 @@ PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
         # a hostile pass: /proc's permission bits say writable, and the run wrote its report into nothing
         ([*ESTIMATE, "--html", "/proc/x.html"], "cannot write /proc/x.html: No such file or directory"),
         (["advise", *ESTIMATE[1:], "--html", "/"], "/ is a directory; give a file name in it"),
+        ([*PLAN, "--gpu", "A100-40GB", "--refine-limit", "-1"], "must be a whole number, 0 or more, got"),
+        ([*PLAN, "--gpu", "A100-40GB", "--refine-limit", "2", "--refine-seconds", "8"], "not allowed with"),
         ([*PLAN, "--gpu", "A100-40GB", "--refine-seconds", "-1"], "must be a number of seconds, 0 or more, "
          "got '-1'"),
         ([*PLAN, "--gpu", "4090"], "'4090' reads as 4090 bytes; did you mean RTX-4090? Give a GPU name"),
@@ -431,3 +433,14 @@ def test_a_config_transformers_cannot_read_is_one_line(tmp_path):
         f"reading {tmp_path / 'config.json'} failed: AttributeError" in err
         and len(err.strip().splitlines()) == 1
     )
+
+
+def test_the_refinement_is_a_count_and_the_old_seconds_say_what_they_read_as(capsys):
+    """A hostile pass: --refine-seconds' help said "seconds of planning" while it was read as a count, and
+    --refine-seconds 1 turned the plan to full checkpointing with "past refine_limit=0" unexplained."""
+    argv = ["plan", "--model", "tiny", "--gpu", "2GB", "--global-batch", "4", "--seq-len", "32", "--json"]
+    counted = run_cli([*argv, "--refine-limit", "2"])
+    old = run_cli([*argv, "--refine-seconds", "8"])
+    plans = [{k: v for k, v in json.loads(out).items() if k != "seconds"} for _, out, _ in (counted, old)]
+    assert counted[0] == old[0] == 0 and plans[0] == plans[1]
+    assert "--refine-seconds is deprecated; 8 reads as --refine-limit 2" in old[2]

@@ -111,6 +111,17 @@ def output_file(text: str) -> str:
     return text
 
 
+def count(text: str) -> int:
+    """A whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more, got {text!r}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A duration in seconds, 0 or more (``inf``: no limit)."""
     value = _number(text)

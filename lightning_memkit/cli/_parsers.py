@@ -27,6 +27,7 @@ from lightning_memkit._vocabulary import CHECKPOINT_MODES, DEVICES, PRECISIONS
 from lightning_memkit.cli._args import (
     UsageError,
     check_tokens,
+    count,
     gpu_or_memory,
     margin,
     module_names,
@@ -55,9 +56,9 @@ PRESETS, STRATEGIES = tuple(_analytic.PRESETS), tuple(_analytic.STRATEGIES)
 #: What `memkit plan` relaxes, in order, when nothing fits as asked: precisions (unless ``--precision``
 #: names them), then the levers that change the step (unless one is named), cheapest first.
 RELAXED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-#: ``--refine-seconds``' default: a 7B model's plan, whose steps take seconds each to simulate, answers in
-#: under a minute on two cores.
-REFINE_SECONDS = 30.0
+#: ``--refine-limit``'s default: the micro-batches given a block-by-block checkpointing plan; a 7B model's
+#: plan, whose steps take seconds each to simulate, answers in under a minute on two cores.
+REFINE_LIMIT = 7
 
 _GPU_HELP = f"a GPU name ({', '.join(GPUS)}) or a card size (24GB)"
 
@@ -388,10 +389,16 @@ def add_plan(subparsers: Any) -> None:
         help="plan with OptimizerOffload: the optimizer's state, fp32 masters and gradients in host memory "
         "(1 GPU)",
     )  # fmt: skip
-    p.add_argument(
-        "--refine-seconds", type=seconds, default=REFINE_SECONDS, metavar="S",
-        help="seconds of planning after which no block-by-block checkpointing plan is sought: the rest "
-        f"is planned with full checkpointing (default: {REFINE_SECONDS:g})",
+    refine = p.add_mutually_exclusive_group()
+    refine.add_argument(
+        "--refine-limit", type=count, default=REFINE_LIMIT, metavar="N",
+        help="the micro-batches given a block-by-block checkpointing plan, the largest first; the rest are "
+        f"planned with full checkpointing: a count, so the plan is the same on a busy machine (default: "
+        f"{REFINE_LIMIT})",
+    )  # fmt: skip
+    refine.add_argument(
+        "--refine-seconds", type=seconds, default=None, metavar="S",
+        help="deprecated: read as --refine-limit S/4 (rounded down), never as a clock",
     )  # fmt: skip
     add_adapter_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
