@@ -1,6 +1,8 @@
 """Adapter fine-tunes against the allocator: LoRA over an fp32 base, QLoRA over bitsandbytes' 4-bit base
 (nf4 and fp4, with and without double quantization, uint8 and bf16 storage) and LoRA over its 8-bit base
-(tests/peft_models.py: a tiny random LLaMA, LoRA r=8 on q/v/up/down, AdamW on the adapters, 4 x 64 tokens).
+(tests/peft_models.py: a tiny random LLaMA, LoRA r=8 on q/v/up/down, AdamW on the adapters, 4 x 64 tokens),
+and LoRA over torchao's int8 and int4 weight-only bases where torchao is installed
+(tests/test_peft_torchao.py: the same LLaMA quantized by ``quantize_``).
 
 For each set-up, on the CPU, with the CPU allocator's own count as the truth (`counting_allocator`,
 installed before any model is built):
@@ -14,6 +16,7 @@ installed before any model is built):
 
     python benchmarks/bench_peft.py               # every set-up; prints a Markdown table (docs/peft.md's)
     python benchmarks/bench_peft.py qlora-nf4 lora-int8@bf16-true    # some, at a precision
+    python benchmarks/bench_peft.py lora-torchao-int8 lora-torchao-int4 lora-torchao-int8@bf16-true
 """
 
 from __future__ import annotations
@@ -52,13 +55,33 @@ def _error(value: int | str, truth: int) -> str:
     return value if isinstance(value, str) else f"{100 * (value - truth) / truth:+.3f} %"
 
 
+def _torchao_setups() -> list[str]:
+    """The torchao set-ups (tests/test_peft_torchao.py), at 32-true and the int8 one at bf16-true; none
+    without torchao."""
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return []
+    from test_peft_torchao import TORCHAO_SETUPS
+
+    return [*TORCHAO_SETUPS, "lora-torchao-int8@bf16-true"]
+
+
+def _module(setup: str, device: str = "cpu") -> AdapterModule:
+    if setup.startswith("lora-torchao-"):
+        from test_peft_torchao import TorchaoModule
+
+        return TorchaoModule(setup, device=device)
+    return AdapterModule(setup, device=device)
+
+
 def row(name: str) -> str:
     """``name``: a set-up, at ``@precision`` (default 32-true)."""
     setup, _, precision = name.partition("@")
     precision = precision or "32-true"
-    module = AdapterModule(setup)
+    module = _module(setup)
     estimate = _estimate(module, precision)
-    meta = _estimate(AdapterModule(setup, device="meta"), precision)
+    meta = _estimate(_module(setup, device="meta"), precision)
     peaks, monitor = AllocatorPeaks(all_threads=True), MemoryMonitor(plot=False, summary=False)
     with tempfile.TemporaryDirectory() as root:
         cpu_trainer(root, peaks.around(monitor), max_steps=STEPS, precision=precision).fit(module)
@@ -84,7 +107,7 @@ def main(names: list[str]) -> None:
     columns = ["set-up", "precision", "allocator (B)", "monitor", "estimate", "estimate, meta"]
     print("| " + " | ".join([*columns, "trainable (B)", "frozen (B)"]) + " |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name in names or [*SETUPS, *PRECISIONS]:
+    for name in names or [*SETUPS, *PRECISIONS, *_torchao_setups()]:
         print(row(name), flush=True)
 
 

@@ -385,11 +385,14 @@ def _fake_like(t: Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> Te
 def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> Iterator[None]:
     """Every parameter and buffer of ``model`` swapped for a fake twin while inside (`_twinned`); a
     bitsandbytes quantized weight for one carrying its quantization state, faked (`_estimating.quantized`),
-    and a quantized layer's own state too."""
+    and a quantized layer's own state too; a torchao quantized weight for its subclass over fake inner
+    tensors."""
     fake = functools.partial(_fake_like, mode=mode, dtype=dtype)
     twins = _quantized.QuantizedTwins(mode, fake)
 
     def make(t: Tensor) -> Tensor:
+        if _quantized.is_torchao_quantized(t):
+            return twins.wrapper(t)
         return twins.parameter(t) if _quantized.is_quantized(t) else fake(t)
 
     with _twinned(model, make), _quantized.fake_layer_states(model, twins):
