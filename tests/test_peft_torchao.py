@@ -127,3 +127,20 @@ def test_monitor_and_estimate_match_the_allocator(setup, precision, tmp_path, on
     assert estimate.peak == pytest.approx(max(peaks.peaks[1:]), rel=0.01)
     assert estimate.parameters == trainable + frozen
     assert from_meta == estimate
+
+
+def test_a_torchao_weight_that_cannot_be_faked_is_refused(monkeypatch):
+    """A torchao subclass that cannot be rebuilt over fake tensors is refused with its reason, not simulated
+    as a plain fp32 weight of its shape (what the estimate did before: -1.34 % on the int8 base)."""
+    from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig, quantize_
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "0")
+
+    def unbuildable(cls, *args):
+        raise RuntimeError("no fake kernel")
+
+    monkeypatch.setattr(Int8Tensor, "__tensor_unflatten__", classmethod(unbuildable))
+    x = torch.randn(4, 64)
+    with pytest.raises(NotImplementedError, match=r"cannot simulate torchao's Int8Tensor.*no fake kernel"):
+        estimate_memory(model, x, loss_fn=lambda out, _: out.sum(), optimizer="adamw", device="cpu")

@@ -98,13 +98,29 @@ class QuantizedTwins:
         """The fake twin of a torchao quantized parameter: the same subclass, rebuilt by its
         ``__tensor_unflatten__`` over fake twins of its inner tensors (each in its own dtype, whatever the
         precision: an int8 ``qdata`` stays int8, and so does its ``scale``'s dtype)."""
+        return nn.Parameter(self._unflattened(t), requires_grad=t.requires_grad)
+
+    def _unflattened(self, t: Tensor) -> Tensor:
+        """``t``'s subclass over fake twins of its inner tensors (a wrapper inside it rebuilt the same way).
+        A subclass that cannot be rebuilt over fakes is refused with torchao's reason, never faked as the
+        plain tensor of its shape (which counts 4 bytes a weight and misses what its linear saves)."""
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
         names, context = t.__tensor_flatten__()
         inner = {}
         for name in names:
             member = getattr(t, name)
-            inner[name] = self.tensor(member) if isinstance(member, Tensor) else member
-        twin = type(t).__tensor_unflatten__(inner, context, t.shape, t.stride())
-        return nn.Parameter(twin, requires_grad=t.requires_grad)
+            if is_traceable_wrapper_subclass(member):
+                inner[name] = self._unflattened(member)
+            else:
+                inner[name] = self.tensor(member) if isinstance(member, Tensor) else member
+        try:
+            return type(t).__tensor_unflatten__(inner, context, t.shape, t.stride())
+        except Exception as error:
+            raise NotImplementedError(
+                f"estimate_memory cannot simulate torchao's {type(t).__name__}: it could not be rebuilt over "
+                f"fake tensors ({type(error).__name__}: {error})"
+            ) from error
 
     def parameter(self, t: Tensor) -> nn.Parameter:
         """The fake twin of a quantized parameter: a fake parameter carrying ``t``'s attributes, its
