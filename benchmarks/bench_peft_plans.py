@@ -10,7 +10,7 @@ folder; nothing is downloaded. Each row is one ``memkit plan --json`` run in thi
 - ``--global-batch 1 --seq-len 2048``: the smallest step that answers "does it fit, with what
   checkpointing"; ``--precision bf16-mixed``, as the QLoRA recipes train (Hugging Face's ``bf16=True``:
   autocast over the bf16 base and peft's fp32 adapters), AdamW only (lighter optimizers save little on
-  adapters); ``--refine-seconds 10`` bounds the
+  adapters); ``--refine-limit 2`` bounds the
   block-by-block checkpointing search;
 - cards by name (RTX-4090, A6000, A100-80GB): the CUDA context and a 5 % reserve are taken off, then a 10 %
   margin; the 70B QLoRA row on two RTX-4090s is FSDP2's (``--gpus 2 --strategy fsdp2``, bf16 storage).
@@ -42,6 +42,8 @@ SHAPES = {
 }
 SETUPS = {"LoRA": ["--lora", "8"], "QLoRA": ["--lora", "8", "--quantize", "nf4"]}
 CARDS = {"24 GB": ["--gpu", "RTX-4090"], "48 GB": ["--gpu", "A6000"], "80 GB": ["--gpu", "A100-80GB"]}
+#: What `plan_fit` says when nothing fits: the leanest plan it tried and its peak.
+LEANEST = r"the leanest plan \(micro-batch 1, (\w+) checkpointing, \w+\) peaks at ([\d.]+ \w+)"
 #: The FSDP+QLoRA anchor: a 70B model on two 24 GB cards.
 EXTRA = [("llama2-70b", "QLoRA", "2 x 24 GB", ["--gpu", "RTX-4090", "--gpus", "2", "--strategy", "fsdp2"])]
 
@@ -59,18 +61,19 @@ def plan(folder: Path, model: str, setup: str, card_flags: list[str]) -> tuple[s
     from lightning_memkit._breakdown import format_bytes
     from lightning_memkit.cli import main
 
-    argv = ["plan", "--model", f"hf:{folder / model}", *card_flags, "--global-batch", "1",
+    gpus = card_flags[card_flags.index("--gpus") + 1] if "--gpus" in card_flags else "1"  # a sequence each
+    argv = ["plan", "--model", f"hf:{folder / model}", *card_flags, "--global-batch", gpus,
             "--seq-len", "2048", "--precision", "bf16-mixed", "--optimizer", "adamw",
-            "--refine-seconds", "10", *SETUPS[setup], "--json"]  # fmt: skip
+            "--refine-limit", "2", *SETUPS[setup], "--json"]  # fmt: skip
     out, err = io.StringIO(), io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(argv)
     seconds = time.perf_counter() - start
-    if status != 0:
-        floor = re.search(r"needs (?:at least )?([\d.]+ [KMGT]?i?B)", err.getvalue())
+    if status != 0:  # plan_fit's refusal: the leanest plan it tried, and its peak
+        leanest = re.search(LEANEST, err.getvalue())
         return (
-            f"does not fit{f' (needs {floor[1]})' if floor else ''} | {err.getvalue().strip()[-300:]}",
+            f"does not fit | {leanest[1]}: {leanest[2]} (the leanest)" if leanest else "does not fit |",
             seconds,
         )
     found = json.loads(out.getvalue())
