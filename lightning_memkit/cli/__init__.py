@@ -36,6 +36,7 @@ under ``usage_error``: `main` prints it as one line and returns 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,8 +70,17 @@ def parser() -> argparse.ArgumentParser:
     return memkit
 
 
+#: Loggers whose import-time warnings the command keeps off its output.
+_QUIET = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``memkit`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    # Import-time notices of packages imported on the way (transformers imports torchao where installed,
+    # which logs its optional kernels' load failures and torch's pytree deprecations): a command's output is
+    # its answer, or one line saying why not.
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         args = parser().parse_args(argv)
         return args.run(args)
