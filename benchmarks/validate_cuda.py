@@ -373,8 +373,10 @@ def llama_monitor_and_estimate(bench: Bench) -> None:
     bench.llama_peak = monitor_and_estimate(bench, "LLaMA", bench.llama)
 
 
-def monitor_and_estimate(bench: Bench, name: str, make: Callable[[], pl.LightningModule]) -> int:
-    """Rows 1 and 2 for one model; returns the steady step's real peak."""
+def monitor_and_estimate(
+    bench: Bench, name: str, make: Callable[[], pl.LightningModule], rows: tuple[str, str] = ("1", "2")
+) -> int:
+    """Rows 1 and 2 (numbered ``rows``) for one model; returns the steady step's real peak."""
     module = make()
     monitor = MemoryMonitor(plot=False, summary=False, log_every_n_steps=1)
     run = bench.fit(module, around=[monitor], logger=True)
@@ -389,7 +391,7 @@ def monitor_and_estimate(bench: Bench, name: str, make: Callable[[], pl.Lightnin
             else ", KEYS MISSING"
         )
     bench.add(
-        f"1. MemoryMonitor vs allocator, {name}",
+        f"{rows[0]}. MemoryMonitor vs allocator, {name}",
         f"{worst:.3%} worst of {len(measured)} steps{keys}",
         "≤ 0.1 %",
         worst <= 0.001 and "MISSING" not in keys,
@@ -397,7 +399,7 @@ def monitor_and_estimate(bench: Bench, name: str, make: Callable[[], pl.Lightnin
     estimate = estimate_memory(module, example_batch(module), precision=bench.precision, device=bench.device)
     error = _error(estimate.peak, run.steady)
     bench.add(
-        f"2. estimate vs real step, {name}",
+        f"{rows[1]}. estimate vs real step, {name}",
         f"{error:+.2%} ({estimate.peak / MiB:,.1f} vs {run.steady / MiB:,.1f} MiB)",
         "≤ 1 % (2 %)",
         abs(error) <= 0.02,
@@ -660,25 +662,12 @@ def compiled(bench: Bench) -> None:
 
 
 def qlora(bench: Bench) -> None:
-    """Row 12: QLoRA on the LLaMA shape (issue 45 item 7): MemoryMonitor against the allocator on every
-    step (bar 0.1 %) and the estimate against the steady step (bar 1 %), so that a device shows whether
+    """Row 12: QLoRA on the LLaMA shape (issue 45 item 7): rows 1 and 2's figures, the monitor against the
+    allocator on every step and the estimate against the steady step, so that a device shows whether
     bitsandbytes' CUDA kernels allocate as its CPU ones do (they are other code)."""
     b, t = bench.sizes.llama_batch
-    module = QLoraLlama(bench.sizes.llama, b, t, bench.sizes.timed_steps, bench.device)
-    monitor = MemoryMonitor(plot=False, summary=False, log_every_n_steps=1)
-    run = bench.fit(module, around=[monitor], logger=True)
-    measured = [b.peak for _, b in monitor.history]
-    worst = max(abs(_error(m, p)) for m, p in zip(measured, run.peaks, strict=True))
-    bench.add("12. MemoryMonitor vs allocator, QLoRA LLaMA", f"{worst:.3%} worst of {len(measured)} steps",
-              "≤ 0.1 %", worst <= 0.001)  # fmt: skip
-    estimate = estimate_memory(module, example_batch(module), precision=bench.precision, device=bench.device)
-    error = _error(estimate.peak, run.steady)
-    bench.add(
-        "12. estimate vs real step, QLoRA LLaMA",
-        f"{error:+.2%} ({estimate.peak / MiB:,.1f} vs {run.steady / MiB:,.1f} MiB)",
-        "≤ 1 %",
-        abs(error) <= 0.01,
-    )
+    make = lambda: QLoraLlama(bench.sizes.llama, b, t, bench.sizes.timed_steps, bench.device)  # noqa: E731
+    monitor_and_estimate(bench, "QLoRA LLaMA", make, rows=("12", "12"))
 
 
 def offload(bench: Bench) -> None:
