@@ -36,6 +36,7 @@ __all__ = [
     "TrainingStep",
     "batch_size",
     "batch_slice",
+    "batch_tensors",
     "default_axes",
     "is_lightning",
     "lightning_stand_ins",
@@ -468,11 +469,17 @@ def _check_axes(named: list[tuple[str, Tensor]], axes: SampleAxes) -> None:
         )
 
 
+def batch_tensors(batch: Any) -> list[Tensor]:
+    """The tensors of ``batch``, in the order ``apply_to_collection`` visits them (`SampleAxes`' order)."""
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    return found
+
+
 def _named_tensors(batch: Any) -> list[tuple[str, Tensor]]:
     """The tensors of ``batch`` in the order ``apply_to_collection`` visits them, each with a name for
     messages (``batch['input_ids']``, ``batch[0]``)."""
-    found: list[Tensor] = []
-    apply_to_collection(batch, Tensor, found.append)
+    found = batch_tensors(batch)
     names: list[str] = []
 
     def walk(obj: Any, name: str) -> None:

@@ -215,12 +215,11 @@ def _weight_given_its_layers_state() -> Iterator[None]:
 
     def given(module: nn.Module) -> None:
         weight = module.weight
-        if getattr(weight, "quant_state", None) is None and getattr(module, "quant_state", None) is not None:
-            if isinstance(weight, torch._subclasses.FakeTensor) or isinstance(
-                getattr(weight, "data", None), torch._subclasses.FakeTensor
-            ):
-                weight.quant_state = module.quant_state
-                return
+        state = getattr(module, "quant_state", None)
+        lost = getattr(weight, "quant_state", None) is None and state is not None
+        if lost and isinstance(weight.data, torch._subclasses.FakeTensor):  # a parameter over a fake too
+            weight.quant_state = state
+            return
         fix(module)
 
     bnb_modules.fix_4bit_weight_quant_state_from_module = given

@@ -19,7 +19,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -51,6 +50,7 @@ from lightning_memkit._estimating.lightning_step import (
     AmbiguousAxes,
     SampleAxes,
     batch_size,
+    batch_tensors,
     default_axes,
     loader_axes,
     parts_without_samples,
@@ -154,7 +154,7 @@ class AutoFit(Callback):
         # What the fit changed, to put back at its end: [(holder, value)] of the batch size attribute
         # (module, hparams, datamodule, its hparams), and the Trainer's accumulate_grad_batches.
         self._batch_sizes: list[tuple[Any, Any]] = []
-        self._users: Any = None  # the batch size attribute as the loader reads it, at setup
+        self._users: int | None = None  # the batch size attribute as the loader reads it, at setup
         self._accumulate: tuple[pl.Trainer, int] | None = None
         self._counts: dict[str, Any] = {}  # the Trainer's `_BATCH_COUNTS` as the user set them
         #: what the plan was made for (`parameters_of` at ``setup``): configure_model must not add to it
@@ -217,10 +217,7 @@ class AutoFit(Callback):
         # Each fit plans afresh from the user's settings (a resume then installs its saved plan instead).
         holders = _lightning_get_all_attr_holders(pl_module, self.batch_arg_name)
         self._batch_sizes = [(holder, _get(holder, self.batch_arg_name)) for holder in holders]
-        users = lightning_getattr(pl_module, self.batch_arg_name)
-        self._users = (
-            int(users) if isinstance(users, numbers.Integral) and not isinstance(users, bool) else users
-        )
+        self._users = _samples(lightning_getattr(pl_module, self.batch_arg_name))
         self._accumulate = (trainer, trainer.accumulate_grad_batches)
         self._counts = {name: getattr(trainer, name) for name in _BATCH_COUNTS}
 
@@ -309,7 +306,7 @@ class AutoFit(Callback):
     def _batch_size(self, pl_module: pl.LightningModule) -> int:
         """The batch size attribute's value, a whole number of samples, and one AutoFit can set."""
         value = lightning_getattr(pl_module, self.batch_arg_name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        if _samples(value) is None:
             raise ValueError(
                 f"AutoFit sets the micro-batch through `{self.batch_arg_name}`, which holds {value!r}: it "
                 "must be the number of samples each batch of the train dataloader holds (a whole number, "
@@ -380,7 +377,7 @@ class AutoFit(Callback):
         if axes is None and users == 1 and batch_size(example) == 1:  # a loader of one sample, at any size
             return default_axes(example)  # (the first real batch is checked all the same)
         if axes is None:
-            tensors = _tensors(example)
+            tensors = batch_tensors(example)
             shapes = ", ".join(f"{tuple(t.shape)}" for t in tensors[:3]) or "none: it holds no tensor"
             short = min((t.shape[0] for t in tensors if t.dim()), default=users)
             if short < users:  # or the dataset holds fewer samples than either size asked
@@ -453,7 +450,7 @@ class AutoFit(Callback):
         plan's micro-batches: scaled so that they cover the samples the user's batches did. Said in one line;
         ``limit_val_batches``, which counts validation batches the plan may not change, is warned about."""
         users = self._users  # the value the loader reads (of the module's, its hparams' or the datamodule's)
-        if not _whole(users) or users < 1:
+        if users is None:
             return
         ratio = Fraction(users, plan.micro_batch_size)
         changed, rounded_up = [], False
@@ -885,12 +882,13 @@ def _get(holder: Any, name: str) -> Any:
     return holder[name] if isinstance(holder, dict) else getattr(holder, name)
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, found.append)
-    return found
+def _samples(value: Any) -> int | None:
+    """A batch size attribute's value as a number of samples (a whole number, at least 1; a numpy integer
+    too), else ``None``."""
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return int(value) if whole and value >= 1 else None
 
 
 def _is_empty(batch: Any) -> bool:
     """Whether a tensor of ``batch`` has no elements (0 samples along some dimension)."""
-    return any(t.dim() > 0 and t.numel() == 0 for t in _tensors(batch))
+    return any(t.dim() > 0 and t.numel() == 0 for t in batch_tensors(batch))
