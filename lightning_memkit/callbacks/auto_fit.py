@@ -227,6 +227,11 @@ class AutoFit(Callback):
         self._decide(trainer, pl_module, modes)
 
     def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> None:
+        # A plan made again (a model compiled in configure_model, a resume for another run) simulates the
+        # module's own step: an earlier plan's checkpointing and guard are set aside first (`_install` puts
+        # the new plan's on).
+        self._set_aside()
+
         def decide() -> tuple[dict[str, Any], SampleAxes]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
                 plan = self._plan(trainer, pl_module, modes)
@@ -248,7 +253,6 @@ class AutoFit(Callback):
             return
         self._compiled = True
         rank_zero_info("AutoFit: the model was compiled in configure_model; planning its compiled step.")
-        self._set_aside()  # setup's plan was the eager step's: its checkpoint wrappers are not compiled ones
         self._decide(trainer, pl_module, self._modes(trainer))
 
     def _modes(self, trainer: pl.Trainer) -> tuple[str, ...]:
@@ -818,7 +822,6 @@ class AutoFit(Callback):
         if self._accumulate is not None:
             trainer.accumulate_grad_batches = self._accumulate[1]
         asked, self.optimizers = self.optimizers, (saved.optimizer,)
-        self._set_aside()  # the step simulated is the module's own, not setup's plan's
         try:
             self._decide(trainer, module, self._modes(trainer))
         except ValueError as error:
