@@ -20,7 +20,14 @@ shapes; nothing here allocates a tensor. Where each figure comes from:
 - ``temporary``: autocast's 16-bit copies of the fp32 weights under mixed precision (Micikevicius et al.
   2018, "Mixed Precision Training"; Lightning's ``"16-mixed"`` / ``"bf16-mixed"``).
 - Sharding (`shard`): ZeRO stages 1, 2 and 3 partition the optimizer state, then the gradients, then the
-  parameters across the data-parallel ranks (Rajbhandari et al. 2020, §5; FSDP's full shard is stage 3).
+  parameters across the data-parallel ranks (Rajbhandari et al. 2020, §5.1-5.3, Figure 1: ``(2 + 2 + K)·Ψ``
+  at stage 0, ``2Ψ + 2Ψ + K·Ψ/N_d`` at 1, ``2Ψ + (2 + K)·Ψ/N_d`` at 2, ``(2 + 2 + K)·Ψ/N_d`` at 3;
+  FSDP's full shard is stage 3). Under Lightning's ``DeepSpeedStrategy`` the 16-bit precisions are
+  DeepSpeed's own (`DEEPSPEED_16BIT`); DeepSpeed's estimators
+  (``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``,
+  ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``) count the same copies plus
+  an fp32 gradient partition and, at stage 3, the largest layer gathered: docs/sharded.md compares them
+  term by term.
 
 The categories are summed as if all were live at once: an upper bound that is tight at the start of the
 backward pass of a step after the first.
@@ -315,6 +322,26 @@ PRECISIONS: dict[str, PrecisionScheme] = {
 }
 
 
+#: Lightning's 16-bit precisions under ``DeepSpeedStrategy``: Lightning turns ``"16-mixed"``/``"16-true"``
+#: into DeepSpeed's ``fp16`` and ``"bf16-mixed"``/``"bf16-true"`` into its ``bf16``, and the engine casts the
+#: module's parameters to 16 bit; its ZeRO optimizer keeps fp32 master weights and fp32 Adam moments.
+#: 2 + 2 + 4 + 8 = 16 bytes a parameter with Adam, ZeRO's §3.1 count, and no autocast copies (the weights
+#: already are 16-bit).
+DEEPSPEED_16BIT = PrecisionScheme(2, 2, master_bytes=4, state_bytes=4, compute_bytes=2)
+
+
+def strategy_precision(precision: str | PrecisionScheme, strategy: str) -> PrecisionScheme:
+    """The copies ``precision`` keeps under ``strategy``: `DEEPSPEED_16BIT` for a 16-bit Lightning precision
+    under a ``deepspeed_stage_*`` strategy, the precision's own scheme otherwise."""
+    if (
+        strategy.startswith("deepspeed")
+        and isinstance(precision, str)
+        and precision.startswith(("16", "bf16"))
+    ):
+        return DEEPSPEED_16BIT
+    return _precision(precision)
+
+
 def scheme(precision: str) -> str:
     """The `PRECISIONS` name for a Lightning precision string; ``"32-true"`` for one it does not know."""
     return precision if precision in PRECISIONS else "32-true"
@@ -355,8 +382,12 @@ def static_breakdown(
     )
 
 
-#: strategy -> the categories it partitions across ranks: ZeRO stage 1 the optimizer state, stage 2 the
-#: gradients too, stage 3 the parameters too (Rajbhandari et al. 2020, §5); FSDP's full shard is stage 3.
+#: strategy -> the categories it partitions across ranks: ZeRO stage 1 the optimizer state (P_os), stage 2
+#: the gradients too (P_os+g), stage 3 the parameters too (P_os+g+p) (Rajbhandari et al. 2020, §5.1-5.3);
+#: FSDP's full shard is stage 3, its SHARD_GRAD_OP stage 2. What DeepSpeed's estimators add to these shares
+#: (an fp32 gradient partition, 4 bytes a parameter over the ranks; at stage 3 the largest layer's 16-bit
+#: parameters and gradients, 4 bytes a parameter of it, unsharded) is left out: the test of these formulas,
+#: tests/test_sharded_formulas.py, holds the difference to those functions byte for byte.
 STRATEGIES: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "zero1": ("optimizer_state",),
@@ -372,11 +403,32 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: DeepSpeed's offload settings -> the categories they keep in host memory instead of the device's.
+#: ``"optimizer"`` (``offload_optimizer``; ZeRO-Offload, Ren et al. 2021, §4.1): the optimizer state with
+#: its fp32 master weights, and the gradients where they are partitioned (stage 2 and 3), each partition
+#: copied to the host as it is reduced; stage 1 keeps every gradient on the device. ``"optimizer+param"``
+#: (``offload_param``, stage 3 only; ZeRO-Infinity, Rajbhandari et al. 2021): the parameter shards too.
+OFFLOAD: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "optimizer": ("optimizer_state", "gradients"),
+    "optimizer+param": ("optimizer_state", "gradients", "parameters"),
+}
+
+
 def shard(
-    breakdown: MemoryBreakdown, strategy: str, n_gpus: int, *, gradient_bytes: int | None = None
+    breakdown: MemoryBreakdown,
+    strategy: str,
+    n_gpus: int,
+    *,
+    gradient_bytes: int | None = None,
+    offload: str = "none",
 ) -> MemoryBreakdown:
     """One rank's share: the categories ``strategy`` partitions are divided by ``n_gpus`` (rounded up),
     ZeRO's ``(2 + 2 + K)·Ψ / N_d`` per rank at stage 3 (Rajbhandari et al. 2020, Figure 1).
+
+    ``offload`` (one of `OFFLOAD`, ZeRO strategies only) puts the partitioned categories it names in host
+    memory: they count 0 on the device. With Adam, 16-bit weights and ``"optimizer"`` a stage-2 rank keeps
+    its ``2Ψ`` of 16-bit parameters, as DeepSpeed's ``estimate_zero2_model_states_mem_needs`` says.
 
     Activations and temporaries are per rank already (``batch`` is the per-device micro-batch) and are
     never divided. Sharding moves bytes between devices; the sum over ranks stays the same.
@@ -389,7 +441,15 @@ def shard(
     """
     sharded = STRATEGIES[valid_name("strategy", strategy, STRATEGIES)]
     _positive("n_gpus", n_gpus)
+    moved = OFFLOAD[valid_name("offload", offload, OFFLOAD)]
+    if moved and not strategy.startswith(("zero", "deepspeed")):
+        raise ValueError(
+            f"offload={offload!r} is DeepSpeed's (a zero* or deepspeed_stage_* strategy), not {strategy!r}"
+        )
+    if "parameters" in moved and "parameters" not in sharded:
+        raise ValueError(f"offload={offload!r} moves parameter shards: stage 3 only, not {strategy!r}")
     one_rank = replace(breakdown, **{c: _ceil_div(getattr(breakdown, c), n_gpus) for c in sharded})
+    one_rank = replace(one_rank, **{c: 0 for c in moved if c in sharded})
     if strategy == "ddp" and n_gpus > 1:
         buckets = breakdown.gradients if gradient_bytes is None else gradient_bytes
         one_rank = replace(one_rank, gradients=one_rank.gradients + buckets)
@@ -495,9 +555,10 @@ def estimate_analytic(
 
     ``temporary`` holds autocast's low-precision weight copies under mixed precision (0 otherwise); other
     temporaries (logits, workspaces, the batch itself) are not modelled. See `activation_bytes` for what
-    ``activations`` assumes and `shard` for what each strategy divides.
+    ``activations`` assumes and `shard` for what each strategy divides. Under a ``deepspeed_stage_*``
+    strategy a 16-bit precision keeps DeepSpeed's copies (`strategy_precision`).
     """
-    scheme = _precision(precision)
+    scheme = strategy_precision(precision, strategy)
     if shape.position == "learned" and shape.block_size is not None and seq_len > shape.block_size:
         raise ValueError(f"seq_len={seq_len} exceeds the position table's block_size={shape.block_size}")
     static = static_breakdown(parameter_shapes(shape), precision=scheme, optimizer=optimizer)
