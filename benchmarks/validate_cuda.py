@@ -38,6 +38,11 @@ One table, a row per figure, each with its bar and whether it is met:
 12. QLoRA on the LLaMA shape (nf4 base with double quantization, bf16 compute, peft's LoRA r=8):
    rows 1 and 2's checks (bars 0.1 % and 1 %, 2 % hard): bitsandbytes' CUDA kernels are not the CPU ones
    the tests hold these figures to.
+13. `MemoryMonitor` under Lightning's ``DeepSpeedStrategy(stage=2)`` over one device (the LLaMA model)
+   against the allocator on every step (bar 0.1 %).
+14. `MemoryMonitor` under Lightning's ``FSDPStrategy`` (FSDP1, full shard, each decoder layer a unit) over one
+   device, against the allocator on every step (bar 0.1 %). Rows 13 and 14 are n/a with ``--dry-run``: both
+   strategies refuse a CPU.
 
 The truth is ``torch.cuda.max_memory_allocated`` reset at each step's start on CUDA; with ``--dry-run``,
 torch.profiler's memory timeline (`lightning_memkit.testing.AllocatorPeaks`), the device is capped only
@@ -598,7 +603,24 @@ def fsdp2(bench: Bench) -> None:
         module = ShardedLlama(bench.sizes.llama, b, t, bench.sizes.timed_steps)
     monitor = MemoryMonitor(plot=False, summary=False, log_every_n_steps=1)
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-    environ = dict(os.environ)  # the process group's variables, which Lightning sets, go with it
+    worst, steps = monitor_one_rank(bench, module, monitor, strategy)
+    split = monitor.sharded_history[-1][1] if monitor.sharded_history else {}
+    bench.add(
+        "10. MemoryMonitor under FSDP2 vs allocator, LLaMA",
+        f"{worst:.3%} worst of {steps} steps; unsharded copies at the peak "
+        f"{format_bytes(split.get('unsharded_parameters', 0))}",
+        "≤ 0.1 %",
+        worst <= 0.001 and not monitor._disabled,
+    )
+
+
+def monitor_one_rank(
+    bench: Bench, module: pl.LightningModule, monitor: MemoryMonitor, strategy: Any
+) -> tuple[float, int]:
+    """Fit ``module`` under ``strategy`` over one device (a process group of one rank, destroyed after, and
+    the variables Lightning sets for it put back); the monitor's worst error against the allocator and the
+    steps it logged."""
+    environ = dict(os.environ)
     try:
         run = bench.fit(module, around=[monitor], logger=True, strategy=strategy)
     finally:
@@ -607,15 +629,36 @@ def fsdp2(bench: Bench) -> None:
         os.environ.clear()
         os.environ.update(environ)
     measured = [b.peak for _, b in monitor.history]
-    worst = max(abs(_error(m, p)) for m, p in zip(measured, run.peaks, strict=True))
-    split = monitor.sharded_history[-1][1] if monitor.sharded_history else {}
-    bench.add(
-        "10. MemoryMonitor under FSDP2 vs allocator, LLaMA",
-        f"{worst:.3%} worst of {len(measured)} steps; unsharded copies at the peak "
-        f"{format_bytes(split.get('unsharded_parameters', 0))}",
-        "≤ 0.1 %",
-        worst <= 0.001 and not monitor._disabled,
-    )
+    return max(abs(_error(m, p)) for m, p in zip(measured, run.peaks, strict=True)), len(measured)
+
+
+def deepspeed_stage_2(bench: Bench) -> None:
+    """Row 13: MemoryMonitor under Lightning's ``DeepSpeedStrategy(stage=2)`` over one device, every step
+    against the allocator: DeepSpeed's flat 16-bit buffers, fp32 partitions and reduce buckets are its own
+    allocations, which the monitor has never been held to (the strategy refuses a CPU)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    monitor_other_strategy(bench, "13", "DeepSpeed stage 2", lambda: DeepSpeedStrategy(stage=2))
+
+
+def fsdp1(bench: Bench) -> None:
+    """Row 14: MemoryMonitor under Lightning's ``FSDPStrategy`` (FSDP1, FULL_SHARD, each LLaMA decoder layer
+    a unit) over one device, every step against the allocator (the strategy refuses a CPU)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    monitor_other_strategy(bench, "14", "FSDP1", lambda: FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}))
+
+
+def monitor_other_strategy(bench: Bench, number: str, name: str, make: Callable[[], Any]) -> None:
+    """Rows 13 and 14: row 10's check under a strategy that needs a CUDA device; with ``--dry-run``, n/a."""
+    what, bar = f"{number}. MemoryMonitor under {name} vs allocator, LLaMA", "≤ 0.1 %"
+    if not bench.cuda:
+        bench.add(what, "not run", bar, None, "(CPU: the strategy needs a GPU accelerator)")
+        return
+    monitor = MemoryMonitor(plot=False, summary=False, log_every_n_steps=1)
+    worst, steps = monitor_one_rank(bench, bench.llama(), monitor, make())
+    bench.add(what, f"{worst:.3%} worst of {steps} steps", bar, worst <= 0.001 and not monitor._disabled)
 
 
 def compiled(bench: Bench) -> None:
@@ -707,6 +750,8 @@ ROWS = (
     monitor_overhead,
     compiled,
     qlora,
+    deepspeed_stage_2,
+    fsdp1,
 )
 
 
