@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__`
     from lightning_memkit._measuring.tracker import MemoryMeasurement, measure, storage_bytes
     from lightning_memkit._optimizers.choice import OptimizerChoice, fit_optimizer
     from lightning_memkit._optimizers.swap import CATALOGUE, swap_optimizer
+    from lightning_memkit._sharding.layout import ConfigureModel
     from lightning_memkit.callbacks import (
         ActivationCheckpointing,
         AutoFit,
@@ -81,6 +82,7 @@ __all__ = [
     "Budget",
     "CheckpointMode",
     "CheckpointPlan",
+    "ConfigureModel",
     "Finding",
     "FitPlan",
     "FusedOptimizerStep",
@@ -153,6 +155,7 @@ _EXPORTS: dict[str, str] = {
     "fit_optimizer": "lightning_memkit._optimizers.choice",
     "CATALOGUE": "lightning_memkit._optimizers.swap",
     "swap_optimizer": "lightning_memkit._optimizers.swap",
+    "ConfigureModel": "lightning_memkit._sharding.layout",
     "TimelineEvent": "lightning_memkit._estimating.simulate",
     "estimate_memory": "lightning_memkit._estimating.simulate",
     "ActivationCheckpointing": "lightning_memkit.callbacks",

@@ -12,6 +12,7 @@ signature that passes them on.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
@@ -28,30 +29,92 @@ LEVERS: tuple[str, ...] = get_args(Lever)
 
 @dataclass(frozen=True)
 class Sharding:
-    """One rank of FSDP2: ``fully_shard`` on each repeated block, then on the root, over ``world_size`` ranks.
+    """One rank of a model sharded over ``world_size`` ranks: FSDP2 (``fully_shard``), with tensor
+    parallelism and HSDP's replicas where the layout has them.
+
+    The default layout is the one Lightning documents: ``fully_shard`` on each repeated block, then on the
+    root, over every rank; with ``replicate_size``, HSDP (``fully_shard`` over a (replicate, shard) mesh);
+    with ``tensor_parallel_size``, each block's projections split first (`_sharding.parallel.tp_plan`).
+    A ``parallelize_fn`` replaces it: the layout is then whatever that function does, run on the simulated
+    copy of the model with a fake ``DeviceMesh`` named ``("data_parallel", "tensor_parallel")``, as
+    Lightning's ``ModelParallelStrategy`` hands ``self.device_mesh`` to ``configure_model``.
 
     Attributes:
-        world_size: the ranks the model is sharded over.
+        world_size: the ranks the model is sharded over, all of them.
         reshard_after_forward: ``fully_shard``'s own: ``False`` keeps each unit's parameters gathered from
             its forward to its backward.
         mp_policy: ``fully_shard``'s ``MixedPrecisionPolicy``, or ``None``.
+        tensor_parallel_size: the ranks of one tensor-parallel group (Lightning's word); the data-parallel
+            ranks are ``world_size // tensor_parallel_size``.
+        replicate_size: HSDP's replicas of the default layout: each rank shards over
+            ``data_parallel_size // replicate_size`` ranks.
+        parallelize_fn: ``fn(model, device_mesh)`` that applies the layout (Fabric's word), or ``None``.
     """
 
     world_size: int = 1
     reshard_after_forward: bool = True
     mp_policy: Any = None
+    tensor_parallel_size: int = 1
+    replicate_size: int = 1
+    parallelize_fn: Callable[[Any, Any], Any] | None = None
 
     #: `estimate_memory`'s ``strategy`` for this layout.
     strategy = "fsdp2"
 
     def __post_init__(self) -> None:
         whole_number("world_size", self.world_size, of="ranks", at_least=1)
+        whole_number("tensor_parallel_size", self.tensor_parallel_size, of="ranks", at_least=1)
+        whole_number("replicate_size", self.replicate_size, of="replicas", at_least=1)
         if self.mp_policy is not None and type(self.mp_policy).__name__ != "MixedPrecisionPolicy":
             raise TypeError(
                 "mp_policy must be FSDP2's MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype="
                 f"torch.bfloat16, reduce_dtype=torch.float32); got {self.mp_policy!r} "
                 f"({type(self.mp_policy).__name__})"
             )
+        if self.world_size % self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not divide world_size="
+                f"{self.world_size}: each tensor-parallel group is that many of the ranks"
+            )
+        if self.data_parallel_size % self.replicate_size:
+            raise ValueError(
+                f"replicate_size={self.replicate_size} does not divide the {self.data_parallel_size} "
+                "data-parallel ranks: HSDP shards over data_parallel_size // replicate_size ranks"
+            )
+        if self.parallelize_fn is not None and not callable(self.parallelize_fn):
+            raise TypeError(f"parallelize_fn must be fn(model, device_mesh); got {self.parallelize_fn!r}")
+        if self.parallelize_fn is not None and self.replicate_size > 1:
+            raise ValueError(
+                "replicate_size is the default layout's HSDP; with parallelize_fn the layout is that "
+                "function's: build the (replicate, shard) mesh there"
+            )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that each take their own batch: ``world_size // tensor_parallel_size``."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks the default layout shards each parameter over (HSDP's shard group)."""
+        return self.data_parallel_size // self.replicate_size
+
+    def describe(self) -> str:
+        """The layout in words: ``"FSDP2"`` (over every rank, its own layout or a function's), ``"TP 2 x
+        FSDP2 2"``, ``"HSDP 2 x 2"``, ``"configure_model's layout (data_parallel 2 x tensor_parallel 2)"``."""
+        if self.parallelize_fn is not None:
+            if self.tensor_parallel_size == 1:
+                return "FSDP2"
+            name = getattr(self.parallelize_fn, "__qualname__", None) or repr(self.parallelize_fn)
+            return (
+                f"{name}'s layout (data_parallel {self.data_parallel_size} x tensor_parallel "
+                f"{self.tensor_parallel_size})"
+            )
+        if self.replicate_size > 1:
+            data = f"HSDP {self.replicate_size} x {self.shard_size}"
+        else:
+            data = f"FSDP2 {self.shard_size}" if self.tensor_parallel_size > 1 else "FSDP2"
+        return f"TP {self.tensor_parallel_size} x {data}" if self.tensor_parallel_size > 1 else data
 
 
 @dataclass(frozen=True)
@@ -118,9 +181,13 @@ class Step:
         world_size: int = 1,
         reshard_after_forward: bool = True,
         mp_policy: Any = None,
+        tensor_parallel_size: int = 1,
+        replicate_size: int = 1,
+        parallelize_fn: Callable[[Any, Any], Any] | None = None,
         compile_budget: float | None = None,
     ) -> Step:
-        """The step `estimate_memory`'s keywords describe (the levers as three flags, FSDP2's as four)."""
+        """The step `estimate_memory`'s keywords describe (the levers as three flags, the sharded layout's
+        as `Sharding`'s fields)."""
         if fused_step and offload:
             raise ValueError(
                 "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
@@ -136,18 +203,24 @@ class Step:
                     "world_size": world_size != 1,
                     "reshard_after_forward": reshard_after_forward is not True,
                     "mp_policy": mp_policy is not None,
+                    "tensor_parallel_size": tensor_parallel_size != 1,
+                    "replicate_size": replicate_size != 1,
+                    "parallelize_fn": parallelize_fn is not None,
                 }.items()
                 if set_
             ]
             if given:
                 raise ValueError(
-                    f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} FSDP2's (fully_shard's): "
-                    "pass strategy='fsdp2' with it to simulate one rank's sharded step, or leave it out for "
-                    "one device"
+                    f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} FSDP2's (its sharded "
+                    "layout's): pass strategy='fsdp2' with it to simulate one rank's sharded step, or leave "
+                    "it out for one device"
                 )
         else:
             valid_name("strategy", strategy, (Sharding.strategy,))
-            sharding = Sharding(world_size, reshard_after_forward, mp_policy)
+            sharding = Sharding(
+                world_size, reshard_after_forward, mp_policy, tensor_parallel_size, replicate_size,
+                parallelize_fn,
+            )  # fmt: skip
         return cls(precision, checkpointing, accumulating, first_step, lever, sharding, compile_budget)
 
     @classmethod
@@ -182,6 +255,9 @@ class Step:
                 out["reshard_after_forward"] = False
             if self.sharding.mp_policy is not None:
                 out["mp_policy"] = self.sharding.mp_policy
+            for name in ("tensor_parallel_size", "replicate_size", "parallelize_fn"):
+                if getattr(self.sharding, name) != _LAYOUT_DEFAULTS[name]:
+                    out[name] = getattr(self.sharding, name)
         if self.compile_budget is not None:
             out["compile_budget"] = self.compile_budget
         return out
@@ -203,5 +279,7 @@ class Step:
         return self.lever == "offload"
 
 
+#: The layout fields of `Sharding` `Step.keywords` leaves out at their defaults.
+_LAYOUT_DEFAULTS = {"tensor_parallel_size": 1, "replicate_size": 1, "parallelize_fn": None}
 #: `Step.of`'s keywords, as `estimate_memory` takes them.
 _KEYWORDS = frozenset(inspect.signature(Step.of).parameters)

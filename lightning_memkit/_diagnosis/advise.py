@@ -86,7 +86,7 @@ class Advice:
     #: the phase the peak is reached in: ``"forward"``, ``"zero_grad"``, ``"backward"`` or ``"optimizer"``
     peak_phase: str
     findings: tuple[Finding, ...] = field(default=())
-    #: whose step: ``""`` (one device), or ``"one rank of N under FSDP2"``
+    #: whose step: ``""`` (one device), or ``"one rank of N under FSDP2"`` (`Sharding.describe`)
     scope: str = ""
 
     def __iter__(self) -> Iterator[Finding]:
@@ -148,6 +148,7 @@ def advise(
     strategy: str | None = None,
     world_size: int = 1,
     memory_stats: Mapping[str, Any] | None = None,
+    step: Step | None = None,
 ) -> Advice:
     """Name the memory a training step holds at its peak that it need not, with the bytes each fix saves.
 
@@ -162,6 +163,8 @@ def advise(
             parameters that no longer train.
         memory_stats: ``torch.cuda.memory_stats()`` of a run, for the ``fragmentation`` finding (default:
             the current CUDA device's when ``device`` is CUDA and one is present).
+        step: the step as one value (`Step`: any layout `estimate_memory` simulates, tensor parallelism
+            and HSDP among them), instead of ``precision`` to ``world_size``.
 
     Returns:
         An `Advice`: ``print(advice)`` shows a table; ``advice.findings`` are largest saving first.
@@ -178,8 +181,13 @@ def advise(
         offload=offload,
         strategy=strategy,
         world_size=world_size,
+        step=step,
     )
     return advise_traced(model, batch, Tracer(model), memory_stats=memory_stats, **kwargs)[0]
+
+
+#: `advise`'s keywords that are not the step's: how it is run.
+_RUN = ("optimizer", "loss_fn", "device")
 
 
 def advise_traced(
@@ -197,6 +205,11 @@ def advise_traced(
     bound = inspect.signature(advise).bind(model, batch, memory_stats=memory_stats, **kwargs)
     bound.apply_defaults()
     kwargs = {k: v for k, v in bound.arguments.items() if k not in ("model", "batch", "memory_stats")}
+    if kwargs.get("step") is not None:  # the step as one value: its keywords as they were left
+        defaults = inspect.signature(advise).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in _RUN or v != defaults[k].default or k == "step"}
+    else:
+        kwargs.pop("step", None)
     step, run = Step.split(kwargs)  # run: optimizer, loss_fn, device
     optimizer, device = run["optimizer"], run["device"]
     tracker = simulate_step(model, batch, step, tracer=tracer, history=history, **run)
@@ -223,7 +236,11 @@ def advise_traced(
     ]
     findings = [f for f in findings if f.saved > 0]
     findings.sort(key=lambda f: -f.saved)
-    scope = f"one rank of {step.sharding.world_size} under FSDP2" if step.sharding is not None else ""
+    scope = (
+        ""
+        if step.sharding is None
+        else f"one rank of {step.sharding.world_size} under {step.sharding.describe()}"
+    )
     return Advice(breakdown, tracer.peak_phase, tuple(findings), scope), tracker
 
 

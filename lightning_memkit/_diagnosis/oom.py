@@ -46,6 +46,7 @@ from lightning_memkit._optimizers.swap import (
     lighter_candidates,
 )
 from lightning_memkit._sharding import fsdp2 as _fsdp2
+from lightning_memkit._sharding import layout as _layout
 from lightning_memkit._step import Step
 
 __all__ = [
@@ -124,7 +125,8 @@ def step_need(
         warnings.simplefilter("ignore")
         need = estimate_step(model, on_cpu(batch), step, **run)
     if step.sharding is not None:
-        return need, f"one rank's step of {step.sharding.world_size} under FSDP2, simulated for this batch"
+        layout = f"{step.sharding.world_size} under {step.sharding.describe()}"
+        return need, f"one rank's step of {layout}, simulated for this batch"
     if n_gpus > 1:
         grads = model_static(model, step.precision).gradients
         need = shard(need, strategy, n_gpus, gradient_bytes=grads)
@@ -133,9 +135,9 @@ def step_need(
 
 def simulable(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
     """``model`` and ``optimizer`` as a simulation can copy them: a model ``fully_shard`` was applied to (in
-    ``configure_model``, before the step that failed) as its unsharded twin, and the optimizer over the twin's
-    parameters (`_sharding.fsdp2.unsharded_twin`); any other model as it is."""
-    if not _fsdp2.is_sharded(model):
+    ``configure_model``, before the step that failed) or tensor parallelism as its unsharded twin, and the
+    optimizer over the twin's parameters (`_sharding.fsdp2.unsharded_twin`); any other model as it is."""
+    if not _fsdp2.is_sharded(model) and not _layout.layout_of(model):
         return model, optimizer
     twin, tensors = _fsdp2.unsharded_twin(model)
     if isinstance(optimizer, torch.optim.Optimizer):

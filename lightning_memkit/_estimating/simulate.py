@@ -106,10 +106,18 @@ from lightning_memkit._measuring.tracker import (
 )
 from lightning_memkit._optimizers.swap import load_bitsandbytes
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._step import Step
+from lightning_memkit._sharding import layout as _layout
+from lightning_memkit._step import Sharding, Step
 from lightning_memkit._vocabulary import DEVICES, PRECISIONS
 
-__all__ = ["PRECISION_DTYPES", "TimelineEvent", "counted_step", "estimate_memory", "sixteen_bit_weights"]
+__all__ = [
+    "PRECISION_DTYPES",
+    "TimelineEvent",
+    "counted_step",
+    "estimate_memory",
+    "simulated_layout",
+    "sixteen_bit_weights",
+]
 
 #: Lightning precision string -> (dtype the parameters are converted to, dtype autocast computes in).
 #: ``None`` means "leave as it is" / "no autocast".
@@ -381,6 +389,20 @@ def _fake_like(t: Tensor, mode: FakeTensorMode, dtype: torch.dtype | None) -> Te
         return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=_SIM_DEVICE)
 
 
+def simulated_layout(model: nn.Module, sharding: Sharding) -> _layout.Layout:
+    """The layout ``sharding`` gives ``model`` where its step is simulated (`_sharding.layout.layout_of` of
+    the laid-out copy, on fake tensors over the fake mesh), without running a step: what a run's own model
+    is held to once its layout is applied. ``model`` is untouched."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(isolated(model, "the simulated layout"))
+        stack.enter_context(_fake_parameters(model, mode, None))
+        mesh = stack.enter_context(_fsdp2.fake_mesh(*_layout.mesh_shape(sharding)))
+        with mode:
+            blocks = [name for name, _ in find_blocks(model)]
+            return _layout.layout_of(_layout.laid_out_copy(model, mesh, sharding, blocks))
+
+
 @contextlib.contextmanager
 def _fake_parameters(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> Iterator[None]:
     """Every parameter and buffer of ``model`` swapped for a fake twin while inside (`_twinned`); a
@@ -609,6 +631,9 @@ def estimate_memory(
     world_size: int = ...,
     reshard_after_forward: bool = ...,
     mp_policy: Any = ...,
+    tensor_parallel_size: int = ...,
+    replicate_size: int = ...,
+    parallelize_fn: Callable[[nn.Module, Any], Any] | None = ...,
     compile_budget: float | None = ...,
     return_timeline: Literal[False] = ...,
 ) -> MemoryBreakdown: ...
@@ -633,6 +658,9 @@ def estimate_memory(
     world_size: int = ...,
     reshard_after_forward: bool = ...,
     mp_policy: Any = ...,
+    tensor_parallel_size: int = ...,
+    replicate_size: int = ...,
+    parallelize_fn: Callable[[nn.Module, Any], Any] | None = ...,
     compile_budget: float | None = ...,
     return_timeline: Literal[True],
 ) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
@@ -656,6 +684,9 @@ def estimate_memory(
     world_size: int = 1,
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
+    tensor_parallel_size: int = 1,
+    replicate_size: int = 1,
+    parallelize_fn: Callable[[nn.Module, Any], Any] | None = None,
     compile_budget: float | None = None,
     return_timeline: bool = False,
 ) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
@@ -737,6 +768,20 @@ def estimate_memory(
         mp_policy: with ``strategy``, ``fully_shard``'s own: a ``MixedPrecisionPolicy``, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (all-gathered
             and computed in bf16, gradients reduce-scattered in fp32). ``None``: none.
+        tensor_parallel_size: with ``strategy``, the ranks of one tensor-parallel group (Lightning's
+            ``ModelParallelStrategy``'s word): ``world_size // tensor_parallel_size`` ranks each take their
+            own ``batch``. Without ``parallelize_fn``, each block's projections are split as torchtitan
+            splits LLaMA's (query, key, value, gate and up by column; output and down by row:
+            `_sharding.layout.tp_plan`), then FSDP2 shards over the data-parallel ranks.
+        replicate_size: with ``strategy``, HSDP: ``fully_shard`` over a (replicate, shard) mesh, each
+            parameter sharded over ``world_size // tensor_parallel_size // replicate_size`` ranks and
+            replicated across ``replicate_size`` such groups.
+        parallelize_fn: with ``strategy``, ``fn(model, device_mesh)`` that applies the layout (Fabric's
+            ``ModelParallelStrategy``'s word), run on the simulated copy of ``model`` with a fake mesh
+            named ``("data_parallel", "tensor_parallel")``, as Lightning hands ``self.device_mesh`` to
+            ``configure_model``; a mesh it builds with ``init_device_mesh`` (HSDP's) is a fake one of the
+            same world. For a LightningModule whose ``configure_model`` applies the layout,
+            ``parallelize_fn=ConfigureModel()`` runs it so (`lightning_memkit.ConfigureModel`).
         compile_budget: for a model with compiled modules (``torch.compile(module)`` or
             ``module.compile()``, inductor's backend): torch.compile's ``activation_memory_budget`` to
             simulate, the share of the activations its partitioner may keep (0 to 1); ``None``: as
@@ -780,6 +825,9 @@ def estimate_memory(
         world_size=world_size,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
+        tensor_parallel_size=tensor_parallel_size,
+        replicate_size=replicate_size,
+        parallelize_fn=parallelize_fn,
         compile_budget=compile_budget,
     )
     return estimate_step(
@@ -1027,13 +1075,10 @@ def simulate_step(
                     stacklevel=2,
                 )
             sharding = step.sharding
-            mesh = stack.enter_context(_fsdp2.fake_mesh(sharding.world_size))
+            mesh = stack.enter_context(_fsdp2.fake_mesh(*_layout.mesh_shape(sharding)))
             with mode:
                 blocks = [name for name, _ in find_blocks(model)]
-                options = {} if sharding.mp_policy is None else {"mp_policy": sharding.mp_policy}
-                stepped = _fsdp2.sharded_copy(
-                    model, mesh, blocks, reshard_after_forward=sharding.reshard_after_forward, **options
-                )
+                stepped = _layout.laid_out_copy(model, mesh, sharding, blocks)
             if tracer is not None:
                 tracer.follow(stepped)
 

@@ -113,16 +113,18 @@ class _Search:
     """Simulations of one model and batch, cached by configuration; one rank's (sharded) peak."""
 
     def __init__(
-        self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, lever=None, axes=None
-    ) -> None:
+        self, model, batch, loss_fn, device, strategy, n_gpus, progress=None, lever=None, axes=None,
+        layout=None,
+    ) -> None:  # fmt: skip
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
         #: each tensor's sample dimension (`SampleAxes`): the micro-batches are cut along it
         self.axes: SampleAxes = default_axes(batch) if axes is None else axes
         #: what changes the optimizer step (`Step.lever`), planned for
         self.lever: Lever | None = lever
         self.strategy, self.n_gpus = strategy, n_gpus
-        #: FSDP2's step is simulated sharded (one rank's); the other strategies divide the whole step
-        self.sharding = Sharding(n_gpus) if strategy == "fsdp2" else None
+        #: FSDP2's step is simulated sharded (one rank's, in the run's layout); the other strategies
+        #: divide the whole step
+        self.sharding = (layout or Sharding(n_gpus)) if strategy == "fsdp2" else None
         #: FSDP2 with a bf16 MixedPrecisionPolicy for the bf16-mixed steps (`plan_fit`'s keyword)
         self.mixed_precision_policy = False
         self.cache: dict[tuple, MemoryBreakdown] = {}  # one rank's
@@ -541,6 +543,7 @@ def plan_fit(
     mixed_precision_policy: bool = False,
     batch_axes: SampleAxes | None = None,
     micro_batch_size: int | None = None,
+    sharding: Sharding | None = None,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``; or, with
     ``micro_batch_size``, the run as set up where that fits.
@@ -604,6 +607,10 @@ def plan_fit(
             FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
             (parameters all-gathered and computed in bf16, gradients reduce-scattered in fp32), as
             `AutoFitStrategy` does; `FitPlan.mixed_precision_policy` says whether the plan has it.
+        sharding: with ``strategy="fsdp2"``, the layout the run applies (`Sharding`: tensor parallelism,
+            HSDP, or a ``parallelize_fn`` such as a LightningModule's own ``configure_model``), simulated as
+            it is; its ``world_size`` is ``n_gpus``, and the global batch splits over its data-parallel
+            ranks. Default: FSDP2's documented layout over ``n_gpus``.
         batch_axes: which dimension of each tensor of ``batch`` counts its samples (`SampleAxes`, one entry
             per tensor; AutoFit reads it off the train dataloader); default: dimension 0, except tensors of
             size 1 there beside larger ones, which every sample shares (`default_axes`).
@@ -650,13 +657,15 @@ def plan_fit(
     if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
         raise ValueError(f"n_gpus must be a whole number of GPUs, at least 1; got {n_gpus!r}")
     strategy = valid_name("strategy", strategy, STRATEGIES)
+    ranks = _data_parallel_ranks(sharding, strategy, n_gpus, cpu_offload)
     modes, note = _checkpointable(model, allowed_modes(checkpointing), sharded=strategy == "fsdp2")
     axes = default_axes(batch) if batch_axes is None else batch_axes
     total = batch_size(batch, axes)
-    if total % n_gpus:
-        raise ValueError(f"The global batch of {total} does not split evenly across {n_gpus} GPUs")
-    per_rank = batch_slice(batch, total // n_gpus, axes=axes)
-    sizes = _divisors(total // n_gpus)
+    if total % ranks:
+        what = f"{ranks} data-parallel ranks" if ranks != n_gpus else f"{n_gpus} GPUs"
+        raise ValueError(f"The global batch of {total} does not split evenly across {what}")
+    per_rank = batch_slice(batch, total // ranks, axes=axes)
+    sizes = _divisors(total // ranks)
     if fused_step:
         if n_gpus > 1 and strategy != "fsdp2":
             raise ValueError(
@@ -681,6 +690,7 @@ def plan_fit(
         progress,
         lever,
         axes,
+        sharding,
     )
     candidates, unsharded = _candidates(model, optimizers, strategy, n_gpus)
     if unsharded:
@@ -745,7 +755,7 @@ def plan_fit(
             static.parameters, static.gradients, n_units, n_gpus, True, link or _fsdp2.LINKS[device]
         )
         step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + comm)
-    G = total // n_gpus
+    G = total // ranks
     host, micro, per_step = 0, 0.0, 0.0
     if search.cpu_offload:  # FSDP2's CPUOffloadPolicy: a rank's shards, their gradients and the state
         on_host = shard(model_static(model, prec, opt or "sgd"), "fsdp", n_gpus)
@@ -859,6 +869,27 @@ def _loads(optimizer: str | None) -> bool:
     candidates list it where it is installed, `lighter_candidates`; it is imported when first needed)."""
     entry = CATALOGUE.get(optimizer) if optimizer is not None else None
     return entry is None or not entry.needs_bitsandbytes or load_bitsandbytes() is not None
+
+
+def _data_parallel_ranks(sharding: Sharding | None, strategy: str, n_gpus: int, cpu_offload: Any) -> int:
+    """The ranks the global batch splits over: ``n_gpus``, less tensor parallelism's groups of the run's
+    layout (``sharding``, checked against the other arguments)."""
+    if sharding is None:
+        return n_gpus
+    if not isinstance(sharding, Sharding):
+        raise TypeError(f"sharding= must be a Sharding; got {sharding!r} ({type(sharding).__name__})")
+    if strategy != "fsdp2" or sharding.world_size != n_gpus:
+        raise ValueError(
+            f"sharding= is the layout of strategy='fsdp2' over n_gpus ranks; got strategy={strategy!r}, "
+            f"n_gpus={n_gpus} and a layout over {sharding.world_size} ranks ({sharding.describe()})"
+        )
+    plain = sharding.parallelize_fn is None and sharding.tensor_parallel_size == sharding.replicate_size == 1
+    if cpu_offload and not plain:
+        raise ValueError(
+            f"cpu_offload is planned for FSDP2's own layout over every rank, not {sharding.describe()}: "
+            "plan without it"
+        )
+    return sharding.data_parallel_size
 
 
 def _candidates(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 import types
 import warnings
 from collections.abc import Iterator, Sequence
@@ -32,10 +33,12 @@ __all__ = [
     "bf16_policy",
     "collective_seconds",
     "explain_mixed_tensors",
+    "fake_init_device_mesh",
     "fake_mesh",
     "fsdp_params",
     "is_sharded",
     "largest_unit_shard",
+    "model_copy",
     "over_twins",
     "root_name",
     "shard_bytes",
@@ -111,20 +114,26 @@ def explain_mixed_tensors(error: BaseException, model: nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def fake_mesh(world_size: int) -> Iterator[Any]:
-    """A one-dimensional device mesh of ``world_size`` ranks, this process rank 0, over torch's fake process
-    group (collectives that move nothing): where a sharded step is simulated on fake tensors, as
-    torchtitan's memory estimator runs FSDP2. Private torch API (``torch.testing._internal``), read here
-    only.
+def fake_mesh(shape: int | Sequence[int], names: Sequence[str] | None = None) -> Iterator[Any]:
+    """A device mesh of ``shape`` ranks (an int: one dimension; ``names``: its dimensions' names), this
+    process rank 0, over torch's fake process group (collectives that move nothing): where a sharded step
+    is simulated on fake tensors, as torchtitan's memory estimator runs FSDP2. Private torch API
+    (``torch.testing._internal``), read here only.
 
     In a process without a process group the fake one is the default group for the simulation's length.
     In a running job (a Trainer's rank planning its sharded step) the job's group stays the default, and
-    the fake one is a group beside it, registered as ``torch.distributed.new_group`` registers its groups
-    (that function would ask every rank of the job to take part) and destroyed after. Raises
-    `RuntimeError` where it cannot be had: torch has no fake process group, or its bookkeeping looks
-    otherwise."""
+    each dimension's group is a fake one beside it, registered as ``torch.distributed.new_group`` registers
+    its groups (that function would ask every rank of the job to take part) and destroyed after. While the
+    mesh is up, ``init_device_mesh`` answers with fake meshes of the same world (`fake_init_device_mesh`),
+    so that a layout function building its own mesh (HSDP's (replicate, shard)) never reaches the job's
+    ranks. Raises `RuntimeError` where it cannot be had: torch has no fake process group, or its
+    bookkeeping looks otherwise."""
+    import torch
     import torch.distributed as dist
 
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    names = None if names is None else tuple(names)
+    world = math.prod(shape)
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     try:
@@ -132,20 +141,110 @@ def fake_mesh(world_size: int) -> Iterator[Any]:
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as error:  # a torch without them
         raise RuntimeError(f"this torch has no fake process group to simulate on ({error})") from error
+    store, groups = FakeStore(), []
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=store, rank=0, world_size=world)
+
+        def make(shape: tuple[int, ...], names: tuple[str, ...] | None) -> Any:
+            with _unfaked():  # the mesh's rank grid is real, in or out of the simulation's fake mode
+                return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
         try:
-            with _rank_zero_chunks():
-                yield init_device_mesh("cpu", (world_size,))
+            with _simulating(world, make):
+                yield make(shape, names)
         finally:
             dist.destroy_process_group()
         return
-    group = _side_group(world_size, FakeStore())
+
+    def make(shape: tuple[int, ...], names: tuple[str, ...] | None) -> Any:
+        with _unfaked():
+            grid = torch.arange(math.prod(shape)).view(shape)
+            lines = [grid.movedim(dim, -1).reshape(-1, shape[dim])[0].tolist() for dim in range(len(shape))]
+            made = [_side_group(line, store) for line in lines]
+            groups.extend(made)
+            return DeviceMesh.from_group(
+                made if len(made) > 1 else made[0], "cpu", mesh=grid.tolist(), mesh_dim_names=names
+            )
+
     try:
-        with _rank_zero_chunks():
-            yield DeviceMesh.from_group(group, "cpu", mesh=list(range(world_size)))
+        with _simulating(world, make):
+            yield make(shape, names)
     finally:
-        dist.destroy_process_group(group)
+        for group in groups:
+            dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def _simulating(world: int, make: Any) -> Iterator[None]:
+    """What a simulation on the fake mesh needs from torch (private API; each part a no-op where torch
+    looks otherwise): FSDP2's chunks made as read (`_Chunks`), device meshes built on real tensors inside
+    the fake mode (FSDP2 joins a tensor-parallel mesh to its own when it shards a DTensor), and
+    ``init_device_mesh`` answered with fake meshes (`fake_init_device_mesh`)."""
+    with _rank_zero_chunks(), _meshes_outside_fake_mode(), fake_init_device_mesh(world, make):
+        yield
+
+
+@contextlib.contextmanager
+def fake_init_device_mesh(world: int, make: Any) -> Iterator[Any]:
+    """``torch.distributed``'s ``init_device_mesh`` answering with ``make(shape, names)``, a fake mesh, for
+    the length of the block; returns the stand-in, to bind where a function imported the original (see
+    `_sharding.layout.apply_layout`). A mesh of another world than the simulated one is refused: the
+    layout was asked for ``world`` ranks."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    original = device_mesh.init_device_mesh
+
+    def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *, mesh_dim_names=None, **_: Any):
+        if math.prod(mesh_shape) != world:
+            raise ValueError(
+                f"The layout built a device mesh of {math.prod(mesh_shape)} ranks {tuple(mesh_shape)}, but "
+                f"the step is simulated for {world}: give the simulation that world size."
+            )
+        return make(tuple(mesh_shape), None if mesh_dim_names is None else tuple(mesh_dim_names))
+
+    init_device_mesh.original = original  # type: ignore[attr-defined]
+    holders = [device_mesh, *([dist] if getattr(dist, "init_device_mesh", None) is original else [])]
+    for holder in holders:
+        holder.init_device_mesh = init_device_mesh
+    try:
+        yield init_device_mesh
+    finally:
+        for holder in holders:
+            holder.init_device_mesh = original
+
+
+@contextlib.contextmanager
+def _unfaked() -> Iterator[None]:
+    """Real tensors for the block, inside a fake mode (a device mesh's rank grid)."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:
+        yield
+        return
+    with unset_fake_temporarily():
+        yield
+
+
+@contextlib.contextmanager
+def _meshes_outside_fake_mode() -> Iterator[None]:
+    """``DeviceMesh`` built on real tensors while the fake mode is on: FSDP2 joins a tensor-parallel mesh
+    to its own (``DeviceMesh._concatenate``) when it shards a DTensor, and the fake mode cannot compute a
+    fake grid's coordinates (a data-dependent ``nonzero``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    own = DeviceMesh.__init__
+
+    @functools.wraps(own)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _unfaked():
+            own(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = __init__
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = own
 
 
 class _Chunks(Sequence):
@@ -194,17 +293,17 @@ def _rank_zero_chunks() -> Iterator[None]:
         _fsdp_param._chunk_with_empty = own
 
 
-def _side_group(world_size: int, store: Any) -> Any:
-    """A fake process group of ``world_size`` ranks (this process rank 0) beside the job's own."""
+def _side_group(ranks: list[int], store: Any) -> Any:
+    """A fake process group of the global ``ranks`` (this process the first) beside the job's own."""
     import torch.distributed.distributed_c10d as c10d
 
     _side_group.count = getattr(_side_group, "count", 0) + 1
     try:
         group, _ = c10d._new_process_group_helper(
-            world_size, 0, list(range(world_size)), "fake", store,
+            len(ranks), 0, list(ranks), "fake", store,
             group_name=f"lightning_memkit_simulation_{_side_group.count}", timeout=c10d.default_pg_timeout,
         )  # fmt: skip
-        c10d._world.pg_group_ranks[group] = {rank: rank for rank in range(world_size)}
+        c10d._world.pg_group_ranks[group] = {rank: i for i, rank in enumerate(ranks)}
     except Exception as error:  # torch's bookkeeping changed: see the docstring
         raise RuntimeError(
             "a process group is already initialized in this process, and this torch does not let the "
@@ -225,12 +324,17 @@ def bf16_policy() -> Any:
 
 
 def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: Any) -> nn.Module:
-    """A copy of ``model`` (its modules and tensors; every other attribute shared, not copied: a data set
-    held by a LightningModule is not duplicated) with ``fully_shard`` on each of ``blocks`` (qualified
-    names) and then on the root, over ``mesh``: the layout Lightning documents for FSDP2. The root is the
-    smallest module holding every parameter (a LightningModule's ``self.model`` when it holds them all):
-    a unit gathers its own parameters in its forward, and a ``training_step`` calling ``self.model(...)``
-    never runs the LightningModule's. The original is untouched. ``options`` go to every ``fully_shard``."""
+    """A copy of ``model`` (`model_copy`) with ``fully_shard`` on each of ``blocks`` (qualified names) and
+    then on the root, over ``mesh``: the layout Lightning documents for FSDP2 (`shard_layout`). The
+    original is untouched. ``options`` go to every ``fully_shard``."""
+    copy = model_copy(model)
+    shard_layout(copy, mesh, blocks, **options)
+    return copy
+
+
+def model_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules and tensors, to apply a layout to; every other attribute shared, not
+    copied (a data set held by a LightningModule is not duplicated), and the hooks' owners shared."""
     memo: dict[int, Any] = {}
     composable = _composable_keys()
     for module in model.modules():
@@ -248,7 +352,6 @@ def sharded_copy(model: nn.Module, mesh: Any, blocks: Sequence[str], **options: 
                 twin.__dict__[key] = type(value)(value)
             elif key not in _COPIED and not isinstance(value, nn.Module):
                 twin.__dict__[key] = value
-    shard_layout(copy, mesh, blocks, **options)
     return copy
 
 
@@ -448,14 +551,15 @@ def over_twins(optimizer: Any, tensors: dict[int, Tensor]) -> Any:
 
 def _from_fsdp(thing: Any) -> bool:
     """Whether ``thing`` (a hook: a function, a bound method or a ``functools.partial`` of one; a
-    composable API's registry key or state) is FSDP2's."""
+    composable API's registry key or state) is FSDP2's or tensor parallelism's (``distribute_module``'s
+    input and output hooks): a layout the twin leaves out, to be applied to it again."""
     if isinstance(thing, str):  # the composable registry's key
         return thing == "fully_shard"
     function = getattr(thing, "func", thing)
     module = getattr(function, "__module__", None)
     if not isinstance(module, str):
         module = type(function).__module__
-    return module.startswith("torch.distributed.fsdp")
+    return module.startswith(("torch.distributed.fsdp", "torch.distributed.tensor"))
 
 
 def units(model: nn.Module) -> list[str]:

@@ -14,11 +14,13 @@ import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_memkit._estimating.analytic import model_static, scheme
 from lightning_memkit._estimating.isolate import rng_kept
-from lightning_memkit._step import Step
+from lightning_memkit._sharding.layout import ConfigureModel
+from lightning_memkit._step import Sharding, Step
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
 from lightning_memkit.callbacks.offload import OptimizerOffload
@@ -27,6 +29,7 @@ __all__ = [
     "accumulates",
     "accumulating_now",
     "call_logger",
+    "data_parallel_ranks",
     "ddp_bucket_bytes",
     "first_batch",
     "fit_data_source",
@@ -37,6 +40,7 @@ __all__ = [
     "precision",
     "sharding",
     "step_levers",
+    "trainer_sharding",
     "trainer_step",
 ]
 
@@ -72,28 +76,47 @@ def on_rank_zero(trainer: pl.Trainer, decide: Callable[[], T], what: str) -> T:
 
 
 def sharding(trainer: pl.Trainer) -> tuple[str, int]:
-    """The Trainer's strategy as `_estimating.analytic.STRATEGIES` names it, and its number of ranks."""
+    """The Trainer's strategy as `_estimating.analytic.STRATEGIES` names it, and its number of ranks;
+    ``"fsdp2"`` for every ``ModelParallelStrategy`` (its layout: `trainer_sharding`)."""
     ranks, strategy = trainer.world_size, trainer.strategy
     kind = type(strategy).__name__
     if kind == "ModelParallelStrategy" or isinstance(strategy, ModelParallelStrategy):
-        # FSDP2 when every rank is in the data-parallel dimension (no tensor parallelism): the layout
-        # Lightning documents, fully_shard in configure_model, which runs after the callbacks' setup. One
-        # rank too: FSDP2 all-gathers its units into storages of their own all the same.
-        mesh = getattr(strategy, "_device_mesh", None)
-        names = mesh.mesh_dim_names or () if mesh is not None else ()
-        if "data_parallel" in names and mesh["data_parallel"].size() == ranks:
-            return "fsdp2", ranks
-    if ranks == 1:
-        return "ddp", 1
-    if kind == "DeepSpeedStrategy":
+        # One rank too: FSDP2 all-gathers its units into storages of their own all the same.
+        return "fsdp2", ranks
+    if kind == "DeepSpeedStrategy":  # one rank too: DeepSpeed's precision scheme all the same
         stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage", 0)
         return (f"deepspeed_stage_{stage}" if stage in (1, 2, 3) else "ddp"), ranks
+    if ranks == 1:
+        return "ddp", 1
     if kind == "FSDPStrategy":
         mode = str(getattr(strategy, "sharding_strategy", "FULL_SHARD"))
         if "HYBRID" in mode or "NO_SHARD" in mode:  # hybrid shards within a node only: read as unsharded
             return "ddp", ranks
         return ("zero2" if "SHARD_GRAD_OP" in mode else "fsdp"), ranks
     return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
+
+
+def trainer_sharding(trainer: pl.Trainer) -> Sharding | None:
+    """Under ``ModelParallelStrategy``, the layout the run applies (`Sharding`): its device mesh's
+    data-parallel and tensor-parallel sizes, and the module's own ``configure_model`` run on the simulated
+    copy with a fake mesh of that shape (`ConfigureModel`; where it shards nothing, FSDP2's documented
+    layout, as ``AutoFitStrategy`` applies it). ``None`` for any other strategy."""
+    strategy = trainer.strategy
+    if type(strategy).__name__ != "ModelParallelStrategy" and not isinstance(strategy, ModelParallelStrategy):
+        return None
+    mesh = getattr(strategy, "_device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    tp = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+    module = trainer.lightning_module
+    own = module is not None and is_overridden("configure_model", module, pl.LightningModule)
+    layout = ConfigureModel(shard_unsharded=True) if own else None
+    return Sharding(trainer.world_size, tensor_parallel_size=tp, parallelize_fn=layout)
+
+
+def data_parallel_ranks(trainer: pl.Trainer) -> int:
+    """The ranks that each take their own batch: all of them, less tensor parallelism's groups."""
+    layout = trainer_sharding(trainer)
+    return trainer.world_size if layout is None else layout.data_parallel_size
 
 
 def ddp_bucket_bytes(trainer: pl.Trainer, module: nn.Module) -> int:
@@ -129,13 +152,12 @@ def step_levers(trainer: pl.Trainer) -> dict[str, bool]:
 def trainer_step(trainer: pl.Trainer, **changes: Any) -> Step:
     """The step this fit runs, as the estimators take it (`Step`): the Trainer's precision, whether it
     accumulates (`accumulates`), the lever its callbacks install (`step_levers`) and, under
-    ModelParallelStrategy, FSDP2's layout over its ranks (`sharding`); ``changes`` to that `Step`."""
-    strategy, ranks = sharding(trainer)
-    fsdp2 = {"strategy": "fsdp2", "world_size": ranks} if strategy == "fsdp2" else {}
+    ModelParallelStrategy, the layout it applies (`trainer_sharding`); ``changes`` to that `Step`."""
     # ``changes`` first, then the checks: a step that accumulates later in the fit (a scheduler) may be
     # asked about now, when it does not.
-    step = Step.of(precision=precision(trainer), **step_levers(trainer), **fsdp2)
-    return step.but(**{"accumulating": accumulates(trainer), **changes})
+    step = Step.of(precision=precision(trainer), **step_levers(trainer))
+    changes = {"sharding": trainer_sharding(trainer), "accumulating": accumulates(trainer), **changes}
+    return step.but(**changes)
 
 
 def accumulating_now(trainer: pl.Trainer) -> bool:

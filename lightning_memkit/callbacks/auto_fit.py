@@ -56,22 +56,26 @@ from lightning_memkit._estimating.lightning_step import (
     parts_without_samples,
     repeat_batch,
 )
+from lightning_memkit._estimating.simulate import simulated_layout
 from lightning_memkit._fitting.plan import FitPlan, StepCost
 from lightning_memkit._fitting.resume import optimizer_name, refusal, said, stale
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
+from lightning_memkit._sharding.layout import Layout, layout_mismatch, layout_of
 from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes, renamed
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
     built_late,
     call_logger,
+    data_parallel_ranks,
     fit_data_source,
     on_rank_zero,
     parameters_of,
     precision,
     sharding,
     step_levers,
+    trainer_sharding,
 )
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
@@ -161,6 +165,8 @@ class AutoFit(Callback):
         self._planned: tuple[int, set[str]] = (0, set())
         #: each tensor's sample dimension in the train dataloader's batches, as read at planning
         self._axes: SampleAxes | None = None
+        #: under ModelParallelStrategy, the layout the plan simulated (`simulated_layout`), held to the run's
+        self._layout: Layout | None = None
         #: whether the fit's first batch is still to be checked against the plan (`_check_batch`)
         self._unchecked = False
         #: the batch in flight and its phase, for explaining an OOM
@@ -232,12 +238,14 @@ class AutoFit(Callback):
         # the new plan's on).
         self._set_aside()
 
-        def decide() -> tuple[dict[str, Any], SampleAxes]:
+        def decide() -> tuple[dict[str, Any], SampleAxes, Layout | None]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
                 plan = self._plan(trainer, pl_module, modes)
-            return plan.as_dict(), self._axes
+            layout = trainer_sharding(trainer)
+            planned = None if layout is None or layout_of(pl_module) else simulated_layout(pl_module, layout)
+            return plan.as_dict(), self._axes, planned
 
-        plan, self._axes = on_rank_zero(trainer, decide, "AutoFit's planning")
+        plan, self._axes, self._layout = on_rank_zero(trainer, decide, "AutoFit's planning")
         self.plan = FitPlan.from_dict(plan)
         self._install(self.plan)
         rank_zero_info(f"AutoFit: {self.plan}")
@@ -246,6 +254,11 @@ class AutoFit(Callback):
         # Layers ``configure_model`` built after ``setup`` were never planned (nor are they in the optimizer
         # the plan chose): refused, naming them.
         if self.plan is not None and (why := built_late("AutoFit", pl_module, self._planned)):
+            raise RuntimeError(why)
+        # The layout configure_model applied is the one the plan simulated (held on every rank alike).
+        layout = trainer_sharding(trainer)
+        planned = self._layout if self.plan is not None and layout is not None else None
+        if planned is not None and (why := layout_mismatch(planned, layout_of(pl_module), "AutoFit", layout)):
             raise RuntimeError(why)
         # A model compiled in ``configure_model`` (after ``setup``) is planned again, as compiled: its
         # checkpointing is then torch.compile's activation_memory_budget, and its step is not the eager one.
@@ -271,7 +284,9 @@ class AutoFit(Callback):
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
         strategy, ranks = sharding(trainer)
-        copies = trainer.accumulate_grad_batches * ranks
+        layout = trainer_sharding(trainer)
+        # Each data-parallel rank takes its own batch; a tensor-parallel group shares one.
+        copies = trainer.accumulate_grad_batches * data_parallel_ranks(trainer)
         users = self._batch_size(pl_module)
         example = self._first_batch(trainer)
         if example is None or _is_empty(example):
@@ -282,7 +297,7 @@ class AutoFit(Callback):
                 "length and the batch size."
             )
         self._axes = self._sample_axes(trainer, pl_module, example, users)
-        # (micro, ...) -> (micro * accumulate * ranks, ...): the global batch of one optimizer step.
+        # (micro, ...) -> (micro * accumulate * data-parallel ranks, ...): one optimizer step's global batch.
         example = repeat_batch(example, copies, self._axes)
         device = trainer.strategy.root_device.type
         return plan_fit(
@@ -304,6 +319,7 @@ class AutoFit(Callback):
             link=self._link,
             batch_axes=self._axes,
             micro_batch_size=users,
+            sharding=layout,
             **step_levers(trainer),
         )
 

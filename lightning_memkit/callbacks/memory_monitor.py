@@ -556,7 +556,7 @@ class MemoryMonitor(Callback):
         model, optimizer = simulable(pl_module, the_optimizer(trainer))
         # the first batch: a micro-batch adding to gradients where the fit accumulates from its start
         step = trainer_step(trainer, accumulating=trainer.accumulate_grad_batches > 1)
-        return model, {"optimizer": optimizer, "device": self._device.type, **step.keywords()}
+        return model, {"optimizer": optimizer, "device": self._device.type, "step": step}
 
     def _first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path | None) -> None:
         """``advise``, ``snapshot`` and ``report`` on the first batch's step as this run takes it, simulated

@@ -1,0 +1,167 @@
+"""Tensor parallelism and HSDP simulated in this one process, on fake tensors over a fake process group:
+the layouts `Sharding` names, the user's own ``parallelize_fn``, and what is refused. The real ranks these
+simulations are held to run in tests/test_parallel_layouts.py (4 gloo ranks)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memkit import estimate_memory, plan_fit
+from lightning_memkit._sharding.layout import describe_layout, layout_mismatch, tp_plan
+from lightning_memkit._step import Sharding, Step
+
+BATCH, SEQ = 4, 32
+
+
+def llama(kv_heads: int = 2) -> nn.Module:
+    """A Hugging Face LLaMA from a random tiny config (defaults kept but the sizes), under a loss head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=131, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, max_position_embeddings=64,
+    )  # fmt: skip
+    return CausalLM(LlamaForCausalLM(config))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 131, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    return ids, ids
+
+
+def peak(model: nn.Module, **layout) -> int:
+    return estimate_memory(
+        model, batch(), optimizer="adamw", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2",
+        **layout,
+    ).peak  # fmt: skip
+
+
+def user_hsdp(model: nn.Module, mesh) -> None:
+    """HSDP as a user writes it: its own (replicate, shard) mesh, ``fully_shard`` on each layer and the
+    model over it. ``init_device_mesh`` asks for CUDA: the simulation answers with a fake CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    hsdp = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model.lm.model.layers:
+        fully_shard(layer, mesh=hsdp)
+    fully_shard(model.lm, mesh=hsdp)
+
+
+def user_tp(model: nn.Module, mesh) -> None:
+    """Tensor parallelism as a user writes it (torchtitan's plan for LLaMA's layers), then FSDP2 over the
+    data-parallel dimension of Lightning's mesh."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")},
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.lm.model.layers:
+        parallelize_module(layer, mesh["tensor_parallel"], plan)
+    for layer in model.lm.model.layers:
+        fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(model.lm, mesh=mesh["data_parallel"])
+
+
+def test_hsdp_is_simulated_as_its_shard_group_not_as_fsdp2_over_every_rank():
+    """HSDP 2 x 2 shards each parameter over 2 ranks: the default layout (``replicate_size=2``) and the
+    user's own function (its own mesh) simulate the same step, the shard group's; FSDP2 over all 4 ranks
+    is another (the issue's reading: -16 % on each rank)."""
+    model = llama()
+    hsdp = peak(model, world_size=4, replicate_size=2)
+    assert peak(model, world_size=4, parallelize_fn=user_hsdp) == hsdp
+    assert peak(model, world_size=4) < hsdp
+
+
+def test_tensor_parallelism_is_simulated_by_the_plan_or_the_users_function_alike():
+    model = llama()
+    tp = peak(model, world_size=4, tensor_parallel_size=2)
+    assert peak(model, world_size=4, tensor_parallel_size=2, parallelize_fn=user_tp) == tp
+    assert tp != peak(model, world_size=4)  # another layout, another step
+    assert set(tp_plan(model, [f"lm.model.layers.{i}" for i in range(2)])) == {
+        f"lm.model.layers.{i}.{p}"
+        for i in range(2)
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    }  # fmt: skip
+
+
+def test_the_simulation_leaves_the_model_and_the_process_as_they_were():
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    model = llama()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    own = device_mesh.init_device_mesh
+    peak(model, world_size=4, parallelize_fn=user_hsdp)
+    assert device_mesh.init_device_mesh is own and not dist.is_initialized()
+    assert user_hsdp.__globals__.get("init_device_mesh", own) is own
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def test_layouts_that_cannot_run_are_refused_with_the_reason():
+    model = llama()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide .*num_key_value_heads=2"):
+        peak(model, world_size=4, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="left no parameter of CausalLM sharded"):
+        peak(model, world_size=4, parallelize_fn=lambda module, mesh: None)
+    with pytest.raises(ValueError, match=r"device mesh of 4 ranks .* simulated for 8"):
+        peak(model, world_size=8, parallelize_fn=user_hsdp)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide world_size=4"):
+        Sharding(4, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="replicate_size=3 does not divide the 4 data-parallel ranks"):
+        Sharding(4, replicate_size=3)
+    with pytest.raises(NotImplementedError, match="no projections this plan knows"):
+        mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        estimate_memory(
+            mlp, (torch.zeros(4, 8), torch.zeros(4, 1)), optimizer="sgd", loss_fn=nn.functional.mse_loss,
+            device="cpu", strategy="fsdp2", world_size=2, tensor_parallel_size=2,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="tensor_parallel_size is FSDP2's"):
+        Step.of(tensor_parallel_size=2)
+
+
+def test_a_plan_under_tensor_parallelism_splits_the_batch_over_the_data_parallel_ranks_only():
+    """TP 2 x FSDP2 2: two data-parallel ranks take a batch each; a bitsandbytes optimizer is never planned
+    (its kernels do not step DTensors)."""
+    model = llama()
+    ids = torch.randint(0, 131, (8, SEQ))
+    layout = Sharding(4, tensor_parallel_size=2)
+    plan = plan_fit(
+        model, (ids, ids), "100MB", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2", n_gpus=4,
+        sharding=layout, optimizers=["adamw8bit", "adamw"],
+    )  # fmt: skip
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == 8 // 2
+    assert plan.optimizer == "adamw"
+    with pytest.raises(ValueError, match="layout of strategy='fsdp2' over n_gpus ranks"):
+        plan_fit(
+            model, (ids, ids), "100MB", loss_fn=lambda loss, _: loss, device="cpu", n_gpus=2, sharding=layout
+        )
+
+
+def test_a_run_whose_layout_is_not_the_planned_one_is_told_both():
+    planned = (((("data_parallel",), (4,), ("Shard(dim=0)",)), 12),)
+    run = (((("replicate", "shard"), (2, 2), ("Replicate()", "Shard(dim=0)")), 12),)
+    message = layout_mismatch(planned, run, "AutoFit", Sharding(4))
+    assert message is not None
+    assert "AutoFit planned each rank's step of 4 under FSDP2" in message
+    assert "12 parameters (Shard(dim=0)) over data_parallel=4" in message
+    assert "12 parameters (Replicate(), Shard(dim=0)) over replicate=2 x shard=2" in message
+    unnamed = (((None, (4,), ("Shard(dim=0)",)), 12),)
+    assert layout_mismatch(unnamed, planned, "AutoFit", Sharding(4)) is None  # names aside, the same
+    assert describe_layout(()) == "nothing sharded"
