@@ -15,10 +15,12 @@ key/value heads as query heads (4): with its 2, four tensor-parallel ranks would
 
 The truth is each rank's all-thread counting allocator, the monitor and the truth in the same fit, as in
 tests/test_fsdp.py, whose reading of the ranks' records these tests share. The ranks start once per test
-session and run every layout in turn, watched and unwatched.
+session and run every layout in turn: watched, unwatched, then under AutoFit.
 """
 
 import hashlib
+import json
+import math
 import os
 import traceback
 from functools import partial
@@ -32,13 +34,14 @@ from helpers import counted_rank, counted_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
-from test_fsdp import BATCH, SEQ, STEPS, per_step_truth, read
+from test_fsdp import BATCH, SEQ, STEPS, matches_the_rank, per_step_truth, read
 from test_fsdp import _Record as _FSDPRecord
 from test_fsdp import llama as fsdp_llama
 from torch.distributed.tensor import DTensor
-from zoo import ZooModule
+from zoo import ZooModule, zoo_batch
 
-from lightning_memkit import MemoryMonitor
+from lightning_memkit import AutoFit, ConfigureModel, MemoryMonitor, estimate_memory
+from lightning_memkit._optimizers.swap import CATALOGUE
 from lightning_memkit.testing import AllocatorPeaks
 
 pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes at a time, with test_ddp's
@@ -47,6 +50,12 @@ WORLD = 4
 #: name -> (data_parallel_size, tensor_parallel_size), ModelParallelStrategy's arguments
 LAYOUTS = {"tp2x2": (2, 2), "tp4": (1, 4), "hsdp2x2": (4, 1)}
 HSDP_MESH = (2, 2)  # (replicate, shard), the mesh ``hsdp2x2`` shards over
+#: AutoFit's budgets: the share of it the plain run's highest rank needs, and the margin AutoFit keeps.
+#: 2-D: the plain run fits as it is (the run of the issue, which AutoFit read as DDP and swapped to an
+#: 8-bit optimizer that cannot step DTensors). HSDP: the plain run is over the budget, while read as 4-way
+#: FSDP2 (its shards halved, 8 % less here) it would fit within the margin: only a plan read from the
+#: (replicate, shard) mesh keeps every rank under the budget.
+AUTOFIT = {"tp2x2": {"share": 0.76, "margin": 0.1}, "hsdp2x2": {"share": 1.02, "margin": 0.05}}
 
 #: torchtitan's tensor-parallel plan of a LLaMA layer, in Hugging Face's module names
 TP_PLAN = {
@@ -124,6 +133,20 @@ class _Record(_FSDPRecord):
         return record
 
 
+class _RecordFit(pl.Callback):
+    """Writes each rank's AutoFit plan, its budget and the allocator's peaks (per batch)."""
+
+    def __init__(self, out: Path, peaks: AllocatorPeaks, autofit: AutoFit, budget: int) -> None:
+        self.out, self.peaks, self.autofit, self.budget = out, peaks, autofit, budget
+
+    def on_train_end(self, trainer, pl_module):
+        record = {
+            "plan": self.autofit.plan.as_dict(), "budget": self.budget, "allocator": self.peaks.peaks,
+            "global_step": trainer.global_step,
+        }  # fmt: skip
+        (self.out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
 def _trainer(out: Path, layout: str, callbacks: list) -> pl.Trainer:
     data_parallel, tensor_parallel = LAYOUTS[layout]
     strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel)
@@ -144,12 +167,30 @@ def _fit(out: Path, layout: str, watched: bool) -> None:
     _trainer(out, layout, callbacks).fit(ParallelLlama(layout))
 
 
+def _autofit(out: Path, layout: str) -> None:
+    """Three steps of ``layout`` under AutoFit, at a budget of which the plain run (the watched run's
+    highest rank) needs `AUTOFIT`'s share; every rank takes part in reading it, one without a record too."""
+    record = out.parent / layout / f"rank_{torch.distributed.get_rank()}.json"
+    plain = torch.tensor(max(json.loads(record.read_text())["allocator"]) if record.exists() else 0)
+    torch.distributed.all_reduce(plain, op=torch.distributed.ReduceOp.MAX)
+    if not plain.item():
+        raise RuntimeError(f"no plain run of {layout} to size AutoFit's budget from (see its folder)")
+    budget = math.ceil(plain.item() / AUTOFIT[layout]["share"])
+    peaks = AllocatorPeaks(all_threads=True)
+    autofit = AutoFit(budget=budget, margin=AUTOFIT[layout]["margin"], cost="flops")
+    callbacks = [*peaks.around(autofit), _RecordFit(out, peaks, autofit, budget)]
+    _trainer(out, layout, callbacks).fit(ParallelLlama(layout))
+
+
 def runs() -> dict:
-    """Folder name -> what each rank runs there, in order: every layout watched and unwatched."""
+    """Folder name -> what each rank runs there, in order: every layout watched and unwatched, then under
+    AutoFit (which reads the watched run's peaks)."""
     runs = {}
     for layout in LAYOUTS:
         runs[layout] = partial(_fit, layout=layout, watched=True)
         runs[f"{layout}-unwatched"] = partial(_fit, layout=layout, watched=False)
+    for layout in AUTOFIT:
+        runs[f"{layout}-autofit"] = partial(_autofit, layout=layout)
     return runs
 
 
@@ -239,3 +280,64 @@ def test_watching_changes_nothing_on_any_rank(ranks, layout):
         watched, unwatched = read(ranks, layout, rank), read(ranks, f"{layout}-unwatched", rank)
         assert watched["losses"] == unwatched["losses"] and len(watched["losses"]) == STEPS
         assert watched["parameters"] == unwatched["parameters"], f"{layout} rank {rank}"
+
+
+def simulated_rank(layout: str, how: str, **options) -> int:
+    """One rank's step of ``layout`` as `estimate_memory` simulates it, in this one process, the layout
+    applied to the simulated copy over a fake 2-D mesh by ``how``: ``"function"``, `parallelize` as Fabric's
+    ``parallelize_fn``; ``"configure_model"``, the module's own, as ``ModelParallelStrategy`` runs it."""
+    module, batch = ParallelLlama(layout), zoo_batch("qwen2", BATCH, SEQ)
+    fn = partial(parallelize, layout=layout) if how == "function" else ConfigureModel()
+    tensor_parallel = LAYOUTS[layout][1]
+    return estimate_memory(
+        module, batch, device="cpu", strategy="fsdp2", world_size=WORLD, tensor_parallel_size=tensor_parallel,
+        parallelize_fn=fn, **options,
+    ).peak  # fmt: skip
+
+
+#: pure tensor parallel's simulated step, 16,768 B over every rank's (+2.8 % first, +2.3 % steady)
+PURE_TP_GAP = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="under pure tensor parallel the head's weight, (131, 32) fp32 = 16,768 B, is a plain parameter "
+    "(no fully_shard); the simulation counts its transpose (aten.t before the head's matmul) as a new "
+    "tensor, saved to the backward, where the real step allocates nothing",
+)
+
+
+@pytest.mark.slow
+@needs_distributed
+@pytest.mark.parametrize("how", ["function", "configure_model"])
+@pytest.mark.parametrize(
+    "layout", [pytest.param(layout, marks=PURE_TP_GAP) if layout == "tp4" else layout for layout in LAYOUTS]
+)
+def test_the_simulated_step_is_every_ranks_step(ranks, layout, how):
+    """``estimate_memory(world_size=4, tensor_parallel_size=T, parallelize_fn=...)`` against every real
+    rank's allocator: the first step (no optimizer state yet) and the steady one, within test_fsdp's bar."""
+    first, steady = simulated_rank(layout, how, first_step=True), simulated_rank(layout, how)
+    for rank in range(WORLD):
+        truth = per_step_truth(read(ranks, layout, rank), 1)
+        assert matches_the_rank(first, truth[0]), (
+            f"{layout} rank {rank}, first step: {first:,} vs {truth[0]:,}"
+        )
+        assert matches_the_rank(steady, truth[-1]), (
+            f"{layout} rank {rank}, steady: {steady:,} vs {truth[-1]:,}"
+        )
+
+
+@pytest.mark.slow
+@needs_distributed
+@pytest.mark.parametrize("layout", list(AUTOFIT))
+def test_autofit_plans_the_layout_that_runs(ranks, layout):
+    """AutoFit under 2-D parallelism and HSDP, at `AUTOFIT`'s budgets, plans one rank's step of the layout
+    that runs: its estimate within test_fsdp's bar of every rank's steady step, every step within the
+    budget, and no bitsandbytes optimizer for DTensors (its kernels take plain tensors only: "got mixed
+    torch.Tensor and DTensor")."""
+    for rank in range(WORLD):
+        record = read(ranks, f"{layout}-autofit", rank)
+        plan, budget, peaks = record["plan"], record["budget"], record["allocator"]
+        assert record["global_step"] == STEPS, (layout, rank, plan)
+        assert not CATALOGUE[plan["optimizer"]].needs_bitsandbytes, (layout, rank, plan)
+        assert max(peaks) <= budget, f"{layout} rank {rank}: {peaks} B, the budget {budget:,} B; plan {plan}"
+        estimate, steady = plan["estimated_peak"], peaks[-1]
+        assert matches_the_rank(estimate, steady), f"{layout} rank {rank}: plan {estimate:,} vs {steady:,}"
