@@ -223,3 +223,38 @@ def test_a_hub_id_without_the_prefix_is_pointed_to_it():
         r"unknown preset 'meta-llama/Llama-2-7b-hf' for --model; .* \(a Hugging Face model is named with "
         r"hf:, read from its config.json: hf:meta-llama/Llama-2-7b-hf\)$",
     )
+
+
+def test_estimate_simulates_tensor_parallelism_and_hsdp_as_the_library_does(configs):
+    """``--tensor-parallel`` and ``--replicate`` are `estimate_memory`'s layouts: the same rank's step as the
+    library simulates on the same model; what cannot run is one line."""
+    from lightning_memkit import estimate_memory
+    from lightning_memkit.cli._models import example_batch, load_model, step_options
+
+    model = f"hf:{configs / 'llama'}"
+    argv = [
+        *_estimate(model, batch_size=2, seq_len=16),
+        "--device",
+        "cpu",
+        "--strategy",
+        "fsdp2",
+        "--gpus",
+        "4",
+    ]
+    built = load_model(model, "lightning")
+    batch = example_batch(built, model, 2, 16)
+    for flags, layout in [
+        (["--tensor-parallel", "2"], {"tensor_parallel_size": 2}),
+        (["--replicate", "2"], {"replicate_size": 2}),
+    ]:
+        report = _json([*argv, *flags])
+        expected = estimate_memory(
+            built, batch, **step_options(built, None), precision="32-true", device="cpu", strategy="fsdp2",
+            world_size=4, **layout,
+        ).peak  # fmt: skip
+        assert report["simulated"]["peak"] == expected
+    _fails(
+        [*argv, "--tensor-parallel", "4"], r"tensor_parallel_size=4 does not divide .*num_key_value_heads=2"
+    )
+    _fails([*argv, "--tensor-parallel", "3"], "tensor_parallel_size=3 does not divide world_size=4")
+    _fails([*argv[:-4], "--replicate", "2"], "--replicate 2 is a layout of --strategy fsdp2, not ddp")

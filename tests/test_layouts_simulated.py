@@ -165,3 +165,38 @@ def test_a_run_whose_layout_is_not_the_planned_one_is_told_both():
     unnamed = (((None, (4,), ("Shard(dim=0)",)), 12),)
     assert layout_mismatch(unnamed, planned, "AutoFit", Sharding(4)) is None  # names aside, the same
     assert describe_layout(()) == "nothing sharded"
+
+
+def test_a_lightning_modules_configure_model_is_the_layout_it_is_simulated_with():
+    """``parallelize_fn=ConfigureModel()``: the module's own configure_model run on the simulated copy with
+    the fake mesh as ``self.device_mesh``, as ModelParallelStrategy runs it; no warning that configure_model
+    is pending (it runs), and the module itself is left unsharded."""
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from lightning_memkit import ConfigureModel
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = llama()
+
+        def configure_model(self) -> None:
+            user_tp(self.net, self.device_mesh)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    module = Module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        own = estimate_memory(
+            module, batch(), device="cpu", strategy="fsdp2", world_size=4, tensor_parallel_size=2,
+            parallelize_fn=ConfigureModel(),
+        ).peak  # fmt: skip
+    assert own == peak(llama(), world_size=4, tensor_parallel_size=2, parallelize_fn=user_tp)
+    assert not any(type(p).__name__ == "DTensor" for p in module.parameters())

@@ -804,7 +804,8 @@ def estimate_memory(
     """
     if (empty := without_parameters(model)) is not None:
         raise ValueError(f"estimate_memory: {empty}")
-    if _configure_model_pending(model):
+    runs_it = isinstance(parallelize_fn, _layout.ConfigureModel)  # configure_model runs on the copy
+    if not runs_it and _configure_model_pending(model):
         name = type(model).__name__
         warnings.warn(
             f"estimate_memory: {name} overrides configure_model, which a Trainer runs before the first step, "

@@ -16,6 +16,7 @@ from typing import Any
 from lightning_memkit._diagnosis.advise import Advice, advise
 from lightning_memkit._diagnosis.html_report import html_report
 from lightning_memkit._diagnosis.snapshot import advised_snapshot
+from lightning_memkit.cli._args import layout_keywords
 from lightning_memkit.cli._models import (
     analytic_shape,
     check_seq_len,
@@ -38,8 +39,7 @@ def run_advise(args: argparse.Namespace) -> int:
         precision=args.precision,
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,
-        strategy="fsdp2" if args.strategy == "fsdp2" else None,
-        world_size=args.gpus if args.strategy == "fsdp2" else 1,  # DDP's ranks each run the one-device step
+        **layout_keywords(args),  # DDP's ranks each run the one-device step
     )
     start = time.perf_counter()
     with step_errors(model, args.model, args.batch_size, args.seq_len):
@@ -51,7 +51,7 @@ def run_advise(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     step = f"micro-batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.device}"
     if args.strategy == "fsdp2":
-        step += f", one rank of {args.gpus} under FSDP2"
+        step += f", one rank of {args.gpus} under {args.sharding.describe()}"
     elif args.gpus > 1:
         step += f", the step each of {args.gpus} DDP ranks runs (its all-reduce buckets aside)"
     if args.html is not None:

@@ -8,8 +8,12 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_memkit._budget import GPUS, parse_budget, valid_name
+
+if TYPE_CHECKING:
+    from lightning_memkit._step import Sharding
 
 
 class UsageError(Exception):
@@ -181,3 +185,29 @@ def margin(text: str) -> float:
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be a share of the budget in [0, 1), got {text!r}")
     return value
+
+
+def layout_keywords(args: argparse.Namespace) -> dict[str, object]:
+    """`estimate_memory`'s keywords for ``--strategy fsdp2``'s layout (`check_layout`'s ``args.sharding``);
+    none for one device or a strategy that divides the one-device step."""
+    layout = args.sharding
+    if layout is None:
+        return {}
+    return {
+        "strategy": "fsdp2",
+        "world_size": layout.world_size,
+        "tensor_parallel_size": layout.tensor_parallel_size,
+        "replicate_size": layout.replicate_size,
+    }
+
+
+def layout_words(layout: Sharding) -> str:
+    """What the simulated layout does, in words: each block's projections split (tensor parallelism), then
+    ``fully_shard`` on each block and the model (over HSDP's shard group)."""
+    split = (
+        "each block's projections split over the tensor-parallel group, "
+        if layout.tensor_parallel_size > 1
+        else ""
+    )
+    over = " over each replica's shard group" if layout.replicate_size > 1 else ""
+    return f"{split}fully_shard on each block and then the model{over}"

@@ -35,6 +35,7 @@ from lightning_memkit._estimating.analytic import (
     shard,
 )
 from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
+from lightning_memkit.cli._args import layout_keywords, layout_words
 from lightning_memkit.cli._models import (
     analytic_precision,
     analytic_shape,
@@ -94,8 +95,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.strategy == "fsdp2":
         analytic = shard(analytic, args.strategy, args.gpus) if analytic is not None else None
         notes.append(
-            f"per rank: FSDP2's step over {args.gpus} rank(s) simulated, fully_shard on each block and "
-            "then the model (analytic: the one-device step's parameters, gradients and state divided)"
+            f"per rank: one rank's step of {args.gpus} under {args.sharding.describe()} simulated, "
+            f"{layout_words(args.sharding)} (analytic: the one-device step's parameters, gradients and "
+            "state divided)"
         )
     elif args.gpus > 1 or args.strategy != "ddp":
         sharded = STRATEGIES[args.strategy]
@@ -162,8 +164,7 @@ def _simulate(
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
         device=args.device,
         accumulating=args.accumulate > 1,
-        strategy="fsdp2" if args.strategy == "fsdp2" else None,
-        world_size=args.gpus if args.strategy == "fsdp2" else 1,  # the others divide the one-device step
+        **layout_keywords(args),  # the others divide the one-device step
     )
     snapshot = None
     if args.snapshot is None and args.html is None:
@@ -185,7 +186,7 @@ def _write_html(args: argparse.Namespace, snapshot: dict, simulated: MemoryBreak
     )
     notes = ["memkit estimate: the simulated column's step, on fake tensors (nothing allocated)."]
     if args.strategy == "fsdp2":
-        title += f", one rank of {args.gpus} under FSDP2"
+        title += f", one rank of {args.gpus} under {args.sharding.describe()}"
     elif args.gpus > 1 or args.strategy != "ddp":
         notes.append(
             f"The one-device step, as simulated: the table divides it per rank ({args.strategy} over "
@@ -285,6 +286,8 @@ def _report(
         "device": args.device,
         "gpus": args.gpus,
         "strategy": args.strategy,
+        "tensor_parallel": args.tensor_parallel,
+        "replicate": args.replicate,
         "analytic": analytic.as_dict() if analytic is not None else None,
         "simulated": simulated.as_dict(),
         "difference": _difference(analytic, simulated) if analytic is not None else None,

@@ -36,6 +36,7 @@ from lightning_memkit.cli._args import (
     output_file,
     positive_int,
     seconds,
+    usage_error,
 )
 
 __all__ = [
@@ -196,15 +197,46 @@ def _add_ranks(
     sharded: str,
     strategies: tuple[str, ...] = STRATEGIES,
     default: str | None = "ddp",
+    layouts: bool = False,
 ) -> None:
     """``--gpus N`` and ``--strategy S``, spelled alike in every subcommand (``sharded``: the strategy's
-    help)."""
+    help); with ``layouts``, fsdp2's ``--tensor-parallel T`` and ``--replicate R`` (`check_layout`)."""
     p.add_argument(
         "--gpus", type=positive_int, default=1, metavar="N", help="ranks, one GPU each (default: 1)"
     )
     p.add_argument(
         "--strategy", type=one_of("strategy", strategies), default=default, metavar="S", help=sharded
     )
+    if not layouts:
+        return
+    p.add_argument(
+        "--tensor-parallel", type=positive_int, default=1, metavar="T",
+        help="with --strategy fsdp2: ranks of one tensor-parallel group, each block's projections split "
+        "over them (torchtitan's LLaMA plan), FSDP2 over the other --gpus / T (default: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--replicate", type=positive_int, default=1, metavar="R",
+        help="with --strategy fsdp2: HSDP, each parameter sharded over --gpus / T / R ranks and "
+        "replicated R times (default: 1)",
+    )  # fmt: skip
+
+
+def check_layout(args: argparse.Namespace) -> None:
+    """``--tensor-parallel`` and ``--replicate`` as `Sharding` takes them: with ``--strategy fsdp2``,
+    dividing the ranks; ``args.sharding`` the layout (``None`` for one device or a divided strategy)."""
+    from lightning_memkit._step import Sharding
+
+    args.sharding = None
+    flags = (("--tensor-parallel", args.tensor_parallel), ("--replicate", args.replicate))
+    given = [f"{flag} {n}" for flag, n in flags if n != 1]
+    if args.strategy != "fsdp2":
+        if given:
+            raise UsageError(f"{' and '.join(given)} is a layout of --strategy fsdp2, not {args.strategy}")
+        return
+    with usage_error(ValueError):
+        args.sharding = Sharding(
+            args.gpus, tensor_parallel_size=args.tensor_parallel, replicate_size=args.replicate
+        )
 
 
 def check_advise(args: argparse.Namespace) -> None:
@@ -212,6 +244,7 @@ def check_advise(args: argparse.Namespace) -> None:
     stderr); with them, a contradiction is a usage error."""
     check_tokens(args.batch_size, args.seq_len)
     if args.fsdp2 is None:
+        check_layout(args)
         return
     if args.gpus not in (1, args.fsdp2) or args.strategy != "ddp":
         raise UsageError(
@@ -223,6 +256,7 @@ def check_advise(args: argparse.Namespace) -> None:
         file=sys.stderr,
     )
     args.gpus, args.strategy = args.fsdp2, "fsdp2"
+    check_layout(args)
 
 
 def check_plan(args: argparse.Namespace) -> None:
@@ -247,6 +281,7 @@ def check_estimate(args: argparse.Namespace) -> None:
     """The batch's token count (all ranks' and micro-batches' at once, as ``--gpu``'s plans cut it), and
     ``memkit estimate --gpu`` for ``--device``, as `check_plan` reads it."""
     check_tokens(args.batch_size * (args.accumulate * args.gpus if args.gpu is not None else 1), args.seq_len)
+    check_layout(args)
     check_adapters(args)
     if args.gpu is not None:
         args.gpu = _device_budget(args.gpu, args.device, "--gpu")
@@ -311,6 +346,7 @@ def add_estimate(subparsers: Any) -> None:
         p,
         sharded=f"{', '.join(STRATEGIES)} (default: ddp): what it shards is divided by --gpus, except fsdp2: "
         "one rank's FSDP2 step simulated (fully_shard on each block, then the model)",
+        layouts=True,
     )
     p.add_argument(
         "--gpu",
@@ -421,6 +457,7 @@ def add_advise(subparsers: Any) -> None:
         strategies=ADVISED_STRATEGIES,
         sharded="ddp (default): the one-device step each rank runs; fsdp2: one rank's FSDP2 step "
         "(fully_shard on each block, then the model), simulated in this process",
+        layouts=True,
     )
     p.add_argument(
         "--fsdp2", type=positive_int, default=None, metavar="N",
