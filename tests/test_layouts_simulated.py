@@ -136,6 +136,7 @@ def test_layouts_that_cannot_run_are_refused_with_the_reason():
         Step.of(tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_a_plan_under_tensor_parallelism_splits_the_batch_over_the_data_parallel_ranks_only():
     """TP 2 x FSDP2 2: two data-parallel ranks take a batch each; a bitsandbytes optimizer is never planned
     (its kernels do not step DTensors)."""
@@ -200,3 +201,62 @@ def test_a_lightning_modules_configure_model_is_the_layout_it_is_simulated_with(
         ).peak  # fmt: skip
     assert own == peak(llama(), world_size=4, tensor_parallel_size=2, parallelize_fn=user_tp)
     assert not any(type(p).__name__ == "DTensor" for p in module.parameters())
+
+
+class Shifty(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule):
+    """A module whose configure_model shards one way where it is simulated (on the fake process group:
+    FSDP2) and another in the run (tensor parallelism's placements): a plan would not be the run's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = llama()
+        self.batch_size = 2
+        self.calls: list[str] = []  # a list: shared by the simulated copies and the module
+
+    def configure_model(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        backend = dist.get_backend(self.device_mesh["data_parallel"].get_group())
+        self.calls.append(backend)
+        if backend != "fake":  # the run's own call
+            user_tp(self.net, self.device_mesh)
+            return
+        for layer in self.net.lm.model.layers:
+            fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net.lm, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+    def train_dataloader(self):
+        ids = torch.randint(0, 131, (8, SEQ), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=self.batch_size)
+
+
+def test_a_run_that_shards_otherwise_than_planned_is_refused_before_its_first_step(tmp_path):
+    """AutoFit under ModelParallelStrategy (one gloo rank) simulates the layout configure_model applies; a
+    run whose configure_model then applies another is stopped at on_fit_start, naming both layouts."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_memkit import AutoFit
+
+    module = Shifty()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=False,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+        callbacks=[AutoFit("1GB")], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(
+        RuntimeError, match=r"AutoFit planned each rank's step of 1 under FSDP2: .*S\(0\), S\(1\)"
+    ):
+        trainer.fit(module)
+    assert module.calls == ["gloo"]  # the simulated calls (on "fake") left nothing behind: only the run's
+    assert trainer.global_step == 0
+    assert all(torch.equal(a, b.full_tensor()) for a, b in zip(before, module.parameters(), strict=True))

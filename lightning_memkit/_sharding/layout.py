@@ -86,9 +86,7 @@ def _default_layout(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Seq
     """The default layout of ``sharding``: each block's projections split over the tensor-parallel
     dimension (`tp_plan`), then ``fully_shard`` on each block and the root over the data-parallel
     dimensions (HSDP's two, or one)."""
-    options: dict[str, Any] = {"reshard_after_forward": sharding.reshard_after_forward}
-    if sharding.mp_policy is not None:
-        options["mp_policy"] = sharding.mp_policy
+    options = _fully_shard_options(sharding)
     names = mesh.mesh_dim_names or ()
     if sharding.tensor_parallel_size > 1:
         from torch.distributed.tensor.parallel import parallelize_module
@@ -131,19 +129,15 @@ class ConfigureModel:
     """A LightningModule's own ``configure_model`` as the layout: run on the simulated copy with the fake
     mesh as ``self.device_mesh`` (as ``ModelParallelStrategy`` runs it). With ``shard_unsharded``, a copy
     it leaves with nothing sharded is then sharded as Lightning documents FSDP2 over the data-parallel
-    dimension (as ``AutoFitStrategy`` shards such a module itself)."""
+    dimension, with the `Sharding`'s ``fully_shard`` options (as ``AutoFitStrategy`` shards such a module
+    itself: `laid_out_copy`)."""
 
     def __init__(self, shard_unsharded: bool = False) -> None:
         self.shard_unsharded = shard_unsharded
 
     def __call__(self, module: nn.Module, mesh: Any) -> None:
-        from lightning_memkit._checkpointing.blocks import find_blocks
-
         module._device_mesh = mesh  # what LightningModule.device_mesh reads
         module.configure_model()
-        if self.shard_unsharded and not layout_of(module):
-            blocks = [name for name, _ in find_blocks(module)]
-            _fsdp2.shard_layout(module, mesh["data_parallel"], blocks)
 
     def __eq__(self, other: object) -> bool:  # one layout: steps with it compare (and cache) as equal
         return type(other) is type(self) and other.shard_unsharded == self.shard_unsharded
@@ -155,6 +149,14 @@ class ConfigureModel:
         return "configure_model"
 
 
+def _fully_shard_options(sharding: Sharding) -> dict[str, Any]:
+    """``fully_shard``'s options of ``sharding``: ``reshard_after_forward`` and ``mp_policy``."""
+    options: dict[str, Any] = {"reshard_after_forward": sharding.reshard_after_forward}
+    if sharding.mp_policy is not None:
+        options["mp_policy"] = sharding.mp_policy
+    return options
+
+
 def laid_out_copy(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Sequence[str]) -> nn.Module:
     """A copy of ``model`` (`_sharding.fsdp2.model_copy`) with ``sharding``'s layout applied over ``mesh``:
     its ``parallelize_fn``, else the default (`_default_layout`). The original is untouched."""
@@ -162,8 +164,11 @@ def laid_out_copy(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Seque
     if sharding.parallelize_fn is None:
         _default_layout(copy, mesh, sharding, blocks)
         return copy
-    with _own_meshes_answered(sharding.parallelize_fn, copy):
-        sharding.parallelize_fn(copy, mesh)
+    fn = sharding.parallelize_fn
+    with _own_meshes_answered(fn, copy):
+        fn(copy, mesh)
+    if isinstance(fn, ConfigureModel) and fn.shard_unsharded and not layout_of(copy):
+        _fsdp2.shard_layout(copy, mesh["data_parallel"], blocks, **_fully_shard_options(sharding))
     if not layout_of(copy):
         raise ValueError(
             f"parallelize_fn ({sharding.parallelize_fn!r}) left no parameter of {type(model).__name__} "

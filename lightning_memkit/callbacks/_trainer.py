@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_memkit._estimating.analytic import model_static, scheme
 from lightning_memkit._estimating.isolate import rng_kept
-from lightning_memkit._sharding.layout import ConfigureModel
+from lightning_memkit._sharding.layout import ConfigureModel, Layout, layout_mismatch, layout_of
 from lightning_memkit._step import Sharding, Step
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
@@ -34,9 +34,11 @@ __all__ = [
     "first_batch",
     "fit_data_source",
     "fsdp_checkpointing",
+    "hold_layout",
     "logging_as_training_step",
     "on_rank_zero",
     "optimizer_steps_done",
+    "planned_layout",
     "precision",
     "sharding",
     "step_levers",
@@ -111,6 +113,29 @@ def trainer_sharding(trainer: pl.Trainer) -> Sharding | None:
     own = module is not None and is_overridden("configure_model", module, pl.LightningModule)
     layout = ConfigureModel(shard_unsharded=True) if own else None
     return Sharding(trainer.world_size, tensor_parallel_size=tp, parallelize_fn=layout)
+
+
+def planned_layout(module: nn.Module, layout: Sharding | None) -> Layout | None:
+    """The layout a plan made now simulates for ``module`` (``layout`` applied to a copy of it:
+    `simulated_layout`), to hold the run's own to once configure_model has run (`hold_layout`); ``None``
+    without a layout, or for a module already laid out (nothing to compare later)."""
+    from lightning_memkit._estimating.simulate import simulated_layout
+
+    return None if layout is None or layout_of(module) else simulated_layout(module, layout)
+
+
+def hold_layout(trainer: pl.Trainer, module: nn.Module, planned: Layout | None, planner: str) -> None:
+    """Refuse a run whose layout (`layout_of` ``module`` after configure_model) is not ``planned``, the one
+    ``planner``'s plan simulated (`planned_layout`): a plan for one layout does not hold for another. Every
+    rank reads the same layout, so every rank raises alike."""
+    layout = trainer_sharding(trainer)
+    why = (
+        None
+        if planned is None or layout is None
+        else layout_mismatch(planned, layout_of(module), planner, layout)
+    )
+    if why is not None:
+        raise RuntimeError(why)
 
 
 def data_parallel_ranks(trainer: pl.Trainer) -> int:

@@ -31,6 +31,7 @@ from lightning_memkit._checkpointing.policies import (
 )
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.isolate import isolated
+from lightning_memkit._sharding.layout import Layout
 from lightning_memkit._vocabulary import (
     AUTO,
     CHECKPOINT_MODES,
@@ -44,7 +45,9 @@ from lightning_memkit.callbacks._trainer import (
     ddp_bucket_bytes,
     first_batch,
     fsdp_checkpointing,
+    hold_layout,
     on_rank_zero,
+    planned_layout,
     trainer_step,
 )
 
@@ -86,14 +89,15 @@ class ActivationCheckpointing(Callback):
     (Lightning calls ``setup`` before it loads callback states, so a resumed run plans once and then
     switches to the saved plan in ``load_state_dict``, before the optimizer state is restored).
 
-    Strategies: DDP and single-device runs use the in-place wrapping. Under FSDP2 (``ModelParallelStrategy``
-    over every rank, ``fully_shard`` in ``configure_model``, which runs after this ``setup``: apply no
-    checkpointing of your own there) the plan fits one rank's sharded step, simulated with each block and
-    then the model sharded (`estimate_memory`'s ``strategy="fsdp2"``). ``FSDPStrategy`` wraps the model
-    itself: full checkpointing without a budget is handed to it in its own form (as if it had been built
-    with ``activation_checkpointing_policy={BlockClass}``), selective checkpointing is applied in place
-    (FSDPStrategy's own form has no selective variant), and a budget is refused, because the simulated
-    step is not sharded yet.
+    Strategies: DDP and single-device runs use the in-place wrapping. Under ``ModelParallelStrategy``
+    (FSDP2, tensor parallelism, HSDP, applied in ``configure_model``, which runs after this ``setup``: apply
+    no checkpointing of your own there) the plan fits one rank's step in the layout the run applies: the
+    module's ``configure_model`` run on a copy over a fake device mesh of the run's shape
+    (`estimate_memory`'s ``parallelize_fn``), and the run's layout is held to it at ``on_fit_start``.
+    ``FSDPStrategy`` wraps the model itself: full checkpointing without a budget is handed to it in its own
+    form (as if it had been built with ``activation_checkpointing_policy={BlockClass}``), selective
+    checkpointing is applied in place (FSDPStrategy's own form has no selective variant), and a budget is
+    refused, because the simulated step is not sharded yet.
 
     Compiled models (``torch.compile`` on the module or a submodule, in ``__init__`` or in
     ``configure_model``, inductor's backend): with a budget, the compiled step is simulated as inductor runs
@@ -201,6 +205,8 @@ class ActivationCheckpointing(Callback):
         self._deferring = False  # an AutoFit in the fit plans the checkpointing (`_defer`)
         self._compiled = False  # whether the model was planned compiled
         self._unfit: ValueError | None = None  # setup's plan failed; the compiled model may still fit
+        #: under ModelParallelStrategy, the layout the plan simulated (`planned_layout`), held to the run's
+        self._layout: Layout | None = None
 
     @property
     def state_key(self) -> str:
@@ -240,6 +246,10 @@ class ActivationCheckpointing(Callback):
         self._use(pl_module, plan)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The layout configure_model applied is the one the plan simulated (rank 0 simulated it; every
+        # rank learns it from the plan's broadcast).
+        if self.budget is not None and not self._deferring and self.plan is not None:
+            hold_layout(trainer, pl_module, self._layout, "ActivationCheckpointing")
         # A model compiled in ``configure_model`` (after ``setup``) is planned again, as compiled.
         unfit, self._unfit = self._unfit, None
         if self.budget is None or self._deferring or self._module is None or self._compiled:
@@ -354,7 +364,7 @@ class ActivationCheckpointing(Callback):
             )
         budget = self.budget
 
-        def decide() -> dict[str, Any]:
+        def decide() -> tuple[dict[str, Any], Layout | None]:
             # DDP's all-reduce buckets are there all along: what is left is the step's to fit in.
             buckets = ddp_bucket_bytes(trainer, pl_module)
             if buckets:
@@ -363,7 +373,8 @@ class ActivationCheckpointing(Callback):
                     f"of the {format_bytes(budget)} budget; the step is planned to fit the rest."
                 )
             with isolated(pl_module, "Planning activation checkpointing"):
-                return plan_checkpointing(
+                step = trainer_step(trainer)
+                plan = plan_checkpointing(
                     pl_module,
                     _example_batch(trainer),
                     max(budget - buckets, 1),
@@ -371,11 +382,13 @@ class ActivationCheckpointing(Callback):
                     blocks=self.layer_classes,
                     cost=self.cost,
                     device=trainer.strategy.root_device.type,
-                    # under FSDP2 (ModelParallelStrategy): one rank's sharded step, over a fake process group
-                    step=trainer_step(trainer),
-                ).as_dict()
+                    # under ModelParallelStrategy: one rank's step in its layout, over a fake process group
+                    step=step,
+                )
+                return plan.as_dict(), planned_layout(pl_module, step.sharding)
 
-        return CheckpointPlan.from_dict(on_rank_zero(trainer, decide, "Planning activation checkpointing"))
+        plan, self._layout = on_rank_zero(trainer, decide, "Planning activation checkpointing")
+        return CheckpointPlan.from_dict(plan)
 
     def _use(self, pl_module: nn.Module, plan: CheckpointPlan) -> None:
         if self._handle is not None:
