@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget
+from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, apply_plan, budget_before_plans
 from lightning_memkit._estimating.analytic import model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_size, repeat_batch
@@ -319,7 +320,7 @@ def plan_code(
             f"{format_bytes(plan.budget.usable)} after the CUDA context and reserve."
         )
     named = named or plan.budget.usable == plan.budget.total  # a plain limit: nothing was taken off
-    per_gpu = global_batch // plan.n_gpus
+    per_gpu = global_batch // plan.data_parallel_size  # a tensor-parallel group shares its batch
     return "\n".join(
         [
             "from lightning.pytorch import Trainer",
@@ -327,7 +328,7 @@ def plan_code(
             f"from lightning_memkit import {', '.join(imports)}",
             "",
             *_autofit_section(plan, optimizers, per_gpu, [] if named else [card]),
-            *([fsdp2_layout(plan)] if fsdp2 else []),
+            *([fsdp2_layout(plan, model)] if fsdp2 else []),
             *by_hand_code(plan, model),
         ]
     )
@@ -366,6 +367,8 @@ def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> s
         autofit["optimizers"] = json.dumps(list(optimizers))
     levers = [f"{plan.lever}()"] if plan.lever else []
     if _by_the_strategy(plan):  # the strategy plans: no AutoFit callback
+        if plan.tensor_parallel_size > 1 or plan.replicate_size > 1:  # the layout it planned, given
+            autofit |= _layout_arguments(plan)
         arguments = {**_trainer_arguments(plan), "strategy": f"AutoFitStrategy({_arguments(autofit)})"}
         return _call(
             "trainer = Trainer", arguments | ({"callbacks": f"[{', '.join(levers)}]"} if levers else {})
@@ -504,35 +507,93 @@ def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
     if plan.device == "cpu":
         trainer = {"accelerator": '"cpu"', **trainer}
     if _by_the_strategy(plan):
-        strategy = f"ModelParallelStrategy(data_parallel_size={plan.n_gpus}, tensor_parallel_size=1)"
+        dp, tp = plan.data_parallel_size, plan.tensor_parallel_size
+        strategy = f"ModelParallelStrategy(data_parallel_size={dp}, tensor_parallel_size={tp})"
         trainer |= {"strategy": strategy, "devices": str(plan.n_gpus)}
     elif plan.n_gpus > 1:
         trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.n_gpus)}
     return trainer
 
 
-def fsdp2_layout(plan: FitPlan) -> str:
-    """FSDP2's layout as ``plan`` simulated it, as a comment for the LightningModule (`plan_code`, by hand:
-    AutoFitStrategy applies it itself)."""
+def _layout_arguments(plan: FitPlan) -> dict[str, str]:
+    """`AutoFitStrategy`'s arguments for ``plan``'s layout: its tensor-parallel degree, and the data-parallel
+    ranks as a number or HSDP's ``(replicate, shard)``."""
+    dp, replicas = plan.data_parallel_size, plan.replicate_size
+    data = f"({replicas}, {dp // replicas})" if replicas > 1 else str(dp)
+    return {"tensor_parallel_size": str(plan.tensor_parallel_size), "data_parallel_size": data}
+
+
+def fsdp2_layout(plan: FitPlan, model: nn.Module | None = None) -> str:
+    """The layout ``plan`` simulated, as a comment for the LightningModule (`plan_code`, by hand:
+    AutoFitStrategy applies it itself): tensor parallel first where it has it (torchtitan's plan, by
+    ``model``'s projection names), then FSDP2 on each repeated block and the model, over the data-parallel
+    ranks or HSDP's (replicate, shard) mesh."""
     option = "" if plan.reshard_after_forward in (None, True) else ", reshard_after_forward=False"
     names = ["fully_shard"]
     if plan.cpu_offload:
         option += ", offload_policy=CPUOffloadPolicy()"
         names.append("CPUOffloadPolicy")
-    policy = ""
+    policy = []
     if plan.mixed_precision_policy:
         option += ", mp_policy=policy"
         names.append("MixedPrecisionPolicy")
-        dtypes = "param_dtype=torch.bfloat16, reduce_dtype=torch.float32"
-        policy = f"\n#         policy = MixedPrecisionPolicy({dtypes})"
+        policy.append("policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+    lines = []
+    tp, replicas = plan.tensor_parallel_size, plan.replicate_size
+    imports = [f"from torch.distributed.fsdp import {', '.join(sorted(names))}"]
+    mesh, tp_mesh = 'self.device_mesh["data_parallel"]', 'self.device_mesh["tensor_parallel"]'
+    if replicas > 1:  # HSDP: its own mesh, the tensor-parallel ranks innermost as Lightning's
+        imports.append("from torch.distributed.device_mesh import init_device_mesh")
+        shape = (replicas, plan.data_parallel_size // replicas, *((tp,) if tp > 1 else ()))
+        dims = ("replicate", "shard", *(("tensor_parallel",) if tp > 1 else ()))
+        device = "cpu" if plan.device == "cpu" else "cuda"
+        names_ = ", ".join(f'"{dim}"' for dim in dims)
+        mesh = f'init_device_mesh("{device}", {shape}, mesh_dim_names=({names_}))'
+        if tp > 1:
+            lines.append(f"hsdp = {mesh}")
+            mesh, tp_mesh = 'hsdp["replicate", "shard"]', 'hsdp["tensor_parallel"]'
+    lines += [f"mesh = {mesh}", *policy]
+    if tp > 1:
+        parallel = "ColwiseParallel, RowwiseParallel, parallelize_module"
+        imports.append(f"from torch.distributed.tensor.parallel import {parallel}")
+        lines += [
+            "plan = {  # torchtitan's LLaMA plan: split by output features, then by input features",
+            *(f'    "{name}": {style}(),' for name, style in _tp_styles(model)),
+            "}",
+            "for layer in self.model.layers:  # your blocks, e.g. a Hugging Face model's model.model.layers",
+            f"    parallelize_module(layer, {tp_mesh}, plan)",
+        ]
+    lines += [
+        "for layer in self.model.layers:  # your blocks, e.g. a Hugging Face model's model.model.layers",
+        f"    fully_shard(layer, mesh=mesh{option})",
+        f"fully_shard(self.model, mesh=mesh{option})  # the module training_step calls",
+    ]
+    what = "FSDP2" if tp == replicas == 1 else plan.layout
+    order = "each repeated block, then the model"
+    if tp > 1:
+        order = f"\n# tensor parallel in each repeated block, then FSDP2 on {order}"
+    body = "\n".join(f"#         {line}" for line in [*imports, *lines])
     return f"""\
-# FSDP2 as the plan simulated it, in your LightningModule (each repeated block, then the model):
+# {what} as the plan simulated it, in your LightningModule ({order}):
 #     def configure_model(self):
-#         from torch.distributed.fsdp import {", ".join(sorted(names))}
-#         mesh = self.device_mesh["data_parallel"]{policy}
-#         for layer in self.model.layers:  # your blocks, e.g. a Hugging Face model's model.model.layers
-#             fully_shard(layer, mesh=mesh{option})
-#         fully_shard(self.model, mesh=mesh{option})  # the module training_step calls"""
+{body}"""
+
+
+def _tp_styles(model: nn.Module | None) -> list[tuple[str, str]]:
+    """Each projection torchtitan's plan splits in a block of ``model`` (`tp_plan`), by its name in the
+    block, with its style's class name; Hugging Face LLaMA's names where no block has them."""
+    blocks = [name for name, _ in find_blocks(model)] if model is not None else []
+    styles: dict[str, str] = {}
+    for name, style in (_layout.tp_plan(model, blocks) if blocks else {}).items():
+        block = next(b for b in blocks if name.startswith(f"{b}."))
+        styles.setdefault(name[len(block) + 1 :], type(style).__name__)
+    if styles:
+        return list(styles.items())
+    colwise = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
+    return [(n, "ColwiseParallel") for n in colwise] + [
+        ("self_attn.o_proj", "RowwiseParallel"),
+        ("mlp.down_proj", "RowwiseParallel"),
+    ]
 
 
 def _arguments(kwargs: Mapping[str, str]) -> str:

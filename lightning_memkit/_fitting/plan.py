@@ -201,6 +201,10 @@ class FitPlan:
             reduce_dtype=torch.float32)`` on every unit (a ``bf16-mixed`` plan of `AutoFitStrategy`).
         device: the device type the step was simulated for: ``"cuda"`` (the caching allocator's 512-byte
             blocks, foreach optimizers) or ``"cpu"``.
+        tensor_parallel_size: FSDP2's layout (``strategy="fsdp2"``): the ranks of a tensor-parallel group
+            (each block's projections split, torchtitan's plan); `data_parallel_size` ranks take a batch.
+        replicate_size: HSDP's replicas of the data-parallel ranks (1: FSDP2 over them all); each
+            parameter is sharded over ``data_parallel_size // replicate_size`` ranks.
     """
 
     micro_batch_size: int
@@ -225,6 +229,8 @@ class FitPlan:
     cpu_offload: bool = False
     mixed_precision_policy: bool = False
     device: str = "cuda"
+    tensor_parallel_size: int = 1
+    replicate_size: int = 1
 
     @property
     def limit(self) -> int:
@@ -233,8 +239,23 @@ class FitPlan:
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step across all ranks."""
-        return self.micro_batch_size * self.accumulate_grad_batches * self.n_gpus
+        """Samples per optimizer step across all ranks (a tensor-parallel group shares its batch)."""
+        return self.micro_batch_size * self.accumulate_grad_batches * self.data_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that each take their own batch: ``n_gpus // tensor_parallel_size``."""
+        return self.n_gpus // self.tensor_parallel_size
+
+    @property
+    def layout(self) -> str:
+        """The parallel layout in words: ``"FSDP2 4"``, ``"TP 2 x FSDP2 2"``, ``"HSDP 2 x 2"``,
+        ``"TP 2 x HSDP 2 x 2"``; the strategy's name for one that is not FSDP2's."""
+        if self.strategy != "fsdp2":
+            return self.strategy
+        shard = self.data_parallel_size // self.replicate_size
+        data = f"HSDP {self.replicate_size} x {shard}" if self.replicate_size > 1 else f"FSDP2 {shard}"
+        return f"TP {self.tensor_parallel_size} x {data}" if self.tensor_parallel_size > 1 else data
 
     @property
     def compile_budget(self) -> float | None:
@@ -350,11 +371,15 @@ class FitPlan:
             cpu_offload=data.get("cpu_offload", False),
             mixed_precision_policy=data.get("mixed_precision_policy", False),
             device=data.get("device", "cuda"),
+            tensor_parallel_size=data.get("tensor_parallel_size", 1),
+            replicate_size=data.get("replicate_size", 1),
         )
 
     def summary(self) -> str:
         """One line: the plan and its peak against the limit."""
         gpus = f" x {self.n_gpus} GPUs ({self.strategy})" if self.n_gpus > 1 else ""
+        if self.n_gpus > 1 and (self.tensor_parallel_size > 1 or self.replicate_size > 1):
+            gpus = f" x {self.n_gpus} GPUs ({self.layout})"
         return (
             f"micro-batch {self.micro_batch_size} x accumulate {self.accumulate_grad_batches}{gpus}, "
             f"checkpointing {self.checkpointing}, optimizer {self.optimizer or 'as configured'}, "

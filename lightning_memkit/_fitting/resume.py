@@ -1,8 +1,9 @@
 """Whether a checkpoint's `FitPlan` still holds for the run that resumes from it.
 
-A plan fits the run it was made for: its world size and layout (one rank's share of a sharded step grows
-as the ranks get fewer), its budget and margin, its precision, the device it was simulated for, the step
-lever beside it, the checkpointing modes allowed and the batch each rank splits. Installed in a run that
+A plan fits the run it was made for: its world size and layout, tensor-parallel degree and HSDP split
+included (one rank's share of a sharded step grows as the ranks sharding it get fewer), its budget and
+margin, its precision, the device it was simulated for, the step lever beside it, the checkpointing modes
+allowed and the batch each rank splits. Installed in a run that
 differs in any of them it fits something else: a plan saved on 4 FSDP2 ranks and installed on 2 runs every
 step over its limit. `stale` names what differs; `AutoFit` and `AutoFitStrategy` install a checkpoint's plan
 only where nothing does, and otherwise plan for the run at hand, with the checkpoint's optimizer, whose
@@ -35,6 +36,8 @@ def stale(saved: FitPlan, current: FitPlan) -> list[Change]:
 
     differ("world size", saved.n_gpus, current.n_gpus)
     differ("strategy", _layout(saved), _layout(current))
+    if saved.strategy == current.strategy == "fsdp2":  # tensor parallel, HSDP: another rank's share
+        differ("parallel layout", saved.layout, current.layout)
     differ("FSDP2 bf16 MixedPrecisionPolicy", saved.mixed_precision_policy, current.mixed_precision_policy)
     usable = (saved.budget.total, saved.budget.usable), (current.budget.total, current.budget.usable)
     if usable[0] != usable[1]:

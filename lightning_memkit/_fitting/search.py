@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import numbers
 import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +46,7 @@ from lightning_memkit._estimating.lightning_step import (
 )
 from lightning_memkit._estimating.routing import ROUTING_ASSUMED, routed
 from lightning_memkit._estimating.simulate import counted_step, estimate_step, sixteen_bit_weights
+from lightning_memkit._fitting import layouts as _layouts
 from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost, flops_cost, measured_cost
 from lightning_memkit._levers.offload import transfer_seconds
 from lightning_memkit._measuring.tracker import model_device
@@ -543,7 +545,7 @@ def plan_fit(
     mixed_precision_policy: bool = False,
     batch_axes: SampleAxes | None = None,
     micro_batch_size: int | None = None,
-    sharding: Sharding | None = None,
+    sharding: Sharding | _layouts.Layouts | Literal["auto"] | None = None,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``; or, with
     ``micro_batch_size``, the run as set up where that fits.
@@ -610,7 +612,11 @@ def plan_fit(
         sharding: with ``strategy="fsdp2"``, the layout the run applies (`Sharding`: tensor parallelism,
             HSDP, or a ``parallelize_fn`` such as a LightningModule's own ``configure_model``), simulated as
             it is; its ``world_size`` is ``n_gpus``, and the global batch splits over its data-parallel
-            ranks. Default: FSDP2's documented layout over ``n_gpus``.
+            ranks. Default: FSDP2's documented layout over ``n_gpus``. ``"auto"`` or a `Layouts`: the layout
+            planned too, among tensor-parallel degrees (torchtitan's LLaMA plan, or the user's
+            ``parallelize_fn``) and HSDP splits, the global batch the same for each: the first, in the
+            order of least communication, whose plan fits every rank (`_fitting.layouts`; its cost model
+            there). `FitPlan.tensor_parallel_size` and `FitPlan.replicate_size` say which.
         batch_axes: which dimension of each tensor of ``batch`` counts its samples (`SampleAxes`, one entry
             per tensor; AutoFit reads it off the train dataloader); default: dimension 0, except tensors of
             size 1 there beside larger ones, which every sample shares (`default_axes`).
@@ -628,6 +634,8 @@ def plan_fit(
             what would fit (more GPUs with FSDP, a larger GPU). Also for an empty ``batch``.
         NotImplementedError: a LightningModule with manual optimization.
     """
+    if sharding == "auto" or isinstance(sharding, _layouts.Layouts):  # the layout planned too
+        return _plan_layouts({name: value for name, value in locals().items() if name in _ARGUMENTS})
     if is_lightning(model) and not model.automatic_optimization:
         raise NotImplementedError(
             f"{type(model).__name__} uses manual optimization, whose steps are its own code and cannot be "
@@ -729,13 +737,15 @@ def plan_fit(
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
     sizes = _runnable(search, sizes, *(viable or pairs)[0])
     # FSDP2's CPU offload: as asked, or (None) where nothing fits without it
-    offloads = (False, True) if cpu_offload is None and search.sharding else (search.cpu_offload,)
+    # (`offloaded` shards over every rank: not under tensor parallelism, nor HSDP)
+    plain = search.sharding is not None and search.sharding.shard_size == n_gpus
+    offloads = (False, True) if cpu_offload is None and plain else (search.cpu_offload,)
     chosen = _first_fitting(search, pairs, viable, sizes[0], modes[-1], limit, offloads=offloads)
     if chosen is None:
         pairs = [pair for pair in pairs if _loads(pair[0])] or pairs  # known by now: all were tried
         lever_fits = _lever_that_fits(search, asked, precisions, modes, limit, compensate)
         message = _infeasible(search, pairs, precisions, modes, limit, budget, margin, total, lever_fits)
-        if cpu_offload is None and search.sharding:
+        if cpu_offload is None and plain:
             leanest = search.whole[(search.smallest, modes[-1], *pairs[-1])]  # FSDP2: no COMPILE_BUDGET
             offloaded = search.offloaded(leanest, pairs[-1][1]).peak
             message += (
@@ -748,13 +758,17 @@ def plan_fit(
     step_cost = _cost(cost, model, per_rank, loss_fn, device, search, prec, opt)
     if step_cost.source == "measured":  # the only part of a plan the machine's load can change
         note = _also(note, TIMED_NOTE)
-    if search.sharding and n_gpus > 1:  # FSDP2's collectives, every micro-step
-        static = model_static(model, prec)
-        n_units = len(find_blocks(model)) + 1
-        comm = _fsdp2.collective_seconds(
-            static.parameters, static.gradients, n_units, n_gpus, True, link or _fsdp2.LINKS[device]
+    if search.sharding and n_gpus > 1:  # the layout's collectives, every micro-step (every rank on `link`)
+        fixed, per_sample = _layouts.collectives(
+            model,
+            search.sharding,
+            prec,
+            _layouts.tokens_per_sample(batch, axes),
+            link or _fsdp2.LINKS[device],
         )
-        step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + comm)
+        step_cost = dataclasses.replace(
+            step_cost, fixed=step_cost.fixed + fixed, per_sample=step_cost.per_sample + per_sample
+        )
     G = total // ranks
     host, micro, per_step = 0, 0.0, 0.0
     if search.cpu_offload:  # FSDP2's CPUOffloadPolicy: a rank's shards, their gradients and the state
@@ -821,7 +835,52 @@ def plan_fit(
         cpu_offload=search.cpu_offload,
         mixed_precision_policy=getattr(search.sharded(prec), "mp_policy", None) is not None,
         device=torch.device(device).type,
+        tensor_parallel_size=search.sharding.tensor_parallel_size if search.sharding else 1,
+        replicate_size=search.sharding.replicate_size if search.sharding else 1,
     )
+
+
+def _plan_layouts(arguments: dict[str, Any]) -> FitPlan:
+    """`plan_fit` with the layout left open (``sharding=`` a `Layouts` or ``"auto"``): each layout in the
+    order of least communication planned with the other ``arguments``, the first that fits every rank
+    (`_fitting.layouts.plan_layouts`). ``cpu_offload=None`` (where nothing fits without it): only where no
+    layout fits, for FSDP2 over every rank."""
+    layouts = arguments["sharding"]
+    layouts = _layouts.Layouts() if layouts == "auto" else layouts
+    if arguments["strategy"] != "fsdp2":
+        raise ValueError(
+            f"sharding={layouts!r} plans FSDP2's layout (tensor parallel, HSDP): pass strategy='fsdp2', not "
+            f"{arguments['strategy']!r}"
+        )
+
+    asked = arguments["cpu_offload"]
+
+    def plan(layout: Sharding, offload: bool | None = bool(asked)) -> FitPlan:
+        return plan_fit(**{**arguments, "sharding": layout, "cpu_offload": offload})
+
+    precision = arguments["precision"]
+    batch, axes, device = arguments["batch"], arguments["batch_axes"], arguments["device"]
+    try:
+        return _layouts.plan_layouts(
+            plan, arguments["model"], batch, default_axes(batch) if axes is None else axes,
+            arguments["n_gpus"], layouts, precision if isinstance(precision, str) else precision[0],
+            arguments["link"] or _fsdp2.LINKS[device], device,
+        )  # fmt: skip
+    except ValueError as error:
+        if asked is not None:
+            raise
+        no_layout = str(error)
+    # CPU offload (None: where nothing fits without it) last, on FSDP2's layout over every rank, the only
+    # one it is planned for: its transfers cost more than any layout's collectives
+    try:
+        offloaded = plan(Sharding(arguments["n_gpus"]), None)
+    except ValueError as error:
+        raise ValueError(f"{no_layout}. With CPU offload: {error}") from None
+    return dataclasses.replace(offloaded, note=_also(offloaded.note, no_layout))
+
+
+#: `plan_fit`'s arguments, as `_plan_layouts` passes them on.
+_ARGUMENTS = frozenset(inspect.signature(plan_fit).parameters)
 
 
 def _as_set_up(search, step_cost, m, sizes, chosen, first, limit, G) -> _Option | None:
