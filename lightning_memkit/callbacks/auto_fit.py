@@ -241,7 +241,7 @@ class AutoFit(Callback):
         def decide() -> tuple[dict[str, Any], SampleAxes, Layout | None]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
                 plan = self._plan(trainer, pl_module, modes)
-            layout = trainer_sharding(trainer)
+            layout = self._sharding(trainer, plan)
             planned = None if layout is None or layout_of(pl_module) else simulated_layout(pl_module, layout)
             return plan.as_dict(), self._axes, planned
 
@@ -284,7 +284,7 @@ class AutoFit(Callback):
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
         strategy, ranks = sharding(trainer)
-        layout = trainer_sharding(trainer)
+        layout = self._sharding(trainer)
         # Each data-parallel rank takes its own batch; a tensor-parallel group shares one.
         copies = trainer.accumulate_grad_batches * data_parallel_ranks(trainer)
         users = self._batch_size(pl_module)
@@ -322,6 +322,11 @@ class AutoFit(Callback):
             sharding=layout,
             **step_levers(trainer),
         )
+
+    def _sharding(self, trainer: pl.Trainer, plan: FitPlan | None = None) -> Any:
+        """The layout to plan (`plan_fit`'s ``sharding=``), or the one ``plan`` was made for: the run's
+        (`trainer_sharding`). AutoFitStrategy's planner answers with the layouts it chooses among."""
+        return trainer_sharding(trainer)
 
     def _batch_size(self, pl_module: pl.LightningModule) -> int:
         """The batch size attribute's value, a whole number of samples, and one AutoFit can set."""

@@ -61,17 +61,23 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _setup_device_mesh
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_memkit._budget import Budget, flag, reads_device
+from lightning_memkit._budget import Budget, flag, reads_device, whole_number
 from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._estimating.simulate import simulated_layout
+from lightning_memkit._fitting.layouts import Layouts
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.resume import stale
 from lightning_memkit._sharding import fsdp2 as _fsdp2
+from lightning_memkit._sharding.layout import ConfigureModel, _default_layout, mesh_shape
+from lightning_memkit._step import Sharding
 from lightning_memkit._vocabulary import AUTO, renamed
 from lightning_memkit.callbacks._trainer import built_late, parameters_of
 from lightning_memkit.callbacks.auto_fit import AutoFit
@@ -90,6 +96,15 @@ class AutoFitStrategy(ModelParallelStrategy):
             deprecated name of ``batch_arg_name``).
         cost: the throughput model (`plan_fit`'s): ``"auto"`` (timed for real on rank 0 for a run on the
             CPU, FLOPs otherwise), ``"measured"``, ``"flops"``.
+        tensor_parallel_size: the ranks of a tensor-parallel group (Lightning's word): 1 (the default, FSDP2
+            alone), a divisor of the devices of a node, or ``"auto"``: planned (each block's projections
+            split by torchtitan's LLaMA plan, `_sharding.layout.tp_plan`).
+        data_parallel_size: the ranks that each take a batch: ``None`` (the default) for the world over
+            ``tensor_parallel_size``, FSDP2 over them; a number; HSDP's ``(replicate, shard)``; or
+            ``"auto"``: their HSDP split planned too. Where a size is ``"auto"`` the layout is the one of
+            least communication whose plan fits every rank (`plan_fit`'s ``sharding=``, `Layouts`), unless
+            the module's own ``configure_model`` shards (its layout is then kept). Unlike
+            ``ModelParallelStrategy``'s, ``"auto"`` means planned here.
         save_distributed_checkpoint, process_group_backend, timeout: ``ModelParallelStrategy``'s.
     """
 
@@ -108,6 +123,8 @@ class AutoFitStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         batch_size_attr: str | None = None,
+        tensor_parallel_size: int | str = 1,
+        data_parallel_size: int | tuple[int, int] | str | None = None,
     ) -> None:
         if batch_size_attr is not None:
             batch_arg_name = renamed("AutoFitStrategy", "batch_size_attr", "batch_arg_name", batch_size_attr)
@@ -122,6 +139,8 @@ class AutoFitStrategy(ModelParallelStrategy):
                 "timeout must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None; got "
                 f"{timeout!r} ({type(timeout).__name__})"
             )
+        #: the layout's sizes as given (`_layout_sizes`), resolved against the world at setup_environment
+        self._sizes = _layout_sizes(tensor_parallel_size, data_parallel_size)
         super().__init__(
             tensor_parallel_size=1,
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -182,8 +201,12 @@ class AutoFitStrategy(ModelParallelStrategy):
                 'budget as a size, Trainer(strategy=AutoFitStrategy(budget="8GiB")), or in LightningCLI '
                 "--trainer.strategy=lightning_memkit.AutoFitStrategy --trainer.strategy.budget=8GiB."
             )
-        # Every rank in the one data-parallel dimension: FSDP2 over the world, no tensor parallelism.
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        # Lightning's mesh of the sizes given (a size still to plan: 1 tensor-parallel rank, until the plan).
+        world = self.num_nodes * self.num_processes
+        self.autofit._layouts = _resolved(*self._sizes, world, self.num_processes)
+        tp = getattr(self.autofit._layouts, "tensor_parallel_size", 1)
+        self._tensor_parallel_size = tp if isinstance(tp, int) else 1
+        self._data_parallel_size = world // self._tensor_parallel_size
         super().setup_environment()
         # How fast this job's collectives are, for the plan's step time (every rank takes part).
         group = self.device_mesh["data_parallel"].get_group()
@@ -196,6 +219,8 @@ class AutoFitStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if self.autofit.plan is not None and trainer.state.fn == TrainerFn.FITTING:
             self._check_planned_parameters()
+        self._mesh_as_planned()
+        _forget_simulated_meshes()
         self._shard(self.lightning_module)
         # FSDP2's offloaded shards must be materialized on the host, and stay there; the buffers go.
         host = torch.device("cpu")
@@ -214,6 +239,18 @@ class AutoFitStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _mesh_as_planned(self) -> None:
+        """Lightning's ``(data_parallel, tensor_parallel)`` mesh rebuilt to the planned layout's where it
+        differs (every rank builds it): the data loaders' sampler reads each rank's data-parallel rank from
+        it (``distributed_sampler_kwargs``), a tensor-parallel group sharing its batch."""
+        plan = self.autofit.plan
+        tp = plan.tensor_parallel_size if plan is not None and plan.strategy == "fsdp2" else None
+        if tp is None or tp == self._tensor_parallel_size:
+            return
+        self._tensor_parallel_size, self._data_parallel_size = tp, self.world_size // tp
+        mesh = _setup_device_mesh(self._data_parallel_size, tp, self.world_size, self.root_device)
+        self._device_mesh = self.lightning_module._device_mesh = mesh
 
     def _shard(self, module: pl.LightningModule) -> None:
         plan = self.autofit.plan
@@ -238,6 +275,9 @@ class AutoFitStrategy(ModelParallelStrategy):
                     "configure_model) to train as planned."
                 )
             return
+        if plan is not None and (plan.tensor_parallel_size > 1 or plan.replicate_size > 1):
+            self.units = self._lay_out(module, plan, planned)
+            return
         mesh = self.device_mesh["data_parallel"]
         options: dict[str, Any] = {"reshard_after_forward": reshard}
         if offload:
@@ -255,6 +295,29 @@ class AutoFitStrategy(ModelParallelStrategy):
             f"AutoFitStrategy: fully_shard on {_names(self.units)} over {mesh.size()} ranks, "
             f"reshard_after_forward={reshard}{said}"
         )
+
+    def _lay_out(self, module: pl.LightningModule, plan: FitPlan, blocks: list[str]) -> list[str]:
+        """``plan``'s tensor-parallel or HSDP layout, as its plan simulated it (`_sharding.layout`'s default
+        layout over a mesh of the same dimensions, every rank building it): each block's projections split
+        over the tensor-parallel ranks, then ``fully_shard`` on each block and the root over the data-parallel
+        ones (HSDP's (replicate, shard)). Returns the FSDP2 units."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        layout = Sharding(
+            self.world_size, plan.reshard_after_forward is not False,
+            _fsdp2.bf16_policy() if plan.mixed_precision_policy else None,
+            plan.tensor_parallel_size, plan.replicate_size,
+        )  # fmt: skip
+        shape, names = mesh_shape(layout)
+        mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        _default_layout(module, mesh, layout, blocks)
+        dims = ", ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))
+        rank_zero_info(
+            f"AutoFitStrategy: {plan.layout} ({dims}): tensor parallel in {_names(blocks)} where planned, "
+            f"then fully_shard on each and the root, reshard_after_forward={layout.reshard_after_forward}"
+            + (", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)" if layout.mp_policy else "")
+        )
+        return [*blocks, _fsdp2.root_name(module)]
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Resume: the checkpoint's plan, where it was made for this run (`stale`) and differs from the one
@@ -309,9 +372,24 @@ class _Planner(AutoFit):
     either), and a plan whose simulated sharded step met parameters the layout never gathers refused,
     naming the root unit (`_ungathered`), where the simulation's DTensor error said nothing of the cause."""
 
+    #: the layout AutoFitStrategy plans (`_resolved`): the layouts to choose among, one given (tensor
+    #: parallel, HSDP), or ``None``: the run's, as AutoFit reads it
+    _layouts: Layouts | Sharding | None = None
+
     @property
     def state_key(self) -> str:
         return "AutoFit"
+
+    def _sharding(self, trainer: pl.Trainer, plan: FitPlan | None = None) -> Any:
+        """The strategy's layouts to plan (``plan`` None), or the one ``plan`` chose; the run's where the
+        module's own ``configure_model`` shards (its layout kept, never planned as another)."""
+        if self._layouts is None or _shards_itself(trainer.lightning_module):
+            return super()._sharding(trainer, plan)
+        if plan is None:
+            return self._layouts
+        return Sharding(
+            plan.n_gpus, tensor_parallel_size=plan.tensor_parallel_size, replicate_size=plan.replicate_size
+        )
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         try:
@@ -320,6 +398,80 @@ class _Planner(AutoFit):
             if "mixed torch.Tensor and DTensor" not in str(error):
                 raise
             raise ValueError(_ungathered(pl_module)) from error
+
+
+def _layout_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[Any, Any]:
+    """AutoFitStrategy's layout arguments, checked: ``tensor_parallel_size`` a number or ``"auto"``,
+    ``data_parallel_size`` ``None``, a number, ``(replicate, shard)`` or ``"auto"``."""
+    if tensor_parallel_size != "auto":
+        whole_number("tensor_parallel_size", tensor_parallel_size, of="ranks", at_least=1)
+    if isinstance(data_parallel_size, (tuple, list)) and len(data_parallel_size) == 2:
+        for name, size in zip(("replicate", "shard"), data_parallel_size, strict=True):
+            whole_number(f"data_parallel_size's {name}", size, of="ranks", at_least=1)
+        return tensor_parallel_size, tuple(data_parallel_size)
+    if data_parallel_size not in (None, "auto"):
+        if isinstance(data_parallel_size, str):
+            raise ValueError(
+                f"data_parallel_size must be a number of ranks, (replicate, shard), 'auto' or None; got "
+                f"{data_parallel_size!r}"
+            )
+        whole_number("data_parallel_size", data_parallel_size, of="ranks", at_least=1)
+    return tensor_parallel_size, data_parallel_size
+
+
+def _resolved(tp: Any, dp: Any, world: int, per_node: int) -> Layouts | Sharding | None:
+    """The layout AutoFitStrategy's sizes give ``world`` ranks (``per_node`` a node): the layouts to plan
+    among where a size is ``"auto"``, the one given where it has tensor parallelism or HSDP, else ``None``
+    (FSDP2 over every rank, as AutoFit reads the run)."""
+    ranks = dp[0] * dp[1] if isinstance(dp, tuple) else dp if isinstance(dp, int) else None
+    if (ranks is not None and world % ranks) or (
+        tp != "auto" and (world % tp or ranks not in (None, world // tp))
+    ):
+        raise ValueError(
+            f"AutoFitStrategy(tensor_parallel_size={tp!r}, data_parallel_size={dp!r}) does not lay out "
+            f"the {world} ranks of this run: tensor_parallel_size x data_parallel_size (replicate x shard) "
+            "must be the world size; give 'auto' to plan either"
+        )
+    if tp == "auto" and ranks is not None:  # the data-parallel ranks given: tensor parallel over the rest
+        tp = world // ranks
+    replicas = dp[0] if isinstance(dp, tuple) else "auto" if dp == "auto" else 1
+    if tp == "auto" or replicas == "auto":
+        return Layouts(tensor_parallel_size=tp, replicate_size=replicas, devices_per_node=per_node)
+    if tp == replicas == 1:
+        return None
+    return Sharding(world, tensor_parallel_size=tp, replicate_size=replicas)
+
+
+def _forget_simulated_meshes() -> None:
+    """DTensor's caches emptied before the run lays its model out: they are keyed by device meshes, which
+    compare by shape and dimension names, not by process groups, so the plan's simulated steps on fake
+    meshes of the run's shape would hand the run's ops a fake mesh ("Could not resolve the process group
+    registered under the name lightning_memkit_simulation_..."). Private torch API; a cache torch no
+    longer has is skipped."""
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(redistribute, "_gen_transform_infos", None),
+    ):
+        getattr(cache, "cache_clear", lambda: None)()
+    getattr(redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # its C++ fast path's
+
+
+def _shards_itself(module: pl.LightningModule) -> bool:
+    """Whether ``module``'s own ``configure_model`` shards it (run on a simulated copy over a fake mesh):
+    its layout is then the run's, not one AutoFitStrategy plans."""
+    if not is_overridden("configure_model", module, pl.LightningModule):
+        return False
+    try:
+        simulated_layout(module, Sharding(module.trainer.world_size, parallelize_fn=ConfigureModel()))
+    except ValueError:  # it left nothing sharded
+        return False
+    return True
 
 
 def _ungathered(module: pl.LightningModule) -> str:
