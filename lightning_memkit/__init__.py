@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__`
     from lightning_memkit._diagnosis.advise import Advice, Finding, advise
     from lightning_memkit._diagnosis.snapshot import memory_snapshot
     from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
+    from lightning_memkit._fitting.layouts import Layouts
     from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost
     from lightning_memkit._fitting.search import plan_fit
     from lightning_memkit._levers.chunked_loss import chunked_cross_entropy
@@ -88,6 +89,7 @@ __all__ = [
     "FusedOptimizerStep",
     "FusedStep",
     "GradientRelease",
+    "Layouts",
     "MemoryBreakdown",
     "MemoryMeasurement",
     "MemoryMonitor",
@@ -143,6 +145,7 @@ _EXPORTS: dict[str, str] = {
     "Alternative": "lightning_memkit._fitting.plan",
     "FitPlan": "lightning_memkit._fitting.plan",
     "StepCost": "lightning_memkit._fitting.plan",
+    "Layouts": "lightning_memkit._fitting.layouts",
     "FusedStep": "lightning_memkit._levers.fused_step",
     "fuse_optimizer_step": "lightning_memkit._levers.fused_step",
     "release_gradients": "lightning_memkit._levers.gradient_release",

@@ -25,7 +25,7 @@ A tensor-parallel group is a divisor of the node's devices (its all-reduces stay
 a shard group or the replicas that span nodes use `INTER_NODE_LINKS`, so HSDP's shard group within a node
 comes first. A layout the plan cannot apply is skipped with a note: a model whose blocks have no
 projections torchtitan's plan names (`_sharding.layout.tp_plan`), a degree that does not divide the
-attention heads (`_sharding.layout._check_heads`), HSDP with the user's ``parallelize_fn`` (the function
+attention heads (`_sharding.layout.check_heads`), HSDP with the user's ``parallelize_fn`` (the function
 builds its own mesh), a global batch the data-parallel ranks cannot split.
 """
 
@@ -44,7 +44,7 @@ from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._estimating.analytic import model_static
 from lightning_memkit._estimating.lightning_step import SampleAxes, batch_size, batch_tensors
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._sharding.layout import _check_heads, tp_plan
+from lightning_memkit._sharding.layout import check_heads, tp_plan
 from lightning_memkit._step import Sharding
 
 __all__ = ["INTER_NODE_LINKS", "Layouts", "candidates", "collectives", "plan_layouts"]
@@ -137,7 +137,7 @@ def _cannot_split(model: nn.Module, blocks: Sequence[str], tp: int, parallelize_
             "parallelize_fn= your own plan"
         )
     try:
-        _check_heads(model, tp)
+        check_heads(model, tp)
     except ValueError as error:
         return str(error)
     return ""

@@ -126,8 +126,9 @@ def fake_mesh(shape: int | Sequence[int], names: Sequence[str] | None = None) ->
     its groups (that function would ask every rank of the job to take part) and destroyed after. While the
     mesh is up, ``init_device_mesh`` answers with fake meshes of the same world (`fake_init_device_mesh`),
     so that a layout function building its own mesh (HSDP's (replicate, shard)) never reaches the job's
-    ranks. Raises `RuntimeError` where it cannot be had: torch has no fake process group, or its
-    bookkeeping looks otherwise."""
+    ranks, and DTensor's caches are emptied on the way in and out (`_forget_meshes`). Raises
+    `RuntimeError` where it cannot be had: torch has no fake process group, or its bookkeeping looks
+    otherwise."""
     import torch
     import torch.distributed as dist
 
@@ -180,15 +181,45 @@ def _simulating(world: int, make: Any) -> Iterator[None]:
     looks otherwise): FSDP2's chunks made as read (`_Chunks`), device meshes built on real tensors inside
     the fake mode (FSDP2 joins a tensor-parallel mesh to its own when it shards a DTensor), and
     ``init_device_mesh`` answered with fake meshes (`fake_init_device_mesh`)."""
-    with _rank_zero_chunks(), _meshes_outside_fake_mode(), fake_init_device_mesh(world, make):
-        yield
+    answered = fake_init_device_mesh(world, make)
+    with _rank_zero_chunks(), _meshes_outside_fake_mode(), _propagation_unseen(), answered:
+        _forget_meshes()  # nothing the run cached for its own meshes serves the fake ones
+        try:
+            yield
+        finally:
+            _forget_meshes()  # nor what the simulation cached for the fake ones serves the run
+
+
+def _forget_meshes() -> None:
+    """DTensor's caches emptied: they are keyed by device meshes, which compare by shape and dimension
+    names, not by process group, so a fake mesh of the run's shape and a real one stand in for each other:
+    the run's ops were handed the fake mesh ("Could not resolve the process group registered under the
+    name lightning_memkit_simulation_..."), and the simulation's could be handed the run's, whose
+    collectives would wait for ranks that never come. Private torch API; a cache torch no longer has is
+    skipped."""
+    import torch
+
+    try:
+        import torch.distributed.tensor._redistribute as redistribute
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cache in (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(redistribute, "_gen_transform_infos", None),
+    ):
+        getattr(cache, "cache_clear", lambda: None)()
+    getattr(redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # its C++ fast path's
 
 
 @contextlib.contextmanager
 def fake_init_device_mesh(world: int, make: Any) -> Iterator[Any]:
     """``torch.distributed``'s ``init_device_mesh`` answering with ``make(shape, names)``, a fake mesh, for
     the length of the block; returns the stand-in, to bind where a function imported the original (see
-    `_sharding.layout.apply_layout`). A mesh of another world than the simulated one is refused: the
+    `_sharding.layout.laid_out_copy`). A mesh of another world than the simulated one is refused: the
     layout was asked for ``world`` ranks."""
     import torch.distributed as dist
     import torch.distributed.device_mesh as device_mesh
@@ -224,6 +255,37 @@ def _unfaked() -> Iterator[None]:
         return
     with unset_fake_temporarily():
         yield
+
+
+@contextlib.contextmanager
+def _propagation_unseen() -> Iterator[None]:
+    """DTensor's sharding propagation out of the simulation's sight: it runs each new op signature once on
+    fake tensors of the global shape to learn the output's shape (``ShardingPropagator.
+    _propagate_tensor_meta_non_cached``, private), in the fake mode it finds, which is the simulation's;
+    the tracker then counted those ops in the first step that met them, and not in the next (cached), so
+    the repeated blocks' steps did not line up. Run with the dispatch modes off, the propagation makes its
+    own fake mode, as on a GPU run."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:
+        yield
+        return
+    own = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if own is None:
+        yield
+        return
+
+    @functools.wraps(own)
+    def unseen(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return own(self, *args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = unseen
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = own
 
 
 @contextlib.contextmanager

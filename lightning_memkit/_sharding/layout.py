@@ -24,6 +24,8 @@ from lightning_memkit._step import Sharding
 __all__ = [
     "ConfigureModel",
     "Layout",
+    "apply_layout",
+    "check_heads",
     "describe_layout",
     "laid_out_copy",
     "layout_mismatch",
@@ -82,7 +84,7 @@ def tp_plan(model: nn.Module, blocks: Sequence[str]) -> dict[str, Any]:
     return plan
 
 
-def _default_layout(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Sequence[str]) -> None:
+def apply_layout(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Sequence[str]) -> None:
     """The default layout of ``sharding``: each block's projections split over the tensor-parallel
     dimension (`tp_plan`), then ``fully_shard`` on each block and the root over the data-parallel
     dimensions (HSDP's two, or one)."""
@@ -92,7 +94,7 @@ def _default_layout(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Seq
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan = tp_plan(model, blocks)
-        _check_heads(model, sharding.tensor_parallel_size)
+        check_heads(model, sharding.tensor_parallel_size)
         if not plan:
             raise NotImplementedError(
                 f"tensor_parallel_size={sharding.tensor_parallel_size}: {type(model).__name__}'s blocks have "
@@ -104,7 +106,7 @@ def _default_layout(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Seq
     _fsdp2.shard_layout(model, mesh[data] if data else mesh, blocks, **options)
 
 
-def _check_heads(model: nn.Module, tp: int) -> None:
+def check_heads(model: nn.Module, tp: int) -> None:
     """Refuse a tensor-parallel degree that does not divide the attention heads of a Hugging Face config
     in ``model`` (each rank computes whole heads: its query, key and value projections' rows)."""
     for module in model.modules():
@@ -159,10 +161,10 @@ def _fully_shard_options(sharding: Sharding) -> dict[str, Any]:
 
 def laid_out_copy(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Sequence[str]) -> nn.Module:
     """A copy of ``model`` (`_sharding.fsdp2.model_copy`) with ``sharding``'s layout applied over ``mesh``:
-    its ``parallelize_fn``, else the default (`_default_layout`). The original is untouched."""
+    its ``parallelize_fn``, else the default (`apply_layout`). The original is untouched."""
     copy = _fsdp2.model_copy(model)
     if sharding.parallelize_fn is None:
-        _default_layout(copy, mesh, sharding, blocks)
+        apply_layout(copy, mesh, sharding, blocks)
         return copy
     fn = sharding.parallelize_fn
     with _own_meshes_answered(fn, copy):

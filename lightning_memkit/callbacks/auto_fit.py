@@ -56,12 +56,11 @@ from lightning_memkit._estimating.lightning_step import (
     parts_without_samples,
     repeat_batch,
 )
-from lightning_memkit._estimating.simulate import simulated_layout
 from lightning_memkit._fitting.plan import FitPlan, StepCost
 from lightning_memkit._fitting.resume import optimizer_name, refusal, said, stale
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
-from lightning_memkit._sharding.layout import Layout, layout_mismatch, layout_of
+from lightning_memkit._sharding.layout import Layout
 from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes, renamed
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._step_guard import StepGuard
@@ -70,8 +69,10 @@ from lightning_memkit.callbacks._trainer import (
     call_logger,
     data_parallel_ranks,
     fit_data_source,
+    hold_layout,
     on_rank_zero,
     parameters_of,
+    planned_layout,
     precision,
     sharding,
     step_levers,
@@ -241,9 +242,7 @@ class AutoFit(Callback):
         def decide() -> tuple[dict[str, Any], SampleAxes, Layout | None]:
             with isolated(pl_module, "AutoFit's planning"):  # the run goes on as if nothing had run
                 plan = self._plan(trainer, pl_module, modes)
-            layout = self._sharding(trainer, plan)
-            planned = None if layout is None or layout_of(pl_module) else simulated_layout(pl_module, layout)
-            return plan.as_dict(), self._axes, planned
+            return plan.as_dict(), self._axes, planned_layout(pl_module, self._sharding(trainer, plan))
 
         plan, self._axes, self._layout = on_rank_zero(trainer, decide, "AutoFit's planning")
         self.plan = FitPlan.from_dict(plan)
@@ -256,10 +255,7 @@ class AutoFit(Callback):
         if self.plan is not None and (why := built_late("AutoFit", pl_module, self._planned)):
             raise RuntimeError(why)
         # The layout configure_model applied is the one the plan simulated (held on every rank alike).
-        layout = trainer_sharding(trainer)
-        planned = self._layout if self.plan is not None and layout is not None else None
-        if planned is not None and (why := layout_mismatch(planned, layout_of(pl_module), "AutoFit", layout)):
-            raise RuntimeError(why)
+        hold_layout(trainer, pl_module, self._layout if self.plan is not None else None, "AutoFit")
         # A model compiled in ``configure_model`` (after ``setup``) is planned again, as compiled: its
         # checkpointing is then torch.compile's activation_memory_budget, and its step is not the eager one.
         if self.plan is None or self._compiled or self._resumed or not compiled_modules(pl_module):

@@ -76,7 +76,7 @@ from lightning_memkit._fitting.layouts import Layouts
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.resume import stale
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._sharding.layout import ConfigureModel, _default_layout, mesh_shape
+from lightning_memkit._sharding.layout import ConfigureModel, apply_layout, mesh_shape
 from lightning_memkit._step import Sharding
 from lightning_memkit._vocabulary import AUTO, renamed
 from lightning_memkit.callbacks._trainer import built_late, parameters_of
@@ -220,7 +220,6 @@ class AutoFitStrategy(ModelParallelStrategy):
         if self.autofit.plan is not None and trainer.state.fn == TrainerFn.FITTING:
             self._check_planned_parameters()
         self._mesh_as_planned()
-        _forget_simulated_meshes()
         self._shard(self.lightning_module)
         # FSDP2's offloaded shards must be materialized on the host, and stay there; the buffers go.
         host = torch.device("cpu")
@@ -310,7 +309,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         )  # fmt: skip
         shape, names = mesh_shape(layout)
         mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        _default_layout(module, mesh, layout, blocks)
+        apply_layout(module, mesh, layout, blocks)
         dims = ", ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))
         rank_zero_info(
             f"AutoFitStrategy: {plan.layout} ({dims}): tensor parallel in {_names(blocks)} where planned, "
@@ -440,26 +439,6 @@ def _resolved(tp: Any, dp: Any, world: int, per_node: int) -> Layouts | Sharding
     if tp == replicas == 1:
         return None
     return Sharding(world, tensor_parallel_size=tp, replicate_size=replicas)
-
-
-def _forget_simulated_meshes() -> None:
-    """DTensor's caches emptied before the run lays its model out: they are keyed by device meshes, which
-    compare by shape and dimension names, not by process groups, so the plan's simulated steps on fake
-    meshes of the run's shape would hand the run's ops a fake mesh ("Could not resolve the process group
-    registered under the name lightning_memkit_simulation_..."). Private torch API; a cache torch no
-    longer has is skipped."""
-    import torch.distributed.tensor._redistribute as redistribute
-    from torch.distributed.tensor import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cache in (
-        getattr(propagator, "propagate_op_sharding", None),
-        getattr(propagator, "_propagate_tensor_meta_cached", None),
-        getattr(redistribute, "_gen_transform_infos", None),
-    ):
-        getattr(cache, "cache_clear", lambda: None)()
-    getattr(redistribute, "clear_redistribute_planner_cache", lambda: None)()
-    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # its C++ fast path's
 
 
 def _shards_itself(module: pl.LightningModule) -> bool:
