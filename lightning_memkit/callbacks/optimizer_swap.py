@@ -67,7 +67,6 @@ from lightning_memkit.callbacks._trainer import (
     first_batch,
     on_rank_zero,
     precision,
-    trainer_sharding,
     trainer_step,
 )
 
@@ -308,7 +307,6 @@ class OptimizerSwap(Callback):
                 return False, None
             estimate, method = self._estimator(trainer, pl_module, batch)
             candidates = compensated_candidates(self.optimizers, optimizers, precision(trainer))
-            candidates = _on_dtensors(candidates, trainer)
             choice = choose_optimizer(
                 optimizers, budget, estimate, candidates=candidates, allow_unknown=self.allow_unknown,
                 method=method, info=rank_zero_info, warn=rank_zero_warn,
@@ -415,18 +413,3 @@ class OptimizerSwap(Callback):
 def _simulates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether the step can be simulated: automatic optimization with one optimizer."""
     return pl_module.automatic_optimization and len(trainer.strategy.optimizers) == 1
-
-
-def _on_dtensors(candidates: tuple[str, ...], trainer: pl.Trainer) -> tuple[str, ...]:
-    """``candidates`` less those whose kernels cannot step DTensors (bitsandbytes': "got mixed torch.Tensor
-    and DTensor") under ``ModelParallelStrategy``, where every parameter is one (FSDP2's shards, tensor
-    parallelism's); said once."""
-    if trainer_sharding(trainer) is None:
-        return candidates
-    dropped = [c for c in candidates if c in CATALOGUE and CATALOGUE[c].needs_bitsandbytes]
-    if dropped:
-        rank_zero_info(
-            f"OptimizerSwap: not trying {', '.join(dropped)} under ModelParallelStrategy: bitsandbytes' "
-            "kernels do not step its DTensor parameters."
-        )
-    return tuple(c for c in candidates if c not in dropped)
