@@ -126,7 +126,7 @@ def fake_mesh(shape: int | Sequence[int], names: Sequence[str] | None = None) ->
     its groups (that function would ask every rank of the job to take part) and destroyed after. While the
     mesh is up, ``init_device_mesh`` answers with fake meshes of the same world (`fake_init_device_mesh`),
     so that a layout function building its own mesh (HSDP's (replicate, shard)) never reaches the job's
-    ranks, and DTensor's caches are emptied on the way in and out (`_forget_meshes`). Raises
+    ranks, and every mesh made is the simulation's own (`_meshes_outside_fake_mode`). Raises
     `RuntimeError` where it cannot be had: torch has no fake process group, or its bookkeeping looks
     otherwise."""
     import torch
@@ -183,36 +183,8 @@ def _simulating(world: int, make: Any) -> Iterator[None]:
     ``init_device_mesh`` answered with fake meshes (`fake_init_device_mesh`)."""
     answered = fake_init_device_mesh(world, make)
     with _rank_zero_chunks(), _meshes_outside_fake_mode(), _propagation_unseen(), answered:
-        _forget_meshes()  # nothing the run cached for its own meshes serves the fake ones
-        try:
-            yield
-        finally:
-            _forget_meshes()  # nor what the simulation cached for the fake ones serves the run
+        yield
 
-
-def _forget_meshes() -> None:
-    """DTensor's caches emptied: they are keyed by device meshes, which compare by shape and dimension
-    names, not by process group, so a fake mesh of the run's shape and a real one stand in for each other:
-    the run's ops were handed the fake mesh ("Could not resolve the process group registered under the
-    name lightning_memkit_simulation_..."), and the simulation's could be handed the run's, whose
-    collectives would wait for ranks that never come. Private torch API; a cache torch no longer has is
-    skipped."""
-    import torch
-
-    try:
-        import torch.distributed.tensor._redistribute as redistribute
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
-    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    for cache in (
-        getattr(propagator, "propagate_op_sharding", None),
-        getattr(propagator, "_propagate_tensor_meta_cached", None),
-        getattr(redistribute, "_gen_transform_infos", None),
-    ):
-        getattr(cache, "cache_clear", lambda: None)()
-    getattr(redistribute, "clear_redistribute_planner_cache", lambda: None)()
-    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # its C++ fast path's
 
 
 @contextlib.contextmanager
@@ -290,17 +262,29 @@ def _propagation_unseen() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _meshes_outside_fake_mode() -> Iterator[None]:
-    """``DeviceMesh`` built on real tensors while the fake mode is on: FSDP2 joins a tensor-parallel mesh
-    to its own (``DeviceMesh._concatenate``) when it shards a DTensor, and the fake mode cannot compute a
-    fake grid's coordinates (a data-dependent ``nonzero``)."""
+    """Every ``DeviceMesh`` made while simulating built on real tensors, and the simulation's own.
+
+    Real tensors: FSDP2 joins a tensor-parallel mesh to its own (``DeviceMesh._concatenate``) when it
+    shards a DTensor, inside the fake mode, which cannot compute a fake grid's coordinates (a
+    data-dependent ``nonzero``). Its own: DTensor caches its sharding decisions by mesh, and meshes compare
+    by shape, dimension names, device type and ``_thread_id`` (private; ``None`` outside torch's threaded
+    test backend), not by process group; a fake mesh of the run's shape would stand in for the run's (the
+    run's ops handed fake groups that no longer exist) and the run's for the fake one (a simulation's
+    collective waiting for ranks that never come). Each simulation's meshes get a ``_thread_id`` of their
+    own, so no cached decision crosses between a simulation and a run, or two simulations."""
     from torch.distributed.device_mesh import DeviceMesh
 
     own = DeviceMesh.__init__
+    _meshes_outside_fake_mode.count = getattr(_meshes_outside_fake_mode, "count", 0) + 1
+    identity = ("lightning_memkit simulation", _meshes_outside_fake_mode.count)
 
     @functools.wraps(own)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         with _unfaked():
             own(self, *args, **kwargs)
+        if hasattr(self, "_thread_id"):
+            self._thread_id = identity
+            self.__dict__.pop("_hash", None)
 
     DeviceMesh.__init__ = __init__
     try:

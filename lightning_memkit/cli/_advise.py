@@ -16,6 +16,7 @@ from typing import Any
 from lightning_memkit._diagnosis.advise import Advice, advise
 from lightning_memkit._diagnosis.html_report import html_report
 from lightning_memkit._diagnosis.snapshot import advised_snapshot
+from lightning_memkit._step import Step
 from lightning_memkit.cli._args import layout_keywords
 from lightning_memkit.cli._models import (
     analytic_shape,
@@ -34,13 +35,12 @@ __all__ = ["add_advise", "run_advise"]
 def run_advise(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.loop)
     check_seq_len(model, analytic_shape(model)[0], args.seq_len)
-    kwargs: dict[str, Any] = dict(
-        **step_options(model, args.optimizer),
+    step = Step.of(
         precision=args.precision,
         checkpointing=None if args.checkpointing == "none" else args.checkpointing,
-        device=args.device,
         **layout_keywords(args),  # DDP's ranks each run the one-device step
     )
+    kwargs: dict[str, Any] = dict(**step_options(model, args.optimizer), device=args.device, step=step)
     start = time.perf_counter()
     with step_errors(model, args.model, args.batch_size, args.seq_len):
         batch = example_batch(model, args.model, args.batch_size, args.seq_len)
