@@ -257,4 +257,8 @@ def test_estimate_simulates_tensor_parallelism_and_hsdp_as_the_library_does(conf
         [*argv, "--tensor-parallel", "4"], r"tensor_parallel_size=4 does not divide .*num_key_value_heads=2"
     )
     _fails([*argv, "--tensor-parallel", "3"], "tensor_parallel_size=3 does not divide world_size=4")
+    # advise prices its fixes on the same rank's step
+    advice = _json(["advise", *argv[1:], "--tensor-parallel", "2"])
+    assert advice["scope"] == "one rank of 4 under TP 2 x FSDP2 2"
+    assert advice["breakdown"]["peak"] == _json([*argv, "--tensor-parallel", "2"])["simulated"]["peak"]
     _fails([*argv[:-4], "--replicate", "2"], "--replicate 2 is a layout of --strategy fsdp2, not ddp")
