@@ -126,7 +126,7 @@ def test_layouts_that_cannot_run_are_refused_with_the_reason():
         Sharding(4, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="replicate_size=3 does not divide the 4 data-parallel ranks"):
         Sharding(4, replicate_size=3)
-    with pytest.raises(NotImplementedError, match="no projections this plan knows"):
+    with pytest.raises(ValueError, match="no projections the built-in plan knows"):
         mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
         estimate_memory(
             mlp, (torch.zeros(4, 8), torch.zeros(4, 1)), optimizer="sgd", loss_fn=nn.functional.mse_loss,
@@ -260,3 +260,53 @@ def test_a_run_that_shards_otherwise_than_planned_is_refused_before_its_first_st
     assert module.calls == ["gloo"]  # the simulated calls (on "fake") left nothing behind: only the run's
     assert trainer.global_step == 0
     assert all(torch.equal(a, b.full_tensor()) for a, b in zip(before, module.parameters(), strict=True))
+
+
+class Laid(Shifty):
+    """Shifty's module with a configure_model that applies ``layout`` wherever it runs."""
+
+    def __init__(self, layout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def configure_model(self) -> None:
+        self.layout(self)
+
+
+def _one_rank_fit(tmp_path, module, callbacks) -> "pl.Trainer":  # noqa: F821
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=CSVLogger(tmp_path),
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return trainer
+
+
+def test_a_configure_model_that_shards_nothing_is_planned_whole(tmp_path):
+    """Under a plain ModelParallelStrategy a configure_model that shards nothing trains the module whole on
+    each rank (Lightning accepts it): AutoFit plans that step, not one it sharded itself, and the run goes
+    on."""
+    from lightning_memkit import AutoFit
+
+    autofit = AutoFit("1GB")
+    trainer = _one_rank_fit(tmp_path, Laid(lambda module: None), [autofit])
+    assert trainer.global_step == 1
+    unsharded = estimate_memory(
+        llama(), batch(), optimizer="adamw", loss_fn=lambda loss, _: loss, device="cpu"
+    )
+    assert autofit.plan.estimated_peak >= unsharded.parameters + unsharded.optimizer_state
+
+
+def test_the_monitors_advice_under_tensor_parallelism_lays_its_twin_out_again(tmp_path):
+    """MemoryMonitor(advise=True) after a tensor-parallel configure_model: the advice simulates the module's
+    unsharded twin laid out by configure_model again (distribute_module's mark left off the twin)."""
+    from lightning_memkit import MemoryMonitor
+
+    monitor = MemoryMonitor(plot=False, summary=False, advise=True)
+    _one_rank_fit(tmp_path, Laid(lambda module: user_tp(module.net, module.device_mesh)), [monitor])
+    assert monitor.advice is not None and monitor.advice.scope == "one rank of 1 under FSDP2"

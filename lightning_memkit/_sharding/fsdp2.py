@@ -186,7 +186,6 @@ def _simulating(world: int, make: Any) -> Iterator[None]:
         yield
 
 
-
 @contextlib.contextmanager
 def fake_init_device_mesh(world: int, make: Any) -> Iterator[Any]:
     """``torch.distributed``'s ``init_device_mesh`` answering with ``make(shape, names)``, a fake mesh, for
@@ -567,6 +566,8 @@ def unsharded_twin(model: nn.Module) -> tuple[nn.Module, dict[int, Tensor]]:
     for module in model.modules():
         twin_state: dict[str, Any] = {}
         for key, value in vars(module).items():
+            if key in _LAYOUT_MARKS:  # tensor parallelism's record that it was applied: the twin is unsplit
+                continue
             if key in composable:
                 value = type(value)(
                     (k, v) for k, v in value.items() if not _from_fsdp(k) and not _from_fsdp(v)
@@ -638,6 +639,10 @@ _COPIED = frozenset(
         "_load_state_dict_post_hooks",
     }
 )  # fmt: skip
+
+#: What a layout marks a module with, left off its unsharded twin (`unsharded_twin`), which is laid out
+#: again: ``distribute_module``'s (tensor parallelism's) "already distributed" flag.
+_LAYOUT_MARKS = frozenset({"_distribute_module_applied"})
 
 #: The hook tables among what a module's copy gets its own of (`_share_hook_owners` reads them).
 _HOOK_TABLES = tuple(key for key in _COPIED if key.endswith("hooks"))

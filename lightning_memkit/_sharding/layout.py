@@ -37,11 +37,15 @@ __all__ = [
 #: Lightning's names for ``ModelParallelStrategy``'s device mesh, as ``configure_model`` reads it.
 LIGHTNING_MESH = ("data_parallel", "tensor_parallel")
 
-#: Each repeated block's projections, by the names Hugging Face's decoder layers give them: split by
-#: output features (column-wise: attention's query, key and value; the MLP's gate and up) or by input
-#: features (row-wise: attention's output, the MLP's down), the layout torchtitan gives LLaMA's layers.
-COLUMNWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value", "fc1", "c_fc")
-ROWWISE = ("o_proj", "down_proj", "dense", "fc2", "out_proj")
+#: Each repeated block's projections, by the names the LLaMA family's decoder layers give them in Hugging
+#: Face (LLaMA, Mistral, Qwen2, Gemma and others whose attention reads its head count off the projected
+#: width): split by output features (column-wise: attention's query, key and value; the MLP's gate and
+#: up) or by input features (row-wise: attention's output, the MLP's down), the layout torchtitan gives
+#: LLaMA's layers. Names other families give the same layers (``out_proj``, ``fc1``, ``dense``) are left
+#: out: OPT reshapes by its configured head count, which a split projection no longer has, and BERT's
+#: ``dense`` is both an output and an up projection.
+COLUMNWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
 
 #: A layout read off a model: for each (mesh dimensions, mesh shape, placements), how many parameters.
 Layout = tuple[tuple[tuple[tuple[str, ...] | None, tuple[int, ...], tuple[str, ...]], int], ...]
@@ -96,10 +100,11 @@ def apply_layout(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Sequen
         plan = tp_plan(model, blocks)
         check_heads(model, sharding.tensor_parallel_size)
         if not plan:
-            raise NotImplementedError(
+            raise ValueError(
                 f"tensor_parallel_size={sharding.tensor_parallel_size}: {type(model).__name__}'s blocks have "
-                f"no projections this plan knows ({', '.join(COLUMNWISE + ROWWISE)}); pass parallelize_fn="
-                "fn(model, device_mesh) that applies your own parallelize_module plan"
+                f"no projections the built-in plan knows (the LLaMA family's "
+                f"{', '.join(COLUMNWISE + ROWWISE)}); pass parallelize_fn=fn(model, device_mesh) that "
+                "applies your own parallelize_module plan (with memkit, an hf: model of the LLaMA family)"
             )
         parallelize_module(model, mesh["tensor_parallel"], plan)
     data = tuple(name for name in ("replicate", "shard") if name in names)
@@ -169,8 +174,12 @@ def laid_out_copy(model: nn.Module, mesh: Any, sharding: Sharding, blocks: Seque
     fn = sharding.parallelize_fn
     with _own_meshes_answered(fn, copy):
         fn(copy, mesh)
-    if isinstance(fn, ConfigureModel) and fn.shard_unsharded and not layout_of(copy):
-        _fsdp2.shard_layout(copy, mesh["data_parallel"], blocks, **_fully_shard_options(sharding))
+    if isinstance(fn, ConfigureModel) and not layout_of(copy):
+        # A configure_model that shards nothing: AutoFitStrategy shards such a module itself; under a plain
+        # ModelParallelStrategy each rank trains it whole, as simulated.
+        if fn.shard_unsharded:
+            _fsdp2.shard_layout(copy, mesh["data_parallel"], blocks, **_fully_shard_options(sharding))
+        return copy
     if not layout_of(copy):
         raise ValueError(
             f"parallelize_fn ({sharding.parallelize_fn!r}) left no parameter of {type(model).__name__} "

@@ -101,8 +101,9 @@ def sharding(trainer: pl.Trainer) -> tuple[str, int]:
 def trainer_sharding(trainer: pl.Trainer) -> Sharding | None:
     """Under ``ModelParallelStrategy``, the layout the run applies (`Sharding`): its device mesh's
     data-parallel and tensor-parallel sizes, and the module's own ``configure_model`` run on the simulated
-    copy with a fake mesh of that shape (`ConfigureModel`; where it shards nothing, FSDP2's documented
-    layout, as ``AutoFitStrategy`` applies it). ``None`` for any other strategy."""
+    copy with a fake mesh of that shape (`ConfigureModel`; where it shards nothing, under ``AutoFitStrategy``
+    FSDP2's documented layout, as the strategy applies it, else the module whole). ``None`` for any other
+    strategy."""
     strategy = trainer.strategy
     if type(strategy).__name__ != "ModelParallelStrategy" and not isinstance(strategy, ModelParallelStrategy):
         return None
@@ -111,7 +112,8 @@ def trainer_sharding(trainer: pl.Trainer) -> Sharding | None:
     tp = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
     module = trainer.lightning_module
     own = module is not None and is_overridden("configure_model", module, pl.LightningModule)
-    layout = ConfigureModel(shard_unsharded=True) if own else None
+    # AutoFitStrategy shards a module whose configure_model does not; ModelParallelStrategy trains it whole
+    layout = ConfigureModel(shard_unsharded=hasattr(strategy, "autofit")) if own else None
     return Sharding(trainer.world_size, tensor_parallel_size=tp, parallelize_fn=layout)
 
 

@@ -147,6 +147,7 @@ def _fit(model: nn.Module, args: argparse.Namespace, simulated: MemoryBreakdown)
             n_gpus=args.gpus,
             device=args.device,
             loss_fn=step_options(model, args.optimizer)["loss_fn"],
+            **({"sharding": args.sharding} if args.sharding is not None else {}),
         ),
     ]
 
