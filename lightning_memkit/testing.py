@@ -100,7 +100,30 @@ def build_counting_allocator() -> Any:
     from torch.utils.cpp_extension import load
 
     source = Path(__file__).with_name("csrc") / "counting_allocator.cpp"
-    return load("lightning_memkit_counting_allocator", [str(source)], extra_cflags=["-O2"])
+    build = extension_directory(source)
+    return load(
+        "lightning_memkit_counting_allocator", [str(source)], extra_cflags=["-O2"],
+        build_directory=None if build is None else str(build),
+    )  # fmt: skip
+
+
+def extension_directory(source: Path) -> Path | None:
+    """Where `build_counting_allocator` compiles ``source``: a folder of this checkout's own under torch's
+    extension cache (``~/.cache/torch_extensions``, ``$XDG_CACHE_HOME`` if set), named by the source's
+    path, so that two checkouts on one machine neither rebuild each other's extension nor wait on one
+    lock; ``None`` (torch's own folder) where ``TORCH_EXTENSIONS_DIR`` chooses one."""
+    import hashlib
+    import os
+
+    import torch
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return None
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    checkout = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
+    folder = cache / f"lightning_memkit-{torch.__version__}-{checkout}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def saved_for_backward(output: Tensor) -> list[Tensor]:
