@@ -795,7 +795,8 @@ def plan_fit(
         reshard = True
         untried = f"reshard_after_forward=False not tried (past refine_limit={refine_limit})"
         note = _also(note, untried)
-    elif search.sharding:  # FSDP2: without resharding after forward (no all-gather in backward) if it fits
+    elif search.sharding and _reshards_as_planned(search.sharding):
+        # FSDP2: without resharding after forward (no all-gather in backward) if it fits
         whole = search.estimate(
             best.m, best.plan or best.label, optimizer=opt, precision=prec, reshard_after_forward=False
         )
@@ -928,6 +929,14 @@ def _loads(optimizer: str | None) -> bool:
     candidates list it where it is installed, `lighter_candidates`; it is imported when first needed)."""
     entry = CATALOGUE.get(optimizer) if optimizer is not None else None
     return entry is None or not entry.needs_bitsandbytes or load_bitsandbytes() is not None
+
+
+def _reshards_as_planned(sharding: Sharding) -> bool:
+    """Whether the run shards with the plan's ``reshard_after_forward``: its default layout, or the one
+    AutoFitStrategy applies where configure_model shards nothing; a user's ``parallelize_fn`` (their
+    configure_model) calls ``fully_shard`` with their own."""
+    fn = sharding.parallelize_fn
+    return fn is None or bool(getattr(fn, "shard_unsharded", False))
 
 
 def _data_parallel_ranks(sharding: Sharding | None, strategy: str, n_gpus: int, cpu_offload: Any) -> int:
