@@ -109,7 +109,7 @@ def test_fsdp2_simulates_one_ranks_sharded_step():
     assert report["simulated"] == simulated.as_dict()
     divided = shard(estimate_memory(_tiny(), _tokens(2, 32), optimizer="adamw", device="cpu"), "fsdp", 4)
     assert simulated.parameters > divided.parameters
-    assert any("FSDP2's step over 4 rank(s) simulated" in note for note in report["notes"])
+    assert any("one rank's step of 4 under FSDP2 simulated" in note for note in report["notes"])
 
 
 def test_selective_half_checkpointing_in_both_columns():

@@ -106,9 +106,9 @@ def test_the_simulation_leaves_the_model_and_the_process_as_they_were():
 
     model = llama()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    own = device_mesh.init_device_mesh
+    own, initialized = device_mesh.init_device_mesh, dist.is_initialized()
     peak(model, world_size=4, parallelize_fn=user_hsdp)
-    assert device_mesh.init_device_mesh is own and not dist.is_initialized()
+    assert device_mesh.init_device_mesh is own and dist.is_initialized() == initialized
     assert user_hsdp.__globals__.get("init_device_mesh", own) is own
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
     assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
@@ -244,6 +244,18 @@ class Shifty(__import__("lightning.pytorch", fromlist=["LightningModule"]).Light
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=self.batch_size)
 
 
+@pytest.fixture
+def one_rank_group():
+    """A one-rank Trainer under ModelParallelStrategy initializes torch.distributed's default group and
+    leaves it: destroyed after the test, so that no later test in this process finds one."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_a_run_that_shards_otherwise_than_planned_is_refused_before_its_first_step(tmp_path):
     """AutoFit under ModelParallelStrategy (one gloo rank) simulates the layout configure_model applies; a
     run whose configure_model then applies another is stopped at on_fit_start, naming both layouts."""
@@ -294,6 +306,7 @@ def _one_rank_fit(tmp_path, module, callbacks) -> "pl.Trainer":  # noqa: F821
     return trainer
 
 
+@pytest.mark.usefixtures("one_rank_group")
 def test_a_configure_model_that_shards_nothing_is_planned_whole(tmp_path):
     """Under a plain ModelParallelStrategy a configure_model that shards nothing trains the module whole on
     each rank (Lightning accepts it): AutoFit plans that step, not one it sharded itself, and the run goes
@@ -309,6 +322,7 @@ def test_a_configure_model_that_shards_nothing_is_planned_whole(tmp_path):
     assert autofit.plan.estimated_peak >= unsharded.parameters + unsharded.optimizer_state
 
 
+@pytest.mark.usefixtures("one_rank_group")
 def test_the_monitors_advice_under_tensor_parallelism_lays_its_twin_out_again(tmp_path):
     """MemoryMonitor(advise=True) after a tensor-parallel configure_model: the advice simulates the module's
     unsharded twin laid out by configure_model again (distribute_module's mark left off the twin)."""

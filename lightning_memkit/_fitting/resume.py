@@ -36,7 +36,12 @@ def stale(saved: FitPlan, current: FitPlan) -> list[Change]:
 
     differ("world size", saved.n_gpus, current.n_gpus)
     differ("strategy", _layout(saved), _layout(current))
-    if saved.strategy == current.strategy == "fsdp2":  # tensor parallel, HSDP: another rank's share
+    # tensor parallel, HSDP: another rank's share (beside the world size, which says itself)
+    degrees = (
+        (saved.tensor_parallel_size, saved.replicate_size),
+        (current.tensor_parallel_size, current.replicate_size),
+    )
+    if saved.strategy == current.strategy == "fsdp2" and degrees[0] != degrees[1]:
         differ("parallel layout", saved.layout, current.layout)
     differ("FSDP2 bf16 MixedPrecisionPolicy", saved.mixed_precision_policy, current.mixed_precision_policy)
     usable = (saved.budget.total, saved.budget.usable), (current.budget.total, current.budget.usable)

@@ -446,11 +446,8 @@ def _shards_itself(module: pl.LightningModule) -> bool:
     its layout is then the run's, not one AutoFitStrategy plans."""
     if not is_overridden("configure_model", module, pl.LightningModule):
         return False
-    try:
-        simulated_layout(module, Sharding(module.trainer.world_size, parallelize_fn=ConfigureModel()))
-    except ValueError:  # it left nothing sharded
-        return False
-    return True
+    own = Sharding(module.trainer.world_size, parallelize_fn=ConfigureModel())
+    return bool(simulated_layout(module, own))  # nothing sharded: an empty layout
 
 
 def _ungathered(module: pl.LightningModule) -> str:
