@@ -78,6 +78,7 @@ def _plan(budget: str, **options) -> FitPlan:
 # --- quick: the search -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tensor_parallel_is_planned_where_fsdp2_over_every_rank_does_not_fit():
     """At `BUDGET` FSDP2 over the 4 ranks, HSDP 2 x 2 and TP 4 do not fit: the plan is TP 2 x FSDP2 2, the
     global batch kept (4 samples a data-parallel rank), and its note says what did not fit. CPU offload

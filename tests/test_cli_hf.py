@@ -225,6 +225,7 @@ def test_a_hub_id_without_the_prefix_is_pointed_to_it():
     )
 
 
+@pytest.mark.slow
 def test_estimate_simulates_tensor_parallelism_and_hsdp_as_the_library_does(configs):
     """``--tensor-parallel`` and ``--replicate`` are `estimate_memory`'s layouts: the same rank's step as the
     library simulates on the same model; what cannot run is one line."""

@@ -322,6 +322,7 @@ def test_a_configure_model_that_shards_nothing_is_planned_whole(tmp_path):
     assert autofit.plan.estimated_peak >= unsharded.parameters + unsharded.optimizer_state
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_rank_group")
 def test_the_monitors_advice_under_tensor_parallelism_lays_its_twin_out_again(tmp_path):
     """MemoryMonitor(advise=True) after a tensor-parallel configure_model: the advice simulates the module's
