@@ -8,6 +8,8 @@ import io
 import os
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from unittest import mock
@@ -112,6 +114,22 @@ def counted_rank(out: Path, rank: int, world: int):
         timeout=timedelta(minutes=3),
     )  # fmt: skip
     return counter
+
+
+def run_in_turn(out: Path, rank: int, world: int, runs: dict[str, Callable[[Path], None]]) -> None:
+    """One spawned rank running Lightning fits: counted (`counted_rank`), Lightning told it is this rank
+    (it then launches no processes itself), then each of ``runs`` in turn in its folder ``out/<name>``,
+    a run's error written there as ``error_<rank>.txt``; the process group destroyed after."""
+    counted_rank(out, rank, world)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    for name, run in runs.items():
+        folder = out / name
+        folder.mkdir(exist_ok=True)
+        try:
+            run(folder)
+        except Exception:
+            (folder / f"error_{rank}.txt").write_text(traceback.format_exc())
+    torch.distributed.destroy_process_group()
 
 
 def counted_step(counter, model, optimizers, batch, step) -> int:

@@ -13,8 +13,6 @@ margin (a 333 KiB limit) only the last fits.
 
 import json
 import math
-import os
-import traceback
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import counted_rank, counted_ranks
+from helpers import counted_ranks, run_in_turn
 from test_ddp import needs_distributed
 from test_parallel_layouts import llama
 from zoo import ZooModule, zoo_batch
@@ -251,13 +249,7 @@ def _fit(out: Path) -> None:
 
 
 def _rank(rank: int, out: Path) -> None:
-    counted_rank(out, rank, WORLD)
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # Lightning then launches no processes itself
-    try:
-        _fit(out / "auto")
-    except Exception:
-        (out / f"error_{rank}.txt").write_text(traceback.format_exc())
-    torch.distributed.destroy_process_group()
+    run_in_turn(out, rank, WORLD, {"auto": _fit})
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +264,7 @@ def test_autofit_strategy_plans_and_runs_tensor_parallel_within_the_budget(ranks
     """Every rank trains TP 2 x FSDP2 2, as planned (FSDP2 over the 4 ranks does not fit), each tensor-
     parallel pair sharing its batch (2 data-parallel ranks), every step's allocator peak within the budget
     and every loss finite."""
-    errors = [p.read_text() for p in sorted(ranks.glob("error_*.txt"))]
+    errors = [p.read_text() for p in sorted((ranks / "auto").glob("error_*.txt"))]
     assert not errors, "\n".join(errors)
     budget = parse_bytes(BUDGET)
     for rank in range(WORLD):

@@ -21,8 +21,6 @@ session and run every layout in turn: watched, unwatched, then under AutoFit.
 import hashlib
 import json
 import math
-import os
-import traceback
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_rank, counted_ranks
+from helpers import counted_ranks, run_in_turn
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
@@ -197,16 +195,7 @@ def runs() -> dict:
 def _rank(rank: int, out: Path) -> None:
     """One rank: the allocator's counter before anything is allocated, the process group, then every run
     in turn; a run's error goes to its folder."""
-    counted_rank(out, rank, WORLD)
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # Lightning then launches no processes itself
-    for name, run in runs().items():
-        folder = out / name
-        folder.mkdir(exist_ok=True)
-        try:
-            run(folder)
-        except Exception:
-            (folder / f"error_{rank}.txt").write_text(traceback.format_exc())
-    torch.distributed.destroy_process_group()
+    run_in_turn(out, rank, WORLD, runs())
 
 
 @pytest.fixture(scope="module")
