@@ -1,5 +1,6 @@
-"""The README and the documentation site (issue 29): the README stays a newcomer's page whose commands,
-links and Hugging Face example are true, and the MkDocs site under docs/ builds strictly."""
+"""The README and the documentation (issue 29): the README stays a newcomer's page whose commands, links
+and Hugging Face example are true, and the API reference lists every public name. The site's build and
+how it renders: tests/test_site.py."""
 
 from __future__ import annotations
 
@@ -95,23 +96,3 @@ def test_the_readme_hugging_face_example_runs(tmp_path):
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"memory/peak", "memory/activations", "autofit/micro_batch_size"} <= set(header)
     assert (run / "memory.png").is_file()
-
-
-@pytest.mark.slow  # about 10 s: griffe reads the package, mkdocstrings renders every docstring
-def test_the_docs_site_builds_strictly(tmp_path):
-    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]'")
-    pytest.importorskip("mkdocstrings", reason="mkdocstrings is not installed: pip install -e '.[docs]'")
-    site = tmp_path / "site"
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    api = (site / "api" / "index.html").read_text(encoding="utf-8")
-    for name in ("MemoryMonitor", "AutoFit", "AutoFitStrategy", "estimate_memory", "PretendOOM"):
-        assert name in api
-    assert "Known not to work" in (site / "models" / "index.html").read_text(encoding="utf-8")
