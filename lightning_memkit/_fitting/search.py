@@ -735,12 +735,18 @@ def plan_fit(
     asked, candidates = candidates, tuple(dict.fromkeys(o for o, _ in pairs))  # with the Kahan twins
     # The pairs in order of preference whose static memory alone is not over the limit (no simulation).
     viable = [pair for pair in pairs if search.static(*pair) <= limit]
-    sizes = _runnable(search, sizes, *(viable or pairs)[0])
+    # The run as set up, where it fits, is the plan: one simulation settles it (`_set_up_fits`).
+    set_up = _set_up_fits(search, micro_batch_size, sizes, pairs[0], viable, limit)
+    sizes = [micro_batch_size] if set_up else _runnable(search, sizes, *(viable or pairs)[0])
     # FSDP2's CPU offload: as asked, or (None) where nothing fits without it
     # (`offloaded` shards over every rank: not under tensor parallelism, nor HSDP)
     plain = search.sharding is not None and search.sharding.shard_size == n_gpus
     offloads = (False, True) if cpu_offload is None and plain else (search.cpu_offload,)
-    chosen = _first_fitting(search, pairs, viable, sizes[0], modes[-1], limit, offloads=offloads)
+    chosen = (
+        pairs[0]
+        if set_up
+        else _first_fitting(search, pairs, viable, sizes[0], modes[-1], limit, offloads=offloads)
+    )
     if chosen is None:
         pairs = [pair for pair in pairs if _loads(pair[0])] or pairs  # known by now: all were tried
         lever_fits = _lever_that_fits(search, asked, precisions, modes, limit, compensate)
@@ -755,7 +761,8 @@ def plan_fit(
         raise ValueError(message)
 
     opt, prec = chosen
-    step_cost = _cost(cost, model, per_rank, loss_fn, device, search, prec, opt)
+    timing = "flops" if set_up and isinstance(cost, str) else cost  # as set up nothing is ranked
+    step_cost = _cost(timing, model, per_rank, loss_fn, device, search, prec, opt)
     if step_cost.source == "measured":  # the only part of a plan the machine's load can change
         note = _also(note, TIMED_NOTE)
     if search.sharding and n_gpus > 1:  # the layout's collectives, every micro-step (every rank on `link`)
@@ -784,7 +791,12 @@ def plan_fit(
         if device == "cuda":  # on the CPU the host is the device: nothing travels
             micro, per_step = transfer_seconds(static.parameters, static.gradients, state)
             step_cost = dataclasses.replace(step_cost, fixed=step_cost.fixed + micro, per_step=per_step)
-    options = _fastest(search, step_cost, sizes, modes, opt, prec, limit, G)
+    options = _fastest(search, step_cost, sizes, ("none",) if set_up else modes, opt, prec, limit, G)
+    if set_up:
+        note = _also(
+            note,
+            f"micro-batch {micro_batch_size} x accumulate {G // micro_batch_size} kept as set up: it fits",
+        )
     best = min(options)
     kept = _as_set_up(search, step_cost, micro_batch_size, sizes, chosen, pairs[0], limit, G)
     if kept is not None and kept != best:
@@ -892,6 +904,23 @@ def _as_set_up(search, step_cost, m, sizes, chosen, first, limit, G) -> _Option 
     opt, prec = chosen
     peak = search.peak(m, "none", opt, prec).peak
     return _Option(step_cost.time(m, G // m), m, "none", peak, None) if peak <= limit else None
+
+
+def _set_up_fits(search, m, sizes, first, viable, limit) -> bool:
+    """Whether the run as set up (micro-batch ``m`` without checkpointing, with the ``first`` optimizer and
+    precision asked for) fits ``limit``: then it is the plan, from this one simulated step (its FLOPs
+    counted: the plan's time, with nothing to rank it against), and ``search.smallest`` is ``m``. FSDP2's
+    steps, whose ``reshard_after_forward`` is planned too, are searched as usual."""
+    if m not in sizes or first not in viable or search.sharding is not None or not _loads(first[0]):
+        return False
+    try:
+        search.counted(m, *first)
+    except ValueError:  # a micro-batch the step refuses (BatchNorm's one sample a channel): searched
+        return False
+    if search.peak(m, "none", *first).peak > limit:
+        return False
+    search.smallest = m  # nothing smaller is planned
+    return True
 
 
 def refine_limit_for(seconds: float) -> int | None:
