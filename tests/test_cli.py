@@ -506,6 +506,11 @@ def test_plan_prints_the_plan_its_alternatives_and_the_code(monkeypatch):
     assert re.search(r"\b4\b.*\b1\b.*none.*adamw.*32-true", chosen), table  # micro-batch 4, accumulate 1
     assert "\nbatch_size = 4\n" in code and "accumulate_grad_batches=1" in code
     assert re.search(r"\nplanned in [\d.]+ s \(\d+ simulated steps\)\n$", code), code
+    # the terse column is explained under the table (issue 49): m, the micro-batch per GPU
+    header = next(line for line in table.splitlines() if "accumulate" in line and "fits" in line)
+    assert re.match(r"\W+m\W", header), header
+    legend = table.rstrip("\n").splitlines()[-1]
+    assert legend.startswith("m: the micro-batch, the DataLoader's batch_size on each GPU; "), table
 
 
 @pytest.mark.slow  # planning-heavy: every candidate is a sharded simulation

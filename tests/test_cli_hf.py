@@ -3,6 +3,7 @@ weights on the meta device, in-process. The numbers are those of the same model 
 is read from the local cache only, and a miss is one line that says nothing is downloaded and what to do."""
 
 import json
+import logging
 import re
 import socket
 import sys
@@ -263,3 +264,42 @@ def test_estimate_simulates_tensor_parallelism_and_hsdp_as_the_library_does(conf
     assert advice["scope"] == "one rank of 4 under TP 2 x FSDP2 2"
     assert advice["breakdown"]["peak"] == _json([*argv, "--tensor-parallel", "2"])["simulated"]["peak"]
     _fails([*argv[:-4], "--replicate", "2"], "--replicate 2 is a layout of --strategy fsdp2, not ddp")
+
+
+#: The line that says the key/value cache was turned off (`_checkpointing.policies._announce_cache_off`).
+CACHE_LINE = "Turned off Hugging Face's key/value cache"
+
+
+def _cache_lines(caplog, argv):
+    """How often ``memkit`` with ``argv`` logs `CACHE_LINE` (each run loads a fresh config, which the line
+    has not named yet)."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        status, _, err = run_cli(argv)
+    assert status == 0, err
+    return sum(CACHE_LINE in record.getMessage() for record in caplog.records)
+
+
+def test_the_cache_line_only_with_checkpointing(configs, caplog):
+    """Issue 49: the line heads ``memkit estimate`` when checkpointing is asked for, where it applies, and
+    not otherwise."""
+    model = f"hf:{configs / 'llama'}"
+    argv = [*_estimate(model, 2, 16), "--device", "cpu"]
+    assert _cache_lines(caplog, argv) == 0
+    assert _cache_lines(caplog, [*argv, "--checkpointing", "full"]) == 1
+
+
+@pytest.mark.slow
+def test_the_cache_line_not_for_the_plans_of_a_step_that_does_not_fit(configs, caplog):
+    """``memkit estimate --gpu`` of a step over the card searches plans with full checkpointing, which the
+    run did not ask for: no line (issue 49's case); nor from ``memkit plan``'s candidates."""
+    model = f"hf:{configs / 'llama'}"
+    argv = [*_estimate(model, 8, 32), "--gpu", "579MiB"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        status, out, err = run_cli(argv)
+    assert status == 0, err
+    assert "Does not fit" in out and "full checkpointing" in out
+    assert not any(CACHE_LINE in record.getMessage() for record in caplog.records)
+    plan = ["plan", "--model", model, "--gpu", "16MB", "--device", "cpu", "--global-batch", "4"]
+    assert _cache_lines(caplog, [*plan, "--seq-len", "32"]) == 0

@@ -42,6 +42,11 @@ __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 LAUNCH_SECONDS: dict[str, float] = {"cuda": 10e-6, "cpu": 5e-6}
 #: Sustained FLOP/s assumed for offline plans: an A100-class GPU in bf16, a few CPU cores.
 DEVICE_FLOPS: dict[str, float] = {"cuda": 150e12, "cpu": 50e9}
+#: The line under `FitPlan`'s table that says what its terse columns mean.
+COLUMNS_LEGEND = (
+    "m: the micro-batch, the DataLoader's batch_size on each GPU; accumulate: "
+    "Trainer(accumulate_grad_batches); m x accumulate: the global batch per GPU"
+)
 #: `FitPlan.leaner`'s note on a plan the search did not simulate
 _NOT_SIMULATED = "its peak not simulated: at most the previous plan's"
 
@@ -443,7 +448,7 @@ class FitPlan:
             left=("checkpointing", "optimizer"),
             bold=lambda row: row[-1] == "chosen",
         )
-        return "\n".join([self.summary(), table])
+        return "\n".join([self.summary(), table, COLUMNS_LEGEND])
 
     def _basis(self) -> str:
         """Where the times come from, in a few words."""

@@ -237,7 +237,8 @@ def _hf_from_config(spec: str) -> nn.Module:
 def config_dtype(config: Any) -> torch.dtype:
     """The weights' dtype a Hugging Face config records (``dtype``, formerly ``torch_dtype``); fp32 where it
     records none or one that is not a floating-point dtype (``"auto"``)."""
-    recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # torch_dtype only where dtype is not there: transformers >= 4.56 logs its deprecation on reading it
+    recorded = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if isinstance(recorded, str):
         recorded = getattr(torch, recorded.removeprefix("torch."), None)
     return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
