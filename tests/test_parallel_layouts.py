@@ -293,24 +293,10 @@ def simulated_rank(layout: str, how: str, **options) -> int:
     ).peak  # fmt: skip
 
 
-#: pure tensor parallel's simulated step, 16,768 B over every rank's (+2.8 % first, +2.3 % steady)
-PURE_TP_GAP = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a layout whose DTensors compute without fully_shard (pure tensor parallel) is simulated high: "
-    "16,768 B, one (131, 32) fp32 matrix, over every rank here; at one rank, splitting only one projection "
-    "(ColwiseParallel on q_proj) counts 94,592 B more activations than the unsplit model, first step or "
-    "steady: the tracker counts something of DTensor's compute that the allocator never holds; under "
-    "fully_shard (TP x FSDP2, HSDP) the simulation is within 0.1 %",
-)
-
-
 @pytest.mark.slow
 @needs_distributed
 @pytest.mark.parametrize("how", ["function", "configure_model"])
-@pytest.mark.parametrize(
-    "layout", [pytest.param(layout, marks=PURE_TP_GAP) if layout == "tp4" else layout for layout in LAYOUTS]
-)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_simulated_step_is_every_ranks_step(ranks, layout, how):
     """``estimate_memory(world_size=4, tensor_parallel_size=T, parallelize_fn=...)`` against every real
     rank's allocator: the first step (no optimizer state yet) and the steady one, within test_fsdp's bar."""
