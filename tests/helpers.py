@@ -75,22 +75,55 @@ def run_cli(argv):
 
 
 def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 600) -> None:
-    """``rank_fn(rank, *args)`` in ``world`` spawned processes, joined; killed, and a ``TimeoutError``
-    naming ``what``, past ``timeout_s`` (a hang); a rank's exception is raised here. The ranks share an
+    """``rank_fn(rank, *args)`` in ``world`` spawned processes, joined; a rank's exception is raised here.
+    Past ``timeout_s`` the ranks are given up to twice as long again while they still compute (a loaded
+    machine is slow, not hung), then killed with a ``TimeoutError`` that says what was measured: each
+    rank's CPU seconds, whether it computed in its last seconds, and the machine's load. The ranks share an
     empty inductor cache, as on a fresh machine: what they compile, they compile in the step."""
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
         with mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache):  # the spawned ranks inherit it
             ranks = torch.multiprocessing.start_processes(
                 rank_fn, args, nprocs=world, join=False, start_method="spawn"
             )
-        deadline = time.monotonic() + timeout_s
-        while not ranks.join(timeout=2):
-            if time.monotonic() > deadline:
+        start = time.monotonic()
+        deadline, hard = start + timeout_s, start + 3 * timeout_s
+        cpu = _cpu_seconds(ranks.processes)
+        while not ranks.join(timeout=10):
+            now = time.monotonic()
+            before, cpu = cpu, _cpu_seconds(ranks.processes)
+            computing = any(after - was > 0.5 for after, was in zip(cpu, before, strict=True))
+            if now > hard or (now > deadline and not computing):
                 for process in ranks.processes:
                     process.kill()
-                raise TimeoutError(
-                    f"the {world} {what} ranks did not finish in {timeout_s / 60:.0f} minutes: a hang"
-                )
+                raise TimeoutError(_unfinished(world, what, now - start, cpu, computing))
+
+
+def _cpu_seconds(processes) -> list[float]:
+    """Each process's CPU seconds so far (user and system, Linux's /proc); 0 where it cannot be read."""
+    seconds = []
+    for process in processes:
+        try:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        except (OSError, ValueError, IndexError):
+            seconds.append(0.0)
+    return seconds
+
+
+def _unfinished(world: int, what: str, elapsed: float, cpu: list[float], computing: bool) -> str:
+    """Why ``world`` ranks were stopped, in what was measured rather than a guess."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    state = (
+        "still computing in the last 10 s: a machine too loaded for them, not a hang"
+        if computing
+        else "none computed in the last 10 s: waiting on each other (a hang) or on a starved peer"
+    )
+    used = ", ".join(f"rank {rank} {seconds:.0f} s" for rank, seconds in enumerate(cpu))
+    return (
+        f"the {world} {what} ranks did not finish in {elapsed / 60:.1f} minutes; {state}. CPU time: {used}; "
+        f"load average {load} (1, 5, 15 min) on {os.cpu_count()} cores. Run them on an idle machine, or "
+        "alone: `python -m pytest -m slow -k <test>`"
+    )
 
 
 def counted_ranks(once, name: str, rank_fn, world: int, what: str) -> Path:
