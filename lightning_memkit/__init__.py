@@ -12,7 +12,8 @@ Public surface (everything else lives in private modules):
   (step each parameter inside backward: no step holds all the gradients), `OptimizerOffload` (the
   optimizer's state, fp32 master weights and gradient accumulation in host memory).
 - The plain functions behind them: `plan_checkpointing` / `apply_checkpointing`, `fit_optimizer` /
-  `swap_optimizer`, `plan_fit`, `release_gradients`, `fuse_optimizer_step`, `offload_optimizer`.
+  `swap_optimizer`, `plan_fit`, `release_gradients`, `fuse_optimizer_step`, `offload_optimizer`;
+  `largest_micro_batch`: the largest micro-batch a budget holds, any whole number (`BatchLimit`).
 - `advise`: the memory a step holds at its peak that it need not, each finding with the bytes its fix
   saves and the fix (`Advice`, `Finding`); `chunked_cross_entropy`: a loss that never holds the whole
   batch's logits.
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__`
     from lightning_memkit._diagnosis.snapshot import memory_snapshot
     from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
     from lightning_memkit._fitting.layouts import Layouts
+    from lightning_memkit._fitting.limits import BatchLimit, largest_micro_batch
     from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost
     from lightning_memkit._fitting.search import plan_fit
     from lightning_memkit._levers.chunked_loss import chunked_cross_entropy
@@ -79,6 +81,7 @@ __all__ = [
     "Alternative",
     "AutoFit",
     "AutoFitStrategy",
+    "BatchLimit",
     "BlockPlan",
     "Budget",
     "CheckpointMode",
@@ -108,6 +111,7 @@ __all__ = [
     "fit_optimizer",
     "format_bytes",
     "fuse_optimizer_step",
+    "largest_micro_batch",
     "measure",
     "memory_snapshot",
     "offload_optimizer",
@@ -127,6 +131,8 @@ _EXPORTS: dict[str, str] = {
     "advise": "lightning_memkit._diagnosis.advise",
     "memory_snapshot": "lightning_memkit._diagnosis.snapshot",
     "plan_fit": "lightning_memkit._fitting.search",
+    "largest_micro_batch": "lightning_memkit._fitting.limits",
+    "BatchLimit": "lightning_memkit._fitting.limits",
     "find_blocks": "lightning_memkit._checkpointing.blocks",
     "CATEGORIES": "lightning_memkit._breakdown",
     "MemoryBreakdown": "lightning_memkit._breakdown",

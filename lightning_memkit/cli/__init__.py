@@ -17,6 +17,12 @@ with ``AutoFit``, which makes the plan as the fit starts, and the same set by ha
 prints what the step's peak holds that it need not, largest first, each with the bytes its fix saves and
 the fix (`lightning_memkit.advise`).
 
+    memkit fit-table --model llama-7b --gpu H100-80GB
+
+prints, for each precision, a micro-batch x sequence length table of one GPU: each cell the simulated peak
+with the lightest checkpointing that fits, then the largest micro-batch at each sequence length and the
+longest sequence (`lightning_memkit._fitting.table`).
+
 ``--model`` is a GPT preset (``tiny``, ``gpt2``, ... ``llama-7b``) or ``package.module:factory``, a
 callable taking no arguments, called under the meta device, or ``hf:<directory or org/name>``; the batch is
 ``(x, y)``, token ids of shape ``(batch_size, seq_len)``, unless the module defines
@@ -42,7 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_memkit.cli._args import UsageError
-from lightning_memkit.cli._parsers import add_advise, add_estimate, add_plan
+from lightning_memkit.cli._parsers import add_advise, add_estimate, add_fit_table, add_plan
 
 __all__ = ["SUBCOMMANDS", "UsageError", "main"]
 
@@ -51,6 +57,7 @@ SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
     "estimate": add_estimate,
     "plan": add_plan,
     "advise": add_advise,
+    "fit-table": add_fit_table,
 }
 
 
@@ -63,7 +70,13 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     """The ``memkit`` argument parser, one subparser per entry of `SUBCOMMANDS`."""
-    memkit = _Parser(prog="memkit", description="Training memory of PyTorch Lightning runs, before the run.")
+    memkit = _Parser(
+        prog="memkit",
+        description="Training memory of PyTorch Lightning runs, before the run.",
+        epilog="How far can a card be pushed? memkit fit-table --model llama-7b --gpu H100-80GB prints the "
+        "largest micro-batch and the longest sequence that fit at each precision, every cell a simulated "
+        "step. memkit <command> --help says more.",
+    )
     subparsers = memkit.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in SUBCOMMANDS.values():
         add(subparsers)

@@ -158,6 +158,16 @@ def names(kind: str, valid: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    """Positive integers separated by commas (``1,2,4,8``), each checked as `positive_int` checks one."""
+    try:
+        return tuple(positive_int(part.strip()) for part in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be positive integers separated by commas (1,2,4,8), got {text!r}"
+        ) from None
+
+
 def module_names(text: str) -> tuple[str, ...] | str:
     """``--lora-targets``: module names separated by commas (``q_proj,v_proj``), or ``all-linear``."""
     if text.strip() == "all-linear":

@@ -528,11 +528,18 @@ def analytic_shape(model: nn.Module) -> tuple[TransformerShape | None, str | Non
     )
 
 
-def check_seq_len(model: nn.Module, shape: TransformerShape | None, seq_len: int) -> None:
+def block_size(model: nn.Module, shape: TransformerShape | None) -> int | None:
+    """The longest sequence ``model`` takes: a GPT preset's ``block_size`` or a learned position table's
+    size; ``None`` where neither says."""
     config = _gpt_config(model)
     block = config.block_size if config is not None else None
     if shape is not None and shape.position == "learned":
         block = shape.block_size
+    return block
+
+
+def check_seq_len(model: nn.Module, shape: TransformerShape | None, seq_len: int) -> None:
+    block = block_size(model, shape)
     if block is not None and seq_len > block:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size of {block}")
 

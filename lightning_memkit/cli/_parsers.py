@@ -35,6 +35,7 @@ from lightning_memkit.cli._args import (
     one_of,
     output_file,
     positive_int,
+    positive_ints,
     seconds,
     usage_error,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "add_adapter_arguments",
     "add_advise",
     "add_estimate",
+    "add_fit_table",
     "add_model_argument",
     "add_plan",
     "add_step_arguments",
@@ -372,6 +374,20 @@ def add_estimate(subparsers: Any) -> None:
     p.set_defaults(run=deferred("_estimate", "run_estimate", check=check_estimate))
 
 
+def _add_card(p: argparse.ArgumentParser) -> None:
+    """``--gpu``/``--memory`` (required) and ``--device``, as `check_plan` reads them together."""
+    p.add_argument(
+        "--gpu", "--memory", dest="gpu", type=gpu_or_memory, required=True, metavar="GPU|SIZE",
+        help=f"{_GPU_HELP}; with --device cpu, the memory the step may use (a size: 16GB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", type=one_of("device", DEVICES), default="cuda", metavar="{cuda,cpu}",
+        help="the device to plan for (default: cuda): on cuda the CUDA context (512 MiB) and a 5%% "
+        "fragmentation reserve are taken off the card first, and the step is simulated in the caching "
+        "allocator's 512-byte blocks; on cpu nothing is taken off the size given",
+    )  # fmt: skip
+
+
 def add_plan(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
@@ -383,16 +399,7 @@ def add_plan(subparsers: Any) -> None:
         ),
     )
     add_model_argument(p)
-    p.add_argument(
-        "--gpu", "--memory", dest="gpu", type=gpu_or_memory, required=True, metavar="GPU|SIZE",
-        help=f"{_GPU_HELP}; with --device cpu, the memory the step may use (a size: 16GB)",
-    )  # fmt: skip
-    p.add_argument(
-        "--device", type=one_of("device", DEVICES), default="cuda", metavar="{cuda,cpu}",
-        help="the device to plan for (default: cuda): on cuda the CUDA context (512 MiB) and a 5%% "
-        "fragmentation reserve are taken off the card first, and the step is simulated in the caching "
-        "allocator's 512-byte blocks; on cpu nothing is taken off the size given",
-    )  # fmt: skip
+    _add_card(p)
     p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per step")
     p.add_argument("--seq-len", type=positive_int, required=True, metavar="T", help="tokens per sequence")
     _add_ranks(
@@ -466,3 +473,74 @@ def add_advise(subparsers: Any) -> None:
     _add_html(p, findings=", and the findings with their fixes")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=deferred("_advise", "run_advise", check=check_advise))
+
+
+#: ``memkit fit-table``'s default grid: micro-batches, sequence lengths (those past the model's block size
+#: left out), precisions and checkpointing modes, lightest first.
+FIT_BATCHES, FIT_SEQ_LENS = (1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096)
+FIT_PRECISIONS, FIT_MODES = ("32-true", "bf16-mixed", "bf16-true"), ("none", "selective", "full")
+#: ``--max-simulations``' default: a 7B model's steps take about a second each on two cores.
+FIT_SIMULATIONS = 120
+
+
+def add_fit_table(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "fit-table",
+        help="what fits a GPU: micro-batch x sequence length x precision, each cell a simulated step",
+        description=(
+            "Print, for each precision, a micro-batch x sequence length table for one GPU: each cell the "
+            "simulated peak of one training step with the lightest checkpointing that fits (none, "
+            "selective, full), or over; under it the largest micro-batch that fits at each sequence length "
+            "(any whole number, not a power of two) and the longest sequence at micro-batch 1, both with "
+            "the strongest checkpointing. Nothing is allocated; no GPU is needed."
+        ),
+        epilog=(
+            "Cells are skipped, not guessed: a precision whose parameters, gradients and optimizer state "
+            "alone are over the limit is not simulated, and a mode over the limit at a cell is not tried "
+            "at larger ones (a step's peak grows with its batch and sequence). At 16-bit weights (bf16-true, "
+            "16-true) AdamW and SGD are stepped as their Kahan-summed twins, as memkit plan plans them. "
+            "--max-simulations bounds the work by a count, never a clock."
+        ),
+    )
+    add_model_argument(p)
+    _add_card(p)
+    p.add_argument(
+        "--batch-sizes", type=positive_ints, default=FIT_BATCHES, metavar="B[,B...]",
+        help=f"the micro-batches, the rows (default: {','.join(map(str, FIT_BATCHES))})",
+    )  # fmt: skip
+    p.add_argument(
+        "--seq-lens", type=positive_ints, default=None, metavar="T[,T...]",
+        help=f"the sequence lengths, the columns (default: {','.join(map(str, FIT_SEQ_LENS))}, up to the "
+        "model's block size)",
+    )  # fmt: skip
+    p.add_argument(
+        "--precision", type=names("precision", PRECISIONS), default=FIT_PRECISIONS, metavar="P[,P...]",
+        help=f"the precisions, one table each (default: {','.join(FIT_PRECISIONS)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--checkpointing", type=names("checkpointing", CHECKPOINT_MODES), default=FIT_MODES,
+        metavar="MODE[,MODE...]",
+        help=f"the checkpointing modes a cell tries, lightest first (default: {','.join(FIT_MODES)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimizer", type=one_of("optimizer", list(OPTIMIZERS)), default=None, metavar="O",
+        help="the optimizer stepped (default: a LightningModule's configure_optimizers, else adamw; at "
+        "16-bit weights its Kahan-summed twin where it has one)",
+    )  # fmt: skip
+    p.add_argument("--margin", type=margin, default=0.1, help="share of the budget kept free (default: 0.1)")
+    p.add_argument(
+        "--max-batch", type=positive_int, default=4096, metavar="N",
+        help="the largest micro-batch the search for the largest tries (default: 4096)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-simulations", type=positive_int, default=FIT_SIMULATIONS, metavar="N",
+        help=f"at most this many simulated steps; cells past it say so (default: {FIT_SIMULATIONS})",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.set_defaults(run=deferred("_fit_table", "run_fit_table", check=check_fit_table))
+
+
+def check_fit_table(args: argparse.Namespace) -> None:
+    """The largest cell's token count, and ``--gpu`` for ``--device`` as `check_plan` reads it."""
+    check_tokens(max(args.batch_sizes), max(args.seq_lens or FIT_SEQ_LENS))
+    args.gpu = _device_budget(args.gpu, args.device, "--gpu/--memory")

@@ -1,0 +1,130 @@
+"""What fits a budget: `largest_micro_batch` (any whole number, held to the allocator on the CPU) and
+``memkit fit-table``'s grid (each cell a simulated step, the skipped ones known over, the work a count)."""
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import run_cli, steady_step_and_estimate
+from models import lm_loss, tiny_lm
+
+from lightning_memkit import estimate_memory, largest_micro_batch
+from lightning_memkit._fitting.limits import largest_fitting
+from lightning_memkit._fitting.table import fit_table
+from lightning_memkit.cli._models import example_batch, load_model, step_options
+
+T = 16  # tokens a sample
+
+
+def _batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 256, (m, T), generator=torch.Generator().manual_seed(m))
+    return ids, ids
+
+
+def test_the_largest_micro_batch_is_the_allocators():
+    """A budget between 20 and 21 samples' steps: the answer is 20 (no power of two), whose real step's
+    peak is within the budget and 21's over it, as the CPU allocator counts them; the proof is in it."""
+    torch.manual_seed(0)
+    model = tiny_lm()
+    optimizer = torch.optim.AdamW(model.parameters())
+    peaks = {m: steady_step_and_estimate(model, _batch(m), optimizer, lm_loss) for m in (20, 21)}
+    (real20, sim20), (real21, sim21) = peaks[20], peaks[21]
+    assert all(real <= simulated <= 1.01 * real for real, simulated in peaks.values()), peaks
+    budget = (sim20 + min(real21, sim21)) // 2
+    found = largest_micro_batch(
+        model, _batch(3), budget, margin=0.0, optimizer=optimizer, loss_fn=lm_loss, device="cpu"
+    )
+    assert found.micro_batch_size == 20 and found.peak == sim20 and found.next_peak == sim21
+    assert real20 <= budget < real21  # the allocator's largest micro-batch under the budget
+    assert len(found.simulated) <= 6, found.simulated  # probed where the line crosses, not 1, 2, 4, ...
+    assert str(found).startswith("largest micro-batch 20: peak ")
+
+
+def test_largest_fitting_edges():
+    """Nothing fits; everything up to the cap fits; a step as flat as a constant."""
+    assert largest_fitting(lambda m: 10 + m, 5)[0] == 0
+    assert largest_fitting(lambda m: m, 100, max_size=50)[0] == 50
+    size, seen = largest_fitting(lambda m: 7 * m + 3, 1000)
+    assert size == 142 and 7 * size + 3 <= 1000 < 7 * (size + 1) + 3 and len(seen) <= 5
+
+
+def test_largest_micro_batch_refuses_bad_arguments():
+    model = tiny_lm()
+    with pytest.raises(ValueError, match=r"margin must be in \[0, 1\), got 1.5"):
+        largest_micro_batch(model, _batch(1), "1GB", margin=1.5, loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="max_size must be a whole number of samples, at least 1; got 0"):
+        largest_micro_batch(model, _batch(1), "1GB", max_size=0, loss_fn=lm_loss)
+
+
+@pytest.mark.slow  # about 20 simulations, each checked by one more
+def test_the_grid_skips_only_what_a_smaller_cell_settles():
+    """Every cell shown with a peak is that step simulated; a cell left unsimulated is over because a cell
+    with no more samples and no more tokens is over with every mode; the largest micro-batch at each
+    length fits and one more does not."""
+    spec = "tiny"
+    model = load_model(spec, "lightning")
+    options = step_options(model, None)
+
+    def make(b, t):
+        return example_batch(model, spec, b, t)
+
+    full = estimate_memory(model, make(2, 64), **options, device="cpu", checkpointing="full").peak
+    table = fit_table(
+        model, make, full - 1, batch_sizes=(1, 2, 4), seq_lens=(32, 64), precisions=("32-true",),
+        modes=("none", "full"), device="cpu", margin=0.0, max_seq_len=128, **options,
+    )  # fmt: skip
+    assert not table.cell("32-true", 2, 64).fits and table.cell("32-true", 2, 64).peak == full
+    for cell in table.cells:
+        mode = cell.checkpointing or "full"
+        if cell.peak is not None:
+            simulated = estimate_memory(
+                model, make(cell.batch_size, cell.seq_len), **options, precision="32-true", device="cpu",
+                checkpointing=None if mode == "none" else mode,
+            ).peak  # fmt: skip
+            assert simulated == cell.peak and (simulated <= table.limit) == cell.fits
+        else:
+            assert cell.known_over and not cell.fits
+    assert table.cell("32-true", 4, 64).known_over  # 2 x 64 is over already with either mode
+    for t in (32, 64):
+        m, peak = table.largest[("32-true", t)]
+        over = estimate_memory(model, make(m + 1, t), **options, device="cpu", checkpointing="full").peak
+        assert peak <= table.limit < over
+    assert table.simulations <= 20
+
+
+def test_the_cli_prints_one_cell():
+    argv = ["fit-table", "--model", "tiny", "--gpu", "24MB", "--device", "cpu", "--batch-sizes", "2"]
+    status, out, err = run_cli([*argv, "--seq-lens", "32", "--precision", "32-true", "--max-batch", "2"])
+    assert status == 0, err
+    assert out.startswith("What fits 24MB (20.60 MiB: 22.89 MiB usable less the 10% margin): tiny, "), out
+    cell = next(line for line in out.splitlines() if line.startswith("│ 2 "))
+    assert cell.rstrip(" │").endswith("none"), out  # fits without checkpointing
+    assert re.search(r"│ largest +│ +2 \(", out), out  # the search stops at --max-batch
+    assert "Each cell: the simulated peak" in out
+
+
+@pytest.mark.slow  # two precisions, twice
+def test_the_cli_prints_a_table_per_precision():
+    argv = [
+        "fit-table", "--model", "tiny", "--gpu", "24MB", "--device", "cpu", "--batch-sizes", "1,2",
+        "--seq-lens", "32", "--precision", "32-true,bf16-true", "--checkpointing", "none",
+    ]  # fmt: skip
+    status, out, err = run_cli(argv)
+    assert status == 0, err
+    assert out.startswith("What fits 24MB (")
+    assert "32-true, configure_optimizers: static floor" in out and "bf16-true, configure_optimizers" in out
+    assert "│ largest " in out and "longest sequence at micro-batch 1" in out
+    assert "Each cell: the simulated peak" in out
+    report = json.loads(run_cli([*argv, "--json"])[1])
+    assert {c["precision"] for c in report["cells"]} == {"32-true", "bf16-true"}
+    assert all(c["fits"] == (c["peak"] is not None and c["peak"] <= report["limit"]) for c in report["cells"])
+
+
+def test_the_cli_refuses_a_sequence_past_the_block_size():
+    status, _, err = run_cli(
+        ["fit-table", "--model", "tiny", "--gpu", "24MB", "--device", "cpu", "--seq-lens", "256"]
+    )
+    assert status == 2 and "--seq-lens 256 exceeds the model's block_size of 128" in err
+    status, _, err = run_cli(["fit-table", "--model", "tiny", "--gpu", "24MB", "--batch-sizes", "1,x"])
+    assert status == 2 and "must be positive integers separated by commas (1,2,4,8), got '1,x'" in err
