@@ -7,7 +7,9 @@ than writing its own ``Net``.
   and shuffling chosen);
 - `PlainGPT`: the demo GPT as a plain ``nn.Module`` stepped with `lm_loss`; `tiny_lm`: a ``memkit --model``
   factory without repeated blocks;
-- `Tagger`: an embedding, torch's LSTM or GRU and a per-token head, also stepped with `lm_loss`.
+- `Tagger`: an embedding, torch's LSTM or GRU and a per-token head, also stepped with `lm_loss`;
+- `AttributeUNet` (`UNetModule` over it): a diffusion-style UNet whose `ResBlock` and `AttnBlock` blocks
+  are plain attributes, no ``nn.ModuleList``.
 
 Shared elsewhere: `helpers.Regression` and `helpers.tiny_gpt` (the GPT example with its data),
 `conftest.EncoderLM` (torch's own TransformerEncoder), the Hugging Face zoo in `zoo.py`.
@@ -187,3 +189,84 @@ def tiny_lm() -> nn.Module:
     """A ``memkit --model models:tiny_lm`` factory (the OOM explanations' CLI tests): a language model without
     repeated blocks, embedding and head, its peak the logits."""
     return nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256))
+
+
+class ResBlock(nn.Module):
+    """A diffusion UNet's residual block: (GroupNorm, SiLU, 3x3 conv) twice, plus the input (through a 1x1
+    conv where the width changes)."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(4, c_in), nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(4, c_out), nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, c_in, H, W) -> (B, c_out, H, W)
+        h = self.conv1(F.silu(self.norm1(x)))
+        return self.skip(x) + self.conv2(F.silu(self.norm2(h)))
+
+
+class AttnBlock(nn.Module):
+    """Self-attention over a feature map's H x W positions, one head, written out: its (B, HW, HW) softmax
+    is saved for backward."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.GroupNorm(4, c), nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(self.norm(x)).flatten(2).chunk(3, dim=1)  # (B, c, HW) each
+        scores = torch.softmax((q.transpose(1, 2) * c**-0.5) @ k, dim=-1)  # (B, HW, HW)
+        # scores on the left: CPU's bmm copies a transposed (HW, HW) operand, which the simulation misses
+        out = (scores @ v.transpose(1, 2)).transpose(1, 2)  # (B, c, HW)
+        return x + self.proj(out.reshape(b, c, h, w))
+
+
+class AttributeUNet(nn.Module):
+    """A diffusion-style UNet over ``channels`` x ``size`` x ``size`` images whose blocks are attributes, as
+    many UNets write them (no ``nn.ModuleList``): six `ResBlock` at widths ``width``, ``2 * width`` and
+    ``4 * width`` (the up path takes the skip concatenated), three `AttnBlock` (``2 * width`` at full
+    resolution and at half, ``width`` at full), one downsampling and one upsampling between."""
+
+    def __init__(self, width: int = 16, channels: int = 3) -> None:
+        super().__init__()
+        c = width
+        self.stem = nn.Conv2d(channels, c, 3, padding=1)
+        self.down1, self.down2, self.down_attn = ResBlock(c, c), ResBlock(c, 2 * c), AttnBlock(2 * c)
+        self.pool = nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1)  # (B, 2c, size / 2, size / 2)
+        self.mid1, self.mid_attn, self.mid2 = ResBlock(2 * c, 2 * c), AttnBlock(2 * c), ResBlock(2 * c, 2 * c)
+        self.up = nn.Upsample(scale_factor=2)
+        self.up1, self.up_attn, self.up2 = ResBlock(4 * c, c), AttnBlock(c), ResBlock(c, c)
+        self.head = nn.Conv2d(c, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, channels, size, size) -> the same
+        skip = self.down_attn(self.down2(self.down1(self.stem(x))))  # (B, 2c, size, size)
+        h = self.mid2(self.mid_attn(self.mid1(self.pool(skip))))
+        h = self.up2(self.up_attn(self.up1(torch.cat([self.up(h), skip], dim=1))))
+        return self.head(h)
+
+
+class UNetModule(pl.LightningModule):
+    """`AttributeUNet` trained to predict the noise added to random images (MSE), SGD: ``samples`` images
+    of ``size`` x ``size`` in batches of ``batch_size``, the attribute AutoFit sets."""
+
+    def __init__(self, width: int = 16, size: int = 16, batch_size: int = 8, samples: int = 32) -> None:
+        super().__init__()
+        self.unet = AttributeUNet(width)
+        self.size, self.batch_size, self.samples = size, batch_size, samples
+
+    def training_step(self, batch, batch_idx):
+        images, noise = batch  # (B, 3, size, size) each
+        return F.mse_loss(self.unet(images + noise), noise)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` seeded (images, noise) pairs."""
+        g = torch.Generator().manual_seed(0)
+        return tuple(torch.randn(n, 3, self.size, self.size, generator=g) for _ in range(2))
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*self.batch(self.samples)), batch_size=self.batch_size)

@@ -61,8 +61,9 @@ def test_the_bar_reads_as_the_plan_set_by_hand(tmp_path, limits):
     the train loader while AutoFit planned, at the user's batch of 8, and the fit kept it: 4 batches of 8
     rows, accumulated 2 at a time (2 steps of 16 samples where the user asked for 4 of 8), and the bar
     read 4/4, where the plan's 4 x 2 set by hand runs 8 batches of 4 and reads 8/8. With ``max_steps``
-    alone (``max_epochs=-1``) both read Lightning's own total, ``min(num_training_batches, max_steps -
-    global_step)``, which counts steps, not batches: 6/3."""
+    alone (``max_epochs=-1``) Lightning's own total, ``min(num_training_batches, max_steps - global_step)``,
+    counts steps, not batches: the plan set by hand reads 6/3, and under AutoFit the bar counts the batches
+    those steps take, 6/6 (issue 49 item 8)."""
     module = Regression(width=256, hidden=512)
     batch = next(iter(module.train_dataloader()))
     whole = estimate_memory(module, batch, device="cpu").peak
@@ -73,5 +74,38 @@ def test_the_bar_reads_as_the_plan_set_by_hand(tmp_path, limits):
     planned = _fit(tmp_path / "autofit", 8, 1, autofit, **limits)
     assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (4, 2)
     by_hand = _fit(tmp_path / "by_hand", 4, 2, None, **limits)
-    assert planned == by_hand
     assert set(planned[1]) == {4}  # the plan's micro-batch ran
+    if "max_epochs" in limits:
+        assert planned == by_hand
+        return
+    assert planned[1:] == by_hand[1:]  # the same batches and steps
+    assert by_hand[0] == [(3, 8), ("Epoch 0: ", 6, 3)]  # Lightning's: steps for a total
+    assert planned[0] == [(6, 8), ("Epoch 0: ", 6, 6)]
+
+
+def test_the_rich_bar_under_autofit_counts_batches_and_no_epoch_limit(tmp_path):
+    """The default bar where rich is installed: "Epoch 0/-2 16/4" under AutoFit's 8 x 4 plan over
+    max_steps=4; now "Epoch 0 16/16", and the bar is the Trainer's own class again after the fit."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    module = _Scheduled(width=256, hidden=512, samples=128, batch_size=32)
+    autofit = AutoFit(budget="100TB", cost="flops", optimizers=(None,), checkpointing=("none",))
+    bar = RichProgressBar()
+    seen = []
+
+    class _Read(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            task = trainer.progress_bar_callback.progress.tasks[
+                trainer.progress_bar_callback.train_progress_bar_id
+            ]
+            seen.append((task.description.strip(), task.completed, task.total))
+
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, accumulate_grad_batches=4, max_steps=1,
+        limit_val_batches=0, logger=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[bar, _Read(), autofit],
+    )  # fmt: skip
+    trainer.fit(module)
+    assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (32, 4)  # kept
+    assert seen == [("Epoch 0", 4, 4)]
+    assert type(bar) is RichProgressBar

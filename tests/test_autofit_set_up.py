@@ -7,6 +7,8 @@ there is nothing to rank)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import cpu_trainer
@@ -67,3 +69,19 @@ def test_autofit_over_a_set_up_that_fits_simulates_one_step(tmp_path, simulation
     cpu_trainer(tmp_path, [autofit], max_steps=2, logger=False, accumulate_grad_batches=2).fit(module)
     assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (4, 2)
     assert simulations == [("counted_step", 4)]
+
+
+def test_on_equal_time_the_plan_without_checkpointing_wins():
+    """Issue 49 item 8: under AutoFitStrategy on a CPU the time column showed none and full checkpointing
+    at the same time (a timed recompute within the noise reads 0) and the tie went to full, first by name."""
+    from lightning_memkit._checkpointing.policies import CheckpointPlan
+
+    def option(label: str, overhead: float | None) -> search._Option:
+        plan = None if label == "none" else CheckpointPlan.uniform(["blocks.0", "blocks.1"], label)
+        return search._Option(1.0, 8, label, 100, plan and dataclasses.replace(plan, overhead=overhead))
+
+    full, none = option("full", 0.0), option("none", None)  # full's timed recompute within the noise: 0
+    assert min([full, none]).label == "full"  # the trap: a NamedTuple's order, the label last
+    assert min([full, none], key=search._quickest).label == "none"
+    half = option("selective", 0.1)  # where both checkpoint, the lesser recompute
+    assert min([option("full", 0.3), half], key=search._quickest) == half

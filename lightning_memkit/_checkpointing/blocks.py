@@ -1,10 +1,12 @@
 """Which modules of a model are the blocks to checkpoint.
 
 Checkpointing pays off per block: a unit whose inputs are small next to what its forward saves. Models
-say which units those are by repeating them, so the default candidates are the repeated composite layers
-of ``nn.ModuleList``/``nn.Sequential`` containers (a GPT's ``Block``, a Hugging Face ``*DecoderLayer``, a
-ResNet's ``Bottleneck``); a user who knows better names the layer classes, as FSDPStrategy's
-``activation_checkpointing_policy`` takes them. Applying and planning both start here.
+say which units those are by repeating them, so the default candidates are the repeated composite layers:
+those of ``nn.ModuleList``/``nn.Sequential`` containers (a GPT's ``Block``, a Hugging Face
+``*DecoderLayer``, a ResNet's ``Bottleneck``), and classes repeated as plain attributes outside them (a
+diffusion UNet's ``ResBlock`` and ``AttnBlock``, ``self.down1 = ResBlock(...)``); a user who knows better
+names the layer classes, as FSDPStrategy's ``activation_checkpointing_policy`` takes them. Applying and
+planning both start here.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
     """The blocks worth checkpointing, as ``(qualified name, module)`` in registration order.
 
     With ``layer_classes``, every instance of them (the outermost, where they nest). Otherwise the
-    repeated layers: children of ``nn.ModuleList``/``nn.Sequential`` containers grouped by class, two or
-    more of a class (a GPT's ``Block``, torch's ``TransformerEncoderLayer``, Hugging Face's
-    ``*DecoderLayer``, a ResNet's ``Bottleneck``). The heaviest class (parameters, then instances) is a
-    stack, and so is every other class of `_stacks` (both stacks of an encoder-decoder such as Whisper's
-    ``WhisperEncoderLayer`` and ``WhisperDecoderLayer``, both towers of a two-tower model), but not a pair
-    of small heads or embeddings beside them. Children without submodules (a lone ``Linear``) are not
-    candidates: checkpointing one saves nothing, since its input is kept either way.
+    repeated layers (`_repeated_groups`): composite modules grouped by class, two or more of a class, found
+    as children of ``nn.ModuleList``/``nn.Sequential`` containers (a GPT's ``Block``, torch's
+    ``TransformerEncoderLayer``, Hugging Face's ``*DecoderLayer``, a ResNet's ``Bottleneck``) or as plain
+    attributes anywhere outside them (a UNet's ``ResBlock``, ``self.mid = ResBlock(...)``). The heaviest
+    class (parameters, then instances) is a stack, and so is every other class of `_stacks` (both stacks of
+    an encoder-decoder such as Whisper's ``WhisperEncoderLayer`` and ``WhisperDecoderLayer``, both towers of
+    a two-tower model), but not a pair of small heads or embeddings beside them. Children without
+    submodules (a lone ``Linear``) are not candidates: checkpointing one saves nothing, since its input is
+    kept either way.
     """
     if layer_classes is not None:
         classes = block_classes(layer_classes)
@@ -40,13 +44,15 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
 
 def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """The groups of `_repeated_groups` that are stacks of layers: the heaviest, and each other with at least
-    a quarter of its parameters and half its instances (an encoder of 4 layers beside a decoder of 6 is a
-    stack; 2 heads beside 8 layers, or 2 nested containers of 3 layers each, are not)."""
+    half its instances and a quarter of its parameters, or a sixteenth where it has three or more (an
+    encoder of 4 layers beside a decoder of 6 is a stack, and so are a UNet's 3 attention blocks beside its
+    6 residual blocks, at an eighth of their parameters; 2 heads beside 8 layers, 2 small heads beside 2
+    layers, or 2 nested containers of 3 layers each, are not)."""
     groups = _repeated_groups(model)
     if not groups:
         return []
     weight, count = _weight(groups[0]), len(groups[0])
-    return [g for g in groups if 4 * _weight(g) >= weight and 2 * len(g) >= count]
+    return [g for g in groups if (4 if len(g) < 3 else 16) * _weight(g) >= weight and 2 * len(g) >= count]
 
 
 def block_classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
@@ -57,26 +63,42 @@ def block_classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
 
 
 def _repeated_groups(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
-    """The composite children of ``model``'s ``ModuleList``/``Sequential`` containers, grouped by class,
-    for the classes with two or more; the heaviest group (parameters, then instances) first."""
+    """``model``'s composite modules grouped by class, for the classes with two or more; the heaviest group
+    (parameters, then instances) first. A container's (``ModuleList``/``Sequential``) composite children,
+    and the composite modules outside those that hold none of them (a tower holding a stack of layers is
+    not a block; a UNet's ``ResBlock`` held as an attribute is), containers themselves left out."""
     groups: dict[type, list[tuple[str, nn.Module]]] = {}
-    seen: set[int] = set()
+    listed: dict[int, str] = {}  # the containers' composite children: id -> qualified name
     for prefix, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            for child_name, child in container.named_children():
+                if id(child) not in listed and _composite(child):
+                    listed[id(child)] = f"{prefix}.{child_name}" if prefix else child_name
+    inside = tuple(f"{name}." for name in listed.values())  # a listed block's submodules
+    for name, module in model.named_modules(remove_duplicate=True):
+        if id(module) in listed:
+            groups.setdefault(type(module), []).append((name, module))
             continue
-        for child_name, child in container.named_children():
-            if id(child) in seen or next(child.children(), None) is None:
-                continue
-            seen.add(id(child))
-            groups.setdefault(type(child), []).append(
-                (f"{prefix}.{child_name}" if prefix else child_name, child)
-            )
+        if not name or name.startswith(inside) or isinstance(module, _CONTAINERS) or not _composite(module):
+            continue
+        if any(id(m) in listed for m in module.modules()):  # it holds listed blocks: their parent
+            continue
+        groups.setdefault(type(module), []).append((name, module))
 
     return sorted(
         (found for found in groups.values() if len(found) >= 2),
         key=lambda g: (_weight(g), len(g)),
         reverse=True,
     )
+
+
+#: Modules that only hold others: never a block themselves (their children may be).
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _composite(module: nn.Module) -> bool:
+    """Whether ``module`` has submodules: checkpointing a lone layer saves nothing (its input is kept)."""
+    return next(module.children(), None) is not None
 
 
 def _weight(group: list[tuple[str, nn.Module]]) -> int:
@@ -95,17 +117,17 @@ def no_blocks_message(model: nn.Module, option: str, layer_classes: LayerClasses
     """Why there is nothing to checkpoint, and the option to pass (``option`` names ``MyBlock``)."""
     if layer_classes is None:
         return (
-            f"Found no repeated blocks to checkpoint in {type(model).__name__}: no nn.ModuleList or "
-            "nn.Sequential holds two or more composite layers of the same class. Name the layer classes to "
-            f"checkpoint: {option}."
+            f"Found no repeated blocks to checkpoint in {type(model).__name__}: no two composite layers of "
+            "the same class, in an nn.ModuleList or nn.Sequential or as attributes. Name the layer classes "
+            f"to checkpoint: {option}."
         )
     asked = " or ".join(c.__name__ for c in block_classes(layer_classes))
     groups = _repeated_groups(model)
     if not groups:
         return (
             f"No module of type {asked} is in {type(model).__name__}, so there is nothing to checkpoint; "
-            "it has no repeated layers either (no nn.ModuleList or nn.Sequential holds two or more "
-            f"composite layers of one class). Name a layer class the model has: {option}."
+            "it has no repeated layers either (no two composite layers of one class, in a container or as "
+            f"attributes). Name a layer class the model has: {option}."
         )
     found = ", ".join(
         f"{type(group[0][1]).__name__} (x{len(group)}, {group[0][0]}, ...)" for group in groups[:4]

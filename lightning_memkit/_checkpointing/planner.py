@@ -282,6 +282,8 @@ class CheckpointPlanner:
         # step is simulated sharded.
         unsharded = self.step.but(sharding=None)
         repeated = repeated_blocks(model)
+        if repeated is not None and list(repeated[0]) != [m for _, m in found]:  # others named (`blocks`)
+            repeated = None
         with self._bare(), without_cache(model), profiler.hooks(), torch.random.fork_rng(devices=[]):
             if repeated is None:
                 estimate_step(model, batch, unsharded, **self.run)

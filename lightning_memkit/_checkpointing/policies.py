@@ -507,6 +507,15 @@ def apply_plan(
     return handle
 
 
+def named_plan(model: nn.Module, mode: Any, blocks: LayerClasses | None) -> CheckpointPlan | None:
+    """``mode`` on every instance of ``blocks`` in ``model``, as a plan of their names: a plan that names the
+    blocks a user chose (applied, a mode alone checkpoints `find_blocks`' repeated layers). ``None`` where
+    no blocks were named, or ``mode`` is ``"none"`` or no mode (a plan, a compiled model's budget)."""
+    if blocks is None or mode not in CHECKPOINT_MODES or mode == "none":
+        return None
+    return CheckpointPlan.uniform([name for name, _ in find_blocks(model, blocks)], mode)
+
+
 def _assignment(model: nn.Module, plan: Any, blocks: LayerClasses | None) -> list[tuple[nn.Module, Any]]:
     if isinstance(plan, CheckpointPlan):
         plan = plan.modes

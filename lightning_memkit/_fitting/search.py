@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget, valid_name, whole_number
-from lightning_memkit._checkpointing.blocks import find_blocks
+from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._checkpointing.compiled import (
     COMPILE_BUDGET,
     budget_label,
@@ -33,7 +33,7 @@ from lightning_memkit._checkpointing.compiled import (
     plan_compiled,
 )
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
-from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_plan
+from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_plan, named_plan
 from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.lightning_step import (
@@ -153,6 +153,8 @@ class _Search:
         #: a compiled model's plan at each (micro-batch, optimizer, precision) (`compiled_plan`): the plan
         #: (``None`` where no activation budget fits) and the mode of its step, or of the lowest step tried
         self.compiled: dict[tuple, tuple[CheckpointPlan | None, str]] = {}
+        #: the classes whose instances are the blocks (`plan_fit`'s ``blocks``); ``None``: `find_blocks`'
+        self.blocks: LayerClasses | None = None
         #: whether the model has compiled modules: its checkpointing is torch.compile's activation budget
         self.compiling = bool(compiled_modules(model))
 
@@ -193,6 +195,9 @@ class _Search:
         budget = label_budget(checkpointing)
         if budget is not None:  # a compiled step: torch.compile's activation budget, no block wrapped
             checkpointing, changes["compile_budget"] = "none", budget
+        checkpointing = (
+            named_plan(self.model, checkpointing, self.blocks) or checkpointing
+        )  # the blocks named
         # a candidate, not the run: nothing logged (the plan applied says what it turns off)
         ctx = apply_plan(self.model, checkpointing, announce=False) if checkpointing != "none" else None
         with ctx or contextlib.nullcontext(), warnings.catch_warnings():
@@ -304,6 +309,7 @@ class _Search:
                     self.micro_batch(m),
                     checkpointing=("none", *modes) if "none" not in modes else modes,
                     cost="flops",  # the FLOPs of the ops recomputed; a measured step times plans
+                    blocks=self.blocks,
                     device=self.device,
                     optimizer=optimizer,
                     loss_fn=self.loss_fn,
@@ -547,6 +553,7 @@ def plan_fit(
     batch_axes: SampleAxes | None = None,
     micro_batch_size: int | None = None,
     sharding: Sharding | _layouts.Layouts | Literal["auto"] | None = None,
+    blocks: LayerClasses | None = None,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``; or, with
     ``micro_batch_size``, the run as set up where that fits.
@@ -624,7 +631,11 @@ def plan_fit(
         micro_batch_size: the micro-batch the run is set up with (AutoFit: the batch size attribute; its
             accumulation is the global batch over it): where that micro-batch fits without checkpointing
             with the first optimizer and precision, it is the plan, even if another is faster (a user's
-            accumulation is theirs: a merged one changes the sums, BatchNorm's statistics and the RNG).
+            accumulation is theirs: a merged one changes the sums, BatchNorm's statistics and the RNG),
+            settled by that one simulated step (timed by its FLOPs) outside FSDP2.
+        blocks: the layer classes whose instances are the blocks to checkpoint (``{ResBlock, AttnBlock}``,
+            as `ActivationCheckpointing` takes them); default: the repeated layers `find_blocks` finds. A
+            plan that checkpoints names its blocks (`FitPlan.checkpoint_plan`).
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -667,7 +678,9 @@ def plan_fit(
         raise ValueError(f"n_gpus must be a whole number of GPUs, at least 1; got {n_gpus!r}")
     strategy = valid_name("strategy", strategy, STRATEGIES)
     ranks = _data_parallel_ranks(sharding, strategy, n_gpus, cpu_offload)
-    modes, note = _checkpointable(model, allowed_modes(checkpointing), sharded=strategy == "fsdp2")
+    modes, note = _checkpointable(
+        model, allowed_modes(checkpointing), sharded=strategy == "fsdp2", blocks=blocks
+    )
     axes = default_axes(batch) if batch_axes is None else batch_axes
     total = batch_size(batch, axes)
     if total % ranks:
@@ -721,6 +734,7 @@ def plan_fit(
             "adamw_kahan, sgd_kahan), or a precision with fp32 weights (32-true, bf16-mixed)."
         )
     search.refine_limit = refine_limit
+    search.blocks = None if blocks is None else block_classes(blocks)
     search.limit = limit
     if cpu_offload and strategy != "fsdp2":
         raise ValueError(
@@ -798,7 +812,7 @@ def plan_fit(
             note,
             f"micro-batch {micro_batch_size} x accumulate {G // micro_batch_size} kept as set up: it fits",
         )
-    best = min(options)
+    best = min(options, key=_quickest)
     kept = _as_set_up(search, step_cost, micro_batch_size, sizes, chosen, pairs[0], limit, G)
     if kept is not None and kept != best:
         options, best = [*options, kept], kept
@@ -841,7 +855,7 @@ def plan_fit(
         cost=step_cost,
         modes=modes,
         note=note,
-        checkpoint_plan=best.plan,
+        checkpoint_plan=best.plan or named_plan(model, best.label, search.blocks),
         lever=LEVER_CALLBACKS.get(lever),
         host_bytes=host,
         offload_seconds=per_step + micro * (G // best.m),
@@ -1019,6 +1033,19 @@ class _Option(NamedTuple):
     plan: CheckpointPlan | None
 
 
+def _quickest(option: _Option) -> tuple:
+    """What ranks the options: the time, then no checkpointing before any, then less recompute, then as
+    before. On a CPU a timed checkpointing plan can read no slower than none within the timing noise (its
+    recompute clamped at 0): the tie went to ``"full"``, first by name."""
+    recompute = getattr(option.plan, "overhead", None)
+    return (
+        option.time,
+        option.label != "none",
+        FULL_RECOMPUTE if recompute is None else recompute,
+        *option[1:3],
+    )
+
+
 def _label(modes: Sequence[str]) -> str:
     """A checkpointing plan in a word: its mode if every block has it, else the count of each mode."""
     counts = Counter(modes)
@@ -1164,12 +1191,12 @@ def _pairs(
 
 
 def _checkpointable(
-    model: nn.Module, modes: tuple[str, ...], *, sharded: bool = False
+    model: nn.Module, modes: tuple[str, ...], *, sharded: bool = False, blocks: LayerClasses | None = None
 ) -> tuple[tuple[str, ...], str]:
     """The modes that are candidates for ``model``, and a note on those that are not.
 
-    Checkpointing applies to the repeated blocks `find_blocks` finds; a model with
-    none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
+    Checkpointing applies to the repeated blocks `find_blocks` finds, or the instances of ``blocks``; a model
+    with none (an MLP, a single layer) has nothing to checkpoint, so only ``"none"`` is planned, whatever was
     allowed. A compiled model's blocks are not checkpointed either: inside a compiled graph what is kept
     for backward is torch.compile's partitioner's choice, so its mode is `COMPILE_BUDGET`, the activation
     budget `plan_compiled` finds at each micro-batch; except under FSDP2 (``sharded``), whose sharded step
@@ -1187,8 +1214,10 @@ def _checkpointable(
             f"no longer saves), the highest whose step fits, tried from {configured_budget():g} down a "
             "tenth at a time; no block is wrapped"
         )
-    if modes == ("none",) or find_blocks(model):
+    if modes == ("none",) or find_blocks(model, blocks):
         return modes, ""
+    if blocks is not None:
+        raise ValueError(no_blocks_message(model, "plan_fit(..., blocks={MyBlock})", blocks))
     dropped = ", ".join(mode for mode in modes if mode != "none")
     return ("none",), (
         f"checkpointing {dropped} not planned: {type(model).__name__} has no repeated blocks to checkpoint"

@@ -270,15 +270,6 @@ class ActivationCheckpointing(Callback):
     def modes_for(self, modes: Sequence[str], planner: str = "AutoFit") -> tuple[str, ...]:
         """The checkpointing modes a planner beside this callback may give a block: ``modes`` (the
         planner's own) narrowed to this callback's ``checkpointing``. What cannot be honoured is refused."""
-        if self.layer_classes is not None:
-            names = ", ".join(sorted(c.__name__ for c in self.layer_classes))
-            raise ValueError(
-                f"ActivationCheckpointing(blocks={{{names}}}) names the blocks to checkpoint, but {planner} "
-                f"is among the callbacks too and plans the checkpointing itself, of the repeated blocks it "
-                f"finds, with the micro-batch and the optimizer; it cannot be told which blocks. Keep one: "
-                f"{planner} alone (it checkpoints the model's repeated blocks where the budget needs it), or "
-                f"ActivationCheckpointing alone."
-            )
         kept = tuple(m for m in modes if m in self.modes)
         if not any(m != "none" for m in kept) and any(m != "none" for m in self.modes):
             raise ValueError(
@@ -288,6 +279,21 @@ class ActivationCheckpointing(Callback):
                 f"{' or '.join(repr(m) for m in self.modes if m != 'none')}, or keep one callback."
             )
         return kept
+
+    def blocks_for(
+        self, blocks: tuple[type[nn.Module], ...] | None, planner: str = "AutoFit"
+    ) -> tuple[type[nn.Module], ...] | None:
+        """The blocks a planner beside this callback checkpoints: this callback's ``blocks``, or ``blocks``
+        (the planner's own; ``None``: the repeated layers `find_blocks` finds). Two different sets are
+        refused."""
+        if self.layer_classes is None or blocks is None or set(blocks) == set(self.layer_classes):
+            return self.layer_classes or blocks
+        mine, theirs = (", ".join(sorted(c.__name__ for c in b)) for b in (self.layer_classes, blocks))
+        raise ValueError(
+            f"ActivationCheckpointing(blocks={{{mine}}}) and {planner}(blocks={{{theirs}}}) beside it name "
+            f"different blocks to checkpoint; {planner} plans the checkpointing for both: give the same "
+            f"blocks to both, or to {planner} alone."
+        )
 
     def _defer(self, planner: Callback) -> None:
         """Leave the checkpointing to ``planner`` (an `AutoFit` in the same fit), which plans it with the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from lightning.pytorch.utilities.parsing import (
     lightning_setattr,
 )
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_memkit._breakdown import MiB, format_bytes
@@ -43,6 +45,8 @@ from lightning_memkit._budget import (
     valid_name,
     whole_number,
 )
+from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes
+from lightning_memkit._checkpointing.policies import named_plan
 from lightning_memkit._diagnosis.oom import StepInFlight
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.isolate import isolated, rng_kept
@@ -63,6 +67,7 @@ from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
 from lightning_memkit._sharding.layout import Layout
 from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes, renamed
 from lightning_memkit.callbacks._oom_report import report_oom
+from lightning_memkit.callbacks._progress import count_batches
 from lightning_memkit.callbacks._step_guard import StepGuard
 from lightning_memkit.callbacks._trainer import (
     built_late,
@@ -110,6 +115,10 @@ class AutoFit(Callback):
             the modes (``("none", "full")``); a
             module without repeated blocks is planned without checkpointing (the plan's ``note``, in the
             info line, says so).
+        blocks: the layer classes whose instances are the blocks to checkpoint (``{ResBlock, AttnBlock}``),
+            as `ActivationCheckpointing` takes them; default: the repeated layers `find_blocks` finds (in
+            containers or as attributes). An ``ActivationCheckpointing(blocks=...)`` beside AutoFit gives
+            its blocks to AutoFit's plan.
         cost: the throughput model (`plan_fit`'s ``cost``).
         verify_steps: first steps whose measured peak is checked (CUDA) and whose OOM in the forward or
             backward is recovered from (one process, automatic optimization); 0 turns both off.
@@ -126,6 +135,7 @@ class AutoFit(Callback):
         batch_arg_name: str = "batch_size",
         optimizers: Sequence[str] | None = None,
         checkpointing: str | Sequence[str] = AUTO,
+        blocks: LayerClasses | None = None,
         cost: str = "auto",
         verify_steps: int = 3,
         batch_size_attr: str | None = None,
@@ -142,6 +152,8 @@ class AutoFit(Callback):
         if optimizers is not None:  # a name alone is one candidate, not its letters
             optimizers = names("optimizers", optimizers, CATALOGUE, none=True)
         checkpointing = allowed_modes(checkpointing)
+        #: the layer classes whose instances are the blocks; ``None``: the repeated layers (`find_blocks`)
+        self.blocks = None if blocks is None else block_classes(blocks)
         if not isinstance(cost, StepCost):  # a StepCost is plan_fit's too
             cost = valid_name("cost", cost, COSTS)
         verify_steps = whole_number("verify_steps", verify_steps, of="steps", at_least=0)
@@ -179,6 +191,8 @@ class AutoFit(Callback):
         self._mixed_precision_policy = False
         #: the ranks' collectives, timed by AutoFitStrategy (else `_sharding.fsdp2.LINKS`' for the device)
         self._link: Any = None
+        #: what gives the progress bar its own class back (`count_batches`), while the fit runs
+        self._bar: Any = None
 
     @property
     def sample_axes(self) -> SampleAxes | None:
@@ -247,6 +261,8 @@ class AutoFit(Callback):
         plan, self._axes, self._layout = on_rank_zero(trainer, decide, "AutoFit's planning")
         self.plan = FitPlan.from_dict(plan)
         self._install(self.plan)
+        if self._bar is None:  # the bar counts the plan's batches, not its optimizer steps (`_progress`)
+            self._bar = count_batches(trainer)
         rank_zero_info(f"AutoFit: {self.plan}")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -269,6 +285,11 @@ class AutoFit(Callback):
         `ActivationCheckpointing` in the same fit (which then defers to this plan)."""
         beside = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
         return tuple(self.checkpointing) if beside is None else beside.modes_for(self.checkpointing)
+
+    def _blocks(self, trainer: pl.Trainer) -> tuple[type[nn.Module], ...] | None:
+        """The blocks to checkpoint: this callback's, or those of an `ActivationCheckpointing` beside it."""
+        beside = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
+        return self.blocks if beside is None else beside.blocks_for(self.blocks)
 
     def _optimizers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sequence[str | None] | None:
         """The optimizers to plan: this callback's; without them, with an `OptimizerSwap` in the same fit
@@ -316,6 +337,7 @@ class AutoFit(Callback):
             batch_axes=self._axes,
             micro_batch_size=users,
             sharding=layout,
+            blocks=self._blocks(trainer),
             **step_levers(trainer),
         )
 
@@ -536,9 +558,16 @@ class AutoFit(Callback):
 
     def _apply(self, plan: FitPlan) -> None:
         assert self._target is not None
+        trainer, module = self._target
         if self._applied is not None:
             self._applied.remove()
-        self._applied = plan.apply(self._target[1])
+        if plan.checkpoint_plan is None and (
+            named := named_plan(module, plan.checkpointing, self._blocks(trainer))
+        ):
+            plan = dataclasses.replace(
+                plan, checkpoint_plan=named
+            )  # a leaner row's mode, on the blocks named
+        self._applied = plan.apply(module)
 
     # --- after planning -------------------------------------------------------------------------
 
@@ -666,6 +695,9 @@ class AutoFit(Callback):
         the Trainer's ``accumulate_grad_batches`` at the user's values (the plan stays in `plan` and in the
         checkpoint)."""
         if stage == "fit":
+            if self._bar is not None:
+                self._bar()
+                self._bar = None
             self._release()
             self._unapply()
             self._restore()
