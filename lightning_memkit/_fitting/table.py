@@ -34,8 +34,9 @@ from lightning_memkit._optimizers.swap import COMPENSATED
 
 __all__ = ["Cell", "FitTable", "fit_table"]
 
-#: The checkpointing modes a cell tries, lightest first.
-TABLE_MODES = ("none", "selective", "full")
+#: The checkpointing modes a cell tries, lightest first (selective between them costs a simulation more
+#: at every cell where none is over).
+TABLE_MODES = ("none", "full")
 #: `fit_table`'s default bound on the simulations (a 7B model's take about a second each).
 MAX_SIMULATIONS = 120
 #: The longest sequence is searched in steps of this many tokens.

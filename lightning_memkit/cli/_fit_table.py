@@ -46,8 +46,11 @@ def run_fit_table(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.loop)
     block = _block_size(model)
     seq_lens = _seq_lens(args.seq_lens, block, model)
-    args.optimizer_used, _ = optimizer_used(model, args.optimizer)
+    args.optimizer_used, catalogued = optimizer_used(model, args.optimizer)
     options = step_options(model, args.optimizer)
+    # A LightningModule's own optimizer by its catalogue name where it has one: its static floor is
+    # counted, and at 16-bit weights its Kahan twin stepped, as memkit plan plans it
+    options["optimizer"] = options["optimizer"] or catalogued
     start = time.perf_counter()
     largest_batch = max(args.batch_sizes)
     with step_errors(model, args.model, largest_batch, max(seq_lens)), usage_error(ValueError):

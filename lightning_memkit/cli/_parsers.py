@@ -478,7 +478,7 @@ def add_advise(subparsers: Any) -> None:
 #: ``memkit fit-table``'s default grid: micro-batches, sequence lengths (those past the model's block size
 #: left out), precisions and checkpointing modes, lightest first.
 FIT_BATCHES, FIT_SEQ_LENS = (1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096)
-FIT_PRECISIONS, FIT_MODES = ("32-true", "bf16-mixed", "bf16-true"), ("none", "selective", "full")
+FIT_PRECISIONS, FIT_MODES = ("32-true", "bf16-mixed", "bf16-true"), ("none", "full")
 #: ``--max-simulations``' default: a 7B model's steps take about a second each on two cores.
 FIT_SIMULATIONS = 120
 
@@ -489,10 +489,11 @@ def add_fit_table(subparsers: Any) -> None:
         help="what fits a GPU: micro-batch x sequence length x precision, each cell a simulated step",
         description=(
             "Print, for each precision, a micro-batch x sequence length table for one GPU: each cell the "
-            "simulated peak of one training step with the lightest checkpointing that fits (none, "
-            "selective, full), or over; under it the largest micro-batch that fits at each sequence length "
-            "(any whole number, not a power of two) and the longest sequence at micro-batch 1, both with "
-            "the strongest checkpointing. Nothing is allocated; no GPU is needed."
+            "simulated peak of one training step with the lightest checkpointing that fits (none, then "
+            "full; --checkpointing none,selective,full tries selective between), or over; under it the "
+            "largest micro-batch that fits at each sequence length (any whole number, not a power of two) "
+            "and the longest sequence at micro-batch 1, both with the strongest checkpointing. Nothing is "
+            "allocated; no GPU is needed."
         ),
         epilog=(
             "Cells are skipped, not guessed: a precision whose parameters, gradients and optimizer state "
