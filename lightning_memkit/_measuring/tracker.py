@@ -376,6 +376,10 @@ class Tracker(TorchDispatchMode):
         self.peak = 0
         self.peak_clock = 0
         self.peak_live: list[Storage] = []
+        #: the phase of the step running now, as the caller names it (`enter_phase`); ``None``: not followed
+        self.named_phase: str | None = None
+        #: the highest total in each phase entered so far (bytes): their maximum is `peak`
+        self.phase_peaks: dict[str, int] = {}
         #: why the step could not be followed (a torch.func transform turned saved-tensor hooks off)
         self.unfollowed: str | None = None
         #: the first op whose outputs were sized by the values of its inputs (`_value_shaped`), or ``None``:
@@ -443,6 +447,8 @@ class Tracker(TorchDispatchMode):
         if preexisting:
             # It was live since the step began, so it was live at the highest point seen so far too.
             self.peak += nbytes
+            for phase in self.phase_peaks:  # and at each phase's
+                self.phase_peaks[phase] += nbytes
             self.peak_live.append(rec)
             if self.peak_nbytes is not None:
                 self.peak_nbytes.append(nbytes)
@@ -489,8 +495,17 @@ class Tracker(TorchDispatchMode):
         if entry is not None:
             self.current -= entry[1].nbytes
 
+    def enter_phase(self, phase: str) -> None:
+        """From now on the step is in ``phase`` (forward, backward, optimizer step: the caller's names; a
+        phase entered again goes on with its highest): `phase_peaks` keeps each phase's highest total."""
+        self._settle()
+        self.named_phase = phase
+        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.current)
+
     def _check_peak(self) -> None:
         self._settle()
+        if self.named_phase is not None and self.current > self.phase_peaks[self.named_phase]:
+            self.phase_peaks[self.named_phase] = self.current
         if self.current > self.peak:
             self.peak = self.current
             self.peak_clock = self.clock
@@ -645,6 +660,8 @@ class Tracker(TorchDispatchMode):
     def _kernel_high(self, unseen: int) -> None:
         """A kernel held ``unseen`` bytes more than the live storages show, at its highest."""
         self._settle()
+        if self.named_phase is not None and self.current + unseen > self.phase_peaks[self.named_phase]:
+            self.phase_peaks[self.named_phase] = self.current + unseen
         if self.current + unseen > self.peak:
             self.peak = self.current + unseen
             self.peak_clock = self.clock
@@ -925,6 +942,9 @@ class MemoryMeasurement:
         #: split into ``trainable_parameters`` and ``frozen_parameters`` (with their quantization state, and
         #: the buffers), in bytes; else ``None``
         self.parameter_split: dict[str, int] | None = None
+        #: the highest total of each phase the caller named (`enter_phase`), in bytes, by phase; ``None``
+        #: when none was named. The tracker's own count: on CUDA without the allocator's workspaces
+        self.phase_peaks: dict[str, int] | None = None
         #: the error the measurement's own bookkeeping hit inside the step, or ``None``: the step ran on
         #: untouched (the error never reaches it), and there is no `breakdown`
         self.failure: Exception | None = None
@@ -946,6 +966,12 @@ class MemoryMeasurement:
     @property
     def peak(self) -> int:
         return self.breakdown.peak
+
+    def enter_phase(self, phase: str) -> None:
+        """Name the part of the step that begins now (``"forward"``, ``"backward"``, ...): `phase_peaks`
+        gets each named phase's highest total. What ran before the first name belongs to none."""
+        if self._tracker is not None:
+            self._tracker.enter_phase(phase)
 
     def __enter__(self) -> MemoryMeasurement:
         if self.device.type == "cuda":
@@ -982,6 +1008,7 @@ class MemoryMeasurement:
         self.parameter_split = tracker.parameter_split() if frozen else None
         self.unfollowed = tracker.unfollowed
         self.value_shaped = tracker.value_shaped
+        self.phase_peaks = dict(tracker.phase_peaks) or None
 
 
 def _unpack_checked(packed: tuple[Tensor, int]) -> Tensor:
