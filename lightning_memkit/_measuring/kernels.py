@@ -11,8 +11,10 @@ and dtypes under torch.profiler's memory timeline: a separate process, because t
 session per process and that one belongs to the user. The answer depends only on the op, its argument
 specs and the settings that select a kernel (threads, oneDNN on or off, fp32 matmul precision,
 deterministic algorithms), so it is cached for the life of the process; the worker starts on the first
-question (about two seconds) and only for runs that use these ops on the CPU. A forked child starts a
-helper of its own (the parent's pipes are the parent's); a helper that dies is started again once.
+question (2-4 s: it imports torch and runs its first profile), or in the background when `MemoryMonitor`
+sets up a CPU run (`start_helper`), so that the first measured step need not wait for it. A forked
+child starts a helper of its own (the parent's pipes are the parent's); a helper that dies is started
+again once.
 
 The trackers then count, for such an op, ``live before the op + its highest allocation`` as a candidate
 peak, the excess over what they see landing in ``temporary``. If the worker still cannot answer, one
@@ -132,6 +134,40 @@ class _Worker:
         self.restarted = False
         self.lock = threading.Lock()
         self.cache: dict[Any, Any] = {}
+        #: answers to warm-up questions (`start`) not read yet: the pipe answers in order
+        self.unread = 0
+
+    def start(self) -> bool:
+        """Start the helper now, without waiting for it: it imports torch and runs its first profile
+        (together 2-4 s) while the caller goes on, so the first question finds it ready. Returns whether a
+        process was started (not when one runs already, or the helper failed before)."""
+        if self.pid != os.getpid():
+            self._forked()
+        with self.lock:
+            if self.process is not None or self.failed:
+                return False
+            try:
+                self._spawn()
+                assert self.process is not None and self.process.stdin is not None
+                write(self.process.stdin, _warm_up())
+            except Exception:  # the first real question tries again, and warns if it cannot
+                self.stop()
+                return False
+            self.unread += 1
+            return True
+
+    def ready(self) -> None:
+        """Wait until a helper `start` began has answered its warm-up question; a helper that cannot is
+        stopped, and the first real question starts it again (and warns if that fails too)."""
+        if self.pid != os.getpid():
+            self._forked()
+        with self.lock:
+            try:
+                while self.unread:
+                    self._answer()
+                    self.unread -= 1
+            except Exception:
+                self.stop()
 
     def ask(self, func: Any, args: tuple, kwargs: dict, question: str = "peak") -> Any:
         if self.pid != os.getpid():
@@ -172,17 +208,28 @@ class _Worker:
         """In a forked child: the parent's helper and lock are the parent's; the answers still hold."""
         self.pid = os.getpid()
         self.process = None
+        self.unread = 0
         self.lock = threading.Lock()
+
+    def _spawn(self) -> None:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        self.process = subprocess.Popen(  # the file itself: the package's imports are not needed there
+            [sys.executable, str(Path(__file__).with_name("kernel_worker.py"))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
 
     def _request(self, request: tuple) -> Any:
         if self.process is None:
-            env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-            self.process = subprocess.Popen(  # the file itself: the package's imports are not needed there
-                [sys.executable, str(Path(__file__).with_name("kernel_worker.py"))],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-            )  # fmt: skip
-        assert self.process.stdin is not None and self.process.stdout is not None
+            self._spawn()
+        assert self.process is not None and self.process.stdin is not None
         write(self.process.stdin, request)
+        while self.unread:  # a warm-up's answer comes first
+            self._answer()
+            self.unread -= 1
+        return self._answer()
+
+    def _answer(self) -> Any:
+        assert self.process is not None and self.process.stdout is not None
         ready, _, _ = select.select([self.process.stdout], [], [], _TIMEOUT_S)
         if not ready:
             raise TimeoutError(f"the helper process did not answer in {_TIMEOUT_S:.0f} s")
@@ -192,7 +239,7 @@ class _Worker:
             raise RuntimeError(f"the helper process exited with code {self.process.wait()}") from None
 
     def stop(self) -> None:
-        process, self.process = self.process, None
+        process, self.process, self.unread = self.process, None, 0
         if process is None or self.pid != os.getpid():
             return
         if process.poll() is None:
@@ -204,8 +251,24 @@ class _Worker:
                     pipe.close()
 
 
+def _warm_up() -> tuple:
+    """A question whose answer no one needs: it makes the helper import torch and run its first profile."""
+    square = ("tensor", (2, 2), (2, 1), torch.float32)
+    return ("peak", "aten.mm.default", (square, square), {}, _settings())
+
+
 _WORKER = _Worker()
 atexit.register(_WORKER.stop)
+
+
+def start_helper() -> bool:
+    """Start the helper process in the background (see `_Worker.start`); ``True`` if this started it."""
+    return _WORKER.start()
+
+
+def helper_ready() -> None:
+    """Wait for the helper `start_helper` started to be ready to answer (see `_Worker.ready`)."""
+    _WORKER.ready()
 
 
 def _is_foreign(func: Any) -> bool:
