@@ -348,6 +348,7 @@ class _TinyLM(nn.Module):
         return self.model(input_ids=ids, labels=ids).loss
 
 
+@pytest.mark.slow  # compiles or plans: 15-50 s on 2 cores
 def test_a_compiled_bf16_step_counts_what_its_matmuls_hide():
     """The code torch.compile generates calls its matmuls with ``out=`` (``extern_kernels.mm(a, b,
     out=buf)``), whose CPU kernels in bf16 can compute through fp32 copies no dispatcher sees, as the plain

@@ -272,6 +272,7 @@ def test_a_sequential_compiled_in_place_runs_eagerly_and_is_simulated_so():
     assert compiled_modules(torch.compile(model))  # torch.compile(module) forces a frame: compiled
 
 
+@pytest.mark.slow  # compiles or plans: 15-50 s on 2 cores
 def test_estimating_a_compiled_model_compiles_nothing():
     """The simulation traces with AOTAutograd, never through dynamo: no frame is compiled, skipped or
     given a cache entry for it, so the real run compiles as it would without the estimate."""
@@ -283,6 +284,7 @@ def test_estimating_a_compiled_model_compiles_nothing():
     assert not counters["frames"] and not counters["stats"], dict(counters)
 
 
+@pytest.mark.slow  # compiles or plans: 15-50 s on 2 cores
 def test_the_compile_budget_lowers_the_estimate_and_is_given_back():
     from torch._functorch import config
 
@@ -386,6 +388,7 @@ def test_a_fit_that_raises_gives_the_activation_budget_back(tmp_path):
     assert config.activation_memory_budget == before
 
 
+@pytest.mark.slow  # compiles or plans: 15-50 s on 2 cores
 def test_a_budget_below_the_compiled_step_is_planned_through_the_activation_budget():
     """The quick tier's case. `plan_checkpointing` (ActivationCheckpointing's): a budget the compiled step
     misses by a byte, which its step at 0.9 meets. `plan_fit` (AutoFit's) below the step at the whole

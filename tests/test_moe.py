@@ -312,6 +312,7 @@ def test_a_plan_says_what_routing_it_assumed():
     assert estimate == pytest.approx(truth, rel=1e-3)
 
 
+@pytest.mark.slow  # compiles or plans: 15-50 s on 2 cores
 def test_a_checkpointing_plan_says_what_routing_it_assumed():
     """`plan_checkpointing` on the eager experts: the planner's profile of each block (run again inside the
     forward, in every mode) replays the routing its own call will, and the plan (and so
