@@ -2,22 +2,29 @@
 
     python benchmarks/bench_fit_table.py
 
-The budget is a number of bytes checked against the allocator's truth (`lightning_memkit.testing`'s
-`AllocatorPeaks`: torch.profiler's memory timeline of each training step). Three answers:
+Every training step's peak is `counting_allocator`'s (installed when the process starts, before any model
+is built): the highest bytes live in the step, what was live when it began and is not its own (the data
+set, Lightning's checkpoint of the module) taken off, as `AllocatorPeaks(all_threads=True)` counts it. The
+step is measured from the LightningModule's own hooks (`GPTOnABudget`), not from a Callback: Lightning's
+``BatchSizeFinder`` runs its trials with ``trainer.callbacks = []`` (``__scale_batch_reset_params``), so
+a callback never sees a trial step, but the module's ``on_train_batch_start`` / ``on_train_batch_end``
+run in every one. Three answers under one budget:
 
-- truth: the largest micro-batch whose measured steps (a short fit of ``STEPS`` steps at that size, its
-  highest step) fit the budget, the next size's over it (bisected over real fits);
+- truth: the largest micro-batch whose real steps (a fit of ``STEPS`` steps at that size, its highest
+  step) fit the budget, the next size's over it (bisected over real fits);
 - ours: `largest_micro_batch` on simulated steps (fake tensors; nothing allocated, nothing fails);
-- Lightning's ``BatchSizeFinder`` in its power and binsearch modes, with an out-of-memory error emulated
-  past the budget: a callback raises ``RuntimeError("CUDA out of memory ...")`` (what Lightning's
-  ``is_oom_error`` takes for one) after any trial step whose measured peak is over it.
+- Lightning's ``BatchSizeFinder`` in its power and binsearch modes (``margin=0``, as ours; its default
+  0.05 would take 5 % off binsearch's answer), on a pretend device of the budget's size: a step whose
+  measured peak is over it raises ``RuntimeError("CUDA out of memory. ...")`` at its end, the one
+  argument Lightning's ``is_oom_error`` takes for an out-of-memory error (a ``RuntimeError`` whose
+  message holds "CUDA" and "out of memory"). The benchmark checks that the error was raised.
 
-Each answer's own measured peak is printed beside it, with its work (steps run or simulated) and seconds.
-Known issue: in a first run (load 5 on two cores) BatchSizeFinder's trials went on to 4,096 samples, the
-emulated error never raised; the emulation is not yet verified. The budget is placed between the truth's peaks at ``BETWEEN`` and ``BETWEEN + 1`` samples, a size no power
-of two reaches.
+The budget lies between the measured peaks at ``BETWEEN`` and ``BETWEEN + 1`` samples, a size no power
+of two reaches. Each answer's own measured peak is printed beside it, with its work (real steps run, or
+steps simulated) and its seconds.
 """
 
+import tempfile
 import time
 
 import lightning as L
@@ -26,47 +33,71 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 
 from lightning_memkit import largest_micro_batch
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
-from lightning_memkit.testing import AllocatorPeaks
+from lightning_memkit.testing import AllocatorPeaks, counting_allocator
 
 T, STEPS, BETWEEN = 32, 2, 11
+SENTENCES = 2_000  # about 120 kB of text: thousands of samples, more than any size tried
 
 
-class OutOfBudget(L.Callback):
-    """A pretend device of ``budget`` bytes: a step whose allocator peak is over it fails as CUDA would."""
+class GPTOnABudget(GPTLightningModule):
+    """The tiny GPT measuring each training step from its own hooks, as if on a device of ``budget``
+    bytes (``None``: no limit): a step that peaks over it raises the error CUDA would. ``steps`` holds
+    every step's ``(micro-batch, peak)``; ``ooms`` counts the errors raised."""
 
-    def __init__(self, peaks: AllocatorPeaks, budget: int) -> None:
-        self.peaks, self.budget, self.steps = peaks, budget, 0
+    peaks: AllocatorPeaks
+    budget: int | None = None
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps += 1
-        self.peaks._close()  # the step's window, closed here: before the check, not after
-        if self.peaks.peaks[-1] > self.budget:
+    def on_train_batch_start(self, batch, batch_idx):
+        self.peaks.start.on_train_batch_start(self.trainer, self, batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.peaks.stop.on_train_batch_end()
+        peak = self.peaks.peaks[-1]
+        self.steps.append((len(batch[0]), peak))
+        if self.budget is not None and peak > self.budget:
+            self.ooms += 1
             raise RuntimeError(
-                f"CUDA out of memory. (emulated: the step peaked at {self.peaks.peaks[-1]:,} bytes, over the "
-                f"budget of {self.budget:,})"
+                f"CUDA out of memory. (emulated: a step of {len(batch[0])} samples peaked at {peak:,} bytes, "
+                f"over the pretend device's {self.budget:,})"
             )
 
 
-def trainer(callbacks, steps=STEPS) -> L.Trainer:
-    return L.Trainer(
-        max_steps=steps, limit_val_batches=0, accelerator="cpu", devices=1, logger=False,
-        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
-    )  # fmt: skip
+def gpt(budget: int | None = None) -> GPTOnABudget:
+    """A fresh, seeded `GPTOnABudget` (its measuring set after construction: ``save_hyperparameters``
+    keeps only the GPT's own arguments, and the checkpoint BatchSizeFinder saves stays picklable)."""
+    torch.manual_seed(0)
+    model = GPTOnABudget("tiny", max_steps=STEPS)
+    model.peaks, model.budget, model.steps, model.ooms = AllocatorPeaks(all_threads=True), budget, [], 0
+    return model
+
+
+def fit(model: GPTOnABudget, batch_size: int, callbacks=(), steps: int = STEPS) -> None:
+    with tempfile.TemporaryDirectory() as root:  # BatchSizeFinder saves and restores a checkpoint there
+        L.Trainer(
+            default_root_dir=root, max_steps=steps, limit_val_batches=0, accelerator="cpu", devices=1,
+            logger=False, callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False,
+        ).fit(model, GPTDataModule(batch_size=batch_size, seq_len=T, num_sentences=SENTENCES))  # fmt: skip
+
+
+_measured: dict[int, int] = {}
 
 
 def measured(m: int) -> int:
-    """The highest allocator peak of ``STEPS`` real training steps at micro-batch ``m``."""
-    torch.manual_seed(0)
-    peaks = AllocatorPeaks()
-    trainer(peaks.around()).fit(GPTLightningModule("tiny"), GPTDataModule(batch_size=m, seq_len=T))
-    return max(peaks.peaks)
+    """The highest step peak of a real fit of ``STEPS`` steps at micro-batch ``m`` (each size fitted once)."""
+    if m not in _measured:
+        model = gpt()
+        fit(model, m)
+        _measured[m] = max(peak for _, peak in model.steps)
+    return _measured[m]
 
 
 def truth(budget: int, hi: int) -> tuple[int, int]:
-    """The largest micro-batch whose measured peak fits (bisection over 1..hi, checked at both ends), and
-    the real fits it took."""
-    lo, fits = 0, 0  # sizes[lo] fits, hi does not
+    """The largest micro-batch whose measured peak fits (bisection over 1..hi, ``hi`` over), and the real
+    fits it took."""
+    if measured(hi) <= budget:
+        raise ValueError(f"micro-batch {hi} fits {budget:,} bytes: bisect over a larger range")
+    lo, fits = 0, 1  # lo fits (0 trivially), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         fits += 1
@@ -74,56 +105,56 @@ def truth(budget: int, hi: int) -> tuple[int, int]:
     return lo, fits
 
 
-def finder(mode: str, budget: int) -> tuple[int, int]:
-    """BatchSizeFinder's answer under the emulated device, and the trial steps it ran."""
-    torch.manual_seed(0)
-    peaks = AllocatorPeaks()
-    oom = OutOfBudget(peaks, budget)
-    data = GPTDataModule(batch_size=1, seq_len=T)
-    found = BatchSizeFinder(mode=mode, init_val=1, max_trials=25, steps_per_trial=STEPS)
-    trainer([peaks.start, found, oom], steps=1).fit(GPTLightningModule("tiny"), data)
-    return found.optimal_batch_size, oom.steps
+def finder(mode: str, budget: int) -> tuple[int, int, int]:
+    """BatchSizeFinder's answer on the pretend device, the trial steps it ran and the errors raised; each
+    trial step's peak after the first (the first step runs before any gradient or AdamW state exists; a
+    fresh fit's highest step is a later one) is kept to check against the fresh fits' (`trials`)."""
+    model = gpt(budget)
+    found = BatchSizeFinder(mode=mode, init_val=1, max_trials=25, steps_per_trial=STEPS, margin=0.0)
+    fit(model, 1, [found], steps=1)  # the trials, then one step at the size found
+    if model.ooms == 0:
+        raise RuntimeError(f"BatchSizeFinder({mode!r}) never met the emulated out-of-memory error")
+    trials.extend(model.steps[1:-1])
+    return found.optimal_batch_size, len(model.steps) - 1, model.ooms
+
+
+trials: list[tuple[int, int]] = []  # every trial step's (micro-batch, peak), both modes
+
+
+def timed(work):
+    """``work()`` and its seconds."""
+    start = time.perf_counter()
+    return work(), time.perf_counter() - start
 
 
 def main() -> None:
-    torch.set_num_threads(1)  # a shared CPU: steadier peaks and times
+    counting_allocator()  # before any model is built: it counts only what is allocated after
+    torch.set_num_threads(1)  # a shared CPU: steadier times
     below, above = measured(BETWEEN), measured(BETWEEN + 1)
     budget = (below + above) // 2
     print(f"tiny GPT, sequences of {T} tokens, AdamW, 32-true, CPU; budget {budget:,} bytes")
     print(f"(between the measured peaks of {BETWEEN} samples, {below:,}, and {BETWEEN + 1}, {above:,})\n")
-    rows = []
 
-    start = time.perf_counter()
-    best, fits = truth(budget, 2 * BETWEEN + 2)
-    rows.append(
-        ("truth (bisected real fits)", best, f"{fits} fits of {STEPS} steps", time.perf_counter() - start)
-    )
-
-    start = time.perf_counter()
-    model = GPTLightningModule("tiny")
-    x = torch.zeros(1, T, dtype=torch.long)
-    ours = largest_micro_batch(model, (x, x), budget, margin=0.0, device="cpu")
-    work = f"{len(ours.simulated)} simulated steps"
-    rows.append(("largest_micro_batch (simulated)", ours.micro_batch_size, work, time.perf_counter() - start))
-
+    _measured.clear()  # the truth's own fits, counted and timed
+    (best, fits), seconds = timed(lambda: truth(budget, 2 * BETWEEN + 2))
+    rows = [("truth (bisected real fits)", best, f"{fits * STEPS} steps ({fits} fits)", seconds)]
+    x = torch.randint(0, 256, (1, T))
+    ours, seconds = timed(lambda: largest_micro_batch(gpt(), (x, x), budget, margin=0.0, device="cpu"))
+    rows.append(("largest_micro_batch", ours.micro_batch_size, f"{len(ours.simulated)} simulated", seconds))
     for mode in ("power", "binsearch"):
-        start = time.perf_counter()
-        size, steps = finder(mode, budget)
-        rows.append(
-            (
-                f"BatchSizeFinder({mode!r}), OOM emulated",
-                size,
-                f"{steps} trial steps",
-                time.perf_counter() - start,
-            )
-        )
+        (size, steps, ooms), seconds = timed(lambda mode=mode: finder(mode, budget))
+        rows.append((f"BatchSizeFinder({mode!r})", size, f"{steps} steps ({ooms} OOM)", seconds))
 
-    print(f"{'method':42} {'micro-batch':>11} {'measured peak':>15}  {'fits':>4}  {'work':24} {'seconds':>7}")
+    print(f"| {'method':28} | {'answer':>6} | {'measured peak':>13} | {'fits':4} | {'work':19} | {'s':>5} |")
+    print(f"|{'-' * 30}|{'-' * 7}:|{'-' * 14}:|{'-' * 6}|{'-' * 21}|{'-' * 6}:|")
     for name, size, work, seconds in rows:
         peak = measured(size) if size else 0
         fits = "yes" if peak <= budget else "NO"
-        print(f"{name:42} {size:>11} {peak:>15,}  {fits:>4}  {work:24} {seconds:>7.1f}")
+        print(f"| {name:28} | {size:>6} | {peak:>13,} | {fits:4} | {work:19} | {seconds:>5.1f} |")
     print(f"\nours, as it says: {ours}")
+    print(f"its simulated peak {ours.peak:,} B, measured {measured(ours.micro_batch_size):,} B")
+    off = max(abs(peak - measured(m)) for m, peak in trials)
+    print(f"BatchSizeFinder's trial steps after its first ({len(trials)}): within {off:,} B of fresh fits")
 
 
 if __name__ == "__main__":
