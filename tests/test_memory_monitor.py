@@ -245,7 +245,8 @@ def test_log_every_n_steps(trainer_kwargs):
     """On Lightning's logging steps (issue 29: memory landed at 0, 2, 4 and train_loss at 1, 3, so in the
     CSV they never shared a row)."""
     trainer, _ = _fit(_LoggingLM(), MemoryMonitor(log_every_n_steps=2), trainer_kwargs, max_steps=5)
-    assert _rows_by_key(trainer) == {"memory/peak": [1, 3], "train_loss": [0, 1, 2, 3, 4]}  # Trainer's: 1
+    # and at the end of fit, the step after the last logging one (issue 49: no peak may go unlogged)
+    assert _rows_by_key(trainer) == {"memory/peak": [1, 3, 4], "train_loss": [0, 1, 2, 3, 4]}  # Trainer's: 1
 
 
 def test_the_logging_period_follows_the_trainer_by_default(trainer_kwargs):
@@ -253,8 +254,10 @@ def test_the_logging_period_follows_the_trainer_by_default(trainer_kwargs):
     ``log_every_n_steps``; issue 29: on the same steps."""
     kwargs = {**trainer_kwargs, "log_every_n_steps": 3}
     trainer, _ = _fit(_LoggingLM(), MemoryMonitor(), kwargs, max_steps=7)
-    assert _rows_by_key(trainer) == {"memory/peak": [2, 5], "train_loss": [2, 5]}
-    assert len({tuple(r.items()) for r in _csv_rows(trainer)}) == 2  # one row each, shared with the loss
+    # step 6, after the last logging step, is logged at the end of fit (issue 49: no peak unlogged)
+    assert _rows_by_key(trainer) == {"memory/peak": [2, 5, 6], "train_loss": [2, 5]}
+    rows = {tuple(r.items()) for r in _csv_rows(trainer)}
+    assert len(rows) == 3  # one row each: steps 2 and 5 shared with the loss
 
 
 def test_over_budget_warns_with_numbers(trainer_kwargs):

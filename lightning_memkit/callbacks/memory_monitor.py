@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import enum
 import numbers
+import time
 import types
 import warnings
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -46,9 +48,10 @@ from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format
 from lightning_memkit._budget import flag, parse_budget, reads_device, whole_number
 from lightning_memkit._diagnosis.advise import Advice, advise
 from lightning_memkit._diagnosis.html_report import html_report
-from lightning_memkit._diagnosis.oom import StepInFlight, on_cpu, simulable
+from lightning_memkit._diagnosis.oom import PHASES, StepInFlight, on_cpu, simulable
 from lightning_memkit._diagnosis.report import plot_history, render_summary
 from lightning_memkit._diagnosis.snapshot import advised_snapshot, simulated_snapshot, write_snapshot
+from lightning_memkit._measuring.kernels import helper_ready, start_helper
 from lightning_memkit._measuring.tracker import (
     MemoryMeasurement,
     leaves,
@@ -57,6 +60,7 @@ from lightning_memkit._measuring.tracker import (
     storage_bytes,
 )
 from lightning_memkit._sharding.fsdp2 import explain_mixed_tensors, is_sharded
+from lightning_memkit.callbacks._memory_log import LogWindow, StepMemory
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._trainer import (
     accumulating_now,
@@ -86,8 +90,11 @@ class MemoryMonitor(Callback):
     r"""Log every training step's peak memory, split into parameters, gradients, optimizer state,
     activations and temporary buffers.
 
-    Logged keys (all memory keys in **MiB**, 2**20 bytes, at the moment of the step's peak; with
-    gradient accumulation, one entry per optimizer step: the highest of its micro-batches):
+    Logged keys, on the logging steps (``log_every_n_steps``), each log carrying the **highest step since
+    the last log**, so that no peak between two logs is hidden; the steps after the last logging step
+    are logged at the end of fit, at the last step. All memory keys in **MiB** (2**20 bytes); with
+    gradient accumulation a step is the highest of its micro-batches. The five categories are at the
+    moment of that highest step's peak:
 
     - ``memory/parameters``: parameters and buffers.
     - ``memory/gradients``: ``.grad`` tensors live at the peak.
@@ -95,23 +102,32 @@ class MemoryMonitor(Callback):
     - ``memory/activations``: tensors saved for backward.
     - ``memory/temporary``: everything else live at the peak (workspaces, the batch, logits and loss
       copies, optimizer temporaries, autocast weight copies).
-    - ``memory/peak``: the sum of the five above, which is the allocator's peak for the step.
+    - ``memory/peak``: the sum of the five above, which is the allocator's peak of the highest step since
+      the last log.
+    - ``memory/peak_step``: that step's index (counted from 0, as the loggers count steps).
+    - ``memory/step_peak``: the logged step's own peak (what ``memory/peak`` logged in earlier versions).
+    - ``memory/forward_peak``, ``memory/backward_peak``, ``memory/optimizer_step_peak``: the highest
+      total in each phase of a step (forward: ``training_step`` up to ``on_before_backward``; backward: up
+      to ``on_before_optimizer_step``; optimizer step: the rest of the step), over the steps since the
+      last log; on the CPU the highest of the three is ``memory/peak``; on CUDA they are the tracker's
+      count of tensors (without the caching allocator's workspaces), so at most ``memory/peak``.
     - ``memory/peak_fraction``: ``peak / budget`` (unitless); without a budget, on CUDA,
       ``peak / total device memory``.
-    - CUDA only: ``memory/reserved`` (MiB, the caching allocator's reserved high-water mark),
-      ``memory/alloc_retries`` and ``memory/ooms`` (cumulative counts: retries mean fragmentation).
-    - Several processes (DDP, FSDP2): ``memory/rank_{r}/peak`` (MiB) for every rank ``r``; the keys above
-      are rank 0's, and each rank measures its own step.
-    - FSDP2 (``fully_shard``, e.g. under ``ModelParallelStrategy``), in MiB, each a part of a category
-      above: ``memory/fsdp/sharded_parameters`` (this rank's shards) and
+    - CUDA only: ``memory/reserved`` (MiB, the caching allocator's reserved high-water mark since the
+      last log), ``memory/alloc_retries`` and ``memory/ooms`` (cumulative counts: retries mean
+      fragmentation).
+    - Several processes (DDP, FSDP2): ``memory/rank_{r}/peak`` (MiB), every rank ``r``'s highest step
+      since the last log; the keys above are rank 0's, and each rank measures its own step.
+    - FSDP2 (``fully_shard``, e.g. under ``ModelParallelStrategy``), in MiB, at ``memory/peak``'s step,
+      each a part of a category above: ``memory/fsdp/sharded_parameters`` (this rank's shards) and
       ``memory/fsdp/unsharded_parameters`` (the all-gathered copies in flight), both in
       ``memory/parameters``; ``memory/fsdp/sharded_gradients`` (after their reduce-scatter) and
       ``memory/fsdp/unsharded_gradients`` (before it), in ``memory/gradients``;
       ``memory/fsdp/communication`` (the collectives' buffers), in ``memory/temporary``.
-    - Some parameters frozen (a LoRA or QLoRA fine-tune, a frozen backbone), in MiB, the two parts of
-      ``memory/parameters``: ``memory/trainable_parameters`` (those a gradient reaches: the adapters) and
-      ``memory/frozen_parameters`` (the frozen base, a quantized weight with its quantization state, and
-      the buffers).
+    - Some parameters frozen (a LoRA or QLoRA fine-tune, a frozen backbone), in MiB, at ``memory/peak``'s
+      step, the two parts of ``memory/parameters``: ``memory/trainable_parameters`` (those a gradient
+      reaches: the adapters) and ``memory/frozen_parameters`` (the frozen base, a quantized weight with
+      its quantization state, and the buffers).
 
     At the end of fit it prints a table of the peak step and saves ``memory.png``, a stacked-area plot of
     the categories over steps, in the logger's directory (and logs it as an image where the logger takes
@@ -139,26 +155,29 @@ class MemoryMonitor(Callback):
             goes over it.
         log_every_n_steps: log every N optimizer steps, on the steps Lightning logs ``self.log`` values at
             (the N-th, 2N-th, ...: step N - 1, 2N - 1, ... counted from 0, and the last step of a stopped
-            run); the history for the plot keeps them all. Default: the Trainer's ``log_every_n_steps``,
-            as Lightning's own monitors do.
+            run), each log the highest of the N steps; the history for the plot keeps them all. Default:
+            the Trainer's ``log_every_n_steps``, as Lightning's own monitors do.
         remeasure_every_n_steps: measure a step from scratch at least this often even when it matches
             an already measured one. 0 never re-measures steps alike.
         plot: save (and log) the stacked-area plot at the end of fit.
         summary: print the peak step's table at the end of fit.
-        advise: at the end of fit (rank 0), run `lightning_memkit.advise` on the first training batch (a CPU
-            copy kept for it) with the Trainer's precision, optimizer and step levers: print what the step's
-            peak holds that it need not, each finding with the bytes its fix saves and the fix, and log
-            ``memory/advice/{kind}`` (MiB, e.g. ``memory/advice/gradients``); the `Advice` is kept in
-            ``advice``. With gradient accumulation, the micro-batch that adds to the gradients is advised.
-            It simulates a few steps (seconds for a small model, about a minute for 7B); a module with
-            manual optimization gets a warning instead.
-        snapshot: at the end of fit (rank 0), simulate the first training batch's step as run (the same
-            step ``advise`` reads) and save it as a PyTorch memory snapshot, ``memory_snapshot.pickle``
-            beside ``memory.png``, for torch's memory viewer (`lightning_memkit.memory_snapshot`). It is
-            the simulated twin of a measured step, and says both peaks.
+        advise: at the end of fit (rank 0), run `lightning_memkit.advise` on the batch of the highest
+            measured step (a CPU copy kept whenever a measured step is the highest so far: with dynamic
+            padding, the longest batch, a new shape and so measured anyway) with the Trainer's precision,
+            optimizer and step levers: print which step it is and what its peak holds that it need not,
+            each finding with the bytes its fix saves and the fix, and log ``memory/advice/{kind}`` (MiB,
+            e.g. ``memory/advice/gradients``); the `Advice` is kept in ``advice``. With gradient
+            accumulation, the micro-batch is advised as adding to the gradients. It simulates a few steps
+            (seconds for a small model, about a minute for 7B); a module with manual optimization gets a
+            warning instead.
+        snapshot: at the end of fit (rank 0), simulate that step as run (the same step ``advise`` reads)
+            and save it as a PyTorch memory snapshot, ``memory_snapshot.pickle`` beside ``memory.png``, for
+            torch's memory viewer (`lightning_memkit.memory_snapshot`). It is the simulated twin of the
+            measured step, and says which step and both peaks.
         report: at the end of fit (rank 0), the same simulated step as one self-contained HTML page,
-            ``memory_report.html`` beside ``memory.png``: its timeline stacked by category with the phases
-            and the peak, the top modules at the peak and, with ``advise=True``, the advice.
+            ``memory_report.html`` beside ``memory.png``, headed with the step's index: its timeline
+            stacked by category with the phases and the peak, the top modules at the peak and, with
+            ``advise=True``, the advice.
 
     Example::
 
@@ -211,11 +230,16 @@ class MemoryMonitor(Callback):
         self.history: list[tuple[int, MemoryBreakdown]] = []
         #: under FSDP2, (step, FSDP2's part of the peak by `SHARDED_KINDS`) for every step of `history`
         self.sharded_history: list[tuple[int, dict[str, int]]] = []
-        #: the parts of categories a step logs besides them (`_parts`: FSDP2's, the parameters' split),
-        #: for each measured signature, the last measured step, and the step to log
-        self._part_twins: dict[tuple, dict[str, int]] = {}
+        #: what a step logs besides its breakdown: the parts of categories (`_parts`: FSDP2's, the
+        #: parameters' split) and each phase's highest (`MemoryMeasurement.phase_peaks`), for each measured
+        #: signature and the last measured step; and for the optimizer step in flight
+        self._part_twins: dict[tuple, tuple[dict[str, int] | None, dict[str, int] | None]] = {}
         self._last_parts: dict[str, int] | None = None
+        self._last_phases: dict[str, int] | None = None
         self._pending_parts: dict[str, int] | None = None
+        self._pending_phases: dict[str, int] = {}
+        #: the steps since the last log: the next log carries their highest (`LogWindow`)
+        self._window = LogWindow()
         #: whether steps alike allocate alike: not for FSDP2 on the CPU, where gloo's worker threads time
         #: when a collective's buffers are freed (the same step peaked up to a layer's buffers higher)
         self._twins_alike: bool | None = None
@@ -242,8 +266,13 @@ class MemoryMonitor(Callback):
         self._explained = False
         #: what `advise` found at the end of fit (with ``advise=True``)
         self.advice: Advice | None = None
-        #: a CPU copy of the first training batch, for ``advise`` and ``snapshot`` at the end of fit
-        self._first_batch: Any = None
+        #: a CPU copy of the batch of the highest measured step (the first until another is higher), for
+        #: ``advise``, ``snapshot`` and ``report`` at the end of fit: a `_PeakBatch`
+        self._peak_batch: _PeakBatch | None = None
+        #: the batch of the step being measured, not copied yet (`_PeakBatch`, ``batch`` aliased)
+        self._candidate: _PeakBatch | None = None
+        #: when ``setup`` started the CPU kernel helper (`time.perf_counter`), until it is ready
+        self._helper_started: float | None = None
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
@@ -261,17 +290,29 @@ class MemoryMonitor(Callback):
         if self._budget_spec is not None and reads_device(self._budget_spec):
             self._budget = parse_budget(self._budget_spec)
             self.budget = self._budget.usable
+        if self._device.type == "cpu" and start_helper():
+            self._helper_started = time.perf_counter()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._helper_started is None:
+            return
+        # The CPU kernel helper (`_measuring.kernels`) imports torch and runs a first profile: 2-4 s that
+        # the first measured step would otherwise spend waiting for its first answer.
+        waiting = time.perf_counter()
+        helper_ready()
+        now = time.perf_counter()
+        rank_zero_info(
+            f"MemoryMonitor: started its CPU kernel helper process before the first step ("
+            f"{now - self._helper_started:.1f} s since setup, {now - waiting:.1f} s of it waited for here; "
+            "once per process), so that the first measured step does not pay for it"
+        )
+        self._helper_started = None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step.start(batch, batch_idx)
-        if (
-            (self.advise or self.snapshot or self.report)
-            and self._first_batch is None
-            and trainer.is_global_zero
-        ):
-            self._first_batch = on_cpu(batch, copy=True)
+        self._candidate = None
         if self._disabled or self._failure is not None:
             return
         self._in_step = True
@@ -285,18 +326,33 @@ class MemoryMonitor(Callback):
             if signature is None or signature not in self._twins or due or not self._twins_alike:
                 self._measurement = measure(pl_module, trainer.optimizers, device=self._device, batch=batch)
                 self._measurement.__enter__()
+                self._measurement.enter_phase(PHASES[0])
+                if (self.advise or self.snapshot or self.report) and trainer.is_global_zero:
+                    # a new shape may be the run's highest: its batch, kept if it is (`_keep_peak_batch`)
+                    aliased = apply_to_collection(batch, torch.Tensor, torch.Tensor.detach)
+                    self._candidate = _PeakBatch(aliased)
             elif self._device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self._device)
         except Exception as err:
             self._fail(trainer, err)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self._step.enter("backward")
+        self._enter(trainer, "backward")
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        self._step.enter("optimizer step")
+        self._enter(trainer, "optimizer step")
+
+    def _enter(self, trainer: pl.Trainer, phase: str) -> None:
+        """The step in flight enters ``phase`` (one of `PHASES`): for an OOM's explanation, and for the
+        phase's highest where the step is measured."""
+        self._step.enter(phase)
+        if self._measurement is not None and self._step.phase is not None:
+            try:
+                self._measurement.enter_phase(phase)
+            except Exception as err:
+                self._fail(trainer, err)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -307,13 +363,19 @@ class MemoryMonitor(Callback):
         if self._in_step and self._failure is None:
             try:
                 breakdown = self._finish_step(trainer)
+                parts, phases = self._part_twins.get(self._signature, (self._last_parts, self._last_phases))
                 if breakdown is not None and (self._pending is None or breakdown.peak >= self._pending.peak):
                     self._pending = breakdown
                     self._pending_extras = self._cuda_stats()
-                    self._pending_parts = self._part_twins.get(self._signature, self._last_parts)
+                    self._pending_parts = parts
+                if breakdown is not None:
+                    for phase, peak in (phases or {}).items():
+                        self._pending_phases[phase] = max(self._pending_phases.get(phase, 0), peak)
+                    self._keep_peak_batch(trainer, breakdown)
             except Exception as err:
                 self._fail(trainer, err)
         self._in_step = False
+        self._candidate = None
         if accumulating_now(trainer):
             return
         peaks = self._agree(trainer)
@@ -355,6 +417,11 @@ class MemoryMonitor(Callback):
         self._close_measurement_quietly()
         if self._disabled or self._failure is not None or not self.history or not trainer.is_global_zero:
             return
+        try:  # the steps after the last logging step: a peak among them must reach the logger too
+            self._log_window(trainer)
+        except Exception as err:
+            self._fail(trainer, err)
+            return
         path = None
         try:
             # Under fast_dev_run Lightning writes nothing (no logs, no checkpoints), and nor does this.
@@ -363,9 +430,9 @@ class MemoryMonitor(Callback):
         except Exception as err:
             where = f" ({path})" if path is not None else ""
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report{where}: {err!r}")
-        if self._first_batch is not None:
-            self._first_step(trainer, pl_module, None if path is None else path.parent)
-            self._first_batch = None
+        if self._peak_batch is not None:
+            self._peak_step(trainer, pl_module, None if path is None else path.parent)
+            self._peak_batch = None
 
     @property
     def state_key(self) -> str:
@@ -439,8 +506,8 @@ class MemoryMonitor(Callback):
                 self._twins.move_to_end(signature)
                 while len(self._twins) > _MAX_SIGNATURES:
                     self._part_twins.pop(self._twins.popitem(last=False)[0], None)
-                if self._last_parts is not None:
-                    self._part_twins[signature] = self._last_parts
+                if self._last_parts is not None or self._last_phases is not None:
+                    self._part_twins[signature] = (self._last_parts, self._last_phases)
             self.measured_steps += breakdown is not None
             self._since_measured = 0
             return breakdown
@@ -466,6 +533,7 @@ class MemoryMonitor(Callback):
         measurement, self._measurement = self._measurement, None
         measurement.__exit__(None, None, None)
         self._last_measured, self._last_parts = measurement.breakdown, _parts(measurement)
+        self._last_phases = measurement.phase_peaks
         self._last_value_shaped = measurement.value_shaped
         return measurement.unfollowed
 
@@ -482,25 +550,20 @@ class MemoryMonitor(Callback):
     # --- reporting ----------------------------------------------------------------------------
 
     def _flush(self, trainer: pl.Trainer, peaks: list[int]) -> None:
-        """Close one optimizer step: keep it in the history and log it, with every rank's peak."""
-        breakdown, extras, parts = self._pending, self._pending_extras, self._pending_parts or {}
-        self._pending, self._pending_extras, self._pending_parts = None, {}, None
-        assert breakdown is not None
+        """Close one optimizer step: keep it in the history, and log the highest step since the last log
+        (`LogWindow`) on a logging step, with every rank's highest."""
+        assert self._pending is not None
         step = optimizer_steps_done(trainer)
+        figures = StepMemory(
+            step, self._pending, self._pending_parts or {}, self._pending_phases, self._pending_extras
+        )
+        self._pending, self._pending_extras, self._pending_parts, self._pending_phases = None, {}, None, {}
+        breakdown, parts = figures.breakdown, figures.parts
         self.history.append((step, breakdown))
-        metrics = {f"memory/{key}": value / MiB for key, value in breakdown.as_dict().items()}
-        metrics.update(extras)
-        metrics.update({f"memory/{key}": value / MiB for key, value in parts.items()})
         sharded = {key[len("fsdp/") :]: value for key, value in parts.items() if key.startswith("fsdp/")}
         if sharded:
             self.sharded_history.append((step, sharded))
-        fraction = self._fraction(breakdown.peak)
-        if fraction is not None:
-            metrics["memory/peak_fraction"] = fraction
-        if len(peaks) > 1:
-            for rank, peak in enumerate(peaks):
-                if peak >= 0:
-                    metrics[f"memory/rank_{rank}/peak"] = peak / MiB
+        self._window.add(figures, peaks)
         if self.budget is not None and breakdown.peak > self.budget:
             self._warn_once(
                 "budget",
@@ -512,16 +575,21 @@ class MemoryMonitor(Callback):
         # On Lightning's own logging steps (its logger connector's `should_update_logs`): the memory keys
         # share their rows (CSV) and steps (TensorBoard, W&B) with the module's `self.log` values.
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.is_global_zero and every and ((step + 1) % every == 0 or trainer.should_stop):
-            for logger in trainer.loggers:
-                self._safely(logger, "log_metrics", lambda lg=logger: lg.log_metrics(metrics, step=step))
+        if every and ((step + 1) % every == 0 or trainer.should_stop):
+            self._log_window(trainer)
 
-    def _fraction(self, peak: int) -> float | None:
-        if self.budget is not None:
-            return peak / self.budget
-        if self._device.type == "cuda":
-            return peak / torch.cuda.get_device_properties(self._device).total_memory
-        return None
+    def _log_window(self, trainer: pl.Trainer) -> None:
+        """Log the steps since the last log at the last one's step (rank 0), and start a new window."""
+        last = self._window.last
+        if trainer.is_global_zero and last is not None:
+            total = None
+            if self._device.type == "cuda":
+                total = torch.cuda.get_device_properties(self._device).total_memory
+            metrics = self._window.metrics(self.budget, total)
+            for logger in trainer.loggers:
+                log = lambda lg=logger: lg.log_metrics(metrics, step=last.step)  # noqa: E731
+                self._safely(logger, "log_metrics", log)
+        self._window.clear()
 
     def _report(self, trainer: pl.Trainer, path: Path | None) -> None:
         """The summary table, and the plot saved to ``path`` (``None``: under ``fast_dev_run``, none)."""
@@ -548,37 +616,52 @@ class MemoryMonitor(Callback):
         for logger in trainer.loggers:
             self._safely(logger, "log_image", lambda lg=logger: _log_image(lg, figure, path, last))
 
+    def _keep_peak_batch(self, trainer: pl.Trainer, breakdown: MemoryBreakdown) -> None:
+        """Keep a CPU copy of the measured step's batch if the step is the highest so far (or the first):
+        ``advise``, ``snapshot`` and ``report`` describe it at the end of fit. Only measured steps are
+        candidates: a new largest shape is measured anyway, and its twins peak alike."""
+        candidate, self._candidate = self._candidate, None
+        if candidate is None or (self._peak_batch is not None and breakdown.peak <= self._peak_batch.peak):
+            return
+        candidate.batch = on_cpu(candidate.batch, copy=True)
+        candidate.step, candidate.peak = optimizer_steps_done(trainer), breakdown.peak
+        self._peak_batch = candidate
+
     def _step_as_run(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> tuple[torch.nn.Module, dict]:
-        """The model and `estimate_memory`'s arguments for the first batch's step as this run takes it.
-        Under FSDP2 the module is sharded by now: its unsharded twin's sharded step stands for it."""
+        """The model and `estimate_memory`'s arguments for a batch's step as this run takes it. Under
+        FSDP2 the module is sharded by now: its unsharded twin's sharded step stands for it."""
         model, optimizer = simulable(pl_module, the_optimizer(trainer))
-        # the first batch: a micro-batch adding to gradients where the fit accumulates from its start
+        # with accumulation, a micro-batch adding to gradients already there: the cycle's highest
         step = trainer_step(trainer, accumulating=trainer.accumulate_grad_batches > 1)
         return model, {"optimizer": optimizer, "device": self._device.type, "step": step}
 
-    def _first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path | None) -> None:
-        """``advise``, ``snapshot`` and ``report`` on the first batch's step as this run takes it, simulated
-        once for all three (``folder``: where the files go; ``None``: no files, as under fast_dev_run)."""
+    def _peak_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path | None) -> None:
+        """``advise``, ``snapshot`` and ``report`` on the highest measured step's batch as this run takes
+        it, simulated once for all three (``folder``: where the files go; ``None``: no files, as under
+        fast_dev_run)."""
+        kept = self._peak_batch
+        assert kept is not None
+        which = f"step {kept.step}'s batch (the highest measured step, {format_bytes(kept.peak)})"
         saves = (self.snapshot or self.report) and folder is not None
         try:
             model, kwargs = self._step_as_run(trainer, pl_module)
         except Exception as err:
-            self._warn_once("first step", f"MemoryMonitor could not simulate the first batch's step: {err!r}")
+            self._warn_once("peak step", f"MemoryMonitor could not simulate {which}: {err!r}")
             return
         snapshot: dict | None = None
         if self.advise:
-            rank_zero_info("MemoryMonitor: advising (simulating the first batch's step, then each fix)")
+            rank_zero_info(f"MemoryMonitor: advising on {which}: simulating its step, then each fix")
             try:
                 if saves:
-                    self.advice, snapshot = advised_snapshot(model, self._first_batch, **kwargs)
+                    self.advice, snapshot = advised_snapshot(model, kept.batch, **kwargs)
                 else:
-                    self.advice = advise(model, self._first_batch, **kwargs)
+                    self.advice = advise(model, kept.batch, **kwargs)
             except Exception as err:
                 self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
             else:
-                rank_zero_info(f"MemoryMonitor: memory advice for the first batch's step\n{self.advice}")
+                rank_zero_info(f"MemoryMonitor: memory advice for {which}\n{self.advice}")
                 metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}
                 for logger in trainer.loggers:
                     log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
@@ -587,34 +670,37 @@ class MemoryMonitor(Callback):
             return
         try:
             if snapshot is None:  # no advice asked, or it failed: the step alone
-                snapshot, tracker = simulated_snapshot(model, self._first_batch, **kwargs)
+                snapshot, tracker = simulated_snapshot(model, kept.batch, **kwargs)
                 breakdown = tracker.breakdown()
             else:
                 breakdown = self.advice.breakdown
-            self._save_step(folder, snapshot, breakdown)
+            self._save_step(folder, snapshot, breakdown, kept)
         except Exception as err:
             self._warn_once("snapshot", f"MemoryMonitor could not save the simulated step: {err!r}")
 
-    def _save_step(self, folder: Path, snapshot: dict, breakdown: MemoryBreakdown) -> None:
-        """The first batch's simulated step into ``folder``, as ``snapshot`` and ``report`` ask."""
-        measured = max((b.peak for _, b in self.history), default=0)
-        peaks = f"simulated peak {format_bytes(breakdown.peak)}; highest measured: {format_bytes(measured)}"
+    def _save_step(self, folder: Path, snapshot: dict, breakdown: MemoryBreakdown, kept: _PeakBatch) -> None:
+        """The highest measured step's simulated twin into ``folder``, as ``snapshot`` and ``report`` ask."""
+        peaks = f"simulated peak {format_bytes(breakdown.peak)}; measured: {format_bytes(kept.peak)}"
+        which = f"step {kept.step}'s batch, the highest measured step"
         if self.snapshot:
             path = folder / "memory_snapshot.pickle"
             write_snapshot(snapshot, path)
             rank_zero_info(
-                f"MemoryMonitor: the first batch's step ({peaks}) saved as a PyTorch memory snapshot to "
-                f"{path}: open it at pytorch.org/memory_viz, or `python -m torch.cuda._memory_viz trace_plot "
-                f"{path} -o step.html`"
+                f"MemoryMonitor: {which} ({peaks}) saved as a PyTorch memory snapshot to {path}: open it "
+                f"at pytorch.org/memory_viz, or `python -m torch.cuda._memory_viz trace_plot {path} -o "
+                "step.html`"
             )
         if self.report:
             path = folder / "memory_report.html"
             findings = None if self.advice is None else self.advice.findings
-            notes = [f"The first training batch's step as this run takes it, simulated; {peaks}."]
+            title = f"Peak memory of training step {kept.step}, the run's highest measured step, simulated"
+            notes = [f"Step {kept.step}'s batch as this run takes its step, simulated; {peaks}."]
             no_findings = "MemoryMonitor(advise=True) adds what the peak holds that it need not."
-            page = html_report(snapshot, breakdown, findings, notes=notes, no_findings=no_findings)
+            page = html_report(
+                snapshot, breakdown, findings, title=title, notes=notes, no_findings=no_findings
+            )
             path.write_text(page, encoding="utf-8")
-            rank_zero_info(f"MemoryMonitor: the first batch's step ({peaks}) as a page: {path}")
+            rank_zero_info(f"MemoryMonitor: {which} ({peaks}) as a page: {path}")
 
     # --- never crash the run we observe -------------------------------------------------------
 
@@ -676,6 +762,17 @@ class MemoryMonitor(Callback):
             rank_zero_warn(message)
         else:
             warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
+
+
+@dataclasses.dataclass
+class _PeakBatch:
+    """The batch of the highest measured step, for ``advise``, ``snapshot`` and ``report``."""
+
+    #: the batch: its tensors aliased while the step runs, a CPU copy once kept
+    batch: Any
+    #: the optimizer step it belongs to (counted from 0, as the logged steps), and its measured peak (bytes)
+    step: int = -1
+    peak: int = -1
 
 
 def _run_dir(trainer: pl.Trainer) -> Path:
