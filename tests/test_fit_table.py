@@ -3,16 +3,19 @@
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, steady_step_and_estimate
+from helpers import run_cli, spawn_ranks, steady_step_and_estimate
 from models import lm_loss, tiny_lm
 
 from lightning_memkit import estimate_memory, largest_micro_batch
 from lightning_memkit._fitting.limits import largest_fitting
 from lightning_memkit._fitting.table import fit_table
 from lightning_memkit.cli._models import example_batch, load_model, step_options
+from lightning_memkit.testing import build_counting_allocator
 
 T = 16  # tokens a sample
 
@@ -128,3 +131,47 @@ def test_the_cli_refuses_a_sequence_past_the_block_size():
     assert status == 2 and "--seq-lens 256 exceeds the model's block_size of 128" in err
     status, _, err = run_cli(["fit-table", "--model", "tiny", "--gpu", "24MB", "--batch-sizes", "1,x"])
     assert status == 2 and "must be positive integers separated by commas (1,2,4,8), got '1,x'" in err
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _beside_the_finder(rank: int, out: Path) -> None:
+    """`benchmarks/bench_fit_table.py`'s measures in a fresh process (the counting allocator installed
+    before any model is built): 11 and 12 samples' real fits, the budget between them, our answer and
+    BatchSizeFinder's in power mode on a pretend device of that size."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_fit_table as bench
+
+    bench.counting_allocator()
+    torch.set_num_threads(1)
+    below, above = bench.measured(11), bench.measured(12)
+    budget = (below + above) // 2
+    x = torch.randint(0, 256, (1, bench.T))
+    ours = bench.largest_micro_batch(bench.gpt(), (x, x), budget, margin=0.0, device="cpu")
+    power, steps, ooms = bench.finder("power", budget)  # raises if the emulated OOM never fired
+    record = dict(
+        below=below, above=above, budget=budget, ours=ours.micro_batch_size, simulated=ours.peak,
+        next_simulated=ours.next_peak, power=power, steps=steps, ooms=ooms, per_trial=bench.STEPS,
+        power_peak=bench.measured(power), trial_off=max(abs(p - bench.measured(m)) for m, p in bench.trials),
+    )  # fmt: skip
+    (out / "record.json").write_text(json.dumps(record))
+
+
+@pytest.mark.slow  # two real fits, four simulated steps and BatchSizeFinder's trials: about 30 s
+def test_largest_micro_batch_finds_the_true_maximum_where_the_power_finder_stops_lower(tmp_path):
+    """The tiny GPT's real fits under the counting allocator put the truth at 11 samples (12 over the
+    budget); `largest_micro_batch` answers 11 from simulated steps, within 0.1 % of the measured peaks.
+    Lightning's BatchSizeFinder(mode="power"), its trials stopped by an out-of-memory error emulated past
+    the budget from the module's own hooks, stops at 8: the last power of two that ran."""
+    build_counting_allocator()
+    spawn_ranks(_beside_the_finder, (tmp_path,), world=1, what="fit-table benchmark")
+    r = json.loads((tmp_path / "record.json").read_text())
+
+    assert r["below"] <= r["budget"] < r["above"]  # truth: 11 fits, 12 does not
+    assert r["ours"] == 11, r
+    assert abs(r["simulated"] - r["below"]) <= 1e-3 * r["below"], r
+    assert abs(r["next_simulated"] - r["above"]) <= 1e-3 * r["above"], r
+    assert r["power"] == 8 and r["power_peak"] <= r["budget"], r
+    assert r["ooms"] == 1 and r["steps"] == 4 * r["per_trial"] + 1, r  # 1, 2, 4, 8 ran; 16 failed at once
+    assert r["trial_off"] <= 1e-3 * r["below"], r  # the trials' steps peak as fresh fits at their sizes
