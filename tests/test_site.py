@@ -141,9 +141,6 @@ def test_no_inline_command_is_broken_across_lines(rendered):
 @pytest.mark.slow
 def test_no_literal_bold_markers(rendered):
     stars = {page: found["stars"] for page, found in rendered.items() if found["stars"]}
-    if set(stars) == {"monitor/index.html"} and all("20 bytes)**" in s for s in stars["monitor/index.html"]):
-        # "**All memory keys are in MiB (2**20 bytes)**": issue 49 item 6's monitor.md fix, another change's
-        pytest.xfail(f"docs/monitor.md's stray `**`, fixed with the monitor's keys: {stars}")
     assert not stars, f"`**` rendered as text, not bold: {stars}"
 
 
