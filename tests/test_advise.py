@@ -114,8 +114,11 @@ def test_memory_monitor_advises_at_the_end_of_fit_and_changes_nothing(gpt_advice
     assert runs[False][2].advice is None and advice is not None
     assert [(f.kind, f.saved) for f in advice] == [(f.kind, f.saved) for f in gpt_advice[0]]
     with open(next((tmp_path / "True").rglob("metrics.csv"))) as f:
-        logged = [row["memory/advice/gradients"] for row in csv.DictReader(f)]
-    assert float(next(v for v in logged if v)) == pytest.approx(advice["gradients"].saved / 2**20)
+        rows = list(csv.DictReader(f))
+    logged = [(row["step"], row["memory/advice/gradients"]) for row in rows if row["memory/advice/gradients"]]
+    assert [step for step, _ in logged] == ["2"]  # the last step's, as every key (steps count from 0)
+    assert float(logged[0][1]) == pytest.approx(advice["gradients"].saved / 2**20)
+    assert max(int(row["step"]) for row in rows) == 2
 
 
 def _zoo(name: str, *, untrained: str | None = None, unused: bool = False, chunked: bool = False):

@@ -573,7 +573,8 @@ class MemoryMonitor(Callback):
                 "checkpoint activations (ActivationCheckpointing) or swap the optimizer (OptimizerSwap).",
             )
         # On Lightning's own logging steps (its logger connector's `should_update_logs`): the memory keys
-        # share their rows (CSV) and steps (TensorBoard, W&B) with the module's `self.log` values.
+        # share their steps with the module's `self.log` values (CSV writes them in a row of their own at
+        # that step, as it does DeviceStatsMonitor's).
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and ((step + 1) % every == 0 or trainer.should_stop):
             self._log_window(trainer)
@@ -663,8 +664,9 @@ class MemoryMonitor(Callback):
             else:
                 rank_zero_info(f"MemoryMonitor: memory advice for {which}\n{self.advice}")
                 metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}
+                at = self.history[-1][0]  # the last step's, as every other key is logged
                 for logger in trainer.loggers:
-                    log = lambda lg=logger: lg.log_metrics(metrics, step=trainer.global_step)  # noqa: E731
+                    log = lambda lg=logger: lg.log_metrics(metrics, step=at)  # noqa: E731
                     self._safely(logger, "log_metrics", log)
         if not saves:
             return
