@@ -72,14 +72,17 @@ def _repeated_groups(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     for prefix, container in model.named_modules():
         if isinstance(container, (nn.ModuleList, nn.Sequential)):
             for child_name, child in container.named_children():
-                if id(child) not in listed and _composite(child):
-                    listed[id(child)] = f"{prefix}.{child_name}" if prefix else child_name
+                if id(child) in listed or not _composite(child) or _uncalled(child) or _adapter(child):
+                    continue
+                listed[id(child)] = f"{prefix}.{child_name}" if prefix else child_name
     inside = tuple(f"{name}." for name in listed.values())  # a listed block's submodules
     for name, module in model.named_modules(remove_duplicate=True):
         if id(module) in listed:
             groups.setdefault(type(module), []).append((name, module))
             continue
         if not name or name.startswith(inside) or isinstance(module, _CONTAINERS) or not _composite(module):
+            continue
+        if _library(module):  # nn.MultiheadAttention, a LoRA-wrapped Conv2d: not a user's composite layer
             continue
         if any(id(m) in listed for m in module.modules()):  # it holds listed blocks: their parent
             continue
@@ -94,6 +97,34 @@ def _repeated_groups(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
 
 #: Modules that only hold others: never a block themselves (their children may be).
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _uncalled(module: nn.Module) -> bool:
+    """Whether ``module`` is a container that cannot be called (``nn.ModuleList``, ``nn.ModuleDict``): one
+    nested in a list (Hugging Face PVT's ``ModuleList`` of ``ModuleList`` of layers) is no block, since
+    checkpointing a module that is never called does nothing; its children may be blocks."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
+def _adapter(module: nn.Module) -> bool:
+    """Whether ``module`` is an adapter or quantization wrapper around one layer (peft's tuner layers such
+    as ``lora.Linear``, bitsandbytes' layers): its submodules are the wrapped layer and the adapter's
+    weights, so it is a lone layer to checkpoint, which saves nothing."""
+    if type(module).__module__.split(".")[0] in ("peft", "bitsandbytes"):
+        return True
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # peft is optional
+        return False
+    return isinstance(module, BaseTunerLayer)
+
+
+def _library(module: nn.Module) -> bool:
+    """Whether ``module`` is a library layer rather than a user's composite one: a class torch defines
+    (``nn.MultiheadAttention``, whose recompute the simulation cannot price when it is called as
+    ``attn(x, x, x)``, ``nn.TransformerEncoderLayer`` held as an attribute) or an adapter wrapper
+    (`_adapter`). Found only among attributes; in a ``ModuleList`` torch's layers are blocks."""
+    return type(module).__module__.split(".")[0] == "torch" or _adapter(module)
 
 
 def _composite(module: nn.Module) -> bool:
