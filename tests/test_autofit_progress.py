@@ -1,5 +1,7 @@
 """AutoFit's plan, read by Lightning's progress bar: the same bar as the plan's values set by hand."""
 
+import pickle
+
 import lightning as L
 import pytest
 import torch
@@ -109,3 +111,54 @@ def test_the_rich_bar_under_autofit_counts_batches_and_no_epoch_limit(tmp_path):
     assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (32, 4)  # kept
     assert seen == [("Epoch 0", 4, 4)]
     assert type(bar) is RichProgressBar
+
+
+class _OwnTotal(TQDMProgressBar):
+    @property
+    def total_train_batches(self) -> int:
+        return 999
+
+
+class _Pickled(L.Callback):
+    """At the first batch: the class of the bar pickled and unpickled, and its total."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        bar = trainer.progress_bar_callback
+        if not self.seen:
+            self.seen.append((type(pickle.loads(pickle.dumps(bar))), bar.total_train_batches))
+
+
+class _Boom(Regression):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise RuntimeError("boom at batch 2")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_bar_pickles_keeps_a_users_total_and_gets_its_class_back_after_an_exception(tmp_path):
+    """The counting bar's class is made at run time: pickling the bar mid-fit raised PicklingError; a fit that
+    raised left the bar's class swapped; a bar class's own ``total_train_batches`` (999) read 12."""
+    seen = []
+
+    def fit(bar, module) -> L.Trainer:
+        autofit = AutoFit(budget="100TB", cost="flops", optimizers=(None,), checkpointing=("none",))
+        trainer = L.Trainer(
+            default_root_dir=tmp_path, accelerator="cpu", devices=1, accumulate_grad_batches=4, max_steps=3,
+            limit_val_batches=0, logger=False, enable_model_summary=False, enable_checkpointing=False,
+            callbacks=[bar, _Pickled(seen), autofit],
+        )  # fmt: skip
+        trainer.fit(module)
+        return trainer
+
+    fit(TQDMProgressBar(), Regression(width=8, hidden=8, samples=64, batch_size=4))
+    assert seen == [(TQDMProgressBar, 12)]  # 3 steps x 4 batches, pickled as the user's own class
+    seen.clear()
+    fit(own := _OwnTotal(), Regression(width=8, hidden=8, samples=64, batch_size=4))
+    assert seen == [(_OwnTotal, 999)] and type(own) is _OwnTotal
+    bar = TQDMProgressBar()
+    with pytest.raises(RuntimeError, match="boom at batch 2"):
+        fit(bar, _Boom(width=8, hidden=8, samples=64, batch_size=4))
+    assert type(bar) is TQDMProgressBar

@@ -5,7 +5,8 @@ global_step)``: optimizer steps, while it advances once per batch, so AutoFit's 
 ``max_steps=4`` read "16/4"; and the rich bar printed the epoch as "Epoch 0/-2" (``max_epochs - 1``). While a
 fit runs under AutoFit its bar is an instance of a subclass of its own class (``isinstance`` still holds)
 whose total counts the batches those steps take, ``min(num_training_batches, (max_steps - global_step) x
-accumulate_grad_batches)``, and whose rich description leaves out an epoch limit there is none of.
+accumulate_grad_batches)``, and whose rich description leaves out an epoch limit there is none of. A bar
+whose class has its own ``total_train_batches`` keeps it; the bar pickles (and copies) as its own class.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def count_batches(trainer: pl.Trainer) -> Callable[[], None] | None:
         return None
     own = type(bar)
     bar.__class__ = _counting(own)
-    return lambda: setattr(bar, "__class__", own)
+    return functools.partial(setattr, bar, "__class__", own)  # picklable, as the bar's trainer is
 
 
 def _steps_only(trainer: pl.Trainer) -> bool:
@@ -35,13 +36,15 @@ def _steps_only(trainer: pl.Trainer) -> bool:
 
 @functools.cache
 def _counting(bar: type[ProgressBar]) -> type[ProgressBar]:
+    own_total = bar.total_train_batches is not ProgressBar.total_train_batches  # the user's own: kept
+
     class Counting(bar):  # type: ignore[valid-type,misc]
         _counts_batches = True
 
         @property
         def total_train_batches(self) -> int | float:
             trainer = self.trainer
-            if not _steps_only(trainer):
+            if own_total or not _steps_only(trainer):
                 return super().total_train_batches
             left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
             return min(trainer.num_training_batches, left)
@@ -52,5 +55,18 @@ def _counting(bar: type[ProgressBar]) -> type[ProgressBar]:
                 return text
             return text.replace(f"Epoch {current_epoch}/-2", f"Epoch {current_epoch}   ", 1)  # same width
 
+        def __reduce_ex__(self, protocol: int):  # type: ignore[no-untyped-def]
+            # as the bar's own class: this one is made at run time, where pickle cannot find it by name
+            reduced = super().__reduce_ex__(protocol)
+            if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1][:1] == (Counting,):
+                reduced = (_new, (bar,), *reduced[2:])
+            return reduced
+
     Counting.__name__ = Counting.__qualname__ = bar.__name__
     return Counting
+
+
+def _new(cls: type) -> object:
+    """An instance of ``cls`` to unpickle a counting bar's state into (``copyreg.__newobj__`` refuses one
+    of another class than the pickled object's)."""
+    return cls.__new__(cls)

@@ -688,6 +688,13 @@ class AutoFit(Callback):
         self._step.end()
         self._unapply()
         self._restore()
+        self._restore_bar()
+
+    def _restore_bar(self) -> None:
+        """The progress bar gets its own class back (`count_batches`), after a fit or an exception."""
+        if self._bar is not None:
+            self._bar()
+            self._bar = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """The module leaves the fit as it came: its own hooks, no checkpointing, its own
@@ -695,9 +702,7 @@ class AutoFit(Callback):
         the Trainer's ``accumulate_grad_batches`` at the user's values (the plan stays in `plan` and in the
         checkpoint)."""
         if stage == "fit":
-            if self._bar is not None:
-                self._bar()
-                self._bar = None
+            self._restore_bar()
             self._release()
             self._unapply()
             self._restore()
