@@ -6,13 +6,22 @@ around single layers (a LoRA UNet's blocks are its ResBlocks and AttnBlocks, not
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import AttributeUNet, UNetModule
+from helpers import cpu_trainer
+from models import AttributeUNet, ResBlock, UNetModule
 from torch import nn
 
-from lightning_memkit import apply_checkpointing, find_blocks, plan_fit
+from lightning_memkit import (
+    ActivationCheckpointing,
+    AutoFit,
+    apply_checkpointing,
+    estimate_memory,
+    find_blocks,
+    plan_fit,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -121,3 +130,64 @@ def test_a_module_called_with_one_tensor_twice_loses_its_identity_under_hooks():
 def test_the_unet_module_keeps_its_blocks():
     torch.manual_seed(0)
     assert [n for n, _ in find_blocks(UNetModule())] == [f"unet.{n}" for n in UNET_BLOCKS]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "error", "match"),
+    [
+        (42, TypeError, r"blocks= takes layer classes: .*; got 42 \(int\)"),
+        ("ResBlock", TypeError, "got the name 'ResBlock': pass the class itself"),
+        ({ResBlock: "full"}, TypeError, "got a dict .*: its modes go in checkpointing="),
+        ({nn.Module}, ValueError, "nn.Module is every module of the model"),
+        (set(), TypeError, r"got set\(\)"),
+    ],
+)
+def test_blocks_that_are_not_layer_classes_are_refused_saying_what_blocks_takes(blocks, error, match):
+    for make in (lambda: AutoFit("1GiB", blocks=blocks), lambda: ActivationCheckpointing(blocks=blocks)):
+        with pytest.raises(error, match=match):
+            make()
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["AutoFit", "ActivationCheckpointing"])
+def test_blocks_the_model_lacks_are_refused_naming_the_users_own_argument(tmp_path, beside):
+    """It said "Name one of those: plan_fit(..., blocks={ResBlock})" to a user who never called plan_fit."""
+    named = ActivationCheckpointing(checkpointing="full", blocks={nn.LSTM}) if beside else None
+    autofit = AutoFit("1GiB", cost="flops", blocks=None if beside else {nn.LSTM})
+    who = "ActivationCheckpointing" if beside else "AutoFit"
+    trainer = cpu_trainer(tmp_path, [autofit, *([named] if named else [])], max_steps=1, logger=False)
+    with pytest.raises(
+        ValueError, match=rf"No module of type LSTM .* Name one of those: {who}\(blocks=\{{ResBlock\}}\)"
+    ):
+        trainer.fit(UNetModule(samples=8))
+
+
+class _Wrapped(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        self.names = sorted(n for n, m in pl_module.named_modules() if "forward" in m.__dict__)
+
+
+@pytest.mark.slow  # 10 s on 2 cores: two fits, a checkpoint, three plans
+def test_resuming_with_other_blocks_than_the_checkpoints_plan_keeps_this_runs_and_says_so(tmp_path):
+    """The saved plan (all 9 blocks checkpointed) was installed over AutoFit(blocks={ResBlock}) silently."""
+    module = UNetModule(samples=8)
+    full, none = (
+        estimate_memory(module, module.batch(8), device="cpu", checkpointing=c).peak for c in ("full", "none")
+    )
+    plan = dict(budget=(full + none) // 2, margin=0.0, cost="flops", checkpointing=("none", "full"))
+    first = AutoFit(**plan)
+    trainer = cpu_trainer(tmp_path, [first], max_steps=1, logger=False)
+    trainer.fit(_unet())
+    path = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(path)
+    assert [b.name for b in first.plan.checkpoint_plan.blocks] == [f"unet.{n}" for n in UNET_BLOCKS]
+    wrapped = _Wrapped()
+    trainer = cpu_trainer(tmp_path, [AutoFit(**plan, blocks={ResBlock}), wrapped], max_steps=2, logger=False)
+    changed = r"made for another run \(checkpointed blocks 9 \(unet.down1, .*\) -> 6 \(unet.down1, "
+    with pytest.warns(UserWarning, match=changed):
+        trainer.fit(_unet(), ckpt_path=path)
+    assert not [name for name in wrapped.names if "attn" in name]  # the AttnBlocks stay as they are
+
+
+def _unet() -> UNetModule:
+    torch.manual_seed(0)
+    return UNetModule(samples=8)

@@ -11,7 +11,7 @@ planning both start here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
@@ -33,7 +33,9 @@ def find_blocks(model: nn.Module, layer_classes: LayerClasses | None = None) -> 
     an encoder-decoder such as Whisper's ``WhisperEncoderLayer`` and ``WhisperDecoderLayer``, both towers of
     a two-tower model), but not a pair of small heads or embeddings beside them. Children without
     submodules (a lone ``Linear``) are not candidates: checkpointing one saves nothing, since its input is
-    kept either way.
+    kept either way; nor are adapter wrappers of one layer (peft's ``lora.Linear``), a ``ModuleList`` in a
+    list (never called: its layers are the candidates), or, among attributes, torch's own layers (two
+    ``nn.MultiheadAttention`` attributes are not a user's blocks; in a list, torch's layers are).
     """
     if layer_classes is not None:
         classes = block_classes(layer_classes)
@@ -56,9 +58,24 @@ def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
 
 
 def block_classes(layer_classes: LayerClasses) -> tuple[type[nn.Module], ...]:
+    """``layer_classes`` (``blocks=``) as a tuple of classes; refused, saying what ``blocks=`` takes, where
+    it is not one or more ``nn.Module`` subclasses (a class's name, a number, a dict, ``nn.Module``)."""
+    takes = (
+        "blocks= takes layer classes: an nn.Module subclass or a set of them, such as {ResBlock, AttnBlock}"
+    )
+    if isinstance(layer_classes, str):
+        raise TypeError(f"{takes}; got the name {layer_classes!r}: pass the class itself, not its name")
+    if isinstance(layer_classes, Mapping):
+        raise TypeError(f"{takes}; got a dict {layer_classes!r}: its modes go in checkpointing=")
+    if not isinstance(layer_classes, (type, Iterable)):
+        raise TypeError(f"{takes}; got {layer_classes!r} ({type(layer_classes).__name__})")
     classes = (layer_classes,) if isinstance(layer_classes, type) else tuple(layer_classes)
+    if instance := next((c for c in classes if isinstance(c, nn.Module)), None):
+        raise TypeError(f"{takes}; got a {type(instance).__name__} instance: pass its class")
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise TypeError(f"Expected nn.Module subclasses such as {{Block}}, got {layer_classes!r}")
+        raise TypeError(f"{takes}; got {layer_classes!r}")
+    if nn.Module in classes:
+        raise ValueError(f"{takes}; nn.Module is every module of the model: name the blocks' own classes")
     return classes
 
 

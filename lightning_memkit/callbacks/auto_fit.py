@@ -45,7 +45,7 @@ from lightning_memkit._budget import (
     valid_name,
     whole_number,
 )
-from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes
+from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._checkpointing.policies import named_plan
 from lightning_memkit._diagnosis.oom import StepInFlight
 from lightning_memkit._estimating.compiled import compiled_modules
@@ -61,7 +61,7 @@ from lightning_memkit._estimating.lightning_step import (
     repeat_batch,
 )
 from lightning_memkit._fitting.plan import FitPlan, StepCost
-from lightning_memkit._fitting.resume import optimizer_name, refusal, said, stale
+from lightning_memkit._fitting.resume import Change, optimizer_name, refusal, said, stale
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
 from lightning_memkit._sharding.layout import Layout
@@ -291,6 +291,30 @@ class AutoFit(Callback):
         beside = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
         return self.blocks if beside is None else beside.blocks_for(self.blocks)
 
+    def _check_blocks(self, trainer: pl.Trainer, module: nn.Module, modes: Sequence[str]) -> None:
+        """Named blocks the model does not have are refused, naming the argument the user gave them in
+        (``AutoFit(blocks=...)`` or ``ActivationCheckpointing(blocks=...)``), not `plan_fit`'s."""
+        blocks = self._blocks(trainer)
+        if blocks is None or set(modes) == {"none"} or find_blocks(module, blocks):
+            return
+        who = "AutoFit" if self.blocks is not None else "ActivationCheckpointing"
+        raise ValueError(no_blocks_message(module, f"{who}(blocks={{MyBlock}})", blocks))
+
+    def _blocks_changed(self, saved: FitPlan, module: nn.Module) -> list[Change]:
+        """Where ``saved`` (a checkpoint's plan) names the blocks it checkpoints and this run's ``blocks``
+        give others, the change (`stale` compares the rest): the plan is then this run's, not the saved."""
+        if saved.checkpoint_plan is None or not saved.checkpoint_plan.blocks or self._target is None:
+            return []  # installed on the blocks this run names (`_apply`)
+        theirs = [block.name for block in saved.checkpoint_plan.blocks]
+        ours = [name for name, _ in find_blocks(module, self._blocks(self._target[0]))]
+        if set(theirs) == set(ours):
+            return []
+
+        def show(names: list[str]) -> str:
+            return f"{len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+        return [("checkpointed blocks", show(theirs), show(ours))]
+
     def _optimizers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sequence[str | None] | None:
         """The optimizers to plan: this callback's; without them, with an `OptimizerSwap` in the same fit
         (which then defers to this plan), the module's own and then the swap's ``candidates``."""
@@ -314,6 +338,7 @@ class AutoFit(Callback):
                 "length and the batch size."
             )
         self._axes = self._sample_axes(trainer, pl_module, example, users)
+        self._check_blocks(trainer, pl_module, modes)
         # (micro, ...) -> (micro * accumulate * data-parallel ranks, ...): one optimizer step's global batch.
         example = repeat_batch(example, copies, self._axes)
         device = trainer.strategy.root_device.type
@@ -826,7 +851,7 @@ class AutoFit(Callback):
         # configure_model compiled the model after setup planned its eager step: the run's plan is the
         # compiled step's (on_fit_start would make it), so the saved plan is held to that, and planned so.
         recompiled = not self._compiled and bool(compiled_modules(module))
-        changed = stale(saved, current)
+        changed = stale(saved, current) + self._blocks_changed(saved, module)
         if recompiled:  # the eager plan's checkpointing modes, against the compiled plan's budget
             changed = [change for change in changed if change[0] != "checkpointing modes"]
             self._compiled = True
