@@ -191,3 +191,16 @@ def test_resuming_with_other_blocks_than_the_checkpoints_plan_keeps_this_runs_an
 def _unet() -> UNetModule:
     torch.manual_seed(0)
     return UNetModule(samples=8)
+
+
+def test_a_budget_without_blocks_is_refused_naming_activation_checkpointings_argument(tmp_path):
+    """With a budget the planner refused, naming plan_checkpointing(..., blocks={MyBlock})."""
+    trainer = cpu_trainer(
+        tmp_path, [ActivationCheckpointing("1GiB", cost="flops")], max_steps=1, logger=False
+    )
+    module = UNetModule(samples=8)
+    module.unet = _SelfAttention(4)  # no blocks: two torch attention layers
+    with pytest.raises(
+        ValueError, match=r"Found no repeated blocks .* ActivationCheckpointing\(blocks=\{MyBlock\}\)"
+    ):
+        trainer.fit(module)

@@ -354,10 +354,10 @@ class ActivationCheckpointing(Callback):
         loaded, self._loaded = self._loaded, False
         if loaded and self.plan is not None and all(_submodule(pl_module, b.name) for b in self.plan.blocks):
             return self.plan  # loaded before this fit
+        found = find_blocks(pl_module, self.layer_classes)
+        if not found:  # before the planner, whose message names plan_checkpointing's argument
+            raise ValueError(no_blocks_message(pl_module, _OPTION, self.layer_classes))
         if self.budget is None:
-            found = find_blocks(pl_module, self.layer_classes)
-            if not found:
-                raise ValueError(no_blocks_message(pl_module, _OPTION, self.layer_classes))
             return CheckpointPlan.uniform([name for name, _ in found], unbudgeted_mode(self.checkpointing))
         if not pl_module.automatic_optimization:
             raise MisconfigurationException(
