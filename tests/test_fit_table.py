@@ -103,7 +103,7 @@ def test_the_cli_prints_one_cell():
     assert out.startswith("What fits 24MB (20.60 MiB: 22.89 MiB usable less the 10% margin): tiny, "), out
     cell = next(line for line in out.splitlines() if line.startswith("│ 2 "))
     assert cell.rstrip(" │").endswith("none"), out  # fits without checkpointing
-    assert re.search(r"│ largest +│ +2 \(", out), out  # the search stops at --max-batch
+    assert re.search(r"│ largest +│ +at least 2 \(", out), out  # the search stops at --max-batch
     assert "Each cell: the simulated peak" in out
 
 
@@ -175,3 +175,50 @@ def test_largest_micro_batch_finds_the_true_maximum_where_the_power_finder_stops
     assert r["power"] == 8 and r["power_peak"] <= r["budget"], r
     assert r["ooms"] == 1 and r["steps"] == 4 * r["per_trial"] + 1, r  # 1, 2, 4, 8 ran; 16 failed at once
     assert r["trial_off"] <= 1e-3 * r["below"], r  # the trials' steps peak as fresh fits at their sizes
+
+
+def _lm_table(budget, **kw):
+    model = tiny_lm()
+
+    def make(b, t):
+        ids = torch.zeros(b, t, dtype=torch.long, device="meta")
+        return ids, ids.clone()
+
+    kw = {"batch_sizes": (1, 2), "seq_lens": (16,), "precisions": ("32-true",), **kw}
+    return fit_table(model, make, budget, optimizer="sgd", loss_fn=lm_loss, device="cpu", margin=0.0, **kw)
+
+
+def test_a_search_cut_short_is_not_searched_not_none():
+    """--max-simulations stopping the largest and longest searches leaves them unknown (None), not "nothing
+    fits"; a cell never simulated says so, apart from one known over."""
+    table = _lm_table("1GB", batch_sizes=(1, 2, 4), max_simulations=2, max_seq_len=64)
+    assert [c.state for c in table.cells] == ["fits", "fits", "not simulated"]
+    assert table.largest[("32-true", 16)] is None and table.longest["32-true"] is None and table.truncated
+    from lightning_memkit._fitting.table import Cell
+
+    assert Cell("32-true", 4, 16, None, None, known_over=True).state == "over"
+
+
+def test_the_longest_sequence_includes_a_block_size_off_the_steps():
+    """A block size of 200 (100) tokens: the longest sequence is 200 (100) with that step's peak, not 128
+    (nothing fits)."""
+    for block in (200, 100):
+        table = _lm_table("1GB", batch_sizes=(1,), max_seq_len=block, max_batch=2)
+        ids = torch.zeros(1, block, dtype=torch.long, device="meta")
+        peak = estimate_memory(tiny_lm(), (ids, ids), optimizer="sgd", loss_fn=lm_loss, device="cpu").peak
+        assert table.longest["32-true"] == (block, peak)
+
+
+def test_a_largest_micro_batch_at_max_batch_is_a_lower_bound():
+    table = _lm_table("1GB", max_batch=4, max_seq_len=16)
+    assert table.largest[("32-true", 16)][0] == 4 and table.at_max_batch == {("32-true", 16)}
+
+
+def test_modes_are_tried_lightest_first_and_precisions_once():
+    """--checkpointing full,none: "none" is the lightest, "full" the strongest, whatever the order."""
+    model = load_model("tiny", "lightning")
+    table = fit_table(
+        model, lambda b, t: example_batch(model, "tiny", b, t), "1GB", batch_sizes=(1,), seq_lens=(32,),
+        precisions=("32-true", "32-true"), modes=("full", "none"), device="cpu", max_simulations=0,
+    )  # fmt: skip
+    assert table.modes == ("none", "full") and table.precisions == ("32-true",) and len(table.cells) == 1

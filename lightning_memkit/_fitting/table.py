@@ -11,7 +11,8 @@ the margin, and its peak; then, with the strongest mode, the largest micro-batch
 2. A step's peak grows with its batch and its sequence: a mode over the limit at a cell is over at every
    cell with at least that batch and that sequence, so it is not tried there; a cell where every mode is
    known over that way is shown over without a simulation.
-3. ``max_simulations`` bounds the rest: the cells past it say "not simulated".
+3. ``max_simulations`` bounds the rest: the cells past it say "not simulated", and a largest micro-batch
+   or longest sequence whose search it stopped is ``None`` ("not searched"), never "nothing fits".
 
 A 16-bit-weight precision (``bf16-true``, ``16-true``) steps AdamW and SGD as their Kahan-summed twins, as
 `plan_fit` plans them (a plain update there rounds small steps away).
@@ -66,6 +67,14 @@ class Cell:
     def fits(self) -> bool:
         return self.checkpointing is not None
 
+    @property
+    def state(self) -> str:
+        """``"fits"``, ``"over"`` (simulated over, or known over) or ``"not simulated"`` (past
+        ``max_simulations``: whether it fits is unknown)."""
+        if self.fits:
+            return "fits"
+        return "over" if self.peak is not None or self.known_over else "not simulated"
+
 
 @dataclass(frozen=True)
 class FitTable:
@@ -76,9 +85,13 @@ class FitTable:
         optimizers: the optimizer stepped at each precision (a Kahan twin at 16-bit weights).
         floors: each precision's static floor (parameters, gradients, optimizer state).
         largest: ``(precision, seq_len) -> (micro-batch, peak)``: the largest micro-batch whose step fits
-            with the strongest mode, any whole number up to ``max_batch`` (0: none).
-        longest: ``precision -> (tokens, peak)``: the longest sequence (in steps of `SEQ_STEP` tokens, up to
-            `max_seq_len`) whose step at micro-batch 1 fits with the strongest mode (0: none).
+            with the strongest mode, any whole number up to ``max_batch`` (0: none fits; ``None``: the
+            search was stopped by ``max_simulations``).
+        at_max_batch: the ``(precision, seq_len)`` keys of `largest` that reached ``max_batch`` with every
+            size fitting: the true largest is at least that.
+        longest: ``precision -> (tokens, peak)``: the longest sequence (in steps of `SEQ_STEP` tokens and
+            `max_seq_len` itself) whose step at micro-batch 1 fits with the strongest mode (0: none fits;
+            ``None``: stopped by ``max_simulations``).
         max_seq_len: the longest sequence searched: the model's block size, or 4 x the longest column.
         simulations: the steps simulated; ``truncated``: whether ``max_simulations`` stopped the work.
     """
@@ -93,8 +106,9 @@ class FitTable:
     optimizers: dict[str, str | None]
     floors: dict[str, int]
     cells: tuple[Cell, ...]
-    largest: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
-    longest: dict[str, tuple[int, int]] = field(default_factory=dict)
+    largest: dict[tuple[str, int], tuple[int, int] | None] = field(default_factory=dict)
+    longest: dict[str, tuple[int, int] | None] = field(default_factory=dict)
+    at_max_batch: frozenset[tuple[str, int]] = frozenset()
     max_seq_len: int = 0
     simulations: int = 0
     truncated: bool = False
@@ -160,13 +174,15 @@ def fit_table(
     """Fill the micro-batch x sequence length x precision grid for ``budget`` (see the module docstring).
 
     ``make_batch(batch_size, seq_len)`` builds the batch of each cell (``memkit fit-table``'s: token ids on
-    the meta device). ``modes``: the checkpointing modes tried, lightest first (only ``"none"`` for a model
-    without repeated blocks). ``max_seq_len``: the longest sequence searched (default: 4 x the longest of
-    ``seq_lens``).
+    the meta device). ``modes``: the checkpointing modes tried, in any order (they are tried lightest
+    first: none, selective, selective_half, full; only ``"none"`` for a model without repeated blocks).
+    ``precisions``: repeats are dropped. ``max_seq_len``: the longest sequence searched (default: 4 x the
+    longest of ``seq_lens``).
     """
     budget = parse_budget(budget)
     limit = int(budget.usable * (1 - margin))
-    modes = tuple(modes) if find_blocks(model) else ("none",)
+    modes = tuple(sorted(set(modes), key=_strength)) if find_blocks(model) else ("none",)
+    precisions = tuple(dict.fromkeys(precisions))
     grid = _Grid(model, make_batch, optimizer, loss_fn, device, limit, max_simulations)
     floors = {p: _floor(model, optimizer, p) for p in precisions}
     batch_sizes, seq_lens = tuple(sorted(set(batch_sizes))), tuple(sorted(set(seq_lens)))
@@ -177,18 +193,19 @@ def fit_table(
         for b in batch_sizes
     ]
     strongest = modes[-1]
-    largest: dict[tuple[str, int], tuple[int, int]] = {}
-    longest: dict[str, tuple[int, int]] = {}
+    longest_seq = max_seq_len or 4 * seq_lens[-1]
+    largest: dict[tuple[str, int], tuple[int, int] | None] = {}
+    longest: dict[str, tuple[int, int] | None] = {}
     for p in (p for p in precisions if floors[p] <= limit):
         for t in seq_lens:
             largest[(p, t)] = _largest(grid, p, strongest, t, max_batch)
-        longest[p] = _longest(grid, p, strongest, (max_seq_len or 4 * seq_lens[-1]) // SEQ_STEP)
+        longest[p] = _longest(grid, p, strongest, longest_seq)
     return FitTable(
         budget=budget, margin=margin, limit=limit, precisions=tuple(precisions), batch_sizes=batch_sizes,
         seq_lens=seq_lens, modes=modes, optimizers={p: _optimizer(optimizer, p) for p in precisions},
         floors=floors, cells=tuple(cells), largest=largest, longest=longest,
-        max_seq_len=(max_seq_len or 4 * seq_lens[-1]) // SEQ_STEP * SEQ_STEP, simulations=grid.count,
-        truncated=grid.left <= 0,
+        at_max_batch=frozenset(k for k, v in largest.items() if v is not None and v[0] >= max_batch),
+        max_seq_len=longest_seq, simulations=grid.count, truncated=grid.left <= 0,
     )  # fmt: skip
 
 
@@ -210,9 +227,9 @@ def _cell(grid: _Grid, precision: str, modes: tuple[str, ...], b: int, t: int, f
     return Cell(precision, b, t, None, over, known_over=known)
 
 
-def _largest(grid: _Grid, precision: str, mode: str, t: int, max_batch: int) -> tuple[int, int]:
-    """The largest micro-batch at ``t`` tokens with ``mode``, from the cells' peaks on (0: none, or past
-    the bound)."""
+def _largest(grid: _Grid, precision: str, mode: str, t: int, max_batch: int) -> tuple[int, int] | None:
+    """The largest micro-batch at ``t`` tokens with ``mode``, from the cells' peaks on (0: none;
+    ``None``: stopped by ``max_simulations``)."""
     known = [(b, p) for (pp, m, b, tt), p in grid.peaks.items() if (pp, m, tt) == (precision, mode, t)]
     if grid.known_over(precision, mode, 1, t):
         return 0, 0
@@ -221,27 +238,43 @@ def _largest(grid: _Grid, precision: str, mode: str, t: int, max_batch: int) -> 
             lambda b: _or_over(grid.peak(precision, mode, b, t)), grid.limit, max_size=max_batch, known=known
         )
     except _Bound:
-        return 0, 0
+        return None
     return size, seen.get(size, 0)
 
 
-def _longest(grid: _Grid, precision: str, mode: str, cap: int) -> tuple[int, int]:
-    """The longest sequence, in `SEQ_STEP`s up to ``cap`` of them, whose micro-batch 1 fits with ``mode``."""
+def seq_candidate(k: int, max_seq_len: int) -> int:
+    """The ``k``-th sequence length `fit_table`'s longest-sequence search tries: ``k`` `SEQ_STEP`s, the
+    last one ``max_seq_len`` itself (a block size that is no multiple of `SEQ_STEP` is searched too)."""
+    return min(k * SEQ_STEP, max_seq_len)
+
+
+def _longest(grid: _Grid, precision: str, mode: str, max_seq_len: int) -> tuple[int, int] | None:
+    """The longest sequence, in `SEQ_STEP`s and ``max_seq_len`` itself, whose micro-batch 1 fits with
+    ``mode`` (0: none; ``None``: stopped by ``max_simulations``)."""
+    cap = -(-max_seq_len // SEQ_STEP)
     known = [
-        (t // SEQ_STEP, p)
+        (-(-t // SEQ_STEP), p)
         for (pp, m, b, t), p in grid.peaks.items()
-        if (pp, m, b) == (precision, mode, 1) and t % SEQ_STEP == 0
+        if (pp, m, b) == (precision, mode, 1) and t == seq_candidate(-(-t // SEQ_STEP), max_seq_len)
     ]
     if cap < 1:
         return 0, 0
     try:
         steps, seen = largest_fitting(
-            lambda k: _or_over(grid.peak(precision, mode, 1, k * SEQ_STEP)), grid.limit, max_size=cap,
-            known=known,
+            lambda k: _or_over(grid.peak(precision, mode, 1, seq_candidate(k, max_seq_len))), grid.limit,
+            max_size=cap, known=known,
         )  # fmt: skip
     except _Bound:
-        return 0, 0
-    return steps * SEQ_STEP, seen.get(steps, 0)
+        return None
+    return (seq_candidate(steps, max_seq_len) if steps else 0), seen.get(steps, 0)
+
+
+#: The checkpointing modes from the lightest (most memory) to the strongest.
+_STRENGTH = ("none", "selective", "selective_half", "full")
+
+
+def _strength(mode: str) -> int:
+    return _STRENGTH.index(mode) if mode in _STRENGTH else len(_STRENGTH)
 
 
 class _Bound(Exception):

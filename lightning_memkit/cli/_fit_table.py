@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._diagnosis.report import render_table
-from lightning_memkit._fitting.table import SEQ_STEP, FitTable, fit_table
+from lightning_memkit._fitting.table import SEQ_STEP, FitTable, fit_table, seq_candidate
 from lightning_memkit.cli._args import UsageError, usage_error
 from lightning_memkit.cli._models import (
     analytic_shape,
@@ -37,8 +37,9 @@ __all__ = ["add_fit_table", "run_fit_table"]
 LEGEND = (
     "Each cell: the simulated peak of one training step at that micro-batch (rows) and sequence length "
     "(columns), with the lightest checkpointing that fits; over: no mode fits (the peak with the strongest "
-    "mode, or — where a smaller cell is already over); largest micro-batch: any whole number, with {mode} "
-    "checkpointing."
+    "mode, or without a peak where a smaller cell is already over); largest micro-batch: any whole number, "
+    "with {mode} checkpointing (at least N: every size up to --max-batch fits); not searched: "
+    "--max-simulations ran out first."
 )
 
 
@@ -120,19 +121,35 @@ def _precision_table(table: FitTable, precision: str, block: int | None) -> str:
     rows = [
         (str(b), *(_cell_text(table, precision, b, t) for t in table.seq_lens)) for b in table.batch_sizes
     ]
-    largest = [table.largest.get((precision, t), (0, 0)) for t in table.seq_lens]
-    rows.append(("largest", *(f"{m} ({format_bytes(peak)})" if m else "none" for m, peak in largest)))
-    tokens, peak = table.longest.get(precision, (0, 0))
+    rows.append(("largest", *(_largest_text(table, precision, t) for t in table.seq_lens)))
+    rendered = render_table(header, rows, left=("micro-batch",), bold=lambda row: row[0] == "largest")
+    return f"{title}\n{rendered}\n{_longest_text(table, precision, block)}"
+
+
+def _largest_text(table: FitTable, precision: str, t: int) -> str:
+    found = table.largest.get((precision, t))
+    if found is None:
+        return "not searched"
+    m, peak = found
+    if not m:
+        return "none"
+    at_least = "at least " if (precision, t) in table.at_max_batch else ""
+    return f"{at_least}{m} ({format_bytes(peak)})"
+
+
+def _longest_text(table: FitTable, precision: str, block: int | None) -> str:
+    found = table.longest.get(precision)
+    if found is None:
+        return "longest sequence at micro-batch 1: not searched (--max-simulations reached)"
+    tokens, peak = found
+    if not tokens:
+        return f"not even {seq_candidate(1, table.max_seq_len):,} tokens fit at micro-batch 1"
     at_block = block is not None and tokens == table.max_seq_len
     capped = " (the model's block size: the most it takes)" if at_block else ""
-    longest = (
+    return (
         f"longest sequence at micro-batch 1 (in steps of {SEQ_STEP}): {tokens:,} tokens{capped}, peak "
         f"{format_bytes(peak)}, {table.modes[-1]} checkpointing"
-        if tokens
-        else f"not even {SEQ_STEP} tokens fit at micro-batch 1"
     )
-    rendered = render_table(header, rows, left=("micro-batch",), bold=lambda row: row[0] == "largest")
-    return f"{title}\n{rendered}\n{longest}"
 
 
 def _cell_text(table: FitTable, precision: str, b: int, t: int) -> str:
@@ -147,7 +164,9 @@ def _cell_text(table: FitTable, precision: str, b: int, t: int) -> str:
 
 def _report(args: argparse.Namespace, table: FitTable, seconds: float) -> dict[str, Any]:
     """The ``--json`` object: byte counts are integers; ``cells`` one per precision x sequence x batch,
-    ``checkpointing`` the lightest mode that fits (null: none), ``peak`` null where not simulated."""
+    ``checkpointing`` the lightest mode that fits (null: none), ``peak`` null where not simulated,
+    ``state`` "fits", "over" or "not simulated"; a largest/longest ``searched`` false (its size null) where
+    --max-simulations stopped it, ``at_max_batch`` true where every size up to --max-batch fits."""
     return {
         "model": args.model,
         "gpu": args.gpu.source,
@@ -164,14 +183,30 @@ def _report(args: argparse.Namespace, table: FitTable, seconds: float) -> dict[s
                 "checkpointing": c.checkpointing,
                 "peak": c.peak,
                 "fits": c.fits,
+                "state": c.state,
             }
             for c in table.cells
         ],
         "largest": [
-            {"precision": p, "seq_len": t, "micro_batch_size": m, "peak": peak}
-            for (p, t), (m, peak) in table.largest.items()
+            {
+                "precision": p,
+                "seq_len": t,
+                "micro_batch_size": found and found[0],
+                "peak": found and found[1],
+                "searched": found is not None,
+                "at_max_batch": (p, t) in table.at_max_batch,
+            }
+            for (p, t), found in table.largest.items()
         ],
-        "longest": [{"precision": p, "seq_len": t, "peak": peak} for p, (t, peak) in table.longest.items()],
+        "longest": [
+            {
+                "precision": p,
+                "seq_len": found and found[0],
+                "peak": found and found[1],
+                "searched": found is not None,
+            }
+            for p, found in table.longest.items()
+        ],
         "simulations": table.simulations,
         "truncated": table.truncated,
         "seconds": seconds,
