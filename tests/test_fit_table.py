@@ -222,3 +222,16 @@ def test_modes_are_tried_lightest_first_and_precisions_once():
         precisions=("32-true", "32-true"), modes=("full", "none"), device="cpu", max_simulations=0,
     )  # fmt: skip
     assert table.modes == ("none", "full") and table.precisions == ("32-true",) and len(table.cells) == 1
+
+
+def test_a_probe_past_the_example_batch_allocates_nothing():
+    """Sizes past the example batch are its samples repeated on the meta device: a billion samples (64 GB
+    of token ids as real tensors) are probed without allocating them, and the search stops at max_size."""
+    from lightning_memkit._fitting.limits import _resized
+
+    make = _resized(_batch(3), None)
+    assert make(2)[0].device.type == "cpu" and make(2)[0].shape == (2, T)
+    assert make(10**9)[0].device.type == "meta" and make(10**9)[0].shape == (10**9, T)
+    found = largest_micro_batch(tiny_lm(), _batch(3), 10**18, optimizer="sgd", loss_fn=lm_loss, device="cpu",
+                                max_size=10**9)  # fmt: skip
+    assert found.micro_batch_size == 10**9 and found.next_peak is None

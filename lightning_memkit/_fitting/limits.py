@@ -17,17 +17,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget, parse_budget, whole_number
 from lightning_memkit._estimating.lightning_step import (
     SampleAxes,
+    _per_sample,
     batch_size,
     batch_slice,
     default_axes,
-    repeat_batch,
+    repeat_rows,
 )
+from lightning_memkit._estimating.lightning_step import rows as rows_of
 from lightning_memkit._estimating.simulate import OptimizerLike, estimate_memory
 from lightning_memkit._fitting.search import _largest_fitting
 
@@ -140,14 +143,16 @@ def largest_micro_batch(
     Where `plan_fit` chooses among the divisors of a global batch, this answers "how large a batch fits":
     any whole number, not the last power of two that ran (Lightning's ``BatchSizeFinder`` in its power
     mode). Every trial is `estimate_memory` on fake tensors: nothing is allocated and nothing runs out of
-    memory. Probing upwards where the line through the peaks so far crosses the limit finds a size over it;
+    memory (a size past the example batch's is its samples repeated on the meta device: shapes only).
+    Probing upwards where the line through the peaks so far crosses the limit finds a size over it;
     bisection between finds the largest that fits and the size above it that does not
     (`BatchLimit.next_peak`).
 
     Args:
         model, optimizer, loss_fn, precision, device: as `estimate_memory` takes them.
-        batch: an example batch of any number of samples, repeated (or cut) along each tensor's sample
-            dimension (``batch_axes``, default dimension 0) to each size tried; or a callable
+        batch: an example batch of any number of samples, cut (or repeated, on the meta device: without
+            values) along each tensor's sample dimension (``batch_axes``, default dimension 0) to each size
+            tried; or a callable
             ``size -> batch`` (``memkit fit-table``'s: token ids of shape (size, seq_len) on the meta
             device).
         budget: bytes, ``"24GB"``, a GPU name (``"A100-80GB"``: less the CUDA context and reserve), as
@@ -169,13 +174,27 @@ def largest_micro_batch(
     max_size = whole_number("max_size", max_size, of="samples", at_least=1)
     limit = int(budget.usable * (1 - margin))
     make = batch if callable(batch) else _resized(batch, batch_axes)
+    n = (
+        None
+        if callable(batch)
+        else batch_size(batch, default_axes(batch) if batch_axes is None else batch_axes)
+    )
     mode = None if checkpointing == "none" else checkpointing
 
     def peak(size: int) -> int:
-        return estimate_memory(
-            model, make(size), optimizer=optimizer, loss_fn=loss_fn, precision=precision,
-            checkpointing=mode, device=device,
-        ).peak  # fmt: skip
+        try:
+            return estimate_memory(
+                model, make(size), optimizer=optimizer, loss_fn=loss_fn, precision=precision,
+                checkpointing=mode, device=device,
+            ).peak  # fmt: skip
+        except Exception as e:
+            if n is not None and size > n:
+                e.add_note(
+                    f"largest_micro_batch: the step of {size} samples was the example batch's {n} "
+                    "repeated on the meta device (shapes, no values); a step that reads the batch's values "
+                    "needs batch= a callable size -> batch"
+                )
+            raise
 
     size, seen = largest_fitting(peak, limit, max_size=max_size)
     return BatchLimit(
@@ -191,12 +210,22 @@ def largest_micro_batch(
 
 
 def _resized(batch: Any, axes: SampleAxes | None) -> Callable[[int], Any]:
-    """``size -> batch`` from an example batch: its samples repeated, then cut, to ``size``."""
+    """``size -> batch`` from an example batch: its samples cut to ``size`` (views: nothing allocated), or,
+    past its own size, tensors of ``size`` samples on the meta device (shapes without storage: a probe of
+    4096 images allocates nothing; a sparse tensor is repeated for real)."""
     axes = default_axes(batch) if axes is None else axes
     n = batch_size(batch, axes)
 
+    def grown(t: Tensor, dim: int, rows: int, size: int) -> Tensor:
+        if t.layout != torch.strided:
+            return rows_of(repeat_rows(t, -(-size // n), dim), 0, size * rows, dim)
+        shape = list(t.shape)
+        shape[dim] = size * rows
+        return t.new_empty(shape, device="meta")
+
     def make(size: int) -> Any:
-        grown = repeat_batch(batch, -(-size // n), axes=axes) if size > n else batch
-        return batch_slice(grown, size, axes=axes)
+        if size <= n:
+            return batch_slice(batch, size, axes=axes)
+        return _per_sample(batch, axes, lambda t, dim, rows: grown(t, dim, rows, size))
 
     return make
