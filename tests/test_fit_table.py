@@ -235,3 +235,23 @@ def test_a_probe_past_the_example_batch_allocates_nothing():
     found = largest_micro_batch(tiny_lm(), _batch(3), 10**18, optimizer="sgd", loss_fn=lm_loss, device="cpu",
                                 max_size=10**9)  # fmt: skip
     assert found.micro_batch_size == 10**9 and found.next_peak is None
+
+
+def test_a_failing_step_says_which_model_and_batch(tmp_path, monkeypatch):
+    """A factory model whose step raises a ValueError: the error names the model, the failing cell's batch
+    and how to give another, as memkit estimate's does (it printed the bare ValueError)."""
+    (tmp_path / "fit_table_models.py").write_text(
+        "import torch\n\n\nclass Images(torch.nn.Linear):\n    def forward(self, x):\n"
+        "        raise ValueError('expected pixel_values')\n\n\ndef build():\n    return Images(4, 4)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["fit-table", "--model", "fit_table_models:build", "--gpu", "1GB", "--device", "cpu"]
+    status, _, err = run_cli([*argv, "--batch-sizes", "2,3", "--seq-lens", "8,16", "--precision", "32-true"])
+    sys.modules.pop("fit_table_models", None)
+    assert status == 2, err
+    assert re.search(
+        r"--model fit_table_models:build: the simulated training step failed: ValueError: expected "
+        r"pixel_values; the batch was \(x, y\), int64 token ids of shape \(2, 8\), stepped as "
+        r"cross_entropy\(model\(x\), y\); a model that takes other inputs .* defines example_batch",
+        err,
+    ), err

@@ -53,24 +53,34 @@ def run_fit_table(args: argparse.Namespace) -> int:
     # counted, and at 16-bit weights its Kahan twin stepped, as memkit plan plans it
     options["optimizer"] = options["optimizer"] or catalogued
     start = time.perf_counter()
-    largest_batch = max(args.batch_sizes)
-    with step_errors(model, args.model, largest_batch, max(seq_lens)), usage_error(ValueError):
-        table = fit_table(
-            model,
-            lambda b, t: example_batch(model, args.model, b, t),
-            args.gpu,
-            batch_sizes=args.batch_sizes,
-            seq_lens=seq_lens,
-            precisions=args.precision,
-            modes=args.checkpointing,
-            optimizer=options["optimizer"],
-            loss_fn=options["loss_fn"],
-            device=args.device,
-            margin=args.margin,
-            max_batch=args.max_batch,
-            max_seq_len=block,
-            max_simulations=args.max_simulations,
-        )
+    at = [max(args.batch_sizes), max(seq_lens)]  # the cell whose batch was built last: the failing one
+
+    def make(b: int, t: int) -> Any:
+        at[:] = b, t
+        return example_batch(model, args.model, b, t)
+
+    # step_errors quiets torch's log of a failing meta kernel; the error is worded for the failing cell
+    with step_errors(model, args.model, *at):
+        try:
+            table = fit_table(
+                model,
+                make,
+                args.gpu,
+                batch_sizes=args.batch_sizes,
+                seq_lens=seq_lens,
+                precisions=args.precision,
+                modes=args.checkpointing,
+                optimizer=options["optimizer"],
+                loss_fn=options["loss_fn"],
+                device=args.device,
+                margin=args.margin,
+                max_batch=args.max_batch,
+                max_seq_len=block,
+                max_simulations=args.max_simulations,
+            )
+        except Exception:
+            with step_errors(model, args.model, *at) if ":" in args.model else usage_error(ValueError):
+                raise
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps(_report(args, table, seconds), indent=2))
