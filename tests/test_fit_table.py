@@ -116,12 +116,14 @@ def test_the_cli_prints_a_table_per_precision():
     status, out, err = run_cli(argv)
     assert status == 0, err
     assert out.startswith("What fits 24MB (")
-    assert "32-true, configure_optimizers: static floor" in out and "bf16-true, configure_optimizers" in out
+    # the preset's configure_optimizers is AdamW, stepped as its Kahan twin over bf16 weights
+    assert "32-true, adamw: static floor" in out and "bf16-true, adamw_kahan: static floor" in out
     assert "│ largest " in out and "longest sequence at micro-batch 1" in out
     assert "Each cell: the simulated peak" in out
     report = json.loads(run_cli([*argv, "--json"])[1])
     assert {c["precision"] for c in report["cells"]} == {"32-true", "bf16-true"}
     assert all(c["fits"] == (c["peak"] is not None and c["peak"] <= report["limit"]) for c in report["cells"])
+    assert all(c["state"] == ("fits" if c["fits"] else "over") for c in report["cells"])  # all simulated
 
 
 def test_the_cli_refuses_a_sequence_past_the_block_size():
