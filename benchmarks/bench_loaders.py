@@ -153,7 +153,10 @@ def main() -> None:
     rows.append(("position_ids (1, T)", positional, budget, 1, "refused"))
     regression = Regression(4)
     rows.append(("4 x 2 as set up", regression, 10**12, 2, "8 x 1 (merged)"))
-    print("| case | budget (B) | before | plan | batches run | planned peak (B) | steady real peak (B) | in budget |")
+    print(
+        "| case | budget (B) | before | plan | batches run | planned peak (B) | steady real peak (B) "
+        "| in budget |"
+    )
     print("|---|---:|---|---|---|---:|---:|---|")
     for name, module, budget, accumulate, before in rows:
         plan, peaks = fit(module, budget, accumulate)

@@ -515,7 +515,9 @@ def test_ddp_autofit_checks_every_ranks_first_batch_against_the_plan(ddp):
     ranks stop before the first optimizer step (none waits in DDP's all-reduce), rank 1 naming its batch."""
     out = ddp("first_batch")
     refused = [(out / f"refused_{r}.txt").read_text() for r in (0, 1)]
-    assert all(re.match(r"AutoFit planned micro-batch [124] x accumulate [248] ", t) for t in refused), refused
+    assert all(re.match(r"AutoFit planned micro-batch [124] x accumulate [248] ", t) for t in refused), (
+        refused
+    )
     assert "but the first training batch on rank 1 holds 8 samples" in refused[1]
     assert "but another rank's first training batch does not hold that (rank 0's does)" in refused[0]
     assert [json.loads((out / f"unchanged_{r}.json").read_text()) for r in (0, 1)] == [True, True]

@@ -253,7 +253,7 @@ def test_a_resumed_plan_made_again_is_the_plan_a_fresh_fit_makes(tmp_path):
         return callback, trainer
 
     saved = tmp_path / "sgd.ckpt"
-    callback, trainer = fit("64MB", max_steps=2)
+    _callback, trainer = fit("64MB", max_steps=2)
     trainer.fit(_Tokens())
     trainer.save_checkpoint(saved)
     fresh, trainer = fit("700KB", max_steps=2)
