@@ -11,6 +11,7 @@ planning both start here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 
 from torch import nn
@@ -129,10 +130,10 @@ def _adapter(module: nn.Module) -> bool:
     weights, so it is a lone layer to checkpoint, which saves nothing."""
     if type(module).__module__.split(".")[0] in ("peft", "bitsandbytes"):
         return True
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # peft is optional
+    if "peft" not in sys.modules:  # no tuner layer without peft (whose import imports bitsandbytes)
         return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     return isinstance(module, BaseTunerLayer)
 
 
