@@ -18,8 +18,8 @@ the caching allocator also gives the peak of every single step (``torch.cuda.max
 ``memory/peak`` is read fresh each step there and the difference from the twin lands in
 ``memory/temporary``. A compiled step (``torch.compile`` in ``configure_model`` or on the module) is
 measured buffer by buffer as well, and compiles as it would unwatched: the same frames, graphs and graph
-breaks. FSDP2 on the CPU measures every step: gloo's worker threads time when a collective's buffers are
-freed, so steps alike there differ by up to a layer's buffers.
+breaks. FSDP2 and tensor parallel on the CPU measure every step: gloo's worker threads time when a
+collective's buffers are freed, so steps alike there differ by up to a layer's buffers.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from lightning_memkit._measuring.tracker import (
     storage_bytes,
 )
 from lightning_memkit._sharding.fsdp2 import explain_mixed_tensors, is_sharded
+from lightning_memkit._sharding.layout import layout_of
 from lightning_memkit.callbacks._memory_log import LogWindow, StepMemory
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._trainer import (
@@ -322,7 +323,10 @@ class MemoryMonitor(Callback):
             self._signature = signature
             due = self.remeasure_every_n_steps and self._since_measured + 1 >= self.remeasure_every_n_steps
             if self._twins_alike is None:
-                self._twins_alike = not (self._device.type == "cpu" and is_sharded(pl_module))
+                # gloo's worker threads time when a collective's buffers are freed (FSDP2, tensor parallel)
+                self._twins_alike = not (
+                    self._device.type == "cpu" and (is_sharded(pl_module) or layout_of(pl_module))
+                )
             if signature is None or signature not in self._twins or due or not self._twins_alike:
                 self._measurement = measure(pl_module, trainer.optimizers, device=self._device, batch=batch)
                 self._measurement.__enter__()
