@@ -49,7 +49,6 @@ from lightning_memkit._optimizers.swap import (
     swap_optimizer,
 )
 from lightning_memkit._step import Step
-from lightning_memkit._vocabulary import renamed
 
 __all__ = [
     "Estimator",
@@ -468,7 +467,6 @@ def fit_optimizer(
     release_gradients: bool = False,
     fused_step: bool = False,
     offload: bool = False,
-    candidates: Sequence[str] | None = None,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -489,8 +487,7 @@ def fit_optimizer(
         loss_fn: ``(output, target) -> loss`` for a plain module with ``batch``.
         step_peak: instead of the estimators, ``step_peak(optimizers)`` returns the step's peak (bytes
             or a `MemoryBreakdown`) with those (fresh, not yet stepped) optimizers.
-        optimizers: catalogue names to try in order (see `CATALOGUE`); ``candidates=`` is its deprecated
-            name.
+        optimizers: catalogue names to try in order (see `CATALOGUE`).
         allow_unknown: also swap an optimizer the catalogue does not know, reading its ``lr`` and
             ``weight_decay`` as AdamW's. Otherwise it is left alone with a warning.
         precision: the Lightning precision string the step runs in (simulated step only).
@@ -518,8 +515,6 @@ def fit_optimizer(
         choice.rebind(scheduler)
         print(choice.summary())
     """
-    if candidates is not None:
-        optimizers = renamed("fit_optimizer", "candidates", "optimizers", candidates)
     budget = parse_budget(budget)
     given = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
     if step_peak is not None:
