@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import math
-import numbers
 import time
 import warnings
 from collections import Counter
@@ -59,7 +57,7 @@ from lightning_memkit._optimizers.swap import (
 )
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import Lever, Sharding, Step
-from lightning_memkit._vocabulary import AUTO, allowed_modes, renamed
+from lightning_memkit._vocabulary import AUTO, allowed_modes
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -87,9 +85,6 @@ FULL_RECOMPUTE = 1 / 3
 #: two cores (GPT-2's 1,447 ops 0.7 s, LLaMA-7B's 7,841 ops 7 s). A count, so that the plan does not
 #: depend on how busy the machine is.
 SLOW_SIMULATION_OPS = 3_000
-#: Seconds a deprecated ``refine_seconds`` counts for one micro-batch refined (`refine_limit_for`): a
-#: LLaMA-7B planner on two idle cores (docs/repeated-blocks.md).
-REFINE_SECONDS_EACH = 4.0
 #: The step levers, `plan_fit`'s keywords, cheapest first, and the callback that makes each in a Trainer.
 LEVER_CALLBACKS = {
     "release_gradients": "GradientRelease",
@@ -546,7 +541,6 @@ def plan_fit(
     offload: bool = False,
     compensate: bool = True,
     refine_limit: int | None = None,
-    refine_seconds: float | None = None,
     cpu_offload: bool | None = False,
     link: _fsdp2.Link | None = None,
     mixed_precision_policy: bool = False,
@@ -602,8 +596,6 @@ def plan_fit(
             search up to ten): the micro-batches past it, the smaller ones, are planned with every block
             fully checkpointed, where that was simulated already, and `FitPlan.note` says so. A count, so
             the plan is the same on a busy machine. ``None``: no limit.
-        refine_seconds: deprecated, for ``refine_limit``: read as ``refine_seconds / 4`` micro-batches
-            (`refine_limit_for`; a 7B model's planner takes about 4 s on two cores), never as time.
         link: with ``strategy="fsdp2"``, how fast the ranks' collectives run (`_sharding.fsdp2.Link`; default
             `_sharding.fsdp2.LINKS` for ``device``): each micro-step's all-gathers and reduce-scatters are
             added to
@@ -659,13 +651,6 @@ def plan_fit(
     budget = parse_budget(budget)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
-    if refine_seconds is not None and refine_limit is not None:
-        raise TypeError("refine_seconds is the deprecated form of refine_limit: give refine_limit alone")
-    if refine_seconds is not None:
-        counted = " (a count of micro-batches, so that the plan does not depend on the machine's load)"
-        refine_limit = renamed(
-            "plan_fit", "refine_seconds", "refine_limit", refine_limit_for(refine_seconds), also=counted
-        )
     if refine_limit is not None:
         refine_limit = whole_number("refine_limit", refine_limit, of="micro-batches", at_least=0)
     limit = int(budget.usable * (1 - margin))
@@ -936,14 +921,6 @@ def _set_up_fits(search, m, sizes, first, viable, limit) -> bool:
         return False
     search.smallest = m  # nothing smaller is planned
     return True
-
-
-def refine_limit_for(seconds: float) -> int | None:
-    """The `plan_fit` ``refine_limit`` a deprecated ``refine_seconds`` stands for: a micro-batch refined per
-    `REFINE_SECONDS_EACH` seconds, rounded down (30 s: 7); ``None`` (no limit) for infinity. Never a clock."""
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds >= 0:
-        raise ValueError(f"refine_seconds must be a number of seconds, at least 0; got {seconds!r}")
-    return None if math.isinf(seconds) else math.floor(seconds / REFINE_SECONDS_EACH)
 
 
 def _first_fitting(search, pairs, viable, m, strongest, limit, *, offloads: Sequence[bool]):

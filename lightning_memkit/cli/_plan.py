@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -30,7 +31,6 @@ from lightning_memkit._fitting.search import (
     LEVER_CALLBACKS,
     LOWER_PRECISION_HINT,
     plan_fit,
-    refine_limit_for,
     static_floor,
 )
 from lightning_memkit._optimizers.swap import COMPENSATED, KAHAN, lighter_candidates
@@ -402,7 +402,7 @@ def _refine_limit(args: argparse.Namespace) -> int | None:
     """``--refine-limit``, or the deprecated ``--refine-seconds`` read as a count (said on stderr)."""
     if args.refine_seconds is None:
         return args.refine_limit
-    limit = refine_limit_for(args.refine_seconds)
+    limit = None if math.isinf(args.refine_seconds) else math.floor(args.refine_seconds / 4)
     print(
         f"memkit plan: --refine-seconds is deprecated; {args.refine_seconds:g} reads as --refine-limit "
         f"{limit} (a micro-batch for every 4 seconds, never a clock)",
