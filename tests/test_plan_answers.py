@@ -24,7 +24,7 @@ from lightning_memkit import AutoFit, FitPlan, advise, format_bytes, parse_budge
 from lightning_memkit._diagnosis import oom
 from lightning_memkit._diagnosis.advise import _chunked_loss
 from lightning_memkit._diagnosis.oom import plan_code
-from lightning_memkit._fitting import search
+from lightning_memkit._fitting import simulations
 from lightning_memkit._fitting.plan import StepCost
 from lightning_memkit._fitting.search import TIMED_NOTE
 from lightning_memkit.demos.gpt import GPTLightningModule
@@ -243,7 +243,7 @@ def test_an_oom_reports_plans_are_the_same_on_a_machine_100x_slower(monkeypatch)
     )  # fmt: skip
     fast = section()
     assert fast[0].startswith("Plans that fit in")
-    monkeypatch.setattr(search, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(simulations, "PROGRESS_AFTER_S", 0.0)
     _slow_clock(monkeypatch, factor=10_000.0)
     assert section() == fast
 
