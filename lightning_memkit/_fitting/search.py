@@ -135,7 +135,7 @@ def plan_fit(
             added to
             its time (`collective_seconds`), so fewer, larger micro-batches rank higher.
         cpu_offload: with ``strategy="fsdp2"``, plan for FSDP2's ``CPUOffloadPolicy`` (the sharded
-            parameters, gradients and optimizer state in host memory; `_Search.offloaded`: an upper bound
+            parameters, gradients and optimizer state in host memory; `Simulations.offloaded`: an upper bound
             of what stays on the device, not simulated as such). ``None``: only where nothing fits
             without it (`AutoFitStrategy`, ``memkit plan``). `FitPlan.cpu_offload` and
             `FitPlan.host_bytes` say so.
@@ -352,9 +352,9 @@ def _as_set_up(space: SearchSpace, ranking: Ranking, sizes: Sequence[int]) -> _O
 def _reshard(
     space: SearchSpace, ranking: Ranking, options: list[_Option], best: _Option, notes: list[str]
 ) -> tuple[bool | None, list[_Option], _Option]:
-    """FSDP2's ``reshard_after_forward`` for the ``best`` plan (``None``: not FSDP2): ``False`` (no
-    all-gather in backward) where that step fits too, then its peak the plan's; ``True`` past
-    ``refine_limit``, untried (a note says so)."""
+    """FSDP2's ``reshard_after_forward`` for the ``best`` plan: ``False`` (no all-gather in backward) where
+    that step fits too, then its peak the plan's; ``True`` where it does not, or past ``refine_limit``,
+    untried (a note says so); ``None`` where the run does not shard, or a user's ``parallelize_fn`` does."""
     search = ranking.search
     if not search.sharding:
         return None, options, best
