@@ -26,12 +26,8 @@ from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shar
 from lightning_memkit._estimating.lightning_step import batch_slice
 from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
 from lightning_memkit._fitting.plan import FitPlan
-from lightning_memkit._fitting.search import (
-    LEVER_CALLBACKS,
-    LOWER_PRECISION_HINT,
-    plan_fit,
-    static_floor,
-)
+from lightning_memkit._fitting.refusal import LOWER_PRECISION_HINT
+from lightning_memkit._fitting.search import LEVER_CALLBACKS, plan_fit, static_floor
 from lightning_memkit._optimizers.swap import COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit.cli._args import usage_error
 from lightning_memkit.cli._models import (
