@@ -49,7 +49,7 @@ from lightning_memkit._estimating.simulate import counted_step, estimate_step, s
 from lightning_memkit._fitting import layouts as _layouts
 from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost, flops_cost, measured_cost
 from lightning_memkit._levers.offload import transfer_seconds
-from lightning_memkit._measuring.tracker import model_device
+from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._optimizers.swap import (
     CATALOGUE,
     COMPENSATED,
