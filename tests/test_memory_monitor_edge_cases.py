@@ -18,7 +18,8 @@ from torch import nn
 import lightning_memkit.callbacks.memory_monitor as mm
 from lightning_memkit import AutoFit, MemoryMonitor, OptimizerSwap, estimate_memory, measure
 from lightning_memkit._estimating.lightning_step import batch_slice, repeat_rows, rows
-from lightning_memkit._measuring.tracker import Tracker, leaves, rounded
+from lightning_memkit._measuring.storages import leaves, rounded
+from lightning_memkit._measuring.tracker import Tracker
 from lightning_memkit.callbacks.memory_monitor import batch_signature
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 

@@ -63,7 +63,7 @@ from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.repeated import repeated_blocks, truncated
 from lightning_memkit._estimating.routing import ROUTING_ASSUMED, routed
 from lightning_memkit._estimating.simulate import estimate_step
-from lightning_memkit._measuring.tracker import allocation_rounding, model_device
+from lightning_memkit._measuring.storages import allocation_rounding, model_device
 from lightning_memkit._step import Step
 from lightning_memkit._vocabulary import AUTO, allowed_modes, unbudgeted_mode
 

@@ -48,7 +48,7 @@ from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit._estimating.optimizer_state import BNB_MIN_8BIT_SIZE
 from lightning_memkit._estimating.simulate import OptimizerLike, estimate_step, simulate_step
 from lightning_memkit._estimating.trace import Tracer
-from lightning_memkit._measuring.tracker import state_tensors, storage_bytes
+from lightning_memkit._measuring.storages import state_tensors, storage_bytes
 from lightning_memkit._optimizers.swap import bitsandbytes_installed, identify, own_optimizer
 from lightning_memkit._step import Step
 

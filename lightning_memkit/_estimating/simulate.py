@@ -97,13 +97,9 @@ from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._levers.offload import offload_optimizer
 from lightning_memkit._measuring import kernels as _kernels
-from lightning_memkit._measuring.tracker import (
-    Storage,
-    Tracker,
-    _iter_tensors,
-    _value_shaped,
-    allocation_rounding,
-)
+from lightning_memkit._measuring.ops import _value_shaped
+from lightning_memkit._measuring.storages import Storage, _iter_tensors, allocation_rounding
+from lightning_memkit._measuring.tracker import Tracker
 from lightning_memkit._optimizers.swap import load_bitsandbytes
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._sharding import layout as _layout

@@ -32,7 +32,7 @@ from lightning_memkit._estimating.lightning_step import (
     lightning_stand_ins,
     loss_of,
 )
-from lightning_memkit._measuring.tracker import model_device
+from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._optimizers.swap import identify, lr_factor, rebind_scheduler, swap_optimizer
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]

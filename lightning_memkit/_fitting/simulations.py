@@ -26,7 +26,7 @@ from lightning_memkit._estimating.lightning_step import SampleAxes, batch_size, 
 from lightning_memkit._estimating.simulate import counted_step, estimate_step, sixteen_bit_weights
 from lightning_memkit._fitting.plan import StepCost, flops_cost, measured_cost
 from lightning_memkit._fitting.space import SearchSpace
-from lightning_memkit._measuring.tracker import model_device
+from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import Lever, Sharding, Step
 from lightning_memkit._vocabulary import AUTO

@@ -36,7 +36,7 @@ from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._estimating.simulate import estimate_memory, estimate_step, sixteen_bit_weights
 from lightning_memkit._levers.fused_step import needs_closure
-from lightning_memkit._measuring.tracker import allocation_rounding, model_device, rounded
+from lightning_memkit._measuring.storages import allocation_rounding, model_device, rounded
 from lightning_memkit._optimizers.swap import (
     CATALOGUE,
     COMPENSATED,

@@ -52,13 +52,8 @@ from lightning_memkit._diagnosis.oom import PHASES, StepInFlight, on_cpu, simula
 from lightning_memkit._diagnosis.report import plot_history, render_summary
 from lightning_memkit._diagnosis.snapshot import advised_snapshot, simulated_snapshot, write_snapshot
 from lightning_memkit._measuring.kernels import helper_ready, start_helper
-from lightning_memkit._measuring.tracker import (
-    MemoryMeasurement,
-    leaves,
-    measure,
-    optimizer_tensors,
-    storage_bytes,
-)
+from lightning_memkit._measuring.measurement import MemoryMeasurement, measure
+from lightning_memkit._measuring.storages import leaves, optimizer_tensors, storage_bytes
 from lightning_memkit._sharding.fsdp2 import explain_mixed_tensors, is_sharded
 from lightning_memkit._sharding.layout import layout_of
 from lightning_memkit.callbacks._memory_log import LogWindow, StepMemory
