@@ -348,9 +348,16 @@ class MemoryMonitor(Callback):
             self._fail(trainer, err)
             return
         outputs = FitEnd(
-            self.summary, self.plot, self.advise, self.snapshot, self.report, self.budget, self._device,
-            warn=self._warn_once, safely=self._safely,
-        )  # fmt: skip
+            summary=self.summary,
+            plot=self.plot,
+            advise=self.advise,
+            snapshot=self.snapshot,
+            report=self.report,
+            budget=self.budget,
+            device=self._device,
+            warn=self._warn_once,
+            safely=self._safely,
+        )
         path = None
         try:
             # Under fast_dev_run Lightning writes nothing (no logs, no checkpoints), and nor does this.
@@ -361,10 +368,9 @@ class MemoryMonitor(Callback):
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report{where}: {err!r}")
         kept, self._peak_batches.kept = self._peak_batches.kept, None
         if kept is not None:
+            folder = None if path is None else path.parent
             at = self.history[-1][0]  # the last step's, as every other key is logged
-            self.advice = outputs.peak_step(
-                trainer, pl_module, kept, None if path is None else path.parent, at
-            )
+            self.advice = outputs.peak_step(trainer, pl_module, kept, folder, at)
 
     @property
     @override
