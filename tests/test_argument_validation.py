@@ -271,12 +271,6 @@ def test_cli_gpu_too_large_is_one_line(capfd, gpu, command):
 def test_the_old_keywords_still_work_and_name_the_new_ones():
     """Issue 28, one word per idea: Lightning's ``batch_arg_name``, ``optimizers=`` for the candidate
     optimizers everywhere, ``cost="measured"`` in both planners. The old spellings still run, saying so."""
-    with pytest.warns(
-        FutureWarning, match=r"AutoFit\(batch_size_attr=\.\.\.\) is deprecated.*batch_arg_name"
-    ):
-        assert AutoFit("1GB", batch_size_attr="bs").batch_arg_name == "bs"
-    with pytest.warns(FutureWarning, match=r"AutoFitStrategy\(batch_size_attr=\.\.\.\) is deprecated"):
-        assert AutoFitStrategy("1GB", batch_size_attr="bs").autofit.batch_arg_name == "bs"
     with pytest.warns(FutureWarning, match=r"OptimizerSwap\(candidates=\.\.\.\) is deprecated.*optimizers="):
         assert OptimizerSwap("1GB", candidates=("lion",)).optimizers == ("lion",)
     with pytest.warns(FutureWarning, match=r"ActivationCheckpointing\(cost='time'\).*cost='measured'"):

@@ -65,7 +65,7 @@ from lightning_memkit._fitting.resume import Change, optimizer_name, refusal, sa
 from lightning_memkit._fitting.search import plan_fit
 from lightning_memkit._optimizers.swap import CATALOGUE, lighter_candidates
 from lightning_memkit._sharding.layout import Layout
-from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes, renamed
+from lightning_memkit._vocabulary import AUTO, COSTS, allowed_modes
 from lightning_memkit.callbacks._oom_report import report_oom
 from lightning_memkit.callbacks._progress import count_batches
 from lightning_memkit.callbacks._step_guard import StepGuard
@@ -94,6 +94,19 @@ __all__ = ["AutoFit"]
 _BATCH_COUNTS = ("limit_train_batches", "val_check_interval")
 
 
+@dataclasses.dataclass(frozen=True)
+class FSDP2Options:
+    """What AutoFit's plan may choose of an FSDP2 step beyond the user's sharding (`plan_fit`'s keywords of
+    the same names): the planner of a strategy that shards itself (`AutoFitStrategy`) gives more."""
+
+    #: FSDP2's CPU offload: never (``False``), or ``None``: where nothing fits without it
+    cpu_offload: bool | None = False
+    #: a bf16-mixed run sharded with FSDP2's bf16 ``MixedPrecisionPolicy``
+    mixed_precision_policy: bool = False
+    #: the ranks' collectives as timed (``None``: `_sharding.fsdp2.LINKS`' for the device)
+    link: Any = None
+
+
 class AutoFit(Callback):
     """Choose micro-batch, gradient accumulation, checkpointing and optimizer so the step fits ``budget``.
 
@@ -105,8 +118,7 @@ class AutoFit(Callback):
             ``"auto"`` at ``setup``, on the run's device.
         margin: share of the budget kept free for what the estimate cannot see.
         batch_arg_name: the attribute holding the micro-batch size, on the module, its ``hparams`` or the
-            datamodule (Lightning's word and default, as ``BatchSizeFinder``'s); ``batch_size_attr=`` is its
-            deprecated name.
+            datamodule (Lightning's word and default, as ``BatchSizeFinder``'s).
         optimizers: candidate catalogue names in quality order (default: the module's own, then lighter;
             beside an `OptimizerSwap`, which defers to AutoFit, the module's own, then the swap's
             ``candidates``).
@@ -138,10 +150,7 @@ class AutoFit(Callback):
         blocks: LayerClasses | None = None,
         cost: str = "auto",
         verify_steps: int = 3,
-        batch_size_attr: str | None = None,
     ) -> None:
-        if batch_size_attr is not None:
-            batch_arg_name = renamed("AutoFit", "batch_size_attr", "batch_arg_name", batch_size_attr)
         _check_budget(budget)
         margin = share("margin", margin, of="the budget kept free")
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
@@ -184,13 +193,6 @@ class AutoFit(Callback):
         self._unchecked = False
         #: the batch in flight and its phase, for explaining an OOM
         self._step = StepInFlight()
-        #: FSDP2's CPU offload: never (a plain ModelParallelStrategy: the user's configure_model shards),
-        #: or, set by AutoFitStrategy, ``None``: where nothing fits without it
-        self._cpu_offload: bool | None = False
-        #: AutoFitStrategy's: a bf16-mixed run sharded with FSDP2's bf16 MixedPrecisionPolicy
-        self._mixed_precision_policy = False
-        #: the ranks' collectives, timed by AutoFitStrategy (else `_sharding.fsdp2.LINKS`' for the device)
-        self._link: Any = None
         #: what gives the progress bar its own class back (`count_batches`), while the fit runs
         self._bar: Any = None
 
@@ -342,6 +344,7 @@ class AutoFit(Callback):
         # (micro, ...) -> (micro * accumulate * data-parallel ranks, ...): one optimizer step's global batch.
         example = repeat_batch(example, copies, self._axes)
         device = trainer.strategy.root_device.type
+        fsdp2 = self._fsdp2_options(trainer)
         return plan_fit(
             pl_module,
             example,
@@ -356,15 +359,20 @@ class AutoFit(Callback):
             cost=self.cost,
             progress=lambda line: rank_zero_info(f"AutoFit: {line}"),
             compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
-            cpu_offload=self._cpu_offload if strategy == "fsdp2" else False,
-            mixed_precision_policy=self._mixed_precision_policy and strategy == "fsdp2",
-            link=self._link,
+            cpu_offload=fsdp2.cpu_offload if strategy == "fsdp2" else False,
+            mixed_precision_policy=fsdp2.mixed_precision_policy and strategy == "fsdp2",
+            link=fsdp2.link,
             batch_axes=self._axes,
             micro_batch_size=users,
             sharding=layout,
             blocks=self._blocks(trainer),
             **step_levers(trainer),
         )
+
+    def _fsdp2_options(self, trainer: pl.Trainer) -> FSDP2Options:
+        """What the plan may choose of an FSDP2 step's sharding: nothing under a plain
+        ModelParallelStrategy (the user's configure_model shards); AutoFitStrategy's planner more."""
+        return FSDP2Options()
 
     def _sharding(self, trainer: pl.Trainer, plan: FitPlan | None = None) -> Any:
         """The layout to plan (`plan_fit`'s ``sharding=``), or the one ``plan`` was made for: the run's
