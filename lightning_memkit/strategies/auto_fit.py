@@ -80,8 +80,9 @@ from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._sharding.layout import ConfigureModel, apply_layout, mesh_shape
 from lightning_memkit._step import Sharding
 from lightning_memkit._vocabulary import AUTO
+from lightning_memkit.callbacks._autofit_choices import FSDP2Options
 from lightning_memkit.callbacks._trainer import built_late, parameters_of
-from lightning_memkit.callbacks.auto_fit import AutoFit, FSDP2Options
+from lightning_memkit.callbacks.auto_fit import AutoFit
 
 __all__ = ["AutoFitStrategy"]
 
