@@ -241,6 +241,8 @@ class AutoFit(Callback):
         self._decide(trainer, pl_module, modes_to_plan(trainer, self.checkpointing))
 
     def _optimizers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sequence[str | None] | None:
+        """The optimizers to plan: this callback's, or with an `OptimizerSwap` beside it, the swap's
+        (`optimizers_to_plan`)."""
         return optimizers_to_plan(trainer, pl_module, self.optimizers)
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modes: Sequence[str]) -> FitPlan:
@@ -283,7 +285,8 @@ class AutoFit(Callback):
 
     def _fsdp2_options(self, trainer: pl.Trainer) -> FSDP2Options:
         """What the plan may choose of an FSDP2 step's sharding: nothing under a plain
-        ModelParallelStrategy (the user's configure_model shards); AutoFitStrategy's planner more."""
+        ModelParallelStrategy (the user's configure_model shards). With `_sharding`, the interface
+        AutoFitStrategy's planner overrides."""
         return FSDP2Options()
 
     def _sharding(self, trainer: pl.Trainer, plan: FitPlan | None = None) -> Any:
@@ -305,6 +308,7 @@ class AutoFit(Callback):
         return not_recovered(trainer, pl_module, phase, self.verify_steps, steps)
 
     def _budget(self, device: str) -> Budget:
+        """The budget read for a run on ``device``: a fraction or ``"auto"`` only on CUDA."""
         if device != "cuda" and reads_device(self.budget):
             raise ValueError(
                 f"AutoFit(budget={self.budget!r}) reads the CUDA device, but the run is on {device}; "
