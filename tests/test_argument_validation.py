@@ -264,15 +264,8 @@ def test_cli_gpu_too_large_is_one_line(capfd, gpu, command):
 # --- the old spellings, kept for one release ------------------------------------------------------
 
 
-def test_the_old_keywords_still_work_and_name_the_new_ones():
-    """Issue 28, one word per idea: Lightning's ``batch_arg_name``; the old spelling still runs, saying so.
-    A cost neither planner knows is refused."""
-    with pytest.warns(
-        FutureWarning, match=r"AutoFit\(batch_size_attr=\.\.\.\) is deprecated.*batch_arg_name"
-    ):
-        assert AutoFit("1GB", batch_size_attr="bs").batch_arg_name == "bs"
-    with pytest.warns(FutureWarning, match=r"AutoFitStrategy\(batch_size_attr=\.\.\.\) is deprecated"):
-        assert AutoFitStrategy("1GB", batch_size_attr="bs").autofit.batch_arg_name == "bs"
+def test_an_unknown_cost_is_refused():
+    """A cost neither planner knows is refused, naming the two it knows."""
     with pytest.raises(ValueError, match=r"Unknown cost 'seconds'; choose 'measured' or 'flops'"):
         ActivationCheckpointing(cost="seconds")
 

@@ -332,7 +332,7 @@ def test_slices_run_under_the_precision_plugin(tmp_path):
 
 
 def test_guard_only_where_it_can_recover():
-    from lightning_memkit.callbacks.auto_fit import _unrecoverable
+    from lightning_memkit.callbacks._autofit_verify import unrecoverable as _unrecoverable
 
     module = GPTLightningModule("tiny")
     assert _unrecoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module) is None
