@@ -84,7 +84,7 @@ from lightning_memkit import (
     plan_checkpointing,
 )
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._measuring.tracker import optimizer_tensors, storage_bytes
+from lightning_memkit._measuring.storages import optimizer_tensors, storage_bytes
 from lightning_memkit.demos.gpt import GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks, PretendOOM
 

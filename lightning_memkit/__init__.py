@@ -54,7 +54,8 @@ if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__`
     from lightning_memkit._levers.fused_step import FusedStep, fuse_optimizer_step
     from lightning_memkit._levers.gradient_release import release_gradients
     from lightning_memkit._levers.offload import Offload, offload_optimizer
-    from lightning_memkit._measuring.tracker import MemoryMeasurement, measure, storage_bytes
+    from lightning_memkit._measuring.measurement import MemoryMeasurement, measure
+    from lightning_memkit._measuring.storages import storage_bytes
     from lightning_memkit._optimizers.choice import OptimizerChoice, fit_optimizer
     from lightning_memkit._optimizers.swap import CATALOGUE, swap_optimizer
     from lightning_memkit._sharding.layout import ConfigureModel
@@ -155,9 +156,9 @@ _EXPORTS: dict[str, str] = {
     "FusedStep": "lightning_memkit._levers.fused_step",
     "fuse_optimizer_step": "lightning_memkit._levers.fused_step",
     "release_gradients": "lightning_memkit._levers.gradient_release",
-    "MemoryMeasurement": "lightning_memkit._measuring.tracker",
-    "measure": "lightning_memkit._measuring.tracker",
-    "storage_bytes": "lightning_memkit._measuring.tracker",
+    "MemoryMeasurement": "lightning_memkit._measuring.measurement",
+    "measure": "lightning_memkit._measuring.measurement",
+    "storage_bytes": "lightning_memkit._measuring.storages",
     "Offload": "lightning_memkit._levers.offload",
     "offload_optimizer": "lightning_memkit._levers.offload",
     "OptimizerChoice": "lightning_memkit._optimizers.choice",

@@ -23,8 +23,6 @@ __all__ = [
     "CheckpointMode",
     "allowed_modes",
     "renamed",
-    "renamed_attribute",
-    "renamed_cost",
     "unbudgeted_mode",
 ]
 
@@ -63,32 +61,10 @@ DEVICES: tuple[str, ...] = ("cuda", "cpu")
 #: What a planner ranks plans by: step times measured on the device, FLOPs, or whichever the device allows.
 COSTS: tuple[str, ...] = ("auto", "measured", "flops")
 
-#: Old names kept for one release: (the old spelling, the new one).
-_RENAMED_VALUES = {("cost", "time"): "measured"}
-
 
 def renamed(owner: str, old: str, new: str, value: Any, also: str = "") -> Any:
     """``value``, given as ``owner``'s ``old`` argument, which is ``new`` now: a deprecation warning (once
-    per call site, as Python shows them), and the value to use under the new name. An old value of an
-    argument (``cost="time"``) is renamed the same way with ``old == new == "cost"``."""
-    if old == new:
-        value_now = _RENAMED_VALUES[(old, value)]
-        said = f"{owner}({old}={value!r}) is deprecated: it is {new}={value_now!r} now"
-    else:
-        value_now, said = value, f"{owner}({old}=...) is deprecated: the argument is {new}= now{also}"
+    per call site, as Python shows them), and the value to use under the new name."""
+    said = f"{owner}({old}=...) is deprecated: the argument is {new}= now{also}"
     warnings.warn(f"{said}; the old spelling goes in lightning-memkit 0.3.", FutureWarning, stacklevel=3)
-    return value_now
-
-
-def renamed_attribute(owner: str, old: str, new: str) -> None:
-    """Warn that ``owner.old`` is read: it is ``owner.new`` now (kept for one release)."""
-    warnings.warn(
-        f"{owner}.{old} is deprecated: it is {owner}.{new} now; the old name goes in lightning-memkit 0.3.",
-        FutureWarning,
-        stacklevel=3,
-    )
-
-
-def renamed_cost(owner: str, cost: Any) -> Any:
-    """``cost`` with the old ``"time"`` read as ``"measured"`` (and a warning); anything else as given."""
-    return renamed(owner, "cost", "cost", cost) if cost == "time" else cost
+    return value

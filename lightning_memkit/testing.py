@@ -181,7 +181,7 @@ class AllocatorPeaks:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self._counter is not None:
-            from lightning_memkit._measuring.tracker import storage_bytes
+            from lightning_memkit._measuring.storages import storage_bytes
 
             self._counter.reset_peak()
             self._not_the_steps = self._counter.live_bytes() - storage_bytes(step_tensors(), self.device)
@@ -209,7 +209,7 @@ class _Open(pl.Callback):  # module level, so that ddp_spawn can pickle it
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        from lightning_memkit._measuring.tracker import gradient_tensors, model_tensors, optimizer_tensors
+        from lightning_memkit._measuring.storages import gradient_tensors, model_tensors, optimizer_tensors
 
         def step_tensors() -> Iterable[Tensor]:
             yield from model_tensors(pl_module)

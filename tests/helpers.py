@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memkit import estimate_memory
-from lightning_memkit._measuring.tracker import (
+from lightning_memkit._measuring.storages import (
     gradient_tensors,
     model_tensors,
     optimizer_tensors,

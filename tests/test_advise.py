@@ -253,13 +253,14 @@ def test_memkit_advise_prints_the_findings(capsys):
 
 @pytest.mark.slow  # three advised steps, one of them sharded
 def test_memkit_advise_one_rank_of_fsdp2(capsys):
-    """``--fsdp2 N``: one rank's sharded step advised, said so, and below the one-device step."""
+    """``--gpus N --strategy fsdp2``: one rank's sharded step advised, said so, and below the one-device
+    step."""
     argv = ["advise", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--device", "cpu"]
-    assert main([*argv, "--fsdp2", "4", "--json"]) == 0
+    assert main([*argv, "--gpus", "4", "--strategy", "fsdp2", "--json"]) == 0
     advice = json.loads(capsys.readouterr().out)
     assert advice["scope"] == "one rank of 4 under FSDP2"
     assert main([*argv, "--json"]) == 0
     whole = json.loads(capsys.readouterr().out)
     assert whole["scope"] == "" and advice["breakdown"]["peak"] < whole["breakdown"]["peak"]
-    assert main([*argv, "--fsdp2", "4"]) == 0
+    assert main([*argv, "--gpus", "4", "--strategy", "fsdp2"]) == 0
     assert "one rank of 4 under FSDP2" in capsys.readouterr().out

@@ -16,18 +16,14 @@ from lightning_memkit import (
     CHECKPOINT_MODES,
     ActivationCheckpointing,
     AutoFit,
-    CheckpointPlan,
-    FitPlan,
     MemoryBreakdown,
     MemoryMonitor,
     OptimizerSwap,
-    fit_optimizer,
     format_bytes,
     fuse_optimizer_step,
     measure,
     parse_budget,
     parse_bytes,
-    plan_checkpointing,
     release_gradients,
     swap_optimizer,
 )
@@ -164,9 +160,9 @@ def test_monitor_switches_are_bools(name, value):
 # --- ActivationCheckpointing, OptimizerSwap --------------------------------------------------------
 
 
-@pytest.mark.parametrize("checkpointing", [1, 2.5, object()])
+@pytest.mark.parametrize("checkpointing", [1, 2.5, object(), nn.Linear, {nn.Linear}])
 def test_checkpointing_of_the_wrong_type(checkpointing):
-    """``policy=1`` said "'int' object is not iterable"."""
+    """``policy=1`` said "'int' object is not iterable"; layer classes are ``blocks=``, and say so."""
     with pytest.raises(
         TypeError, match=r"checkpointing must be 'auto', one of .*layer classes such as \{MyBlock\}"
     ):
@@ -268,79 +264,18 @@ def test_cli_gpu_too_large_is_one_line(capfd, gpu, command):
 # --- the old spellings, kept for one release ------------------------------------------------------
 
 
-def test_the_old_keywords_still_work_and_name_the_new_ones():
-    """Issue 28, one word per idea: Lightning's ``batch_arg_name``, ``optimizers=`` for the candidate
-    optimizers everywhere, ``cost="measured"`` in both planners. The old spellings still run, saying so."""
-    with pytest.warns(
-        FutureWarning, match=r"AutoFit\(batch_size_attr=\.\.\.\) is deprecated.*batch_arg_name"
-    ):
-        assert AutoFit("1GB", batch_size_attr="bs").batch_arg_name == "bs"
-    with pytest.warns(FutureWarning, match=r"AutoFitStrategy\(batch_size_attr=\.\.\.\) is deprecated"):
-        assert AutoFitStrategy("1GB", batch_size_attr="bs").autofit.batch_arg_name == "bs"
-    with pytest.warns(FutureWarning, match=r"OptimizerSwap\(candidates=\.\.\.\) is deprecated.*optimizers="):
-        assert OptimizerSwap("1GB", candidates=("lion",)).optimizers == ("lion",)
-    with pytest.warns(FutureWarning, match=r"ActivationCheckpointing\(cost='time'\).*cost='measured'"):
-        assert ActivationCheckpointing(cost="time").cost == "measured"
-    optimizer = torch.optim.AdamW(nn.Linear(2, 2).parameters())
-    with pytest.warns(FutureWarning, match=r"fit_optimizer\(candidates=\.\.\.\) is deprecated"):
-        choice = fit_optimizer(nn.Module(), optimizer, 10, step_peak=lambda opts: 1, candidates=("sgd",))
-    assert choice.optimizer is optimizer  # it fits: kept
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
-    batch = (torch.randn(2, 4), torch.randn(2, 4))
-    kwargs = {"optimizer": "sgd", "loss_fn": nn.functional.mse_loss, "device": "cpu"}
-    with pytest.warns(FutureWarning, match=r"plan_checkpointing\(cost='time'\)"):
-        assert plan_checkpointing(model, batch, cost="time", **kwargs).cost == "measured"
-    with pytest.warns(
-        FutureWarning,
-        match=r"ActivationCheckpointing\(policy=\.\.\.\).*blocks= now, with checkpointing='full'",
-    ):
-        old = ActivationCheckpointing(policy={nn.Linear})
-    assert (old.checkpointing, old.layer_classes) == ("full", (nn.Linear,))
-    # 0.1's name for the checkpointing mode, everywhere it was one word and ``checkpointing=`` another.
-    with pytest.warns(FutureWarning, match=r"ActivationCheckpointing\(policy=\.\.\.\).*checkpointing= now"):
-        assert ActivationCheckpointing(policy="full").modes == ("none", "full")
-    with pytest.warns(FutureWarning, match=r"plan_checkpointing\(policy=\.\.\.\).*checkpointing= now"):
-        plan = plan_checkpointing(model, batch, "1GB", cost="flops", policy="full", **kwargs)
-    assert set(plan.modes.values()) <= {"none", "full"}
-    with pytest.warns(FutureWarning, match=r"CheckpointPlanner\.plan\(levels=\.\.\.\).*modes= now"):
-        CheckpointPlanner(model, batch, cost="flops", **kwargs).plan(None, levels=("none", "full"))
-    with pytest.warns(
-        FutureWarning, match=r"CheckpointPlan\.policies is deprecated: it is CheckpointPlan\.modes"
-    ):
-        assert plan.policies == plan.modes
-    with pytest.warns(FutureWarning, match=r"BlockPlan\.policy is deprecated: it is BlockPlan\.mode"):
-        assert [b.policy for b in plan.blocks] == list(plan.modes.values())
-    saved = {
-        **plan.as_dict(),
-        "blocks": [
-            {"policy" if k == "mode" else k: v for k, v in b.items()} for b in plan.as_dict()["blocks"]
-        ],
-    }
-    assert CheckpointPlan.from_dict(saved) == plan  # a plan saved by 0.1 (``policy`` per block) loads
-    fit = FitPlan(1, 1, "none", "sgd", "32-true", 10, parse_budget("1GB"), modes=("none",))
-    with pytest.warns(FutureWarning, match=r"FitPlan\.levels is deprecated: it is FitPlan\.modes"):
-        assert fit.levels == ("none",)
-    old_fit = {k: v for k, v in fit.as_dict().items() if k != "modes"} | {"levels": ("none", "full")}
-    assert FitPlan.from_dict(old_fit).modes == ("none", "full")  # a FitPlan saved by 0.1 loads
-    with pytest.raises(TypeError, match=r"old spelling of blocks=\{MyBlock\}: give one of them"):
-        ActivationCheckpointing(policy={nn.Linear}, blocks={nn.Linear})
+def test_an_unknown_cost_is_refused():
+    """A cost neither planner knows is refused, naming the two it knows."""
     with pytest.raises(ValueError, match=r"Unknown cost 'seconds'; choose 'measured' or 'flops'"):
         ActivationCheckpointing(cost="seconds")
 
 
 def test_the_checkpointing_modes_are_checked_once_and_at_once():
-    """From a review of the new ``checkpointing=``: an old and a new name together are refused, not one
-    silently taken; a budget's modes without ``"none"`` fail at construction, not inside the fit; a
-    generator is read once."""
-    with pytest.raises(TypeError, match=r"policy= is the old name of checkpointing=: give one of them"):
-        ActivationCheckpointing(checkpointing="full", policy="selective")
+    """From a review of the new ``checkpointing=``: a budget's modes without ``"none"`` fail at
+    construction, not inside the fit; a generator is read once."""
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
     batch = (torch.randn(2, 4), torch.randn(2, 4))
     kwargs = {"optimizer": "sgd", "loss_fn": nn.functional.mse_loss, "device": "cpu", "cost": "flops"}
-    with pytest.raises(TypeError, match=r"policy= is the old name of checkpointing="):
-        plan_checkpointing(model, batch, policy="full", checkpointing="selective", **kwargs)
-    with pytest.raises(TypeError, match=r"levels= is the old name of modes="):
-        CheckpointPlanner(model, batch, **kwargs).plan(None, modes=("none",), levels=("none", "full"))
     with pytest.raises(ValueError, match=r"checkpointing must include 'none'.*give \('none', 'selective'"):
         ActivationCheckpointing("1GiB", checkpointing=("selective", "full"))
     assert ActivationCheckpointing(checkpointing=("selective", "full")).modes == ("selective", "full")

@@ -27,7 +27,8 @@ from lightning_memkit import (
 from lightning_memkit._budget import parse_budget
 from lightning_memkit._checkpointing.policies import applied_modes
 from lightning_memkit._estimating.lightning_step import batch_slice
-from lightning_memkit._fitting.search import _largest_fitting, grid
+from lightning_memkit._fitting.ranking import _largest_fitting
+from lightning_memkit._fitting.search import grid
 from lightning_memkit.callbacks import auto_fit
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.cli import main
@@ -108,7 +109,7 @@ def test_past_refine_limit_no_planner_runs_and_the_note_says_so(module, batch, p
     plan get the strongest mode simulated, every block fully checkpointed (here slower than a smaller
     micro-batch without checkpointing); the plan still fits, and its note says the search was cut. The
     plan above, with time, is a per-block one."""
-    with mock.patch("lightning_memkit._fitting.search.CheckpointPlanner") as planner:
+    with mock.patch("lightning_memkit._fitting.simulations.CheckpointPlanner") as planner:
         quick = plan_fit(module, batch, BUDGET, margin=0.1, device="cpu", cost=COST, refine_limit=0)
     assert not planner.called and quick.checkpoint_plan is None
     assert quick.checkpointing in ("none", "full") and quick.estimated_peak <= quick.limit
@@ -166,7 +167,7 @@ def test_leaner_and_dict_round_trip(plan):
 
 @pytest.mark.slow
 def test_progress_reports_each_simulation_once_planning_is_slow(module, batch, monkeypatch):
-    import lightning_memkit._fitting.search as autofit
+    import lightning_memkit._fitting.simulations as autofit
 
     lines = []
     monkeypatch.setattr(autofit, "PROGRESS_AFTER_S", 0.0)  # as if every simulation were slow
@@ -191,7 +192,7 @@ def test_infeasible_budget_names_floor_and_fixes(module, batch):
 def test_lighter_optimizer_when_adamw_cannot_fit(module, batch, loads, monkeypatch):
     if not loads:  # listed as installed (no import: `lighter_candidates`), then failing to import
         monkeypatch.setattr("lightning_memkit._optimizers.swap.bitsandbytes_installed", lambda: True)
-        monkeypatch.setattr("lightning_memkit._fitting.search.load_bitsandbytes", lambda: None)
+        monkeypatch.setattr("lightning_memkit._fitting.space.load_bitsandbytes", lambda: None)
     plan = plan_fit(module, batch, 11_000_000, margin=0.0, device="cpu", cost=COST)
     assert plan.optimizer == ("adamw8bit" if loads else "adafactor")
     assert plan.estimated_peak <= 11_000_000
@@ -331,7 +332,7 @@ def test_slices_run_under_the_precision_plugin(tmp_path):
 
 
 def test_guard_only_where_it_can_recover():
-    from lightning_memkit.callbacks.auto_fit import _unrecoverable
+    from lightning_memkit.callbacks._autofit_verify import unrecoverable as _unrecoverable
 
     module = GPTLightningModule("tiny")
     assert _unrecoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module) is None

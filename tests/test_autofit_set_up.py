@@ -15,6 +15,7 @@ from helpers import cpu_trainer
 from models import MLPModule
 
 import lightning_memkit._fitting.search as search
+import lightning_memkit._fitting.simulations as simulated
 from lightning_memkit import plan_fit
 from lightning_memkit.callbacks.auto_fit import AutoFit
 
@@ -24,13 +25,13 @@ def simulations(monkeypatch) -> list[tuple]:
     """Each simulated step the planner runs (micro-batch, in samples) and each real step it times."""
     seen: list[tuple] = []
     for name in ("estimate_step", "counted_step", "measured_cost"):
-        real = getattr(search, name)
+        real = getattr(simulated, name)
 
         def counting(model, batch, *args, _real=real, _name=name, **kwargs):
             seen.append((_name, len(batch[0])))
             return _real(model, batch, *args, **kwargs)
 
-        monkeypatch.setattr(search, name, counting)
+        monkeypatch.setattr(simulated, name, counting)
     return seen
 
 

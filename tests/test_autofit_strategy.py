@@ -90,7 +90,7 @@ class _Record(fsdp_test._Record):
                 type(c).__name__: c.plan.as_dict() for c in trainer.callbacks if getattr(c, "plan", None)
             },
             "units": getattr(strategy, "units", None),
-            "link": getattr(getattr(strategy, "autofit", None), "_link", None),
+            "link": getattr(strategy, "_link", None),  # the collectives as timed, held by the strategy
             "offload": [_offloads(pl_module.get_submodule(name)) for name in getattr(strategy, "units", [])],
             "param_dtypes": [
                 _param_dtype(pl_module.get_submodule(n)) for n in getattr(strategy, "units", [])

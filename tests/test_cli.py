@@ -493,9 +493,9 @@ def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback()
 
 
 def test_plan_prints_the_plan_its_alternatives_and_the_code(monkeypatch):
-    import lightning_memkit._fitting.search
+    import lightning_memkit._fitting.simulations as simulations
 
-    monkeypatch.setattr(lightning_memkit._fitting.search, "PROGRESS_AFTER_S", 0.0)  # as if planning were slow
+    monkeypatch.setattr(simulations, "PROGRESS_AFTER_S", 0.0)  # as if planning were slow
     argv = ["plan", "--model", "zoo:_gpt2", "--gpu", "T4", "--global-batch", "4", "--seq-len", "16"]
     status, out, err = _run(argv)
     assert status == 0, err

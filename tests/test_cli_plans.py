@@ -226,9 +226,6 @@ PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
         ([*ESTIMATE, "--html", "/proc/x.html"], "cannot write /proc/x.html: No such file or directory"),
         (["advise", *ESTIMATE[1:], "--html", "/"], "/ is a directory; give a file name in it"),
         ([*PLAN, "--gpu", "A100-40GB", "--refine-limit", "-1"], "must be a whole number, 0 or more, got"),
-        ([*PLAN, "--gpu", "A100-40GB", "--refine-limit", "2", "--refine-seconds", "8"], "not allowed with"),
-        ([*PLAN, "--gpu", "A100-40GB", "--refine-seconds", "-1"], "must be a number of seconds, 0 or more, "
-         "got '-1'"),
         ([*PLAN, "--gpu", "4090"], "'4090' reads as 4090 bytes; did you mean RTX-4090? Give a GPU name"),
         ([*ESTIMATE, "--gpu", "4090"], "did you mean RTX-4090?"),
         ([*PLAN, "--gpu", "A100-40GB", "--gpus", "3"], "--global-batch 8 does not split evenly across --gpus "
@@ -236,8 +233,6 @@ PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
         ([*PLAN, "--device", "cpu", "--memory", "A100-40GB"], "A100-40GB names a GPU; give a size instead"),
         ([*ESTIMATE, "--device", "cpu", "--gpu", "A100-40GB"], "A100-40GB names a GPU; give a size instead: "
          "--gpu 16GB"),
-        (["advise", *ESTIMATE[1:], "--fsdp2", "4", "--gpus", "2"], "--fsdp2 4 is the old spelling of --gpus "
-         "4 --strategy fsdp2; give those alone"),
         (["advise", *ESTIMATE[1:], "--gpus", "2", "--strategy", "zero3"], "Unknown strategy 'zero3'"),
         (["estimate", "--model", "tiny", "--batch-size", "2000000", "--seq-len", "1000000"], "a batch of "
          "2000000 x 1000000 is 2,000,000,000,000 tokens, more than the 1,099,511,627,776 the simulation "
@@ -257,17 +252,15 @@ def test_a_bad_argument_is_refused_before_anything_is_imported(argv, message):
 
 
 def test_advise_spells_the_ranks_as_estimate_and_plan_do(capsys, tmp_path):
-    """``--gpus N --strategy fsdp2``; ``--fsdp2 N``, the old spelling, is the same and says so."""
+    """``--gpus N --strategy fsdp2``."""
     from lightning_memkit.cli import _advise
 
     seen = []
     with pytest.MonkeyPatch.context() as m:  # what run_advise is asked: the step's arguments, no simulation
         m.setattr(_advise, "run_advise", lambda args: seen.append((args.gpus, args.strategy)) or 0)
         assert run_cli(["advise", *ESTIMATE[1:], "--gpus", "4", "--strategy", "fsdp2"])[0] == 0
-        status, _, err = run_cli(["advise", *ESTIMATE[1:], "--fsdp2", "4"])
         assert run_cli(["advise", *ESTIMATE[1:], "--gpus", "4"])[0] == 0
-    assert status == 0 and err == "memkit advise: --fsdp2 N is deprecated; give --gpus 4 --strategy fsdp2\n"
-    assert seen == [(4, "fsdp2"), (4, "fsdp2"), (4, "ddp")]
+    assert seen == [(4, "fsdp2"), (4, "ddp")]
 
 
 def test_a_cpu_estimate_takes_nothing_off_its_memory():
@@ -433,14 +426,3 @@ def test_a_config_transformers_cannot_read_is_one_line(tmp_path):
         f"reading {tmp_path / 'config.json'} failed: AttributeError" in err
         and len(err.strip().splitlines()) == 1
     )
-
-
-def test_the_refinement_is_a_count_and_the_old_seconds_say_what_they_read_as(capsys):
-    """A hostile pass: --refine-seconds' help said "seconds of planning" while it was read as a count, and
-    --refine-seconds 1 turned the plan to full checkpointing with "past refine_limit=0" unexplained."""
-    argv = ["plan", "--model", "tiny", "--gpu", "2GB", "--global-batch", "4", "--seq-len", "32", "--json"]
-    counted = run_cli([*argv, "--refine-limit", "2"])
-    old = run_cli([*argv, "--refine-seconds", "8"])
-    plans = [{k: v for k, v in json.loads(out).items() if k != "seconds"} for _, out, _ in (counted, old)]
-    assert counted[0] == old[0] == 0 and plans[0] == plans[1]
-    assert "--refine-seconds is deprecated; 8 reads as --refine-limit 2" in old[2]

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memkit import estimate_memory, fit_optimizer, plan_fit, swap_optimizer
-from lightning_memkit._fitting.search import _pairs
+from lightning_memkit._fitting.space import _pairs
 from lightning_memkit._optimizers.choice import compensated_candidates
 from lightning_memkit._optimizers.swap import identify
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule

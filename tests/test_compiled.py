@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import MemoryMonitor, measure
-from lightning_memkit._measuring.tracker import (
-    _COMPILED_ALLOCATORS,
+from lightning_memkit._measuring.patches import _COMPILED_ALLOCATORS
+from lightning_memkit._measuring.storages import (
     gradient_tensors,
     model_tensors,
     optimizer_tensors,

@@ -44,7 +44,8 @@ from lightning_memkit import (
 )
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._estimating.analytic import shard
-from lightning_memkit._measuring.tracker import SHARDED_KINDS, storage_bytes
+from lightning_memkit._measuring.storages import storage_bytes
+from lightning_memkit._sharding.accounting import SHARDED_KINDS
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator, counting_allocator
 
 pytestmark = pytest.mark.xdist_group("ddp-ranks")  # one set of rank processes at a time, with test_ddp's

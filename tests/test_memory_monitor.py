@@ -266,12 +266,12 @@ def test_over_budget_warns_with_numbers(trainer_kwargs):
 
 
 def test_internal_error_disables_monitoring_but_not_training(trainer_kwargs, monkeypatch):
-    import lightning_memkit.callbacks.memory_monitor as mm
+    import lightning_memkit.callbacks._twins as twins
 
     def broken(*args, **kwargs):
         raise RuntimeError("tracker exploded")
 
-    monkeypatch.setattr(mm, "measure", broken)
+    monkeypatch.setattr(twins, "measure", broken)
     trainer = pl.Trainer(
         callbacks=[MemoryMonitor()], logger=CSVLogger(trainer_kwargs["default_root_dir"]), **trainer_kwargs
     )
@@ -395,7 +395,7 @@ def test_optimizer_state_that_grows_inside_its_entries_matches_the_allocator(tra
 def test_batch_signature_sees_every_tensor_and_refuses_what_it_cannot_read():
     from collections import namedtuple
 
-    from lightning_memkit.callbacks.memory_monitor import batch_signature
+    from lightning_memkit.callbacks._twins import batch_signature
 
     def ids(t):
         return torch.zeros(2, t, dtype=torch.long)
@@ -519,10 +519,10 @@ def test_the_same_monitor_on_a_second_fit_measures_the_new_model(trainer_kwargs)
 def test_the_plot_is_logged_once_at_the_last_step(trainer_kwargs, monkeypatch):
     """Issue 29: the image went to TensorBoard at the worst step (step 1) and W&B at another; once, at the
     run's last logging step, W&B (which refuses steps that go back) and TensorBoard agree."""
-    import lightning_memkit.callbacks.memory_monitor as mm
+    import lightning_memkit.callbacks._fit_end as fit_end
 
     logged = []
-    monkeypatch.setattr(mm, "_log_image", lambda logger, figure, path, step: logged.append(step))
+    monkeypatch.setattr(fit_end, "log_image", lambda logger, figure, path, step: logged.append(step))
     pytest.importorskip("matplotlib")
     _fit(EncoderLM(), MemoryMonitor(summary=False), trainer_kwargs, max_steps=4)
     assert logged == [3]

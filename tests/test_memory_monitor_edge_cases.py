@@ -15,11 +15,12 @@ from helpers import Losses, cpu_trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-import lightning_memkit.callbacks.memory_monitor as mm
+import lightning_memkit.callbacks._fit_end as fit_end
 from lightning_memkit import AutoFit, MemoryMonitor, OptimizerSwap, estimate_memory, measure
 from lightning_memkit._estimating.lightning_step import batch_slice, repeat_rows, rows
-from lightning_memkit._measuring.tracker import Tracker, leaves, rounded
-from lightning_memkit.callbacks.memory_monitor import batch_signature
+from lightning_memkit._measuring.storages import leaves, rounded
+from lightning_memkit._measuring.tracker import Tracker
+from lightning_memkit.callbacks._twins import batch_signature
 from lightning_memkit.testing import AllocatorPeaks, allocator_peak
 
 N, D = 64, 128
@@ -325,7 +326,7 @@ def test_the_report_warning_names_the_path(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(mm, "plot_history", full)
+    monkeypatch.setattr(fit_end, "plot_history", full)
     trainer = cpu_trainer(tmp_path, [MemoryMonitor(summary=False)], max_steps=1)
     with pytest.warns(UserWarning, match="could not write its end-of-fit report") as caught:
         trainer.fit(EncoderLM(n_layer=1))

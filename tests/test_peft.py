@@ -19,7 +19,7 @@ from peft_models import SETUPS, TARGETS, AdapterModule, adapter_model, quantized
 from torch.utils.checkpoint import checkpoint
 
 from lightning_memkit import ActivationCheckpointing, AutoFit, MemoryMonitor, estimate_memory, measure
-from lightning_memkit._measuring.tracker import (
+from lightning_memkit._measuring.storages import (
     gradient_tensors,
     model_tensors,
     optimizer_tensors,

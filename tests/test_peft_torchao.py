@@ -26,7 +26,7 @@ from peft_models import TARGETS, AdapterModule, llama, token_batch
 from torch import nn
 
 from lightning_memkit import MemoryMonitor, estimate_memory
-from lightning_memkit._measuring.tracker import model_tensors, storage_bytes
+from lightning_memkit._measuring.storages import model_tensors, storage_bytes
 from lightning_memkit.testing import AllocatorPeaks, counting_allocator
 
 peft = pytest.importorskip("peft")

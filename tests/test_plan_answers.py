@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import time
-import warnings
 from functools import partial
 
 import lightning.pytorch as pl
@@ -25,9 +24,9 @@ from lightning_memkit import AutoFit, FitPlan, advise, format_bytes, parse_budge
 from lightning_memkit._diagnosis import oom
 from lightning_memkit._diagnosis.advise import _chunked_loss
 from lightning_memkit._diagnosis.oom import plan_code
-from lightning_memkit._fitting import search
+from lightning_memkit._fitting import simulations
 from lightning_memkit._fitting.plan import StepCost
-from lightning_memkit._fitting.search import TIMED_NOTE, refine_limit_for
+from lightning_memkit._fitting.search import TIMED_NOTE
 from lightning_memkit.demos.gpt import GPTLightningModule
 
 # --- item 6: the plan's code builds the plan ------------------------------------------------------------
@@ -184,40 +183,29 @@ def _gpt_plan(**kwargs) -> FitPlan:
     torch.manual_seed(0)
     x = torch.randint(0, 256, (8, 32))
     cost = StepCost(fixed=0.01, per_sample=0.01)  # a fixed cost model: the search alone is under test
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # refine_seconds, deprecated
-        module = GPTLightningModule("tiny")
-        return plan_fit(module, (x, x.roll(-1, 1)), 20_000_000, device="cpu", cost=cost, **kwargs)
+    module = GPTLightningModule("tiny")
+    return plan_fit(module, (x, x.roll(-1, 1)), 20_000_000, device="cpu", cost=cost, **kwargs)
 
 
 @pytest.mark.slow  # three plans of the tiny GPT, each with its checkpointing planners: about 20 s
 def test_the_same_plan_on_a_machine_100x_slower(monkeypatch):
     """The search bounds its work by counts: a plan made while every clock runs 100x slower is the plan
-    made at full speed, by default and with the CLI's ``refine_seconds=30`` (now 7 micro-batches). Before,
+    made at full speed, by default and with the CLI's ``refine_limit=7``. Before,
     past 30 s of that clock no micro-batch got its block-by-block plan, and where a simulation took over
     2 s the planner refined once."""
     fast = _gpt_plan()
     assert fast.checkpoint_plan is not None  # a block-by-block plan: the planners ran
     _slow_clock(monkeypatch)
-    for slow in (_gpt_plan(refine_seconds=30), _gpt_plan()):
+    for slow in (_gpt_plan(refine_limit=7), _gpt_plan()):
         assert slow.as_dict() == fast.as_dict() and slow.note == fast.note
 
 
-def test_refine_seconds_is_read_as_a_count():
-    """The deprecated ``refine_seconds`` is read as ``refine_limit = seconds // 4`` micro-batches, with a
-    warning, never as time; bad values of either are refused before any simulation."""
+def test_refine_limit_is_checked():
+    """A bad ``refine_limit`` is refused before any simulation."""
     x = torch.zeros(4, 16, dtype=torch.long)
     args = (GPTLightningModule("tiny"), (x, x), 16_940_824)
-    assert refine_limit_for(3.9) == 0 and refine_limit_for(30) == 7 and refine_limit_for(float("inf")) is None
-    deprecated = r"plan_fit\(refine_seconds=...\) is deprecated: the argument is refine_limit= now"
-    with pytest.warns(FutureWarning, match=deprecated), pytest.raises(ValueError, match="n_gpus"):
-        plan_fit(*args, refine_seconds=30, n_gpus=0)  # read, warned, then the bad n_gpus refused
-    with pytest.raises(ValueError, match="refine_seconds must be a number of seconds, at least 0; got -1"):
-        plan_fit(*args, refine_seconds=-1)
     with pytest.raises(ValueError, match="refine_limit must be a whole number of micro-batches, at least 0"):
         plan_fit(*args, refine_limit=-1)
-    with pytest.raises(TypeError, match="give refine_limit alone"):
-        plan_fit(*args, refine_limit=1, refine_seconds=4)
 
 
 @pytest.mark.slow  # a plan of the tiny GPT: 3 s on idle cores, 11 s on busy ones
@@ -255,7 +243,7 @@ def test_an_oom_reports_plans_are_the_same_on_a_machine_100x_slower(monkeypatch)
     )  # fmt: skip
     fast = section()
     assert fast[0].startswith("Plans that fit in")
-    monkeypatch.setattr(search, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(simulations, "PROGRESS_AFTER_S", 0.0)
     _slow_clock(monkeypatch, factor=10_000.0)
     assert section() == fast
 

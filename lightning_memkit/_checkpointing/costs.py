@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry
 from lightning_memkit._checkpointing.policies import CHECKPOINTERS, CheckpointedForward, mutates_cached_output
 from lightning_memkit._estimating.routing import recording_now, rewound
 from lightning_memkit._measuring.kernels import hashable
-from lightning_memkit._measuring.tracker import Storage, rounded
+from lightning_memkit._measuring.storages import Storage, rounded
 
 log = logging.getLogger(__name__)
 

@@ -63,9 +63,9 @@ from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.repeated import repeated_blocks, truncated
 from lightning_memkit._estimating.routing import ROUTING_ASSUMED, routed
 from lightning_memkit._estimating.simulate import estimate_step
-from lightning_memkit._measuring.tracker import allocation_rounding, model_device
+from lightning_memkit._measuring.storages import allocation_rounding, model_device
 from lightning_memkit._step import Step
-from lightning_memkit._vocabulary import AUTO, allowed_modes, renamed, renamed_cost, unbudgeted_mode
+from lightning_memkit._vocabulary import AUTO, allowed_modes, unbudgeted_mode
 
 __all__ = ["CheckpointPlanner", "plan_checkpointing"]
 
@@ -179,12 +179,11 @@ def plan_checkpointing(
             the strongest mode allowed, with its figures.
         checkpointing: the modes each block may get: ``"auto"`` (all four), ``"selective"`` /
             ``"selective_half"`` / ``"full"`` (that one or none), or the modes themselves, ``"none"`` among
-            them (``("none", "selective", "full")``). ``policy=`` is its deprecated name.
+            them (``("none", "selective", "full")``).
         blocks: layer classes whose instances are the candidates (default: `find_blocks`).
         cost: what the DP minimises for the recomputed ops: ``"measured"`` (their time, benchmarked op by
-            op on the device; ``"flops"`` when that device is not present; ``"time"`` is its deprecated
-            name) or ``"flops"`` (FLOP formulas for matmuls
-            and attention, elements written for other ops).
+            op on the device; ``"flops"`` when that device is not present) or ``"flops"`` (FLOP formulas
+            for matmuls and attention, elements written for other ops).
         device: the device type the run will use, ``"cuda"`` or ``"cpu"`` (default: the model's; ``"cuda"``
             for a model on the meta device).
         estimate_kwargs: passed to `estimate_memory`: ``optimizer``, ``loss_fn``, ``precision``,
@@ -245,14 +244,7 @@ class CheckpointPlanner:
         max_rounds: int = 8,
         **estimate_kwargs: Any,
     ) -> None:
-        if "policy" in estimate_kwargs and checkpointing != AUTO:
-            raise TypeError("policy= is the old name of checkpointing=: give one of them")
-        if "policy" in estimate_kwargs:  # the old name of ``checkpointing``
-            checkpointing = renamed(
-                "plan_checkpointing", "policy", "checkpointing", estimate_kwargs.pop("policy")
-            )
         modes = planned_modes(checkpointing)
-        cost = renamed_cost("plan_checkpointing", cost)
         if cost not in ("measured", "flops"):
             raise ValueError(f"Unknown cost {cost!r}; choose 'measured' or 'flops'")
         target = torch.device(torch.device(device).type if device is not None else model_device(model).type)
@@ -362,15 +354,10 @@ class CheckpointPlanner:
         budget: int | float | str | Budget | None = None,
         *,
         modes: Sequence[str] | None = None,
-        levels: Sequence[str] | None = None,
     ) -> CheckpointPlan:
         """The cheapest plan whose simulated peak fits ``budget`` (see `plan_checkpointing`); ``modes``: the
         modes a block may get, a subset of the planner's (``("selective_half", "full")``: every block is
-        checkpointed, one way or the other). ``levels=`` is the deprecated name of ``modes``."""
-        if levels is not None and modes is not None:
-            raise TypeError("levels= is the old name of modes=: give one of them")
-        if levels is not None:
-            modes = renamed("CheckpointPlanner.plan", "levels", "modes", levels)
+        checkpointed, one way or the other)."""
         modes = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
         if not modes:
             raise ValueError(f"modes must name some of the planner's modes {self.modes}")

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import (
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
-from lightning_memkit._vocabulary import CHECKPOINT_MODES, CheckpointMode, renamed_attribute
+from lightning_memkit._vocabulary import CHECKPOINT_MODES, CheckpointMode
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -566,12 +566,6 @@ class BlockPlan:
     recompute_time: float | None = None
     note: str = ""
 
-    @property
-    def policy(self) -> str:
-        """Deprecated: `mode`."""
-        renamed_attribute("BlockPlan", "policy", "mode")
-        return self.mode
-
 
 @dataclass(frozen=True)
 class CheckpointPlan:
@@ -614,12 +608,6 @@ class CheckpointPlan:
         return {b.name: b.mode for b in self.blocks}
 
     @property
-    def policies(self) -> dict[str, str]:
-        """Deprecated: `modes`."""
-        renamed_attribute("CheckpointPlan", "policies", "modes")
-        return self.modes
-
-    @property
     def saved_bytes(self) -> int | None:
         if any(b.saved_bytes is None for b in self.blocks):
             return None
@@ -646,11 +634,7 @@ class CheckpointPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CheckpointPlan:
-        # Plans saved by 0.1 name a block's mode ``policy``.
-        blocks = tuple(
-            BlockPlan(**{"mode" if key == "policy" else key: value for key, value in b.items()})
-            for b in data.get("blocks", ())
-        )
+        blocks = tuple(BlockPlan(**b) for b in data.get("blocks", ()))
         keys = ("budget", "peak", "peak_none", "peak_full", "overhead", "cost", "compile_budget")
         return cls(blocks=blocks, note=data.get("note") or "", **{k: data.get(k) for k in keys})
 

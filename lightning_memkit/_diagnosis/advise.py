@@ -48,7 +48,7 @@ from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit._estimating.optimizer_state import BNB_MIN_8BIT_SIZE
 from lightning_memkit._estimating.simulate import OptimizerLike, estimate_step, simulate_step
 from lightning_memkit._estimating.trace import Tracer
-from lightning_memkit._measuring.tracker import state_tensors, storage_bytes
+from lightning_memkit._measuring.storages import state_tensors, storage_bytes
 from lightning_memkit._optimizers.swap import bitsandbytes_installed, identify, own_optimizer
 from lightning_memkit._step import Step
 
@@ -510,45 +510,20 @@ def _activations(
     blocks = [name for name, _ in find_blocks(model)]
     if not total or not blocks:
         return []
-    by_block: Counter[str] = Counter()
-    by_op: Counter[str] = Counter()
-    scores = 0
-    for rec in saved_for_backward:
-        origin = rec.origin
-        where = origin.where if origin is not None else ""
-        block = next((b for b in blocks if where == b or where.startswith(b + ".")), None)
-        by_block["in blocks" if block else "outside blocks"] += rec.nbytes
-        by_op[origin.op if origin is not None else "input"] += rec.nbytes
-        if origin is not None and "softmax" in origin.op and len(origin.shape) >= 2:
-            scores += rec.nbytes if origin.shape[-1] == origin.shape[-2] else 0
     planner = CheckpointPlanner(model, batch, cost="flops", step=step.but(checkpointing=None), **run)
     if step.checkpointing in (None, "none"):
         planner.remember(planner.uniform("none"), breakdown)  # the step advised: no need to simulate it again
     full, selective = (planner.plan_for(planner.uniform(mode)) for mode in ("full", "selective"))
     assert full.peak is not None and selective.peak is not None
-    peak = breakdown.peak
-    saved = peak - full.peak
-    ops = ", ".join(f"{op} {100 * n / total:.0f}%" for op, n in by_op.most_common(4))
-    what = (
-        f"activations saved for backward: {format_bytes(total)} at the peak, "
-        f"{format_bytes(by_block['in blocks'])} in {len(blocks)} blocks ({blocks[0]}, ...); by op: {ops}"
-    )
-    fp32 = sum(rec.nbytes for rec in saved_for_backward if rec.origin and rec.origin.dtype == torch.float32)
-    if step.precision.endswith("-mixed") and fp32:
-        what += f"; {format_bytes(fp32)} of them in float32 under {step.precision}"
-    if scores:
-        what += (
-            f"; {format_bytes(scores)} are materialised attention scores (T x T softmax: eager attention, "
-            "or scaled_dot_product_attention's math fallback here; its flash and memory-efficient kernels "
-            "do not keep them)"
-        )
+    saved = breakdown.peak - full.peak
+    what = _saved_activations(saved_for_backward, total, blocks, step.precision)
     fix = (
         "Trainer(callbacks=[ActivationCheckpointing(checkpointing='full')]) recomputes every block's forward "
         f"in backward (+{100 * (full.overhead or 0):.1f}% of the blocks' compute)"
     )
-    if 0 < peak - selective.peak < saved:
+    if 0 < breakdown.peak - selective.peak < saved:
         fix += (
-            f"; checkpointing='selective' saves {format_bytes(peak - selective.peak)} for "
+            f"; checkpointing='selective' saves {format_bytes(breakdown.peak - selective.peak)} for "
             f"+{100 * (selective.overhead or 0):.1f}%; ActivationCheckpointing(budget=...) plans the "
             "cheapest mix for a budget"
         )
@@ -564,6 +539,35 @@ def _activations(
             "gradient, the first block over a frozen embedding)"
         )
     return [Finding("activations", what, saved, fix)]
+
+
+def _saved_activations(saved_for_backward: list[Any], total: int, blocks: list[str], precision: str) -> str:
+    """The ``total`` bytes saved for backward, by place and op, and what another dtype or kernel drops."""
+    by_op: Counter[str] = Counter()
+    in_blocks = scores = 0
+    for rec in saved_for_backward:
+        origin = rec.origin
+        where = origin.where if origin is not None else ""
+        block = next((b for b in blocks if where == b or where.startswith(b + ".")), None)
+        in_blocks += rec.nbytes if block else 0
+        by_op[origin.op if origin is not None else "input"] += rec.nbytes
+        if origin is not None and "softmax" in origin.op and len(origin.shape) >= 2:
+            scores += rec.nbytes if origin.shape[-1] == origin.shape[-2] else 0
+    ops = ", ".join(f"{op} {100 * n / total:.0f}%" for op, n in by_op.most_common(4))
+    what = (
+        f"activations saved for backward: {format_bytes(total)} at the peak, "
+        f"{format_bytes(in_blocks)} in {len(blocks)} blocks ({blocks[0]}, ...); by op: {ops}"
+    )
+    fp32 = sum(rec.nbytes for rec in saved_for_backward if rec.origin and rec.origin.dtype == torch.float32)
+    if precision.endswith("-mixed") and fp32:
+        what += f"; {format_bytes(fp32)} of them in float32 under {precision}"
+    if scores:
+        what += (
+            f"; {format_bytes(scores)} are materialised attention scores (T x T softmax: eager attention, "
+            "or scaled_dot_product_attention's math fallback here; its flash and memory-efficient kernels "
+            "do not keep them)"
+        )
+    return what
 
 
 def _fragmentation(stats: Mapping[str, Any] | None, device: torch.device) -> list[Finding]:

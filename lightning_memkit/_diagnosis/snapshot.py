@@ -47,7 +47,7 @@ from lightning_memkit._diagnosis.advise import Advice, advise_traced
 from lightning_memkit._estimating.repeated import History
 from lightning_memkit._estimating.simulate import _SimTracker, simulate_step
 from lightning_memkit._estimating.trace import Tracer, module_hooks
-from lightning_memkit._measuring.tracker import Storage, leaves
+from lightning_memkit._measuring.storages import Storage, leaves
 from lightning_memkit._step import Step
 
 __all__ = ["memory_snapshot", "simulated_snapshot", "write_snapshot"]

@@ -50,7 +50,8 @@ from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import applied_modes
 
 if TYPE_CHECKING:
-    from lightning_memkit._measuring.tracker import Storage, Tracker
+    from lightning_memkit._measuring.storages import Storage
+    from lightning_memkit._measuring.tracker import Tracker
 
 __all__ = ["MIN_DEPTH", "History", "Shortcut", "cost_ratio", "shortcut"]
 

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memkit._measuring.tracker import _iter_tensors, _value_shaped
+from lightning_memkit._measuring.ops import _value_shaped
+from lightning_memkit._measuring.storages import _iter_tensors
 
 __all__ = ["ROUTING_ASSUMED", "Routes", "UnknownShape", "recording", "recording_now", "rewound", "routed"]
 

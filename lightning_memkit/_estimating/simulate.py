@@ -97,13 +97,9 @@ from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._levers.offload import offload_optimizer
 from lightning_memkit._measuring import kernels as _kernels
-from lightning_memkit._measuring.tracker import (
-    Storage,
-    Tracker,
-    _iter_tensors,
-    _value_shaped,
-    allocation_rounding,
-)
+from lightning_memkit._measuring.ops import _value_shaped
+from lightning_memkit._measuring.storages import Storage, _iter_tensors, allocation_rounding
+from lightning_memkit._measuring.tracker import Tracker
 from lightning_memkit._optimizers.swap import load_bitsandbytes
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._sharding import layout as _layout
@@ -1023,32 +1019,12 @@ def simulate_step(
             simulate_step, model, batch, step, optimizer=optimizer, loss_fn=loss_fn, device=device,
             timeline=timeline, tracer=tracer, history=history,
         )  # fmt: skip
-        fresh = [_restorer(tracer), _restorer(history)]
-        try:
-            return again(follow_routing=False)
-        except _routing.UnknownShape as err:
-            recorded = _routes(model, batch, loss_fn, str(err), step.precision)
-        for restore in fresh:  # as they were given: the first try wrote into them
-            restore()
-        return again(routes=recorded)
+        return _following_routes(again, model, batch, loss_fn, step.precision, tracer, history)
     target = torch.device(device)
     valid_name("device", target.type, DEVICES)
     param_dtype, autocast_dtype = _dtypes(step.precision, target)
     lightning = is_lightning(model)
-    if lightning and not model.automatic_optimization:
-        raise NotImplementedError(
-            f"{type(model).__name__} uses manual optimization, which needs a running Trainer; estimate a "
-            "step of the underlying nn.Module with loss_fn= and optimizer= instead."
-        )
-    if not lightning and optimizer is None:
-        raise TypeError(
-            f"A plain {type(model).__name__} needs optimizer= (a name, a factory or an optimizer)."
-        )
-    if not lightning and loss_fn is None:
-        raise TypeError(
-            f"A plain {type(model).__name__} needs loss_fn=(output, target) -> loss; a LightningModule "
-            "brings its own training_step."
-        )
+    _check_steppable(model, lightning, optimizer, loss_fn)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with contextlib.ExitStack() as stack:
@@ -1068,31 +1044,10 @@ def simulate_step(
         stack.enter_context(_shadow.not_tracing(mode))  # transformers: our fakes are not a trace
         stepped = model  # what steps: the model, or its sharded copy
         if step.sharding is not None:
-            if compiled_modules(model):
-                warnings.warn(
-                    f"estimate_memory: {type(model).__name__} is compiled, but FSDP2's sharded step is "
-                    "simulated eagerly (its sharded copy runs each module's own forward): a compiled run "
-                    "saves and fuses otherwise, and torch.compile's activation budget changes nothing here.",
-                    stacklevel=2,
-                )
-            sharding = step.sharding
-            mesh = stack.enter_context(_fsdp2.fake_mesh(*_layout.mesh_shape(sharding)))
-            with mode:
-                blocks = [name for name, _ in find_blocks(model)]
-                stepped = _layout.laid_out_copy(model, mesh, sharding, blocks)
-            if tracer is not None:
-                tracer.follow(stepped)
-
+            stepped = _sharded_copy(stack, model, mode, step.sharding, tracer)
         # Built outside the fake mode, as the real ones are: bitsandbytes computes its quantization maps
         # from real values when constructed. The parameters they hold are already fake.
-        if optimizer is None:
-            optimizers = optimizers_from(stepped.configure_optimizers())
-        elif isinstance(optimizer, str):
-            optimizers = [_named_optimizer(optimizer)(p for p in stepped.parameters() if p.requires_grad)]
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            optimizers = [_rebuild(optimizer, real_params, list(stepped.parameters()))]
-        else:
-            optimizers = [optimizer(p for p in stepped.parameters() if p.requires_grad)]
+        optimizers = _optimizers_of(stepped, optimizer, real_params)
         _use_device_defaults(optimizers, target)
 
         forward = _forward_fn(stepped, fake_batch, loss_fn, lightning, param_dtype, autocast_dtype)
@@ -1101,13 +1056,8 @@ def simulate_step(
             forward, optimizers, lightning, accumulating, step.release_gradients, step.fused_step
         )
         stack.enter_context(mode)
-        if step.offload:  # the host's memory is not the device's: its fakes are on the meta device, uncounted
-            host = "cpu" if target.type == "cpu" else "meta"
-            install = functools.partial(_entered, stack, offload_optimizer, optimizers, host=host)
-            if first_step and lightning and not accumulating:  # as OptimizerOffload does: at the backward
-                training.offload_at_backward = install
-            else:
-                training.offload = install()
+        if step.offload:
+            _offloaded(stack, training, optimizers, target, first_step and lightning and not accumulating)
         if not first_step or accumulating:
             with _Placeholders():
                 training.warm_up(stepped, state=not first_step)
@@ -1118,6 +1068,112 @@ def simulate_step(
         if tracer is not None:
             tracer.finish(stepped, training.optimizers, tracker)
     return tracker
+
+
+def _following_routes(
+    again: Callable[..., _SimTracker],
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[Any, Any], Tensor] | None,
+    precision: str,
+    tracer: Tracer | None,
+    history: bool | repeated.History,
+) -> _SimTracker:
+    """The step simulated by ``again``: once as its fake weights route it, and where an op's size hangs on
+    the weights' values (`_routing.UnknownShape`), again with the routes a real forward of the batch
+    records, the ``tracer`` and ``history`` put back as they were given first."""
+    fresh = [_restorer(tracer), _restorer(history)]
+    try:
+        return again(follow_routing=False)
+    except _routing.UnknownShape as err:
+        recorded = _routes(model, batch, loss_fn, str(err), precision)
+    for restore in fresh:  # as they were given: the first try wrote into them
+        restore()
+    return again(routes=recorded)
+
+
+def _check_steppable(
+    model: nn.Module,
+    lightning: bool,
+    optimizer: OptimizerLike | None,
+    loss_fn: Callable[[Any, Any], Tensor] | None,
+) -> None:
+    """Refuse a step that cannot be simulated: a LightningModule's manual optimization (it needs a running
+    Trainer), or a plain module without the optimizer and loss function that a LightningModule brings."""
+    if lightning and not model.automatic_optimization:
+        raise NotImplementedError(
+            f"{type(model).__name__} uses manual optimization, which needs a running Trainer; estimate a "
+            "step of the underlying nn.Module with loss_fn= and optimizer= instead."
+        )
+    if not lightning and optimizer is None:
+        raise TypeError(
+            f"A plain {type(model).__name__} needs optimizer= (a name, a factory or an optimizer)."
+        )
+    if not lightning and loss_fn is None:
+        raise TypeError(
+            f"A plain {type(model).__name__} needs loss_fn=(output, target) -> loss; a LightningModule "
+            "brings its own training_step."
+        )
+
+
+def _sharded_copy(
+    stack: contextlib.ExitStack,
+    model: nn.Module,
+    mode: FakeTensorMode,
+    sharding: Sharding,
+    tracer: Tracer | None,
+) -> nn.Module:
+    """``model``'s copy laid out as ``sharding`` says over a fake device mesh (entered on ``stack``), its
+    blocks sharded as FSDP2 shards them; the ``tracer`` follows the copy. A compiled model's copy runs
+    eagerly, with a warning."""
+    if compiled_modules(model):
+        warnings.warn(
+            f"estimate_memory: {type(model).__name__} is compiled, but FSDP2's sharded step is "
+            "simulated eagerly (its sharded copy runs each module's own forward): a compiled run "
+            "saves and fuses otherwise, and torch.compile's activation budget changes nothing here.",
+            stacklevel=3,  # simulate_step's caller
+        )
+    mesh = stack.enter_context(_fsdp2.fake_mesh(*_layout.mesh_shape(sharding)))
+    with mode:
+        blocks = [name for name, _ in find_blocks(model)]
+        stepped = _layout.laid_out_copy(model, mesh, sharding, blocks)
+    if tracer is not None:
+        tracer.follow(stepped)
+    return stepped
+
+
+def _optimizers_of(
+    stepped: nn.Module, optimizer: OptimizerLike | None, real_params: list[nn.Parameter]
+) -> list[torch.optim.Optimizer]:
+    """The optimizers over ``stepped``'s (fake) parameters: its ``configure_optimizers``' (``None``), a
+    catalogue name's, a given optimizer's rebuilt over them (``real_params``: the parameters it holds, in
+    ``stepped``'s order), or a factory's."""
+    if optimizer is None:
+        return optimizers_from(stepped.configure_optimizers())
+    if isinstance(optimizer, str):
+        return [_named_optimizer(optimizer)(p for p in stepped.parameters() if p.requires_grad)]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [_rebuild(optimizer, real_params, list(stepped.parameters()))]
+    return [optimizer(p for p in stepped.parameters() if p.requires_grad)]
+
+
+def _offloaded(
+    stack: contextlib.ExitStack,
+    training: TrainingStep,
+    optimizers: list[torch.optim.Optimizer],
+    target: torch.device,
+    at_backward: bool,
+) -> None:
+    """``training``'s ``optimizers`` kept in host memory, as `offload_optimizer` keeps them: the host's
+    memory is not the device's, so their fakes are on the meta device, uncounted (on the CPU, the CPU's).
+    ``at_backward``: they move at the first backward, as OptimizerOffload does on a LightningModule's first
+    step; otherwise at once."""
+    host = "cpu" if target.type == "cpu" else "meta"
+    install = functools.partial(_entered, stack, offload_optimizer, optimizers, host=host)
+    if at_backward:
+        training.offload_at_backward = install
+    else:
+        training.offload = install()
 
 
 def _entered(stack: contextlib.ExitStack, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_memkit._measuring.tracker import Storage, rounded
+from lightning_memkit._measuring.storages import Storage, rounded
 
 
 class Origin(NamedTuple):

@@ -32,7 +32,7 @@ from lightning_memkit._estimating.lightning_step import (
 )
 from lightning_memkit._estimating.lightning_step import rows as rows_of
 from lightning_memkit._estimating.simulate import OptimizerLike, estimate_memory
-from lightning_memkit._fitting.search import _largest_fitting
+from lightning_memkit._fitting.ranking import _largest_fitting
 
 __all__ = ["BatchLimit", "largest_fitting", "largest_micro_batch"]
 

@@ -32,9 +32,8 @@ from lightning_memkit._estimating.lightning_step import (
     lightning_stand_ins,
     loss_of,
 )
-from lightning_memkit._measuring.tracker import model_device
+from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._optimizers.swap import identify, lr_factor, rebind_scheduler, swap_optimizer
-from lightning_memkit._vocabulary import renamed_attribute
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 
@@ -275,12 +274,6 @@ class FitPlan:
         asked = tuple(mode for mode in self.modes if mode in CHECKPOINT_MODES)
         return (*asked, "full") if COMPILE_BUDGET in self.modes else asked
 
-    @property
-    def levels(self) -> tuple[str, ...]:
-        """Deprecated: `modes`."""
-        renamed_attribute("FitPlan", "levels", "modes")
-        return self.modes
-
     def leaner(self, modes: Sequence[str] = CHECKPOINT_MODES) -> FitPlan | None:
         """The next plan one notch leaner (after an OOM): every block at the next mode allowed (``modes``)
         stronger than the strongest the plan uses, at the same micro-batch (a per-block plan that already
@@ -366,7 +359,7 @@ class FitPlan:
             strategy=data.get("strategy", "ddp"),
             n_gpus=data.get("n_gpus", 1),
             cost=StepCost(**cost) if cost else None,
-            modes=tuple(data.get("modes", data.get("levels", CHECKPOINT_MODES))),  # "levels": saved by 0.1
+            modes=tuple(data.get("modes", CHECKPOINT_MODES)),
             note=data.get("note", ""),
             checkpoint_plan=CheckpointPlan.from_dict(checkpoints) if checkpoints else None,
             lever=data.get("lever"),

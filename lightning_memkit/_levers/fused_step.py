@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_memkit._measuring.tracker import gradient_consumed
+from lightning_memkit._measuring.patches import gradient_consumed
 
 __all__ = ["FusedStep", "fuse_optimizer_step", "needs_closure"]
 

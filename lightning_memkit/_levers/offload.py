@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_memkit._measuring.tracker import gradient_consumed
+from lightning_memkit._measuring.patches import gradient_consumed
 
 __all__ = ["Offload", "master_dtype", "offload_optimizer", "transfer_seconds"]
 

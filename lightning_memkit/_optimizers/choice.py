@@ -36,7 +36,7 @@ from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._estimating.simulate import estimate_memory, estimate_step, sixteen_bit_weights
 from lightning_memkit._levers.fused_step import needs_closure
-from lightning_memkit._measuring.tracker import allocation_rounding, model_device, rounded
+from lightning_memkit._measuring.storages import allocation_rounding, model_device, rounded
 from lightning_memkit._optimizers.swap import (
     CATALOGUE,
     COMPENSATED,
@@ -49,7 +49,6 @@ from lightning_memkit._optimizers.swap import (
     swap_optimizer,
 )
 from lightning_memkit._step import Step
-from lightning_memkit._vocabulary import renamed
 
 __all__ = [
     "Estimator",
@@ -338,53 +337,71 @@ def choose_optimizer(
         raise ValueError(_closure_message(closures))
     unknown = [type(o).__name__ for o, name in zip(optimizers, originals, strict=True) if name is None]
     if unknown and not allow_unknown:
-        swappable_later = [n for n in unknown if n not in closures]
-        warn(
-            f"{', '.join(unknown)} is not in the optimizer catalogue ({', '.join(CATALOGUE)}), so it is "
-            "left as it is"
-            + (
-                f"; pass allow_unknown=True to swap {', '.join(swappable_later)} anyway (its lr and "
-                "weight_decay are then read as AdamW's)."
-                if swappable_later
-                else " (its step() needs a closure: it cannot be swapped)."
-            )
-        )
+        warn(_unknown_message(unknown, closures))
     unchanged = functools.partial(
         OptimizerChoice, originals=originals, optimizers=optimizers, replaced=optimizers, budget=limit,
         method=method, lr_factors=(1.0,) * len(optimizers),
     )  # fmt: skip
     if not any(swappable):
-        return unchanged(name=originals[0] if len(set(originals)) == 1 else None, breakdown=None)
+        return unchanged(name=_common_name(originals), breakdown=None)
 
     baseline = estimate(optimizers)
     tried = [("original", baseline.peak)]
     if baseline.peak <= limit:
-        kept = originals[0] if len(set(originals)) == 1 else None
-        return unchanged(name=kept, breakdown=baseline, tried=tuple(tried))
+        return unchanged(name=_common_name(originals), breakdown=baseline, tried=tuple(tried))
 
     available = available_candidates(candidates, info)
     best: tuple[str, MemoryBreakdown] = ("original", baseline)
     for name in available:
         if all(not s or o == name for o, s in zip(originals, swappable, strict=True)):
             continue  # already this optimizer
-        new = tuple(
-            swap_optimizer(o, name, allow_unknown=True) if s else o
-            for o, s in zip(optimizers, swappable, strict=True)
-        )
+        new = _swapped(optimizers, swappable, name)
         b = estimate(new)
         tried.append((name, b.peak))
         if b.peak < best[1].peak:
             best = (name, b)
         if b.peak <= limit:
-            factors = tuple(
-                lr_factor(src, name) if s else 1.0 for src, s in zip(originals, swappable, strict=True)
-            )
             return OptimizerChoice(
                 name=name, originals=originals, optimizers=new, replaced=optimizers, budget=limit,
-                breakdown=b, tried=tuple(tried), method=method, lr_factors=factors,
+                breakdown=b, tried=tuple(tried), method=method,
+                lr_factors=_lr_factors(originals, swappable, name),
             )  # fmt: skip
     given = budget if isinstance(budget, Budget) else Budget(limit, limit, f"{limit} bytes")
     raise ValueError(_infeasible(given, best, tried, method, available))
+
+
+def _common_name(originals: Sequence[str | None]) -> str | None:
+    """The catalogue name of the optimizers when they are all one (``None``: several, or unknown)."""
+    return originals[0] if len(set(originals)) == 1 else None
+
+
+def _swapped(optimizers: Sequence[Optimizer], swappable: Sequence[bool], name: str) -> tuple[Optimizer, ...]:
+    """Each swappable optimizer as a fresh ``name`` over the same param groups; the others as they are."""
+    return tuple(
+        swap_optimizer(o, name, allow_unknown=True) if s else o
+        for o, s in zip(optimizers, swappable, strict=True)
+    )
+
+
+def _lr_factors(originals: Sequence[str | None], swappable: Sequence[bool], name: str) -> tuple[float, ...]:
+    """Each optimizer's learning-rate factor for a swap to ``name`` (`lr_factor`); 1 where it stays."""
+    return tuple(lr_factor(src, name) if s else 1.0 for src, s in zip(originals, swappable, strict=True))
+
+
+def _unknown_message(unknown: Sequence[str], closures: Sequence[str]) -> str:
+    """The warning for optimizers the catalogue does not know, left as they are: how to swap them anyway,
+    or, for one whose step needs a closure, why it cannot be."""
+    swappable_later = [n for n in unknown if n not in closures]
+    return (
+        f"{', '.join(unknown)} is not in the optimizer catalogue ({', '.join(CATALOGUE)}), so it is "
+        "left as it is"
+        + (
+            f"; pass allow_unknown=True to swap {', '.join(swappable_later)} anyway (its lr and "
+            "weight_decay are then read as AdamW's)."
+            if swappable_later
+            else " (its step() needs a closure: it cannot be swapped)."
+        )
+    )
 
 
 def _closure_message(names: Sequence[str]) -> str:
@@ -468,7 +485,6 @@ def fit_optimizer(
     release_gradients: bool = False,
     fused_step: bool = False,
     offload: bool = False,
-    candidates: Sequence[str] | None = None,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -489,8 +505,7 @@ def fit_optimizer(
         loss_fn: ``(output, target) -> loss`` for a plain module with ``batch``.
         step_peak: instead of the estimators, ``step_peak(optimizers)`` returns the step's peak (bytes
             or a `MemoryBreakdown`) with those (fresh, not yet stepped) optimizers.
-        optimizers: catalogue names to try in order (see `CATALOGUE`); ``candidates=`` is its deprecated
-            name.
+        optimizers: catalogue names to try in order (see `CATALOGUE`).
         allow_unknown: also swap an optimizer the catalogue does not know, reading its ``lr`` and
             ``weight_decay`` as AdamW's. Otherwise it is left alone with a warning.
         precision: the Lightning precision string the step runs in (simulated step only).
@@ -518,8 +533,6 @@ def fit_optimizer(
         choice.rebind(scheduler)
         print(choice.summary())
     """
-    if candidates is not None:
-        optimizers = renamed("fit_optimizer", "candidates", "optimizers", candidates)
     budget = parse_budget(budget)
     given = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
     if step_peak is not None:

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_memkit._budget import valid_name
 from lightning_memkit._estimating.lightning_step import is_lightning, lightning_stand_ins, optimizers_from
-from lightning_memkit._measuring.tracker import model_device
+from lightning_memkit._measuring.storages import model_device
 
 __all__ = [
     "ADAFACTOR_LR_SCALE",

@@ -4,12 +4,15 @@ Lightning logs every ``log_every_n_steps`` (50 by default); a step that peaks be
 would never reach the logger if only the logged step's figures were logged. `LogWindow` keeps, over the
 steps since the last log, the highest step (its breakdown, parts and index), each phase's highest, the
 highest of every rank and the CUDA allocator's reserved high-water mark, and turns them into the
-``memory/*`` keys (MiB) when the logging step comes.
+``memory/*`` keys (MiB) when the logging step comes. `PendingStep` gathers one optimizer step's figures
+over its micro-batches before it joins the window.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 from lightning_memkit._breakdown import MemoryBreakdown, MiB
 
@@ -84,3 +87,54 @@ class LogWindow:
                 {f"memory/rank_{r}/peak": p / MiB for r, p in enumerate(self.rank_peaks) if p >= 0}
             )
         return metrics
+
+
+class PendingStep:
+    """The optimizer step in flight, over its micro-batches: the highest one's breakdown, CUDA figures
+    and parts, and each phase's highest (with gradient accumulation a step is its highest micro-batch)."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.breakdown: MemoryBreakdown | None = None
+        self.cuda: dict[str, float] = {}
+        self.parts: dict[str, int] | None = None
+        self.phases: dict[str, int] = {}
+
+    @property
+    def peak(self) -> int:
+        """The step's peak so far (bytes); ``-1`` before a micro-batch has a figure."""
+        return -1 if self.breakdown is None else self.breakdown.peak
+
+    def add(
+        self,
+        breakdown: MemoryBreakdown,
+        parts: dict[str, int] | None,
+        phases: dict[str, int] | None,
+        device: torch.device,
+    ) -> None:
+        """One more micro-batch's figures (``device``'s allocator read if it is the highest so far)."""
+        if self.breakdown is None or breakdown.peak >= self.breakdown.peak:
+            self.breakdown, self.cuda, self.parts = breakdown, cuda_stats(device), parts
+        for phase, peak in (phases or {}).items():
+            self.phases[phase] = max(self.phases.get(phase, 0), peak)
+
+    def take(self, step: int) -> StepMemory:
+        """The step's figures as optimizer step ``step``; the next step starts from nothing."""
+        assert self.breakdown is not None, "take() of a step without figures"
+        figures = StepMemory(step, self.breakdown, self.parts or {}, self.phases, self.cuda)
+        self.clear()
+        return figures
+
+
+def cuda_stats(device: torch.device) -> dict[str, float]:
+    """The CUDA allocator's figures a step logs (MiB and cumulative counts); none off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "memory/reserved": torch.cuda.max_memory_reserved(device) / MiB,
+        "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+        "memory/ooms": float(stats.get("num_ooms", 0)),
+    }

@@ -36,8 +36,6 @@ from lightning_memkit._vocabulary import (
     AUTO,
     CHECKPOINT_MODES,
     allowed_modes,
-    renamed,
-    renamed_cost,
     unbudgeted_mode,
 )
 from lightning_memkit.callbacks._trainer import (
@@ -119,10 +117,8 @@ class ActivationCheckpointing(Callback):
             themselves with ``"none"`` (``("none", "selective", "full")``), as `AutoFit` takes them.
         blocks: the layer classes whose instances are the blocks (default: `find_blocks`, the repeated
             layers), the set ``FSDPStrategy(activation_checkpointing_policy=...)`` takes.
-        policy: deprecated: ``checkpointing``'s name in 0.1 (``policy={MyBlock}`` was
-            ``blocks={MyBlock}, checkpointing="full"``).
         cost: what the planner minimises: ``"measured"`` (the recomputed ops' time, benchmarked on the
-            device; ``"time"`` is its deprecated name) or ``"flops"``.
+            device) or ``"flops"``.
 
     Example::
 
@@ -145,7 +141,6 @@ class ActivationCheckpointing(Callback):
         *,
         blocks: Iterable[type[nn.Module]] | None = None,
         cost: str = "measured",
-        policy: str | Sequence[str] | None = None,
     ) -> None:
         self._budget_given = budget
         #: The budget in bytes; one read from the device (a fraction, ``"auto"``) is known from ``setup`` on.
@@ -153,34 +148,15 @@ class ActivationCheckpointing(Callback):
         if budget is not None and not reads_device(budget):  # a fraction is checked here, read in setup
             self.budget = parse_budget(budget).usable
         # A generator is read once, here: the checks below and `allowed_modes` read it again.
-        policy, checkpointing = (
-            tuple(v) if isinstance(v, Iterable) and not isinstance(v, (str, type)) else v
-            for v in (policy, checkpointing)
-        )
-        if policy is not None and checkpointing != AUTO:
-            raise TypeError("policy= is the old name of checkpointing=: give one of them")
-        if policy is not None and not _layer_classes(policy):  # the old name of ``checkpointing``
-            checkpointing = renamed("ActivationCheckpointing", "policy", "checkpointing", policy)
-        elif policy is not None:
-            checkpointing = policy
+        if isinstance(checkpointing, Iterable) and not isinstance(checkpointing, (str, type)):
+            checkpointing = tuple(checkpointing)
         if checkpointing is None:
             raise TypeError(
                 f"checkpointing=None: choose {AUTO!r} or one of {', '.join(map(repr, CHECKPOINT_MODES))} "
                 "(layer classes such as {MyBlock} go in blocks=); to turn checkpointing off, leave "
                 "ActivationCheckpointing out of the callbacks."
             )
-        if _layer_classes(checkpointing):  # the 0.1 form ``policy={MyBlock}``: full checkpointing of those
-            if blocks is not None:
-                raise TypeError("policy={MyBlock} is the old spelling of blocks={MyBlock}: give one of them")
-            blocks = renamed(
-                "ActivationCheckpointing",
-                "policy",
-                "blocks",
-                checkpointing,
-                also=", with checkpointing='full'",
-            )
-            checkpointing = "full"
-        if not isinstance(checkpointing, (str, Iterable)):
+        if _layer_classes(checkpointing) or not isinstance(checkpointing, (str, Iterable)):
             raise TypeError(
                 f"checkpointing must be {AUTO!r}, one of {', '.join(map(repr, CHECKPOINT_MODES))} or several "
                 f"of them (layer classes such as {{MyBlock}} go in blocks=); got {checkpointing!r} "
@@ -193,7 +169,6 @@ class ActivationCheckpointing(Callback):
         self.checkpointing = checkpointing if isinstance(checkpointing, str) else self.modes
         #: The layer classes whose instances are the blocks; ``None``: the repeated layers (`find_blocks`).
         self.layer_classes = None if blocks is None else block_classes(blocks)
-        cost = renamed_cost("ActivationCheckpointing", cost)
         if cost not in ("measured", "flops"):
             raise ValueError(f"Unknown cost {cost!r}; choose 'measured' or 'flops'")
         self.cost = cost
@@ -213,8 +188,9 @@ class ActivationCheckpointing(Callback):
         classes = None if self.layer_classes is None else sorted(c.__qualname__ for c in self.layer_classes)
         # A budget read from the device keys as given: its bytes differ from card to card.
         budget = self._budget_given if reads_device(self._budget_given) else self.budget
-        # ``policy`` as 0.1 keyed it, so its checkpoints still resume this callback.
-        return self._generate_state_key(budget=budget, policy=self.checkpointing, layer_classes=classes)
+        return self._generate_state_key(
+            budget=budget, checkpointing=self.checkpointing, layer_classes=classes
+        )
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
@@ -453,7 +429,8 @@ def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:
 
 
 def _layer_classes(value: Any) -> bool:
-    """Whether ``value`` is a layer class or a collection of them (0.1's ``policy={MyBlock}``)."""
+    """Whether ``value`` is a layer class or a collection of them: those go in ``blocks=``, not
+    ``checkpointing=``."""
     if isinstance(value, type):
         return True
     if isinstance(value, str) or not isinstance(value, Iterable):

@@ -1,90 +1,52 @@
 """MemoryMonitor: every training step's peak memory by category, in the user's logger.
 
-The measurement itself is `measure`, a plain context manager; this callback decides *which* steps to
-measure, keeps the run cheap, and reports. A measured step follows every op (about 1.3x a plain step on
-CPU), so it is done only for steps unlike any measured before. Two steps are alike when their
-*signature* matches: the shape, dtype and device of every tensor in the batch, however it is nested
-(dicts, ``UserDict`` and Hugging Face's ``BatchEncoding``, dataclasses, named tuples, objects holding
-tensors in their attributes: `batch_signature`), which parameters hold a gradient when the step begins,
-how many tensors and bytes the optimizers keep (`optimizer_signature`), and whether the step accumulates
-or steps. Steps alike allocate alike, so a later step reuses the exact breakdown of its measured twin. A
-batch the signature cannot see into (no tensor found, an object without readable attributes) and an
-optimizer whose step allocates by value (LBFGS) have no twins: every such step is measured, and so is
-every step of a model whose step sizes a tensor by the values of others (``nonzero``, a boolean mask's
-selection, a packed sequence's lengths: mixture-of-experts routing token by token, an RNN over packed
-sequences), whose steps of the same shapes allocate otherwise. Every ``remeasure_every_n_steps`` steps a
-step is measured again anyway, for models whose allocations depend on the data in other ways. On CUDA
-the caching allocator also gives the peak of every single step (``torch.cuda.max_memory_allocated``), so
-``memory/peak`` is read fresh each step there and the difference from the twin lands in
+The measurement itself is `measure`, a plain context manager; this callback holds the Lightning hooks and
+hands each job to its own unit, as Lightning's ``ThroughputMonitor`` keeps its arithmetic in
+``Throughput``:
+
+- `_twins.Twins`: which steps are measured, and the breakdown a step alike reuses from its measured twin
+  (the signature of a step: its batch's shapes, the gradients held, the optimizers' state, stepping);
+- `_memory_log`: one optimizer step's figures over its micro-batches (`PendingStep`), and the highest step
+  since the last log (`LogWindow`), which each log carries;
+- `_ranks.agree`: with several processes, every rank's peak, and all ranks off together when one fails;
+- `_fit_end`: the summary table, ``memory.png``, and ``advise``, ``snapshot`` and ``report`` on the
+  highest measured step's batch (`PeakBatches` keeps it);
+- `_oom_report.report_oom`: what a step that ran out of memory needed, and the plans that fit.
+
+On CUDA the caching allocator also gives the peak of every single step (``torch.cuda.max_memory_allocated``),
+so ``memory/peak`` is read fresh each step there and the difference from the twin lands in
 ``memory/temporary``. A compiled step (``torch.compile`` in ``configure_model`` or on the module) is
 measured buffer by buffer as well, and compiles as it would unwatched: the same frames, graphs and graph
-breaks. FSDP2 and tensor parallel on the CPU measure every step: gloo's worker threads time when a
-collective's buffers are freed, so steps alike there differ by up to a layer's buffers.
+breaks.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import enum
 import numbers
 import time
-import types
 import warnings
-from collections import OrderedDict
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
-from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, MiB, format_bytes
+from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
 from lightning_memkit._budget import flag, parse_budget, reads_device, whole_number
-from lightning_memkit._diagnosis.advise import Advice, advise
-from lightning_memkit._diagnosis.html_report import html_report
-from lightning_memkit._diagnosis.oom import PHASES, StepInFlight, on_cpu, simulable
-from lightning_memkit._diagnosis.report import plot_history, render_summary
-from lightning_memkit._diagnosis.snapshot import advised_snapshot, simulated_snapshot, write_snapshot
+from lightning_memkit._diagnosis.advise import Advice
+from lightning_memkit._diagnosis.oom import StepInFlight
 from lightning_memkit._measuring.kernels import helper_ready, start_helper
-from lightning_memkit._measuring.tracker import (
-    MemoryMeasurement,
-    leaves,
-    measure,
-    optimizer_tensors,
-    storage_bytes,
-)
-from lightning_memkit._sharding.fsdp2 import explain_mixed_tensors, is_sharded
-from lightning_memkit._sharding.layout import layout_of
-from lightning_memkit.callbacks._memory_log import LogWindow, StepMemory
+from lightning_memkit._sharding.fsdp2 import explain_mixed_tensors
+from lightning_memkit.callbacks._fit_end import FitEnd, PeakBatches, run_dir
+from lightning_memkit.callbacks._memory_log import LogWindow, PendingStep
 from lightning_memkit.callbacks._oom_report import report_oom
-from lightning_memkit.callbacks._trainer import (
-    accumulating_now,
-    call_logger,
-    optimizer_steps_done,
-    the_optimizer,
-    trainer_step,
-)
-
-_MAX_SIGNATURES = 64
-#: Objects a batch signature walks at most; a larger batch is measured every step rather than guessed at.
-_MAX_NODES = 10_000
-#: Nesting a batch signature follows at most.
-_MAX_DEPTH = 32
-
-
-def _parts(measurement: Any) -> dict[str, int] | None:
-    """The parts of categories a measured step logs besides them (bytes), by key after ``memory/``: FSDP2's
-    (``fsdp/sharded_parameters``, ...) and the parameters' split where some are frozen
-    (``trainable_parameters``, ``frozen_parameters``); ``None`` for a step that has neither."""
-    parts = {f"fsdp/{kind}": value for kind, value in (measurement.sharded or {}).items()}
-    parts.update(measurement.parameter_split or {})
-    return parts or None
+from lightning_memkit.callbacks._ranks import agree
+from lightning_memkit.callbacks._trainer import accumulating_now, call_logger, optimizer_steps_done
+from lightning_memkit.callbacks._twins import Twins
 
 
 class MemoryMonitor(Callback):
@@ -231,32 +193,14 @@ class MemoryMonitor(Callback):
         self.history: list[tuple[int, MemoryBreakdown]] = []
         #: under FSDP2, (step, FSDP2's part of the peak by `SHARDED_KINDS`) for every step of `history`
         self.sharded_history: list[tuple[int, dict[str, int]]] = []
-        #: what a step logs besides its breakdown: the parts of categories (`_parts`: FSDP2's, the
-        #: parameters' split) and each phase's highest (`MemoryMeasurement.phase_peaks`), for each measured
-        #: signature and the last measured step; and for the optimizer step in flight
-        self._part_twins: dict[tuple, tuple[dict[str, int] | None, dict[str, int] | None]] = {}
-        self._last_parts: dict[str, int] | None = None
-        self._last_phases: dict[str, int] | None = None
-        self._pending_parts: dict[str, int] | None = None
-        self._pending_phases: dict[str, int] = {}
+        self._warned: set[str] = set()
+        #: the measured steps by signature, and the step in flight's measurement
+        self._twins = Twins(self.remeasure_every_n_steps, self._warn_once)
+        #: the optimizer step in flight, over its micro-batches (`_memory_log.PendingStep`)
+        self._pending = PendingStep()
         #: the steps since the last log: the next log carries their highest (`LogWindow`)
         self._window = LogWindow()
-        #: whether steps alike allocate alike: not for FSDP2 on the CPU, where gloo's worker threads time
-        #: when a collective's buffers are freed (the same step peaked up to a layer's buffers higher)
-        self._twins_alike: bool | None = None
-        #: How many steps were measured from scratch (the rest reused a twin's breakdown).
-        self.measured_steps = 0
-        self._twins: OrderedDict[tuple, MemoryBreakdown | None] = OrderedDict()  # None: unmeasurable
-        self._since_measured = 0
-        self._signature: tuple | None = None
-        self._measurement: MemoryMeasurement | None = None
-        self._last_measured = MemoryBreakdown()
-        #: the op that sized a tensor by values in the last measured step (`MemoryMeasurement.value_shaped`)
-        self._last_value_shaped: str | None = None
-        self._pending: MemoryBreakdown | None = None
-        self._pending_extras: dict[str, float] = {}
         self._device = torch.device("cpu")
-        self._warned: set[str] = set()
         self._disabled = False
         #: an internal error of this rank, not yet shared with the others (see `_agree`)
         self._failure: Exception | None = None
@@ -267,16 +211,20 @@ class MemoryMonitor(Callback):
         self._explained = False
         #: what `advise` found at the end of fit (with ``advise=True``)
         self.advice: Advice | None = None
-        #: a CPU copy of the batch of the highest measured step (the first until another is higher), for
-        #: ``advise``, ``snapshot`` and ``report`` at the end of fit: a `_PeakBatch`
-        self._peak_batch: _PeakBatch | None = None
-        #: the batch of the step being measured, not copied yet (`_PeakBatch`, ``batch`` aliased)
-        self._candidate: _PeakBatch | None = None
+        #: the batch of the highest measured step, for ``advise``, ``snapshot`` and ``report`` at the end of
+        #: fit (a CPU copy, kept whenever a measured step is the highest so far)
+        self._peak_batches = PeakBatches()
         #: when ``setup`` started the CPU kernel helper (`time.perf_counter`), until it is ready
         self._helper_started: float | None = None
 
+    @property
+    def measured_steps(self) -> int:
+        """How many steps were measured from scratch (the rest reused a twin's breakdown)."""
+        return self._twins.measured_steps
+
     # --- Lightning hooks ----------------------------------------------------------------------
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -294,6 +242,7 @@ class MemoryMonitor(Callback):
         if self._device.type == "cpu" and start_helper():
             self._helper_started = time.perf_counter()
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._helper_started is None:
             return
@@ -309,55 +258,33 @@ class MemoryMonitor(Callback):
         )
         self._helper_started = None
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step.start(batch, batch_idx)
-        self._candidate = None
+        self._peak_batches.drop()
         if self._disabled or self._failure is not None:
             return
         self._in_step = True
         try:
-            self._close_measurement()  # one a skipped step left open (see on_train_epoch_end)
-            signature = self._step_signature(trainer, pl_module, batch)
-            self._signature = signature
-            due = self.remeasure_every_n_steps and self._since_measured + 1 >= self.remeasure_every_n_steps
-            if self._twins_alike is None:
-                # gloo's worker threads time when a collective's buffers are freed (FSDP2, tensor parallel)
-                self._twins_alike = not (
-                    self._device.type == "cpu" and (is_sharded(pl_module) or layout_of(pl_module))
-                )
-            if signature is None or signature not in self._twins or due or not self._twins_alike:
-                self._measurement = measure(pl_module, trainer.optimizers, device=self._device, batch=batch)
-                self._measurement.__enter__()
-                self._measurement.enter_phase(PHASES[0])
-                if (self.advise or self.snapshot or self.report) and trainer.is_global_zero:
-                    # a new shape may be the run's highest: its batch, kept if it is (`_keep_peak_batch`)
-                    aliased = apply_to_collection(batch, torch.Tensor, torch.Tensor.detach)
-                    self._candidate = _PeakBatch(aliased)
-            elif self._device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self._device)
+            measuring = self._twins.start(trainer, pl_module, batch, self._device)
+            if measuring and (self.advise or self.snapshot or self.report) and trainer.is_global_zero:
+                self._peak_batches.offer(batch)  # a new shape may be the run's highest
         except Exception as err:
             self._fail(trainer, err)
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         self._enter(trainer, "backward")
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         self._enter(trainer, "optimizer step")
 
-    def _enter(self, trainer: pl.Trainer, phase: str) -> None:
-        """The step in flight enters ``phase`` (one of `PHASES`): for an OOM's explanation, and for the
-        phase's highest where the step is measured."""
-        self._step.enter(phase)
-        if self._measurement is not None and self._step.phase is not None:
-            try:
-                self._measurement.enter_phase(phase)
-            except Exception as err:
-                self._fail(trainer, err)
-
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -366,59 +293,53 @@ class MemoryMonitor(Callback):
             return
         if self._in_step and self._failure is None:
             try:
-                breakdown = self._finish_step(trainer)
-                parts, phases = self._part_twins.get(self._signature, (self._last_parts, self._last_phases))
-                if breakdown is not None and (self._pending is None or breakdown.peak >= self._pending.peak):
-                    self._pending = breakdown
-                    self._pending_extras = self._cuda_stats()
-                    self._pending_parts = parts
-                if breakdown is not None:
-                    for phase, peak in (phases or {}).items():
-                        self._pending_phases[phase] = max(self._pending_phases.get(phase, 0), peak)
-                    self._keep_peak_batch(trainer, breakdown)
+                self._add_micro_batch(trainer)
             except Exception as err:
                 self._fail(trainer, err)
         self._in_step = False
-        self._candidate = None
+        self._peak_batches.drop()
         if accumulating_now(trainer):
             return
         peaks = self._agree(trainer)
-        if peaks is None or self._pending is None:
+        if peaks is None or self._pending.breakdown is None:
             return
         try:
             self._flush(trainer, peaks)
         except Exception as err:
             self._fail(trainer, err)
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A LightningModule whose on_train_batch_start returns -1 skips the rest of the epoch after the
         # callbacks' on_train_batch_start: a measurement opened there has no step to measure, and the batch
         # kept for explaining an OOM no step to explain.
         try:
-            self._close_measurement()
+            self._twins.close()
         except Exception as err:
             self._fail(trainer, err)
         self._step.end()
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Explain an out-of-memory error (once: `AutoFit` calls this too, before it undoes its plan), or a
         sharded step that met parameters FSDP2 had not gathered."""
-        self._close_measurement_quietly()  # its dispatch mode must not see the simulations
+        self._twins.close_quietly()  # its dispatch mode must not see the simulations
         hint = explain_mixed_tensors(exception, pl_module)
         if hint is not None:
             self._warn_once("mixed", f"MemoryMonitor: {hint}")
         if isinstance(exception, torch.OutOfMemoryError) and not self._explained:  # the rank that ran out
             self._explained = True
             measured = None
-            if self._in_step and not self._disabled and self._failure is None and self._signature is not None:
-                measured = self._twins.get(self._signature)
+            if self._in_step and not self._disabled and self._failure is None:
+                measured = self._twins.twin()
             report_oom(trainer, pl_module, self._step, self._budget, who="MemoryMonitor", measured=measured)
         self._step.end()
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close_measurement_quietly()
+        self._twins.close_quietly()
         if self._disabled or self._failure is not None or not self.history or not trainer.is_global_zero:
             return
         try:  # the steps after the last logging step: a peak among them must reach the logger too
@@ -426,19 +347,33 @@ class MemoryMonitor(Callback):
         except Exception as err:
             self._fail(trainer, err)
             return
+        outputs = FitEnd(
+            summary=self.summary,
+            plot=self.plot,
+            advise=self.advise,
+            snapshot=self.snapshot,
+            report=self.report,
+            budget=self.budget,
+            device=self._device,
+            warn=self._warn_once,
+            safely=self._safely,
+        )
         path = None
         try:
             # Under fast_dev_run Lightning writes nothing (no logs, no checkpoints), and nor does this.
-            path = None if trainer.fast_dev_run else _run_dir(trainer) / "memory.png"
-            self._report(trainer, path)
+            path = None if trainer.fast_dev_run else run_dir(trainer) / "memory.png"
+            outputs.table_and_plot(trainer, self.history, path)
         except Exception as err:
             where = f" ({path})" if path is not None else ""
             self._warn_once("report", f"MemoryMonitor could not write its end-of-fit report{where}: {err!r}")
-        if self._peak_batch is not None:
-            self._peak_step(trainer, pl_module, None if path is None else path.parent)
-            self._peak_batch = None
+        kept, self._peak_batches.kept = self._peak_batches.kept, None
+        if kept is not None:
+            folder = None if path is None else path.parent
+            at = self.history[-1][0]  # the last step's, as every other key is logged
+            self.advice = outputs.peak_step(trainer, pl_module, kept, folder, at)
 
     @property
+    @override
     def state_key(self) -> str:
         """What tells two monitors of one Trainer apart, as for Lightning's own stateful callbacks: the
         budget as given (a device-relative one reads differently from card to card), and the periods of
@@ -449,6 +384,7 @@ class MemoryMonitor(Callback):
             remeasure_every_n_steps=self.remeasure_every_n_steps,
         )
 
+    @override
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -460,109 +396,47 @@ class MemoryMonitor(Callback):
         if old is not None and self.state_key not in states and alone:
             self.load_state_dict(old)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"history": [[step, *(getattr(b, c) for c in CATEGORIES)] for step, b in self.history]}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [
             (int(row[0]), MemoryBreakdown(**dict(zip(CATEGORIES, map(int, row[1:]), strict=True))))
             for row in state_dict.get("history", [])
         ]
 
-    # --- measuring ----------------------------------------------------------------------------
+    # --- one step -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _step_signature(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> tuple | None:
-        """What decides a step's allocations, cheaply: shapes, gradients held, optimizer state, stepping.
-
-        ``None`` when the batch cannot be seen into (`batch_signature`) or an optimizer's step depends on
-        values (`optimizer_signature`): such a step is always measured.
-        """
-        shapes = batch_signature(batch)
-        if shapes is None or any(isinstance(opt, _VALUE_DEPENDENT) for opt in trainer.optimizers):
-            return None
-        grads = tuple(p.grad is not None for p in pl_module.parameters())
-        states = tuple(optimizer_signature(opt) for opt in trainer.optimizers)
-        return shapes, grads, states, accumulating_now(trainer)
+    def _enter(self, trainer: pl.Trainer, phase: str) -> None:
+        """The step in flight enters ``phase`` (one of `PHASES`): for an OOM's explanation, and for the
+        phase's highest where the step is measured."""
+        self._step.enter(phase)
+        if self._step.phase is not None:
+            try:
+                self._twins.enter_phase(phase)
+            except Exception as err:
+                self._fail(trainer, err)
 
     def _finish_step(self, trainer: pl.Trainer) -> MemoryBreakdown | None:
         """The step's breakdown; ``None`` for a step that cannot be measured (nor its twins)."""
-        signature = self._signature
-        if self._measurement is not None:
-            unfollowed = self._close_measurement()
-            breakdown = None if unfollowed else self._last_measured
-            if unfollowed:
-                self._warn_once(
-                    "unfollowed",
-                    f"MemoryMonitor: step {trainer.global_step} is not measured: {unfollowed}, which the "
-                    "measurement cannot follow. Steps like it are left unmeasured; training is unaffected.",
-                )
-            if self._last_value_shaped is not None:  # the step's values sized it: no twin of any other
-                self._warn_once(
-                    "value_shaped",
-                    f"MemoryMonitor: this model's step sizes tensors by the values of others "
-                    f"({self._last_value_shaped}: mixture-of-experts routing token by token, sequences "
-                    "packed by their lengths), so steps of the same shapes allocate differently: every step "
-                    "is measured (about 1.3x a plain step on the CPU), none takes another's figures.",
-                )
-            elif signature is not None:  # a batch it cannot see into is no twin of any other
-                self._twins[signature] = breakdown
-                self._twins.move_to_end(signature)
-                while len(self._twins) > _MAX_SIGNATURES:
-                    self._part_twins.pop(self._twins.popitem(last=False)[0], None)
-                if self._last_parts is not None or self._last_phases is not None:
-                    self._part_twins[signature] = (self._last_parts, self._last_phases)
-            self.measured_steps += breakdown is not None
-            self._since_measured = 0
-            return breakdown
-        self._since_measured += 1
-        twin = self._twins[signature]
-        if twin is None or self._device.type != "cuda":
-            return twin
-        # The allocator knows this very step's peak; what differs from the twin is not a known tensor.
-        peak = torch.cuda.max_memory_allocated(self._device)
-        others = twin.peak - twin.temporary
-        return MemoryBreakdown(
-            parameters=twin.parameters,
-            gradients=twin.gradients,
-            optimizer_state=twin.optimizer_state,
-            activations=twin.activations,
-            temporary=max(peak - others, 0),
-        )
+        return self._twins.finish(trainer.global_step, self._device)
 
-    def _close_measurement(self) -> str | None:
-        """Close the measurement in flight, if any; returns why its step could not be followed, if so."""
-        if self._measurement is None:
-            return None
-        measurement, self._measurement = self._measurement, None
-        measurement.__exit__(None, None, None)
-        self._last_measured, self._last_parts = measurement.breakdown, _parts(measurement)
-        self._last_phases = measurement.phase_peaks
-        self._last_value_shaped = measurement.value_shaped
-        return measurement.unfollowed
-
-    def _cuda_stats(self) -> dict[str, float]:
-        if self._device.type != "cuda":
-            return {}
-        stats = torch.cuda.memory_stats(self._device)
-        return {
-            "memory/reserved": torch.cuda.max_memory_reserved(self._device) / MiB,
-            "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
-            "memory/ooms": float(stats.get("num_ooms", 0)),
-        }
-
-    # --- reporting ----------------------------------------------------------------------------
+    def _add_micro_batch(self, trainer: pl.Trainer) -> None:
+        """The micro-batch just done joins its optimizer step; a measured step's batch may be the highest."""
+        breakdown = self._finish_step(trainer)
+        if breakdown is None:
+            return
+        parts, phases = self._twins.extras()
+        self._pending.add(breakdown, parts, phases, self._device)
+        self._peak_batches.keep(trainer, breakdown)
 
     def _flush(self, trainer: pl.Trainer, peaks: list[int]) -> None:
         """Close one optimizer step: keep it in the history, and log the highest step since the last log
         (`LogWindow`) on a logging step, with every rank's highest."""
-        assert self._pending is not None
-        step = optimizer_steps_done(trainer)
-        figures = StepMemory(
-            step, self._pending, self._pending_parts or {}, self._pending_phases, self._pending_extras
-        )
-        self._pending, self._pending_extras, self._pending_parts, self._pending_phases = None, {}, None, {}
-        breakdown, parts = figures.breakdown, figures.parts
+        figures = self._pending.take(optimizer_steps_done(trainer))
+        step, breakdown, parts = figures.step, figures.breakdown, figures.parts
         self.history.append((step, breakdown))
         sharded = {key[len("fsdp/") :]: value for key, value in parts.items() if key.startswith("fsdp/")}
         if sharded:
@@ -596,118 +470,6 @@ class MemoryMonitor(Callback):
                 self._safely(logger, "log_metrics", log)
         self._window.clear()
 
-    def _report(self, trainer: pl.Trainer, path: Path | None) -> None:
-        """The summary table, and the plot saved to ``path`` (``None``: under ``fast_dev_run``, none)."""
-        step, worst = max(self.history, key=lambda item: item[1].peak)
-        if self.summary:
-            print(render_summary(worst, step=step, budget=self.budget))
-        if not self.plot:
-            return
-        if path is None:
-            rank_zero_info(
-                "MemoryMonitor: no memory plot (memory.png) under `fast_dev_run`, which writes no files; "
-                "run without it to get one."
-            )
-            return
-        steps, breakdowns = zip(*self.history, strict=True)
-        figure = plot_history(steps, breakdowns, path, budget=self.budget)
-        if figure is None:
-            self._warn_once(
-                "matplotlib", "MemoryMonitor: install matplotlib to get the memory plot (memory.png)."
-            )
-            return
-        rank_zero_info(f"MemoryMonitor: memory plot saved to {path}")
-        last = max(optimizer_steps_done(trainer) - 1, 0)  # once, at the run's last logging step
-        for logger in trainer.loggers:
-            self._safely(logger, "log_image", lambda lg=logger: _log_image(lg, figure, path, last))
-
-    def _keep_peak_batch(self, trainer: pl.Trainer, breakdown: MemoryBreakdown) -> None:
-        """Keep a CPU copy of the measured step's batch if the step is the highest so far (or the first):
-        ``advise``, ``snapshot`` and ``report`` describe it at the end of fit. Only measured steps are
-        candidates: a new largest shape is measured anyway, and its twins peak alike."""
-        candidate, self._candidate = self._candidate, None
-        if candidate is None or (self._peak_batch is not None and breakdown.peak <= self._peak_batch.peak):
-            return
-        candidate.batch = on_cpu(candidate.batch, copy=True)
-        candidate.step, candidate.peak = optimizer_steps_done(trainer), breakdown.peak
-        self._peak_batch = candidate
-
-    def _step_as_run(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> tuple[torch.nn.Module, dict]:
-        """The model and `estimate_memory`'s arguments for a batch's step as this run takes it. Under
-        FSDP2 the module is sharded by now: its unsharded twin's sharded step stands for it."""
-        model, optimizer = simulable(pl_module, the_optimizer(trainer))
-        # with accumulation, a micro-batch adding to gradients already there: the cycle's highest
-        step = trainer_step(trainer, accumulating=trainer.accumulate_grad_batches > 1)
-        return model, {"optimizer": optimizer, "device": self._device.type, "step": step}
-
-    def _peak_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, folder: Path | None) -> None:
-        """``advise``, ``snapshot`` and ``report`` on the highest measured step's batch as this run takes
-        it, simulated once for all three (``folder``: where the files go; ``None``: no files, as under
-        fast_dev_run)."""
-        kept = self._peak_batch
-        assert kept is not None
-        which = f"step {kept.step}'s batch (the highest measured step, {format_bytes(kept.peak)})"
-        saves = (self.snapshot or self.report) and folder is not None
-        try:
-            model, kwargs = self._step_as_run(trainer, pl_module)
-        except Exception as err:
-            self._warn_once("peak step", f"MemoryMonitor could not simulate {which}: {err!r}")
-            return
-        snapshot: dict | None = None
-        if self.advise:
-            rank_zero_info(f"MemoryMonitor: advising on {which}: simulating its step, then each fix")
-            try:
-                if saves:
-                    self.advice, snapshot = advised_snapshot(model, kept.batch, **kwargs)
-                else:
-                    self.advice = advise(model, kept.batch, **kwargs)
-            except Exception as err:
-                self._warn_once("advise", f"MemoryMonitor could not advise: {err!r}")
-            else:
-                rank_zero_info(f"MemoryMonitor: memory advice for {which}\n{self.advice}")
-                metrics = {f"memory/advice/{f.kind}": f.saved / MiB for f in self.advice}
-                at = self.history[-1][0]  # the last step's, as every other key is logged
-                for logger in trainer.loggers:
-                    log = lambda lg=logger: lg.log_metrics(metrics, step=at)  # noqa: E731
-                    self._safely(logger, "log_metrics", log)
-        if not saves:
-            return
-        try:
-            if snapshot is None:  # no advice asked, or it failed: the step alone
-                snapshot, tracker = simulated_snapshot(model, kept.batch, **kwargs)
-                breakdown = tracker.breakdown()
-            else:
-                breakdown = self.advice.breakdown
-            self._save_step(folder, snapshot, breakdown, kept)
-        except Exception as err:
-            self._warn_once("snapshot", f"MemoryMonitor could not save the simulated step: {err!r}")
-
-    def _save_step(self, folder: Path, snapshot: dict, breakdown: MemoryBreakdown, kept: _PeakBatch) -> None:
-        """The highest measured step's simulated twin into ``folder``, as ``snapshot`` and ``report`` ask."""
-        peaks = f"simulated peak {format_bytes(breakdown.peak)}; measured: {format_bytes(kept.peak)}"
-        which = f"step {kept.step}'s batch, the highest measured step"
-        if self.snapshot:
-            path = folder / "memory_snapshot.pickle"
-            write_snapshot(snapshot, path)
-            rank_zero_info(
-                f"MemoryMonitor: {which} ({peaks}) saved as a PyTorch memory snapshot to {path}: open it "
-                f"at pytorch.org/memory_viz, or `python -m torch.cuda._memory_viz trace_plot {path} -o "
-                "step.html`"
-            )
-        if self.report:
-            path = folder / "memory_report.html"
-            findings = None if self.advice is None else self.advice.findings
-            title = f"Peak memory of training step {kept.step}, the run's highest measured step, simulated"
-            notes = [f"Step {kept.step}'s batch as this run takes its step, simulated; {peaks}."]
-            no_findings = "MemoryMonitor(advise=True) adds what the peak holds that it need not."
-            page = html_report(
-                snapshot, breakdown, findings, title=title, notes=notes, no_findings=no_findings
-            )
-            path.write_text(page, encoding="utf-8")
-            rank_zero_info(f"MemoryMonitor: {which} ({peaks}) as a page: {path}")
-
     # --- never crash the run we observe -------------------------------------------------------
 
     def _safely(self, logger: Any, what: str, call: Any) -> None:
@@ -717,7 +479,7 @@ class MemoryMonitor(Callback):
         """An internal error on this rank: say so here (every rank speaks for itself) and stop measuring.
         Alone, the monitor is off at once; with several ranks, at the next optimizer step's `_agree`, on
         all of them together: a rank that left early would leave the others waiting in a collective."""
-        self._close_measurement_quietly()
+        self._twins.close_quietly()
         self._failure = err
         if trainer.world_size == 1:
             self._disabled = True
@@ -728,36 +490,22 @@ class MemoryMonitor(Callback):
         )
 
     def _agree(self, trainer: pl.Trainer) -> list[int] | None:
-        """Every rank's peak for the optimizer step just done, once all ranks are known to be well;
-        ``None`` (and the monitor off everywhere) when any rank failed. A collective with several ranks:
-        every rank that is not disabled calls it at every optimizer step, failed or not."""
-        mine = -1 if self._pending is None else self._pending.peak
-        if trainer.world_size == 1:
-            return None if self._failure is not None else [mine]
-        try:
-            state = torch.tensor([self._failure is None, mine], dtype=torch.int64, device=self._device)
-            gathered = trainer.strategy.all_gather(state).reshape(-1, 2).tolist()
-        except Exception as err:
-            gathered, self._failure = [], self._failure or err
-        failed = [rank for rank, (ok, _) in enumerate(gathered) if not ok]
-        if self._failure is None and not failed:
-            return [peak for _, peak in gathered]
+        """Every rank's peak for the optimizer step just done, once all ranks are known to be well
+        (`_ranks.agree`); ``None`` (and the monitor off everywhere) when any rank failed."""
+        agreement = agree(trainer, self._pending.peak, self._failure, self._device)
+        self._failure = agreement.failure
+        if agreement.peaks is not None:
+            return agreement.peaks
         self._disabled = True
-        self._pending = None
+        self._pending.clear()
         if self._failure is None:
             self._warn_once(
                 "disabled",
-                f"MemoryMonitor stops monitoring on every rank: rank(s) {failed} hit an internal error (see "
-                "their warnings). Training goes on.",
+                f"MemoryMonitor stops monitoring on every rank: rank(s) {agreement.failed} hit an internal "
+                "error (see their warnings). Training goes on.",
                 rank=trainer.global_rank,
             )
         return None
-
-    def _close_measurement_quietly(self) -> None:
-        try:
-            self._close_measurement()
-        except Exception:
-            self._measurement = None
 
     def _warn_once(self, key: str, message: str, rank: int | None = None) -> None:
         """Warn once per key: from rank 0, or from ``rank`` itself (its own failure), rank-prefixed."""
@@ -768,156 +516,3 @@ class MemoryMonitor(Callback):
             rank_zero_warn(message)
         else:
             warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
-
-
-@dataclasses.dataclass
-class _PeakBatch:
-    """The batch of the highest measured step, for ``advise``, ``snapshot`` and ``report``."""
-
-    #: the batch: its tensors aliased while the step runs, a CPU copy once kept
-    batch: Any
-    #: the optimizer step it belongs to (counted from 0, as the logged steps), and its measured peak (bytes)
-    step: int = -1
-    peak: int = -1
-
-
-def _run_dir(trainer: pl.Trainer) -> Path:
-    """The folder of this run's logs, where ``memory.png`` goes: never a folder runs share, where the
-    next run would overwrite it (W&B's ``save_dir`` and MLflow's ``mlruns`` hold every run)."""
-    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
-
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            return Path(logger.experiment.dir)  # <save_dir>/wandb/<run>/files, synced with the run
-        if isinstance(logger, MLFlowLogger) and logger.save_dir is not None:
-            return Path(logger.save_dir, logger.experiment_id, logger.run_id)
-        log_dir = getattr(logger, "log_dir", None)  # TensorBoard, CSV: <save_dir>/<name>/version_<n>
-        if log_dir:
-            return Path(log_dir)
-    return Path(trainer.default_root_dir)
-
-
-def _log_image(logger: Any, figure: Any, path: Path, step: int) -> None:
-    """Hand the plot to loggers that take images; the others already have the PNG on disk."""
-    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
-
-    if isinstance(logger, TensorBoardLogger):
-        logger.experiment.add_figure("memory/breakdown", figure, global_step=step)
-    elif isinstance(logger, WandbLogger):
-        logger.log_image(key="memory/breakdown", images=[str(path)], step=step)
-    elif isinstance(logger, MLFlowLogger):
-        logger.experiment.log_artifact(logger.run_id, str(path))
-
-
-# --- signatures -----------------------------------------------------------------------------------
-
-#: Optimizers whose step allocates by the values it sees, so that no earlier step is a twin: LBFGS runs
-#: the closure until it converges (up to ``max_iter`` times) and keeps a curvature pair only where
-#: ``y·s > 1e-10``, so two steps that begin with the same state can peak differently (tiny MLP, history 10:
-#: 6.4 % apart).
-_VALUE_DEPENDENT: tuple[type, ...] = (torch.optim.LBFGS,)
-
-_ATOMS = (
-    type(None), bool, int, float, complex, str, bytes, range, slice, enum.Enum, torch.dtype, torch.device,
-    datetime.date, datetime.time, datetime.timedelta,
-)  # fmt: skip
-
-
-_CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
-
-
-class _Opaque(Exception):
-    """The batch holds something the signature cannot see into."""
-
-
-def batch_signature(batch: Any) -> tuple | None:
-    """Every tensor in ``batch`` (shape, dtype, device) with the structure around it; ``None`` when it
-    cannot be read.
-
-    Walks what users pass as batches, nested arbitrarily: tensors (and arrays with ``shape``/``dtype``),
-    sequences, sets, mappings (``dict``, ``UserDict`` and so Hugging Face's ``BatchEncoding``), dataclasses,
-    named tuples and any object whose ``__dict__`` or ``__slots__`` holds them; an object met twice (a
-    cycle, a shared tensor) is referred back to. Values of numbers and strings are not part of it (a batch
-    of per-sample strings would otherwise never match), only their types. ``None`` (measure the step, never
-    reuse a twin) when the batch holds no tensor, an object with no attributes to read (a C extension's),
-    or more than ``_MAX_NODES`` objects or ``_MAX_DEPTH`` levels.
-    """
-    seen: dict[int, int] = {}
-    found = [0]
-
-    def walk(obj: Any, depth: int) -> Any:
-        if isinstance(obj, _ATOMS):
-            return type(obj).__name__
-        if depth > _MAX_DEPTH or len(seen) >= _MAX_NODES:
-            raise _Opaque
-        if id(obj) in seen:
-            return ("ref", seen[id(obj)])
-        seen[id(obj)] = len(seen)
-        kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-        if isinstance(obj, torch.Tensor):
-            found[0] += 1
-            if obj.layout is not torch.strided:  # a sparse tensor's memory is its members': nnz varies
-                return (kind, tuple(obj.shape), obj.dtype, obj.device, obj.layout, _member_shapes(obj))
-            return (kind, tuple(obj.shape), obj.dtype, obj.device)
-        shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
-        if isinstance(shape, tuple) and dtype is not None and not isinstance(obj, type):  # numpy and the like
-            found[0] += 1
-            return (kind, shape, str(dtype))
-        if isinstance(obj, Mapping):
-            return (kind, tuple((_key(k), walk(v, depth + 1)) for k, v in obj.items()))
-        if isinstance(obj, (list, tuple)):
-            return (kind, tuple(walk(v, depth + 1) for v in obj))
-        if isinstance(obj, (set, frozenset)):
-            return (kind, tuple(sorted(map(repr, (walk(v, depth + 1) for v in obj)))))
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            fields = [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
-            return (kind, tuple((name, walk(v, depth + 1)) for name, v in fields))
-        attributes = _attributes(obj)
-        if attributes is None:
-            raise _Opaque
-        return (kind, tuple((name, walk(v, depth + 1)) for name, v in attributes))
-
-    try:
-        signature = walk(batch, 0)
-    except Exception:  # _Opaque, or an attribute that raised when read: measure rather than guess
-        return None
-    return signature if found[0] else None
-
-
-def _member_shapes(t: torch.Tensor) -> tuple:
-    """The shapes of the tensors holding a sparse ``t``'s memory (indices, values: their sizes vary with
-    the number of its non-zeros); a layout whose members cannot be read is opaque (measured every step)."""
-    try:
-        return tuple(tuple(m.shape) for m in leaves(t))
-    except Exception:
-        raise _Opaque from None
-
-
-def _key(key: Any) -> Any:
-    return key if isinstance(key, _ATOMS) else repr(key)
-
-
-def _attributes(obj: Any) -> list[tuple[str, Any]] | None:
-    """``obj``'s instance attributes (``__dict__`` and ``__slots__``); ``None`` for an object without any.
-    Classes, modules and functions are read as their types alone: they are code, not data."""
-    if isinstance(obj, _CODE) or (callable(obj) and not hasattr(obj, "__dict__")):
-        return []
-    names: list[str] = []
-    for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        names += (
-            [slots] if isinstance(slots, str) else [n for n in slots if n not in ("__dict__", "__weakref__")]
-        )
-    items = [(n, getattr(obj, n)) for n in names if hasattr(obj, n)]
-    if hasattr(obj, "__dict__"):
-        items += list(vars(obj).items())
-    elif not names:
-        return None
-    return items
-
-
-def optimizer_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
-    """(entries, tensors, bytes) of ``optimizer.state``: its count alone misses state that grows inside
-    an entry, as LBFGS's history (``old_dirs``, ``old_stps``, ``ro``: lists of tensors) does."""
-    tensors = list(optimizer_tensors([optimizer]))
-    return len(optimizer.state), len(tensors), storage_bytes(tensors)

@@ -59,7 +59,6 @@ from lightning_memkit._optimizers.swap import (
     swap_optimizer,
     valid_candidates,
 )
-from lightning_memkit._vocabulary import renamed
 from lightning_memkit.callbacks._trainer import (
     autofit_in,
     call_logger,
@@ -77,7 +76,7 @@ class OptimizerSwap(Callback):
     At the start of the fit, before the sanity check and any forward, the step is estimated with the
     optimizer ``configure_optimizers`` returned (`lightning_memkit.estimate_memory`: the
     LightningModule's own step on fake tensors, with the first training batch and the Trainer's
-    precision). If it fits, nothing changes. Otherwise the ``candidates`` are tried in order and the
+    precision). If it fits, nothing changes. Otherwise the ``optimizers`` are tried in order and the
     first that fits replaces it, at the first training batch: same param groups (per-group ``lr`` and
     ``weight_decay`` translated, see `lightning_memkit.swap_optimizer` for the rules), LR schedulers
     rebound with their shape kept. The decision (`lightning_memkit.fit_optimizer`'s, over the Trainer's
@@ -123,10 +122,10 @@ class OptimizerSwap(Callback):
       the callback warns at setup and does nothing. Under ``ModelParallelStrategy`` (FSDP2) it defers to
       `AutoFitStrategy`, which chooses the optimizer for one rank's sharded step, and says so.
     - **Beside** `AutoFit`, in either order: this callback defers, and says so. AutoFit chooses the
-      optimizer with the micro-batch and the checkpointing, from the module's own and then ``candidates``
+      optimizer with the micro-batch and the checkpointing, from the module's own and then ``optimizers``
       (unless it is given ``optimizers=`` itself), and keeps the choice in its own checkpoint state.
     - **Resuming** from a checkpoint saved with this callback: pass an ``OptimizerSwap`` to the resumed
-      Trainer too. It builds the stored choice whatever its own ``budget``, ``candidates`` and
+      Trainer too. It builds the stored choice whatever its own ``budget``, ``optimizers`` and
       ``allow_unknown`` are now (the checkpoint holds that optimizer's state; the state is found under
       the key ``"OptimizerSwap"``). A Trainer without it cannot read the choice: Lightning warns ("Please
       add the following callbacks: ['OptimizerSwap']") and loads the swapped optimizer's state into the
@@ -145,8 +144,7 @@ class OptimizerSwap(Callback):
             ``"auto"`` (`lightning_memkit.parse_budget`; devices lose the CUDA context and a
             fragmentation reserve).
         optimizers: catalogue names to try, best first (default: adamw, adamw8bit, lion, lion8bit,
-            adafactor, sgd_momentum, sgd); `AutoFit`'s word for the same list. ``candidates=`` is its
-            deprecated name.
+            adafactor, sgd_momentum, sgd); `AutoFit`'s word for the same list.
         allow_unknown: also swap optimizers the catalogue does not know.
 
     Example::
@@ -162,16 +160,12 @@ class OptimizerSwap(Callback):
         budget: int | float | str | Budget,
         optimizers: Sequence[str] = DEFAULT_CANDIDATES,
         allow_unknown: bool = False,
-        *,
-        candidates: Sequence[str] | None = None,
     ) -> None:
         self._budget_spec = budget
         # "auto" and fractions are read from the device in ``setup``; anything else is checked now.
         self._budget: Budget | None = None if reads_device(budget) else parse_budget(budget)
         #: Bytes the step's peak may reach (``None`` until ``setup`` for ``"auto"`` or a fraction).
         self.budget: int | None = None if self._budget is None else self._budget.usable
-        if candidates is not None:
-            optimizers = renamed("OptimizerSwap", "candidates", "optimizers", candidates)
         if not isinstance(optimizers, Iterable):  # a name alone is one candidate
             raise TypeError(
                 f"optimizers must be an optimizer name or a list of them from {', '.join(CATALOGUE)}; got "

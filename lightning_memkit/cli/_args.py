@@ -126,14 +126,6 @@ def count(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
-    """A duration in seconds, 0 or more (``inf``: no limit)."""
-    value = _number(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text!r}")
-    return value
-
-
 def one_of(kind: str, valid: Sequence[str]) -> Callable[[str], str]:
     """One of the ``valid`` names, or the library's ``Unknown <kind>`` error with a close match."""
 

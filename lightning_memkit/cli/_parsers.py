@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,6 @@ from lightning_memkit.cli._args import (
     output_file,
     positive_int,
     positive_ints,
-    seconds,
     usage_error,
 )
 
@@ -242,22 +240,8 @@ def check_layout(args: argparse.Namespace) -> None:
 
 
 def check_advise(args: argparse.Namespace) -> None:
-    """The batch's token count; ``--fsdp2 N``, the old spelling, is ``--gpus N --strategy fsdp2`` (said on
-    stderr); with them, a contradiction is a usage error."""
+    """The batch's token count, and with ``--strategy fsdp2`` its layout (`check_layout`)."""
     check_tokens(args.batch_size, args.seq_len)
-    if args.fsdp2 is None:
-        check_layout(args)
-        return
-    if args.gpus not in (1, args.fsdp2) or args.strategy != "ddp":
-        raise UsageError(
-            f"--fsdp2 {args.fsdp2} is the old spelling of --gpus {args.fsdp2} --strategy fsdp2; give those "
-            f"alone, not with --gpus {args.gpus} --strategy {args.strategy}"
-        )
-    print(
-        f"memkit advise: --fsdp2 N is deprecated; give --gpus {args.fsdp2} --strategy fsdp2",
-        file=sys.stderr,
-    )
-    args.gpus, args.strategy = args.fsdp2, "fsdp2"
     check_layout(args)
 
 
@@ -432,16 +416,11 @@ def add_plan(subparsers: Any) -> None:
         help="plan with OptimizerOffload: the optimizer's state, fp32 masters and gradients in host memory "
         "(1 GPU)",
     )  # fmt: skip
-    refine = p.add_mutually_exclusive_group()
-    refine.add_argument(
+    p.add_argument(
         "--refine-limit", type=count, default=REFINE_LIMIT, metavar="N",
         help="the micro-batches given a block-by-block checkpointing plan, the largest first; the rest are "
         f"planned with full checkpointing: a count, so the plan is the same on a busy machine (default: "
         f"{REFINE_LIMIT})",
-    )  # fmt: skip
-    refine.add_argument(
-        "--refine-seconds", type=seconds, default=None, metavar="S",
-        help="deprecated: read as --refine-limit S/4 (rounded down), never as a clock",
     )  # fmt: skip
     add_adapter_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
@@ -466,10 +445,6 @@ def add_advise(subparsers: Any) -> None:
         "(fully_shard on each block, then the model), simulated in this process",
         layouts=True,
     )
-    p.add_argument(
-        "--fsdp2", type=positive_int, default=None, metavar="N",
-        help="deprecated: --gpus N --strategy fsdp2",
-    )  # fmt: skip
     _add_html(p, findings=", and the findings with their fixes")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=deferred("_advise", "run_advise", check=check_advise))

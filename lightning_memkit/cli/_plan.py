@@ -26,13 +26,8 @@ from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shar
 from lightning_memkit._estimating.lightning_step import batch_slice
 from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
 from lightning_memkit._fitting.plan import FitPlan
-from lightning_memkit._fitting.search import (
-    LEVER_CALLBACKS,
-    LOWER_PRECISION_HINT,
-    plan_fit,
-    refine_limit_for,
-    static_floor,
-)
+from lightning_memkit._fitting.refusal import LOWER_PRECISION_HINT
+from lightning_memkit._fitting.search import LEVER_CALLBACKS, plan_fit, static_floor
 from lightning_memkit._optimizers.swap import COMPENSATED, KAHAN, lighter_candidates
 from lightning_memkit.cli._args import usage_error
 from lightning_memkit.cli._models import (
@@ -192,7 +187,7 @@ def _best_plan(
             release_gradients=attempt.release_gradients,
             fused_step=attempt.fused_step,
             offload=attempt.offload,
-            refine_limit=_refine_limit(args),  # a count, not a clock
+            refine_limit=args.refine_limit,  # a count, not a clock
             # FSDP2 on a GPU: offload if nothing fits
             cpu_offload=None if args.strategy == "fsdp2" and args.device == "cuda" else False,
             mixed_precision_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
@@ -396,16 +391,3 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
         f"{'no' if level == 'none' else level} checkpointing, {optimizer or 'the configured optimizer'}, "
         f"{prec}) needs{per_rank}:\n{need}"
     )
-
-
-def _refine_limit(args: argparse.Namespace) -> int | None:
-    """``--refine-limit``, or the deprecated ``--refine-seconds`` read as a count (said on stderr)."""
-    if args.refine_seconds is None:
-        return args.refine_limit
-    limit = refine_limit_for(args.refine_seconds)
-    print(
-        f"memkit plan: --refine-seconds is deprecated; {args.refine_seconds:g} reads as --refine-limit "
-        f"{limit} (a micro-batch for every 4 seconds, never a clock)",
-        file=sys.stderr,
-    )
-    return limit

@@ -68,6 +68,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
 
 from lightning_memkit._budget import Budget, flag, reads_device, whole_number
 from lightning_memkit._checkpointing.blocks import find_blocks
@@ -78,7 +79,8 @@ from lightning_memkit._fitting.resume import stale
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._sharding.layout import ConfigureModel, apply_layout, mesh_shape
 from lightning_memkit._step import Sharding
-from lightning_memkit._vocabulary import AUTO, renamed
+from lightning_memkit._vocabulary import AUTO
+from lightning_memkit.callbacks._autofit_choices import FSDP2Options
 from lightning_memkit.callbacks._trainer import built_late, parameters_of
 from lightning_memkit.callbacks.auto_fit import AutoFit
 
@@ -92,8 +94,7 @@ class AutoFitStrategy(ModelParallelStrategy):
     Args:
         budget: per rank, as `AutoFit`'s: bytes, ``"80GB"``, a GPU name (``"H100-80GB"``), a fraction of
             the current CUDA device or ``"auto"`` (it). On CPU give a size.
-        margin, batch_arg_name, optimizers, checkpointing: as `AutoFit`'s (``batch_size_attr=``: the
-            deprecated name of ``batch_arg_name``).
+        margin, batch_arg_name, optimizers, checkpointing: as `AutoFit`'s.
         cost: the throughput model (`plan_fit`'s): ``"auto"`` (timed for real on rank 0 for a run on the
             CPU, FLOPs otherwise), ``"measured"``, ``"flops"``.
         tensor_parallel_size: the ranks of a tensor-parallel group (Lightning's word): 1 (the default, FSDP2
@@ -122,12 +123,9 @@ class AutoFitStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        batch_size_attr: str | None = None,
         tensor_parallel_size: int | str = 1,
         data_parallel_size: int | tuple[int, int] | str | None = None,
     ) -> None:
-        if batch_size_attr is not None:
-            batch_arg_name = renamed("AutoFitStrategy", "batch_size_attr", "batch_arg_name", batch_size_attr)
         flag("save_distributed_checkpoint", save_distributed_checkpoint)
         if process_group_backend is not None and not isinstance(process_group_backend, str):
             raise TypeError(
@@ -156,8 +154,10 @@ class AutoFitStrategy(ModelParallelStrategy):
             checkpointing=checkpointing,
             cost=cost,
         )
-        self.autofit._cpu_offload = None  # CPUOffloadPolicy where nothing fits without it
-        self.autofit._mixed_precision_policy = True  # bf16-mixed: gathered in bf16, reduced in fp32
+        #: the layouts the planner chooses among (`_resolved`), once the world is known (``None``: FSDP2)
+        self._layouts: Layouts | Sharding | None = None
+        #: this job's collectives, timed as the processes start (``None``: one rank)
+        self._link: _fsdp2.Link | None = None
         #: the FSDP2 units, as sharded (parents after their children), once set up
         self.units: list[str] = []
         self._offloaded = False  # whether this strategy applied CPUOffloadPolicy
@@ -169,6 +169,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         """The plan the run trains with (`AutoFit.plan`), once planned."""
         return self.autofit.plan
 
+    @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         _check_root(model)
@@ -192,6 +193,7 @@ class AutoFitStrategy(ModelParallelStrategy):
                                                                 self._planned)):  # fmt: skip
             raise RuntimeError(why)
 
+    @override
     def setup_environment(self) -> None:
         budget = self.autofit.budget
         if self.root_device.type != "cuda" and reads_device(budget):
@@ -203,41 +205,52 @@ class AutoFitStrategy(ModelParallelStrategy):
             )
         # Lightning's mesh of the sizes given (a size still to plan: 1 tensor-parallel rank, until the plan).
         world = self.num_nodes * self.num_processes
-        self.autofit._layouts = _resolved(*self._sizes, world, self.num_processes)
-        tp = getattr(self.autofit._layouts, "tensor_parallel_size", 1)
+        self._layouts = _resolved(*self._sizes, world, self.num_processes)
+        tp = getattr(self._layouts, "tensor_parallel_size", 1)
         self._tensor_parallel_size = tp if isinstance(tp, int) else 1
         self._data_parallel_size = world // self._tensor_parallel_size
         super().setup_environment()
         # How fast this job's collectives are, for the plan's step time (every rank takes part).
         group = self.device_mesh["data_parallel"].get_group()
-        self.autofit._link = _fsdp2.time_link(group, self.root_device) if self.world_size > 1 else None
+        self._link = _fsdp2.time_link(group, self.root_device) if self.world_size > 1 else None
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Shard the model as planned, then what ``ModelParallelStrategy.setup`` does (materialize, convert,
-        move, build the optimizers), without asking for a ``configure_model``."""
+        """``ModelParallelStrategy.setup`` with the model sharded as planned where Lightning's requires a
+        ``configure_model`` that shards (its check, which refuses a module without one, is why Lightning's is
+        not called), then Lightning's steps: materialize, convert, move (`model_to_device`), build the
+        optimizers. Offloaded shards are materialized on the host, where FSDP2 keeps them."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self.autofit.plan is not None and trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.autofit.plan is not None and fitting:
             self._check_planned_parameters()
         self._mesh_as_planned()
         self._shard(self.lightning_module)
-        # FSDP2's offloaded shards must be materialized on the host, and stay there; the buffers go.
-        host = torch.device("cpu")
-        _materialize_distributed_module(self.model, host if self._offloaded else self.root_device)
+        _materialize_distributed_module(
+            self.model, torch.device("cpu") if self._offloaded else self.root_device
+        )
         self.model = self.precision_plugin.convert_module(self.model)
-        if self._offloaded:
-            for module in self.model.modules():
-                for name, buffer in module._buffers.items():
-                    if buffer is not None:
-                        module._buffers[name] = buffer.to(self.root_device)
-        else:
-            self.model_to_device()
+        self.model_to_device()
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        """Lightning's, except where FSDP2 offloads the shards (`CPUOffloadPolicy`): they stay on the host,
+        and only the buffers go to the device."""
+        if not self._offloaded:
+            super().model_to_device()
+            return
+        assert self.model is not None
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.root_device)
 
     def _mesh_as_planned(self) -> None:
         """Lightning's ``(data_parallel, tensor_parallel)`` mesh rebuilt to the planned layout's where it
@@ -252,31 +265,44 @@ class AutoFitStrategy(ModelParallelStrategy):
         self._device_mesh = self.lightning_module._device_mesh = mesh
 
     def _shard(self, module: pl.LightningModule) -> None:
+        """Shard ``module`` as its plan simulated (no plan: FSDP2 over every rank, resharding after the
+        forward), unless the user's ``configure_model`` sharded it already; sets `units`."""
         plan = self.autofit.plan
-        reshard = plan is None or plan.reshard_after_forward is not False
-        offload = plan is not None and plan.cpu_offload
         planned = [name for name, _ in find_blocks(module)]
         self._offloaded = False
-        policy = plan is not None and plan.mixed_precision_policy
         if _fsdp2.is_sharded(module):  # the user's own fully_shard in configure_model: kept
             self.units = _fsdp2.units(module)
-            expected = [*planned, _fsdp2.root_name(module)]
-            if sorted(self.units) != sorted(expected) or offload or not reshard or policy:
-                options = ", ".join(
-                    ([] if reshard else ["reshard_after_forward=False"])
-                    + (["offload_policy=CPUOffloadPolicy()"] if offload else [])
-                    + (["mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"] if policy else [])
-                )
-                rank_zero_warn(
-                    f"AutoFitStrategy: configure_model sharded {_names(self.units)}; the plan simulated "
-                    f"fully_shard on {_names(expected)}{f' with {options}' if options else ''}: its figures "
-                    "are for that. Leave the sharding to AutoFitStrategy (remove fully_shard from "
-                    "configure_model) to train as planned."
-                )
-            return
-        if plan is not None and (plan.tensor_parallel_size > 1 or plan.replicate_size > 1):
+            self._say_where_kept_differs(module, plan, planned)
+        elif plan is not None and (plan.tensor_parallel_size > 1 or plan.replicate_size > 1):
             self.units = self._lay_out(module, plan, planned)
+        else:
+            self.units = self._fully_shard(module, plan, planned)
+
+    def _say_where_kept_differs(
+        self, module: pl.LightningModule, plan: FitPlan | None, planned: list[str]
+    ) -> None:
+        """Warn where the sharding the user's ``configure_model`` applied is not the one ``plan`` simulated:
+        other units, or options the plan gave FSDP2 that theirs lacks."""
+        reshard, offload, policy = _fsdp2_choices(plan)
+        expected = [*planned, _fsdp2.root_name(module)]
+        if sorted(self.units) == sorted(expected) and not offload and reshard and not policy:
             return
+        options = ", ".join(
+            ([] if reshard else ["reshard_after_forward=False"])
+            + (["offload_policy=CPUOffloadPolicy()"] if offload else [])
+            + (["mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"] if policy else [])
+        )
+        rank_zero_warn(
+            f"AutoFitStrategy: configure_model sharded {_names(self.units)}; the plan simulated "
+            f"fully_shard on {_names(expected)}{f' with {options}' if options else ''}: its figures "
+            "are for that. Leave the sharding to AutoFitStrategy (remove fully_shard from "
+            "configure_model) to train as planned."
+        )
+
+    def _fully_shard(self, module: pl.LightningModule, plan: FitPlan | None, planned: list[str]) -> list[str]:
+        """``fully_shard`` on each block, then the root, over the data-parallel ranks, with the plan's
+        ``reshard_after_forward``, CPU offload and mixed precision policy. Returns the FSDP2 units."""
+        reshard, offload, policy = _fsdp2_choices(plan)
         mesh = self.device_mesh["data_parallel"]
         options: dict[str, Any] = {"reshard_after_forward": reshard}
         if offload:
@@ -285,15 +311,16 @@ class AutoFitStrategy(ModelParallelStrategy):
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
         if policy:
             options["mp_policy"] = _fsdp2.bf16_policy()
-        self.units = _fsdp2.shard_layout(module, mesh, planned, **options)
+        units = _fsdp2.shard_layout(module, mesh, planned, **options)
         self._offloaded = offload
         said = ", offload_policy=CPUOffloadPolicy()" if offload else ""
-        if "mp_policy" in options:
+        if policy:
             said += ", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
         rank_zero_info(
-            f"AutoFitStrategy: fully_shard on {_names(self.units)} over {mesh.size()} ranks, "
+            f"AutoFitStrategy: fully_shard on {_names(units)} over {mesh.size()} ranks, "
             f"reshard_after_forward={reshard}{said}"
         )
+        return units
 
     def _lay_out(self, module: pl.LightningModule, plan: FitPlan, blocks: list[str]) -> list[str]:
         """``plan``'s tensor-parallel or HSDP layout, as its plan simulated it (`_sharding.layout`'s default
@@ -318,6 +345,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         )
         return [*blocks, _fsdp2.root_name(module)]
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Resume: the checkpoint's plan, where it was made for this run (`stale`) and differs from the one
         this fit made, is installed first (its batch size, accumulation, checkpointing,
@@ -345,6 +373,7 @@ class AutoFitStrategy(ModelParallelStrategy):
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
@@ -367,29 +396,34 @@ def _saved_plan(path: Path, state_key: str) -> FitPlan | None:
 
 
 class _Planner(AutoFit):
-    """`AutoFit` as AutoFitStrategy plans with it: its state under AutoFit's key (a checkpoint resumes with
-    either), and a plan whose simulated sharded step met parameters the layout never gathers refused,
-    naming the root unit (`_ungathered`), where the simulation's DTensor error said nothing of the cause."""
-
-    #: the layout AutoFitStrategy plans (`_resolved`): the layouts to choose among, one given (tensor
-    #: parallel, HSDP), or ``None``: the run's, as AutoFit reads it
-    _layouts: Layouts | Sharding | None = None
+    """`AutoFit` as AutoFitStrategy plans with it: the strategy's layouts, FSDP2's CPU offload where nothing
+    fits without it, FSDP2's bf16 mixed precision policy and the collectives as timed (`FSDP2Options`); its
+    state under AutoFit's key (a checkpoint resumes with either); and a plan whose simulated sharded step met
+    parameters the layout never gathers refused, naming the root unit (`_ungathered`), where the
+    simulation's DTensor error said nothing of the cause."""
 
     @property
     def state_key(self) -> str:
         return "AutoFit"
 
+    @override
+    def _fsdp2_options(self, trainer: pl.Trainer) -> FSDP2Options:
+        return FSDP2Options(cpu_offload=None, mixed_precision_policy=True, link=trainer.strategy._link)
+
+    @override
     def _sharding(self, trainer: pl.Trainer, plan: FitPlan | None = None) -> Any:
         """The strategy's layouts to plan (``plan`` None), or the one ``plan`` chose; the run's where the
         module's own ``configure_model`` shards (its layout kept, never planned as another)."""
-        if self._layouts is None or _shards_itself(trainer.lightning_module):
+        layouts = trainer.strategy._layouts
+        if layouts is None or _shards_itself(trainer.lightning_module):
             return super()._sharding(trainer, plan)
         if plan is None:
-            return self._layouts
+            return layouts
         return Sharding(
             plan.n_gpus, tensor_parallel_size=plan.tensor_parallel_size, replicate_size=plan.replicate_size
         )
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         try:
             super().setup(trainer, pl_module, stage)
@@ -397,6 +431,14 @@ class _Planner(AutoFit):
             if "mixed torch.Tensor and DTensor" not in str(error):
                 raise
             raise ValueError(_ungathered(pl_module)) from error
+
+
+def _fsdp2_choices(plan: FitPlan | None) -> tuple[bool, bool, bool]:
+    """What ``plan`` gives FSDP2 (no plan: its defaults): ``reshard_after_forward``, CPU offload, and the
+    bf16 mixed precision policy."""
+    if plan is None:
+        return True, False, False
+    return plan.reshard_after_forward is not False, plan.cpu_offload, plan.mixed_precision_policy
 
 
 def _layout_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[Any, Any]:
