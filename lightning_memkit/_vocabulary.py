@@ -8,9 +8,8 @@ which answers ``--help`` and usage errors before torch is imported.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from lightning_memkit._budget import names, valid_name
 
@@ -22,7 +21,6 @@ __all__ = [
     "PRECISIONS",
     "CheckpointMode",
     "allowed_modes",
-    "renamed",
     "unbudgeted_mode",
 ]
 
@@ -60,11 +58,3 @@ PRECISIONS: tuple[str, ...] = ("64-true", "32-true", "16-mixed", "bf16-mixed", "
 DEVICES: tuple[str, ...] = ("cuda", "cpu")
 #: What a planner ranks plans by: step times measured on the device, FLOPs, or whichever the device allows.
 COSTS: tuple[str, ...] = ("auto", "measured", "flops")
-
-
-def renamed(owner: str, old: str, new: str, value: Any, also: str = "") -> Any:
-    """``value``, given as ``owner``'s ``old`` argument, which is ``new`` now: a deprecation warning (once
-    per call site, as Python shows them), and the value to use under the new name."""
-    said = f"{owner}({old}=...) is deprecated: the argument is {new}= now{also}"
-    warnings.warn(f"{said}; the old spelling goes in lightning-memkit 0.3.", FutureWarning, stacklevel=3)
-    return value

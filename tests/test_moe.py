@@ -426,7 +426,7 @@ def test_the_monitor_logs_the_plain_steps_though_its_own_step_peaks_higher(tmp_p
     """What the monitor logs is what the step allocates unwatched: each step of the same fit without it,
     to the allocator. The watched step itself peaks higher here (the first, at batch 16): under any Python
     dispatch mode autograd sums two gradients of one tensor out of place, where the plain engine sums in
-    place into the one it holds the only reference to (`Tracker._engine_sum`), and these sums set this
+    place into the one it holds the only reference to (`_measuring.ops.engine_sum`), and these sums set this
     step's peak. So the truth for the monitor is the plain fit's, not the watched step's (docs/monitor.md)."""
     monitor, watched = _monitored_fit(tmp_path / "monitored", batch_size=16)
     plain = _fit_peaks(tmp_path / "plain", batch_size=16)

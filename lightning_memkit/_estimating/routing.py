@@ -6,7 +6,7 @@ the router's values, which come from the weights. A simulation on fake tensors h
 shadows of `_estimating.shadow` follow values of the batch alone), so fake tensor mode cannot size the
 op's output. The weights are real, though, wherever the model was built on a device rather than on
 ``meta``: `recording` runs the forward once for real, without autograd, and notes the output shapes of
-every op whose outputs are sized by values (`_measuring.tracker._value_shaped`), per call site: the
+every op whose outputs are sized by values (`_measuring.ops._value_shaped`), per call site: the
 module running (named from forward hooks, not read off the Python frames, whose locals a read would keep
 alive), the op, and its inputs' shapes. `Routes.replay` then gives the simulated
 step's same call the same shape, in the same order. A block checkpointing recomputes calls its sites

@@ -5,7 +5,7 @@ memory: in its default power mode it doubles the batch until a trial fails and k
 that ran, so a card that holds 23 samples is told 16. Here a trial is a step simulated on fake tensors
 (`estimate_memory`: nothing allocated, seconds for a 7B model), so the search can afford to look between
 the powers: it probes upwards where the line through the peaks so far crosses the limit until one is
-over, then bisects the integers between (`search._largest_fitting`, probing the same way: a step's peak is
+over, then bisects the integers between (`ranking._largest_fitting`, probing the same way: a step's peak is
 close to linear in its micro-batch), and answers the largest micro-batch whose peak fits,
 with the peak one sample more as the proof that it is the largest. The work is a count of simulations
 (three or four where the peak grows linearly), never a clock.
@@ -89,7 +89,7 @@ def largest_fitting(
     """The largest size in ``start..max_size`` whose ``peak(size)`` is at most ``limit`` (0: none), and
     every peak known by then. Until a size over the limit is known it probes upwards: where the line
     through the two largest fitting sizes crosses the limit, one past it (doubling while fewer than two
-    fit); then it bisects between (`search._largest_fitting`, which probes where the peaks' line crosses
+    fit); then it bisects between (`ranking._largest_fitting`, which probes where the peaks' line crosses
     the limit). ``known``: ``(size, peak)`` pairs simulated already; the peak is assumed to grow with the
     size. A peak linear in the size is settled in three or four probes."""
     seen = dict(known)
