@@ -35,7 +35,7 @@ def _find(module: str, *attributes: str) -> Any:
 def _missing(where: str) -> RuntimeError:
     return RuntimeError(
         f"lightning_memkit's measurement needs torch's private `{where}`, which torch {torch.__version__} "
-        "does not have (it was there in torch 2.4 to 2.13): measure with a torch of those versions."
+        "does not have (the project runs torch 2.11 to 2.13, which have it): measure with one of those."
     )
 
 
