@@ -412,6 +412,14 @@ def test_callback_resume_reapplies_the_saved_plan(tmp_path, monkeypatch):
     assert model.modes_at_optimizer == saved.modes
 
 
+def test_the_state_key_is_the_one_saved_checkpoints_hold():
+    """Checkpoints saved since the first builds key this callback's state ``policy=``: another spelling
+    would drop their saved plan on resume, with only Lightning's warning about unknown callbacks."""
+    key = ActivationCheckpointing(budget=8_000_000_000, blocks={Block}).state_key
+    saved = "ActivationCheckpointing{'budget': 8000000000, 'policy': 'auto', 'layer_classes': ['Block']}"
+    assert key == saved
+
+
 def test_callback_without_blocks_names_the_layer_classes_option(tmp_path):
     with pytest.raises(ValueError, match=r"blocks=\{MyBlock\}"):
         _trainer(tmp_path, [ActivationCheckpointing(checkpointing="full")]).fit(BoringModel())

@@ -188,9 +188,8 @@ class ActivationCheckpointing(Callback):
         classes = None if self.layer_classes is None else sorted(c.__qualname__ for c in self.layer_classes)
         # A budget read from the device keys as given: its bytes differ from card to card.
         budget = self._budget_given if reads_device(self._budget_given) else self.budget
-        return self._generate_state_key(
-            budget=budget, checkpointing=self.checkpointing, layer_classes=classes
-        )
+        # keyed ``policy=`` as the first checkpoints were, so that they still resume this callback
+        return self._generate_state_key(budget=budget, policy=self.checkpointing, layer_classes=classes)
 
     # --- Lightning hooks ----------------------------------------------------------------------
 
