@@ -27,7 +27,7 @@ from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import AutoFitStrategy, parse_bytes, plan_fit
 from lightning_memkit._budget import parse_budget
-from lightning_memkit._diagnosis.oom import plan_code
+from lightning_memkit._diagnosis.plan_code import plan_code
 from lightning_memkit._fitting.layouts import Layouts, candidates, collectives, ordered
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.resume import stale

@@ -37,7 +37,7 @@ from lightning_memkit import (
     parse_bytes,
     plan_fit,
 )
-from lightning_memkit._diagnosis.oom import plan_code
+from lightning_memkit._diagnosis.plan_code import plan_code
 from lightning_memkit._fitting.plan import StepCost
 from lightning_memkit._sharding.fsdp2 import Link, collective_seconds, shard_bytes
 from lightning_memkit.strategies.auto_fit import _check_root

@@ -31,8 +31,9 @@ from lightning_memkit import (
     measure,
     plan_checkpointing,
 )
+from lightning_memkit._checkpointing.checkpointers import CHECKPOINTERS
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
-from lightning_memkit._checkpointing.policies import CHECKPOINTERS, applied_modes
+from lightning_memkit._checkpointing.policies import applied_modes
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.demos._data import GPTDataModule
 from lightning_memkit.demos.gpt import GPT, Block, GPTConfig, GPTLightningModule

@@ -201,12 +201,12 @@ def test_fsdp2_estimate_time_does_not_grow_with_the_ranks():
 
 @pytest.mark.slow
 def test_fsdp2_rank_zero_chunks_are_torchs(monkeypatch):
-    from lightning_memkit._sharding import fsdp2
+    from lightning_memkit._sharding import fake_pg
 
     for gpus in (300,):  # uneven shards, padded; more ranks than most parameters have rows
         ours = _fsdp2(gpus)["simulated"]
         with monkeypatch.context() as m:
-            m.setattr(fsdp2, "_rank_zero_chunks", contextlib.nullcontext)
+            m.setattr(fake_pg, "_rank_zero_chunks", contextlib.nullcontext)
             assert _fsdp2(gpus)["simulated"] == ours, gpus
 
 

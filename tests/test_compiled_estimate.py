@@ -439,7 +439,8 @@ def test_a_compile_budget_plan_is_written_applied_and_explained_as_torchs_settin
     no leaner plan left the OOM names the activation budget, not a checkpointing mode."""
     from torch._functorch import config
 
-    from lightning_memkit._diagnosis.oom import by_hand_code, fastest_plans, plan_code
+    from lightning_memkit._diagnosis.oom import fastest_plans
+    from lightning_memkit._diagnosis.plan_code import by_hand_code, plan_code
     from lightning_memkit._vocabulary import allowed_modes
 
     plan, module = _compile_budget_plan(), ZooModule("compiled_llama", batch_size=8)

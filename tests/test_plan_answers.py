@@ -23,7 +23,7 @@ import lightning_memkit
 from lightning_memkit import AutoFit, FitPlan, advise, format_bytes, parse_budget, plan_fit
 from lightning_memkit._diagnosis import oom
 from lightning_memkit._diagnosis.advise import _chunked_loss
-from lightning_memkit._diagnosis.oom import plan_code
+from lightning_memkit._diagnosis.plan_code import plan_code
 from lightning_memkit._fitting import simulations
 from lightning_memkit._fitting.plan import StepCost
 from lightning_memkit._fitting.search import TIMED_NOTE

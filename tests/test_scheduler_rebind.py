@@ -19,7 +19,8 @@ from torch.optim import lr_scheduler as S
 from torch.optim.swa_utils import SWALR
 
 from lightning_memkit import OptimizerSwap, estimate_memory, fit_optimizer, swap_optimizer
-from lightning_memkit._optimizers.swap import lr_factor, rebind_scheduler
+from lightning_memkit._optimizers.schedulers import rebind_scheduler
+from lightning_memkit._optimizers.swap import lr_factor
 
 LR = 3e-3
 STEPS = 16

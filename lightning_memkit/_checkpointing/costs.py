@@ -36,7 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from lightning_memkit._checkpointing.policies import CHECKPOINTERS, CheckpointedForward, mutates_cached_output
+from lightning_memkit._checkpointing.checkpointers import CHECKPOINTERS, mutates_cached_output
+from lightning_memkit._checkpointing.policies import CheckpointedForward
 from lightning_memkit._estimating.routing import recording_now, rewound
 from lightning_memkit._measuring.kernels import hashable
 from lightning_memkit._measuring.storages import Storage, rounded

@@ -46,11 +46,11 @@ from torch import nn
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._checkpointing.blocks import LayerClasses, find_blocks, no_blocks_message
+from lightning_memkit._checkpointing.checkpointers import MUTATED_NOTE
 from lightning_memkit._checkpointing.compiled import plan_compiled
 from lightning_memkit._checkpointing.costs import BlockCosts, BlockProfiler, OpTimer, block_options
 from lightning_memkit._checkpointing.policies import (
     CHECKPOINT_MODES,
-    MUTATED_NOTE,
     BlockPlan,
     CheckpointHandle,
     CheckpointPlan,

@@ -12,9 +12,9 @@ the most memory saved:
 ``"full"``              only the block's inputs are kept; the whole forward is recomputed in backward.
 ======================  ====================================================================================
 
-Each mode is a small checkpointer class (its ``context`` is torch's checkpoint policy), all sharing one
-`apply_checkpointing(model, plan | mode)`, which replaces each
-chosen block's ``forward`` by an instance attribute that runs the class's forward under
+Each mode is a small checkpointer class (`_checkpointing.checkpointers`; its ``context`` is torch's
+checkpoint policy), all sharing one `apply_checkpointing(model, plan | mode)`, which replaces each chosen
+block's ``forward`` by an instance attribute that runs the class's forward under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``. Patching in place
 rather than wrapping keeps what the rest of training sees: parameters keep their identity, ``state_dict``
 keys do not change, and the optimizer, DDP and checkpoints see the same model. A block is never wrapped
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import warnings
 from collections import Counter
@@ -44,14 +43,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
-    CheckpointPolicy,
     checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
+from lightning_memkit._checkpointing.checkpointers import CHECKPOINTERS, checkpointer
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, CheckpointMode
 
 __all__ = [
@@ -65,121 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------------------------------
-# Policies
-# --------------------------------------------------------------------------------------------------
-
-_aten = torch.ops.aten
-
-
-def _ops(*names: str) -> frozenset:
-    """The default overloads of the named aten ops that this build of torch has."""
-    found = []
-    for name in names:
-        packet = getattr(_aten, name, None)
-        if packet is not None and hasattr(packet, "default"):
-            found.append(packet.default)
-    return frozenset(found)
-
-
-#: Matmul-class ops whose outputs selective checkpointing keeps (``linear`` decomposes into ``addmm``).
-#: ``bmm`` is left out on purpose: in eager attention it computes the (T, T) scores, which selective
-#: checkpointing exists to drop (the "attention core" of Korthikanti et al.).
-MATMUL_OPS = _ops("mm", "addmm", "_scaled_mm", "convolution", "_convolution")
-#: Fused attention kernels: their outputs (and log-sum-exp) are small and expensive to recompute.
-ATTENTION_OPS = _ops(
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-)
-
-
-#: What torch raises when selective checkpointing's cached output was changed in place afterwards.
-_MUTATED = "cached during selective activation checkpoint has been mutated"
-#: The reason a block that does so is given another mode.
-MUTATED_NOTE = (
-    "{mode} refused: an in-place op in the block (an activation with inplace=True, a +=) changes an "
-    "output that mode keeps, and torch's selective checkpointing cannot recompute from it; {instead} instead"
-)
-
-
-def mutates_cached_output(error: BaseException) -> bool:
-    """Whether ``error`` is torch's refusal of a selective plan whose kept output the block mutated."""
-    return isinstance(error, RuntimeError) and _MUTATED in str(error)
-
-
-class NoCheckpoint:
-    """The block as written."""
-
-    name = "none"
-    checkpoints = False
-
-    def context(self) -> Any:
-        raise AssertionError("NoCheckpoint runs no checkpoint")
-
-
-class FullCheckpoint:
-    """Keep only the block's inputs; recompute its whole forward in backward."""
-
-    name = "full"
-    checkpoints = True
-
-    def context(self) -> Any:
-        return noop_context_fn()
-
-
-class SelectiveCheckpoint:
-    """Keep the outputs of matmuls and fused attention; recompute the rest (pointwise, norms, softmax).
-
-    ``save_every=2`` keeps only every second matmul output (the first, third, ...), as torchtitan's
-    op-level policy does: the block's output projections are usually the ones recomputed, and the last
-    one of a block is never needed in backward at all (non-reentrant checkpointing stops recomputing
-    once it has what backward needs).
-    """
-
-    checkpoints = True
-
-    def __init__(self, save_every: int = 1) -> None:
-        self.save_every = save_every
-        self.name = "selective" if save_every == 1 else "selective_half"
-
-    def context(self) -> Any:
-        # A fresh count for every checkpointed call, one for its forward and one for its recompute: torch
-        # before 2.12 asks the policy again as it recomputes and takes the saved outputs of an op in order,
-        # so the recompute must keep the same matmuls as the forward did (one count running on would keep
-        # the k-projection's where the forward kept the q-projection's: a wrong shape, or wrong gradients
-        # where the two shapes are alike). Later torch remembers each op's answer and asks only forward.
-        matmuls = {False: itertools.count(), True: itertools.count()}
-
-        def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            if op in ATTENTION_OPS:
-                return CheckpointPolicy.MUST_SAVE
-            if op in MATMUL_OPS and next(matmuls[ctx.is_recompute]) % self.save_every == 0:
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy_fn)
-
-
-#: How each mode runs, by name.
-CHECKPOINTERS: dict[str, Any] = {
-    "none": NoCheckpoint(),
-    "selective": SelectiveCheckpoint(save_every=1),
-    "selective_half": SelectiveCheckpoint(save_every=2),
-    "full": FullCheckpoint(),
-}
-assert tuple(CHECKPOINTERS) == CHECKPOINT_MODES
-
-
-def checkpointer(mode: str) -> Any:
-    """The checkpointer of ``mode``, a `CheckpointMode` name."""
-    if mode not in CHECKPOINTERS:
-        raise ValueError(
-            f"Unknown checkpointing mode {mode!r}; choose one of {', '.join(map(repr, CHECKPOINTERS))}"
-        )
-    return CHECKPOINTERS[mode]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from lightning_memkit._estimating.lightning_step import (
     loss_of,
 )
 from lightning_memkit._measuring.storages import model_device
-from lightning_memkit._optimizers.swap import identify, lr_factor, rebind_scheduler, swap_optimizer
+from lightning_memkit._optimizers.schedulers import rebind_scheduler
+from lightning_memkit._optimizers.swap import identify, lr_factor, swap_optimizer
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 

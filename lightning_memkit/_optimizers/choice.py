@@ -37,6 +37,7 @@ from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
 from lightning_memkit._estimating.simulate import estimate_memory, estimate_step, sixteen_bit_weights
 from lightning_memkit._levers.fused_step import needs_closure
 from lightning_memkit._measuring.storages import allocation_rounding, model_device, rounded
+from lightning_memkit._optimizers.schedulers import rebind_scheduler
 from lightning_memkit._optimizers.swap import (
     CATALOGUE,
     COMPENSATED,
@@ -45,7 +46,6 @@ from lightning_memkit._optimizers.swap import (
     available_candidates,
     identify,
     lr_factor,
-    rebind_scheduler,
     swap_optimizer,
 )
 from lightning_memkit._step import Step

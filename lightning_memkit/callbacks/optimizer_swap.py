@@ -50,12 +50,12 @@ from lightning_memkit._optimizers.choice import (
     simulated_estimator,
     static_estimator,
 )
+from lightning_memkit._optimizers.schedulers import rebind_scheduler
 from lightning_memkit._optimizers.swap import (
     CATALOGUE,
     DEFAULT_CANDIDATES,
     identify,
     lr_factor,
-    rebind_scheduler,
     swap_optimizer,
     valid_candidates,
 )

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE, GPUS, Budget
 from lightning_memkit._checkpointing.blocks import find_blocks
-from lightning_memkit._diagnosis.oom import plan_code
+from lightning_memkit._diagnosis.plan_code import plan_code
 from lightning_memkit._estimating.adapters import adapter_summary
 from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_slice
