@@ -32,7 +32,11 @@ from lightning_memkit._sharding import layout as _layout
 from lightning_memkit._step import Sharding
 
 __all__ = [
+    "fake_batch",
+    "fake_parameters",
+    "sharded_copy",
     "simulated_layout",
+    "twinned",
 ]
 
 

@@ -26,6 +26,9 @@ from lightning_memkit._optimizers.swap import load_bitsandbytes
 
 __all__ = [
     "OptimizerLike",
+    "offloaded",
+    "optimizers_of",
+    "use_device_defaults",
 ]
 
 

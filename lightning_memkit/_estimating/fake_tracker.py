@@ -32,12 +32,16 @@ from lightning_memkit._measuring.storages import Storage, _iter_tensors, allocat
 from lightning_memkit._measuring.tracker import Tracker
 
 __all__ = [
+    "NOT_RECORDED",
+    "SIM_DEVICE",
+    "Placeholders",
     "TimelineEvent",
     "cublas_workspace_bytes",
+    "track",
 ]
 
 
-SIM_DEVICE = torch.device("cpu")  # where the fake tensors live; see the module docstring for why
+SIM_DEVICE = torch.device("cpu")  # where the fake tensors live; `_estimating.simulate` says why
 # Left out of the timeline: metadata queries (fake tensors answer ``.device`` through dispatch) and the
 # profiler's record_function markers. They allocate nothing.
 _UNTIMED = frozenset({"prim", "profiler"})

@@ -20,7 +20,10 @@ from lightning_memkit._vocabulary import PRECISIONS
 
 __all__ = [
     "PRECISION_DTYPES",
+    "converted",
+    "forward_fn",
     "sixteen_bit_weights",
+    "step_dtypes",
 ]
 
 
