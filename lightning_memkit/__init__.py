@@ -45,7 +45,8 @@ if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__`
     )
     from lightning_memkit._diagnosis.advise import Advice, Finding, advise
     from lightning_memkit._diagnosis.snapshot import memory_snapshot
-    from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
+    from lightning_memkit._estimating.fake_tracker import TimelineEvent
+    from lightning_memkit._estimating.simulate import estimate_memory
     from lightning_memkit._fitting.layouts import Layouts
     from lightning_memkit._fitting.limits import BatchLimit, largest_micro_batch
     from lightning_memkit._fitting.plan import Alternative, FitPlan, StepCost
@@ -166,7 +167,7 @@ _EXPORTS: dict[str, str] = {
     "CATALOGUE": "lightning_memkit._optimizers.swap",
     "swap_optimizer": "lightning_memkit._optimizers.swap",
     "ConfigureModel": "lightning_memkit._sharding.layout",
-    "TimelineEvent": "lightning_memkit._estimating.simulate",
+    "TimelineEvent": "lightning_memkit._estimating.fake_tracker",
     "estimate_memory": "lightning_memkit._estimating.simulate",
     "ActivationCheckpointing": "lightning_memkit.callbacks",
     "AutoFit": "lightning_memkit.callbacks",

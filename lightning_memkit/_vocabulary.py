@@ -1,7 +1,7 @@
 """The names the library's arguments accept, in a module that imports no torch.
 
-`lightning_memkit._checkpointing.policies`, `lightning_memkit._estimating.simulate` and
-`lightning_memkit._estimating.analytic` take
+`lightning_memkit._checkpointing.policies`, `lightning_memkit._estimating.precision`,
+`lightning_memkit._estimating.fake_step` and `lightning_memkit._estimating.analytic` take
 their names from here, and so does the ``memkit`` command's parser (`lightning_memkit.cli._parsers`),
 which answers ``--help`` and usage errors before torch is imported.
 """
@@ -51,7 +51,7 @@ def unbudgeted_mode(checkpointing: str | Sequence[str]) -> str:
     return "selective" if checkpointing == AUTO else allowed_modes(checkpointing)[-1]
 
 
-#: The Lightning precisions a step is simulated in (`lightning_memkit._estimating.simulate.PRECISION_DTYPES`'
+#: The Lightning precisions a step is simulated in (`lightning_memkit._estimating.precision.PRECISION_DTYPES`'
 #: keys).
 PRECISIONS: tuple[str, ...] = ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 #: The devices a step is planned for.

@@ -164,14 +164,15 @@ def test_the_parsers_names_are_the_librarys():
     """The names the parsers accept come from the torch-free modules the library itself reads."""
     from lightning_memkit._checkpointing import policies as _checkpointing
     from lightning_memkit._estimating import analytic as _analytic
-    from lightning_memkit._estimating import simulate as _simulate
+    from lightning_memkit._estimating import fake_step as _fake_step
+    from lightning_memkit._estimating import precision as _precision
     from lightning_memkit._fitting import search as _autofit
     from lightning_memkit.cli import _parsers, parser
     from lightning_memkit.demos import gpt
 
     assert _parsers.PRESETS == tuple(gpt.PRESETS) == tuple(_analytic.PRESETS)
-    assert tuple(_simulate.PRECISION_DTYPES) == _parsers.PRECISIONS
-    assert _simulate.DEVICES is _parsers.DEVICES
+    assert tuple(_precision.PRECISION_DTYPES) == _parsers.PRECISIONS
+    assert _fake_step.DEVICES is _parsers.DEVICES
     assert _checkpointing.CHECKPOINT_MODES is _parsers.CHECKPOINT_MODES
     assert set(_parsers.RELAXED_PRECISIONS) <= set(_parsers.PRECISIONS)
     # what the plan's relaxed attempts read from the parsed arguments: one flag per lever

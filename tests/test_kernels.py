@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_memkit import estimate_memory, measure
-from lightning_memkit._estimating.simulate import cublas_workspace_bytes
+from lightning_memkit._estimating.fake_tracker import cublas_workspace_bytes
 from lightning_memkit._measuring.kernels import _Worker, hides_memory
 from lightning_memkit.testing import allocator_peak
 

@@ -14,9 +14,10 @@ PACKAGE = REPO / "lightning_memkit"
 REACHES_BELOW = {
     ("_estimating.repeated", "_checkpointing.blocks"),
     ("_estimating.repeated", "_checkpointing.policies"),
-    ("_estimating.simulate", "_checkpointing.blocks"),
+    ("_estimating.fake_model", "_checkpointing.blocks"),
+    ("_estimating.fake_optimizers", "_optimizers.swap"),
+    ("_estimating.fake_step", "_checkpointing.policies"),
     ("_estimating.simulate", "_checkpointing.policies"),
-    ("_estimating.simulate", "_optimizers.swap"),
     ("_fitting.plan", "_diagnosis.report"),
 }
 

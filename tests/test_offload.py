@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import AutoFit, MemoryMonitor, OptimizerOffload, estimate_memory, offload_optimizer
-from lightning_memkit._estimating.simulate import cublas_workspace_bytes
+from lightning_memkit._estimating.fake_tracker import cublas_workspace_bytes
 from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 

@@ -15,12 +15,9 @@ from zoo import MODELS, ZooModule, zoo_batch
 from lightning_memkit import apply_checkpointing
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._estimating import repeated
-from lightning_memkit._estimating.simulate import (
-    counted_step,
-    cublas_workspace_bytes,
-    estimate_memory,
-    simulate_step,
-)
+from lightning_memkit._estimating.fake_step import simulate_step
+from lightning_memkit._estimating.fake_tracker import cublas_workspace_bytes
+from lightning_memkit._estimating.simulate import counted_step, estimate_memory
 from lightning_memkit._step import Step
 from lightning_memkit.demos.gpt import GPTLightningModule
 

@@ -303,7 +303,7 @@ def test_cublas_workspaces_follow_torchs_sizes(monkeypatch):
     """Two workspaces (the forward's thread and the autograd engine's), each as torch sizes it: the
     environment's ``:SIZE:COUNT`` pairs (KiB), else 32 MiB; counted in every CUDA estimate's temporaries,
     never on the CPU, and on a model built under ``torch.device("meta")`` too."""
-    from lightning_memkit._estimating.simulate import cublas_workspace_bytes
+    from lightning_memkit._estimating.fake_tracker import cublas_workspace_bytes
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
     assert cublas_workspace_bytes() == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)

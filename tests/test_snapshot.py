@@ -24,7 +24,7 @@ from zoo import ZooModule, zoo_batch
 from lightning_memkit import estimate_memory, memory_snapshot
 from lightning_memkit._breakdown import CATEGORIES
 from lightning_memkit._diagnosis.snapshot import write_snapshot
-from lightning_memkit._estimating.simulate import cublas_workspace_bytes
+from lightning_memkit._estimating.fake_tracker import cublas_workspace_bytes
 from lightning_memkit.testing import AllocatorPeaks
 
 #: The pickle opcodes MemoryViz.js's own unpickler reads (the web viewer throws on any other).

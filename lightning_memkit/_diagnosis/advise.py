@@ -45,8 +45,10 @@ from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit._checkpointing.policies import CheckpointPlan
 from lightning_memkit._diagnosis.report import render_table
+from lightning_memkit._estimating.fake_optimizers import OptimizerLike
+from lightning_memkit._estimating.fake_step import simulate_step
 from lightning_memkit._estimating.optimizer_state import BNB_MIN_8BIT_SIZE
-from lightning_memkit._estimating.simulate import OptimizerLike, estimate_step, simulate_step
+from lightning_memkit._estimating.simulate import estimate_step
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._measuring.storages import state_tensors, storage_bytes
 from lightning_memkit._optimizers.swap import bitsandbytes_installed, identify, own_optimizer

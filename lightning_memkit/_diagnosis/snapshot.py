@@ -44,8 +44,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_memkit._diagnosis.advise import Advice, advise_traced
+from lightning_memkit._estimating.fake_step import simulate_step
+from lightning_memkit._estimating.fake_tracker import _SimTracker
 from lightning_memkit._estimating.repeated import History
-from lightning_memkit._estimating.simulate import _SimTracker, simulate_step
 from lightning_memkit._estimating.trace import Tracer, module_hooks
 from lightning_memkit._measuring.storages import Storage, leaves
 from lightning_memkit._step import Step

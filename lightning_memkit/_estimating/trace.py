@@ -3,7 +3,7 @@
 `estimate_memory` only needs how many bytes of each category are live at the peak. To name the waste, the
 advisor also needs *what* is live there: the op and the module that created each storage, the phase it
 ran in, its dtype and shape, and which storages are the size of the logits. A `Tracer` handed to the
-simulation (`_estimating.simulate.simulate_step`) records that; it costs a few attribute writes per op and is
+simulation (`_estimating.fake_step.simulate_step`) records that; it costs a few attribute writes per op and is
 never on
 the path of `estimate_memory` or `MemoryMonitor`.
 """
@@ -34,7 +34,7 @@ class Origin(NamedTuple):
 
 
 class Tracer:
-    """Follows, on a `_estimating.simulate._SimTracker`, what creates each storage and how many bytes of
+    """Follows, on a `_estimating.fake_tracker._SimTracker`, what creates each storage and how many bytes of
     logits are live.
 
     Args:
@@ -140,7 +140,7 @@ class Tracer:
 
     def finish(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], tracker: Any) -> None:
         """Name the trainable parameters no optimizer steps, and those no gradient reached (``tracker``:
-        the `_estimating.simulate._SimTracker` that ran the step)."""
+        the `_estimating.fake_tracker._SimTracker` that ran the step)."""
         stepped = {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
         params = dict(model.named_parameters())  # a shared parameter once
         if not stepped & {id(p) for p in params.values()}:

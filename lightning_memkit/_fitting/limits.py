@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import Budget, parse_budget, whole_number
+from lightning_memkit._estimating.fake_optimizers import OptimizerLike
 from lightning_memkit._estimating.lightning_step import (
     SampleAxes,
     _per_sample,
@@ -31,7 +32,7 @@ from lightning_memkit._estimating.lightning_step import (
     repeat_rows,
 )
 from lightning_memkit._estimating.lightning_step import rows as rows_of
-from lightning_memkit._estimating.simulate import OptimizerLike, estimate_memory
+from lightning_memkit._estimating.simulate import estimate_memory
 from lightning_memkit._fitting.ranking import _largest_fitting
 
 __all__ = ["BatchLimit", "largest_fitting", "largest_micro_batch"]

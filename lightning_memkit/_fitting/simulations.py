@@ -23,7 +23,8 @@ from lightning_memkit._checkpointing.policies import CheckpointPlan, apply_plan,
 from lightning_memkit._estimating.analytic import model_static, shard
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.lightning_step import SampleAxes, batch_size, batch_slice, default_axes
-from lightning_memkit._estimating.simulate import counted_step, estimate_step, sixteen_bit_weights
+from lightning_memkit._estimating.precision import sixteen_bit_weights
+from lightning_memkit._estimating.simulate import counted_step, estimate_step
 from lightning_memkit._fitting.plan import StepCost, flops_cost, measured_cost
 from lightning_memkit._fitting.space import SearchSpace
 from lightning_memkit._measuring.storages import model_device

@@ -27,7 +27,7 @@ from lightning_memkit._estimating.lightning_step import (
     is_lightning,
     without_parameters,
 )
-from lightning_memkit._estimating.simulate import sixteen_bit_weights
+from lightning_memkit._estimating.precision import sixteen_bit_weights
 from lightning_memkit._fitting.plan import StepCost
 from lightning_memkit._optimizers.swap import (
     CATALOGUE,

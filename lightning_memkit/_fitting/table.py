@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._estimating.analytic import model_static
-from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit._estimating.precision import sixteen_bit_weights
+from lightning_memkit._estimating.simulate import estimate_memory
 from lightning_memkit._fitting.limits import MAX_MICRO_BATCH, largest_fitting
 from lightning_memkit._optimizers.swap import COMPENSATED
 

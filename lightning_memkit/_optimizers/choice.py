@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._budget import Budget, parse_budget
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS
-from lightning_memkit._estimating.simulate import estimate_memory, estimate_step, sixteen_bit_weights
+from lightning_memkit._estimating.precision import sixteen_bit_weights
+from lightning_memkit._estimating.simulate import estimate_memory, estimate_step
 from lightning_memkit._levers.fused_step import needs_closure
 from lightning_memkit._measuring.storages import allocation_rounding, model_device, rounded
 from lightning_memkit._optimizers.schedulers import rebind_scheduler

@@ -121,7 +121,7 @@ def planned_layout(module: nn.Module, layout: Sharding | None) -> Layout | None:
     """The layout a plan made now simulates for ``module`` (``layout`` applied to a copy of it:
     `simulated_layout`), to hold the run's own to once configure_model has run (`hold_layout`); ``None``
     without a layout, or for a module already laid out (nothing to compare later)."""
-    from lightning_memkit._estimating.simulate import simulated_layout
+    from lightning_memkit._estimating.fake_model import simulated_layout
 
     return None if layout is None or layout_of(module) else simulated_layout(module, layout)
 

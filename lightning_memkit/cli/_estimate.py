@@ -34,7 +34,8 @@ from lightning_memkit._estimating.analytic import (
     model_static,
     shard,
 )
-from lightning_memkit._estimating.simulate import TimelineEvent, estimate_memory
+from lightning_memkit._estimating.fake_tracker import TimelineEvent
+from lightning_memkit._estimating.simulate import estimate_memory
 from lightning_memkit.cli._args import layout_keywords, layout_words
 from lightning_memkit.cli._models import (
     analytic_precision,

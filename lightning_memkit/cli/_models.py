@@ -52,7 +52,7 @@ from torch import nn
 from lightning_memkit._estimating.adapters import AdapterSetup, adapter_code, apply_adapters
 from lightning_memkit._estimating.analytic import TransformerShape, count_parameters
 from lightning_memkit._estimating.lightning_step import lightning_stand_ins, optimizers_from
-from lightning_memkit._estimating.simulate import PRECISION_DTYPES
+from lightning_memkit._estimating.precision import PRECISION_DTYPES
 from lightning_memkit._optimizers.swap import identify
 from lightning_memkit.cli._args import UsageError, check_tokens, usage_error
 from lightning_memkit.cli._hf import HF_PREFIX, hf_from_config

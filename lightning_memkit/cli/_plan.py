@@ -24,7 +24,8 @@ from lightning_memkit._diagnosis.plan_code import plan_code
 from lightning_memkit._estimating.adapters import adapter_summary
 from lightning_memkit._estimating.analytic import STRATEGIES, model_static, shard
 from lightning_memkit._estimating.lightning_step import batch_slice
-from lightning_memkit._estimating.simulate import estimate_memory, sixteen_bit_weights
+from lightning_memkit._estimating.precision import sixteen_bit_weights
+from lightning_memkit._estimating.simulate import estimate_memory
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.refusal import LOWER_PRECISION_HINT
 from lightning_memkit._fitting.search import LEVER_CALLBACKS, plan_fit, static_floor

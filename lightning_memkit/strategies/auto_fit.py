@@ -72,7 +72,7 @@ from typing_extensions import override
 
 from lightning_memkit._budget import Budget, flag, reads_device, whole_number
 from lightning_memkit._checkpointing.blocks import find_blocks
-from lightning_memkit._estimating.simulate import simulated_layout
+from lightning_memkit._estimating.fake_model import simulated_layout
 from lightning_memkit._fitting.layouts import Layouts
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.resume import stale
