@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import lightning_memkit
 from lightning_memkit import AutoFit, FitPlan, advise, format_bytes, parse_budget, plan_fit
 from lightning_memkit._diagnosis import oom
-from lightning_memkit._diagnosis.advise import _chunked_loss
+from lightning_memkit._diagnosis.loss_code import chunked_loss_code
 from lightning_memkit._diagnosis.plan_code import plan_code
 from lightning_memkit._fitting import simulations
 from lightning_memkit._fitting.plan import StepCost
@@ -136,11 +136,11 @@ def _advised_loss(module: _CausalLM, fix: str, batch: dict) -> torch.Tensor:
 
 
 def test_the_chunked_loss_fix_is_the_models_own_loss():
-    """The logits finding's fix for a Hugging Face causal LM (`_chunked_loss`), executed as written,
+    """The logits finding's fix for a Hugging Face causal LM (`chunked_loss_code`), executed as written,
     computes the loss the model computes: labels shifted as the model shifts them, the head from
     ``get_output_embeddings()``. Followed literally it trained another objective (the unshifted labels)."""
     module, batch = _CausalLM(), _batch()
-    fix = _chunked_loss(module, "model.lm_head")
+    fix = chunked_loss_code(module, "model.lm_head")
     assert "self.model.get_output_embeddings()" in fix and "LlamaForCausalLM shifts them" in fix
     loss = _advised_loss(module, fix, batch)
     torch.testing.assert_close(loss, module.model(**batch).loss)
@@ -156,7 +156,7 @@ def test_no_chunked_loss_is_written_for_a_model_that_soft_caps_its_logits():
     config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
     assert config.final_logit_softcapping is not None  # Gemma 2's default
-    fix = _chunked_loss(Gemma2ForCausalLM(config), "lm_head")
+    fix = chunked_loss_code(Gemma2ForCausalLM(config), "lm_head")
     assert "chunked_cross_entropy(" not in fix
     assert f"final_logit_softcapping={config.final_logit_softcapping}" in fix and "another objective" in fix
 

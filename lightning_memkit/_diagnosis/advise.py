@@ -30,20 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_memkit._breakdown import MemoryBreakdown, format_bytes
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.planner import CheckpointPlanner
 from lightning_memkit._checkpointing.policies import CheckpointPlan
+from lightning_memkit._diagnosis.loss_code import LOSS_CHUNKS, chunked_loss_code
 from lightning_memkit._diagnosis.report import render_table
 from lightning_memkit._estimating.fake_optimizers import OptimizerLike
 from lightning_memkit._estimating.fake_step import simulate_step
@@ -56,8 +55,6 @@ from lightning_memkit._step import Step
 
 __all__ = ["Advice", "Finding", "advise"]
 
-#: Slices of the tokens the chunked loss is priced at.
-LOSS_CHUNKS = 8
 #: A caching allocator holding this share of its reserve beyond the peak is called fragmented.
 FRAGMENTED = 0.05
 
@@ -444,54 +441,10 @@ def _logits(model: nn.Module, peak_live: list[Any], tracer: Tracer, peak: int) -
             "float32)",
             saved,
             f"compute the loss over {LOSS_CHUNKS} slices of the tokens, each slice's logits recomputed in "
-            f"backward{_chunked_loss(model, tracer.head)} (one more head matmul per token); or a smaller "
+            f"backward{chunked_loss_code(model, tracer.head)} (one more head matmul per token); or a smaller "
             "micro-batch",
         )
     ]
-
-
-def _chunked_loss(model: nn.Module, head: str | None) -> str:
-    """The chunked loss as code: for a Hugging Face causal LM (``model`` or one of its modules) the loss it
-    computes itself, its labels shifted as it shifts them (position t predicts token t + 1), the head named
-    by ``get_output_embeddings()``; for another model ``head`` over the last hidden states and targets."""
-    found = _causal_lm(model)
-    if found is None:
-        return (
-            f": loss = lightning_memkit.chunked_cross_entropy(hidden, {head}, targets, chunks={LOSS_CHUNKS}) "
-            "from the last hidden states"
-        )
-    path, lm = found
-    transformed = {
-        name: value
-        for name in ("final_logit_softcapping", "logit_scale")  # Gemma 2/3's soft-cap, Cohere's scale
-        if (value := getattr(getattr(lm, "config", None), name, None)) not in (None, 1, 1.0)
-    }
-    if transformed:  # chunked_cross_entropy takes the head's plain logits: another objective
-        said = ", ".join(f"{name}={value}" for name, value in transformed.items())
-        return (
-            f" (not written here for {type(lm).__name__}: its loss transforms the head's logits first "
-            f"({said}), which chunked_cross_entropy does not, so it would train another objective)"
-        )
-    owner = ("self" if isinstance(model, LightningModule) else "model") + (f".{path}" if path else "")
-    return (
-        f", from the last hidden states, the labels shifted as {type(lm).__name__} shifts them (position t "
-        f'predicts token t + 1): inputs = {{k: v for k, v in batch.items() if k != "labels"}}; '
-        f"hidden = {owner}.base_model(**inputs).last_hidden_state; "
-        f"loss = lightning_memkit.chunked_cross_entropy(hidden[:, :-1], {owner}.get_output_embeddings(), "
-        f'batch["labels"][:, 1:], chunks={LOSS_CHUNKS})'
-    )
-
-
-def _causal_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The name and module of the first Hugging Face causal language model in ``model`` (its class one
-    transformers maps as ``AutoModelForCausalLM``), which computes its loss from shifted labels."""
-    if "transformers" not in sys.modules:  # no Hugging Face model without it imported
-        return None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-    causal = {n for v in names for n in ((v,) if isinstance(v, str) else v)}
-    return next(((name, m) for name, m in model.named_modules() if type(m).__name__ in causal), None)
 
 
 def _activations(
