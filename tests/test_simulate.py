@@ -6,7 +6,6 @@ reads the peak from torch.profiler's memory timeline (`allocator_peak`): the iss
 
 import functools
 import math
-import time
 
 import lightning.pytorch as pl
 import pytest
@@ -192,9 +191,7 @@ def test_meta_device_model_is_planned_without_allocating():
     box = {}
 
     def run():
-        start = time.perf_counter()
         box["estimate"] = estimate_memory(module, (x, x), device="cpu")
-        box["seconds"] = time.perf_counter() - start
 
     # Every real CPU allocation the estimate makes. Python stacks are left out of this profile: recording
     # them through the fake tensors' Python dispatch would take minutes, and allocations need none.
@@ -205,7 +202,6 @@ def test_meta_device_model_is_planned_without_allocating():
     assert estimate.parameters == 4 * n_params  # 53,561,088 fp32 parameters: 214 MB, never allocated
     assert estimate.optimizer_state == adamw_state_bytes([tuple(p.shape) for p in module.parameters()])
     assert allocated < 32 * 2**20, allocated
-    assert box["seconds"] < 20
     assert all(p.is_meta for p in module.parameters())
 
 
