@@ -136,8 +136,7 @@ class _SimTracker(Tracker):
         super().__init__(SIM_DEVICE)
         self.rounding = allocation_rounding(target)
         # Checkpointing's RNG states are real CPU tensors, and CPU kernels' own buffers
-        # (`_measuring.kernels`) are
-        # the CPU's: device memory only when the target is the CPU.
+        # (`_measuring.kernels`) are the CPU's: device memory only when the target is the CPU.
         self.counts_rng_states = self.counts_cpu_kernels = target.type == "cpu"
         self.shadows = shadows  # the real values the batch gives (see _shadow)
         self.phase = "forward"

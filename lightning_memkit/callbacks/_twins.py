@@ -28,7 +28,6 @@ from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._diagnosis.oom import PHASES
 from lightning_memkit._measuring.measurement import MemoryMeasurement, measure
 from lightning_memkit._measuring.storages import leaves, optimizer_tensors, storage_bytes
-from lightning_memkit._sharding.fsdp2 import is_sharded
 from lightning_memkit._sharding.layout import layout_of
 from lightning_memkit.callbacks._trainer import accumulating_now
 
@@ -96,7 +95,8 @@ class Twins:
         every = self.remeasure_every_n_steps
         due = every and self._since_measured + 1 >= every
         if self._alike is None:
-            self._alike = not (device.type == "cpu" and (is_sharded(pl_module) or layout_of(pl_module)))
+            # FSDP2's shards are DTensors too: the layout names both
+            self._alike = not (device.type == "cpu" and layout_of(pl_module))
         return (
             self.signature is None or self.signature not in self._breakdowns or bool(due) or not self._alike
         )
