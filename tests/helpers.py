@@ -4,8 +4,11 @@ GPT example with its data and a batch, ``memkit`` run in-process, and a plain st
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -81,14 +84,22 @@ def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 
     rank's CPU seconds, whether it computed in its last seconds, and the machine's load. The ranks share an
     empty inductor cache, as on a fresh machine: what they compile, they compile in the step."""
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        logs = Path(cache) / "stderr"
+        logs.mkdir()
         with mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache):  # the spawned ranks inherit it
             ranks = torch.multiprocessing.start_processes(
-                rank_fn, args, nprocs=world, join=False, start_method="spawn"
+                _logged_rank, (logs, rank_fn, *args), nprocs=world, join=False, start_method="spawn"
             )
         start = time.monotonic()
         deadline, hard = start + timeout_s, start + 3 * timeout_s
         cpu = _cpu_seconds(ranks.processes)
-        while not ranks.join(timeout=10):
+        while True:
+            try:
+                if ranks.join(timeout=10):
+                    return
+            except torch.multiprocessing.ProcessExitedException as error:  # killed: no Python traceback
+                log = _tail(logs / f"{error.error_index}.txt")
+                raise AssertionError(f"{error}; its last output:\n{log}") from error
             now = time.monotonic()
             before, cpu = cpu, _cpu_seconds(ranks.processes)
             computing = any(after - was > 0.5 for after, was in zip(cpu, before, strict=True))
@@ -96,6 +107,24 @@ def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 
                 for process in ranks.processes:
                     process.kill()
                 raise TimeoutError(_unfinished(world, what, now - start, cpu, computing))
+
+
+def _logged_rank(rank: int, logs: Path, rank_fn, *args) -> None:
+    """``rank_fn(rank, *args)`` with the rank's standard error also written to ``logs/<rank>.txt``, and
+    Python's stacks dumped there if the process is killed by a signal (an abort in C++ says nothing else)."""
+    tee = subprocess.Popen(["tee", str(logs / f"{rank}.txt")], stdin=subprocess.PIPE, stdout=2)
+    os.dup2(tee.stdin.fileno(), 2)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    rank_fn(rank, *args)
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` lines of a rank's log, or why there is none."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as error:
+        return f"(no log: {error})"
 
 
 def _cpu_seconds(processes) -> list[float]:
