@@ -33,6 +33,11 @@ from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import allocator_peak, build_counting_allocator, counting_allocator
 
 B, T = 8, 64
+#: How long a spawned rank's collective waits for its peers: longer than `spawn_ranks` lets ranks run, so
+#: that the runner, which tells a hang from a loaded machine by the ranks' CPU time, decides, not gloo's
+#: timer. At 3 minutes, a rank left alone (rank 0 profiling on its own; a peer descheduled among eight
+#: processes on two cores) timed out, went on to its next run and met its peer's collectives out of order.
+COLLECTIVE_TIMEOUT = timedelta(minutes=40)
 
 
 def trainer_arguments(tmp_path, max_steps=4, **overrides) -> dict:
@@ -172,9 +177,8 @@ def counted_rank(out: Path, rank: int, world: int):
     counter = counting_allocator()
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world,
-        timeout=timedelta(minutes=3),
-    )  # fmt: skip
+        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
     return counter
 
 

@@ -14,14 +14,13 @@ import subprocess
 import sys
 import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import test_fsdp as fsdp_test
 import torch.distributed
-from helpers import spawn_ranks
+from helpers import COLLECTIVE_TIMEOUT, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
@@ -231,7 +230,7 @@ def _rank(rank: int, out: Path) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD,
-        timeout=timedelta(minutes=3),
+        timeout=COLLECTIVE_TIMEOUT,
     )  # fmt: skip
     for name, run in RUNS.items():
         try:

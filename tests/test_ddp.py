@@ -15,14 +15,13 @@ import re
 import statistics
 import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch.distributed
 from conftest import EncoderLM
-from helpers import spawn_ranks
+from helpers import COLLECTIVE_TIMEOUT, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn.parallel import DistributedDataParallel
 
@@ -304,7 +303,7 @@ def _rank(rank: int, out: Path) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # Lightning then launches no processes itself
     torch.set_num_threads(1)  # one core per rank, as ddp_spawn sets it
     torch.distributed.init_process_group(  # a file, not a port another test could take
-        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2, timeout=timedelta(minutes=3)
+        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT
     )  # Lightning's DDP strategy finds the group initialized and uses it
     for name, scenario in SCENARIOS.items():
         try:

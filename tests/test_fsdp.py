@@ -21,14 +21,13 @@ import json
 import os
 import traceback
 import warnings
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch.distributed
-from helpers import spawn_ranks
+from helpers import COLLECTIVE_TIMEOUT, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_ddp import needs_distributed
@@ -228,7 +227,7 @@ def _rank(rank: int, out: Path, world: int) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world,
-        timeout=timedelta(minutes=3),
+        timeout=COLLECTIVE_TIMEOUT,
     )  # fmt: skip
     runs = [(name, partial(_scenario, config=config)) for name, config in SCENARIOS.items()]
     runs += [("unwatched", partial(_scenario, config={}, watched=False)), ("mixed", _mixed), ("oom", _oom)]

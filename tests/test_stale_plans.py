@@ -9,12 +9,11 @@ AutoFitStrategy's resumes, on gloo ranks, are in test_autofit_strategy.
 
 import copy
 import os
-from datetime import timedelta
 
 import lightning as L
 import pytest
 import torch
-from helpers import spawn_ranks
+from helpers import COLLECTIVE_TIMEOUT, spawn_ranks
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from models import BlockNet, MLPModule
 from test_ddp import needs_distributed
@@ -188,7 +187,7 @@ def _ddp_rank(rank: int, out) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # Lightning then launches no processes itself
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2, timeout=timedelta(minutes=3)
+        "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT
     )  # fmt: skip
     trainer = L.Trainer(
         default_root_dir=out, max_steps=STEPS, accelerator="cpu", devices=2, strategy="ddp",
