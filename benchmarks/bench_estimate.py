@@ -47,10 +47,11 @@ def main() -> int:
     x = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")  # (B, T) token ids
 
     start = time.perf_counter()
-    breakdown, timeline = estimate_memory(
+    breakdown = estimate_memory(
         module, (x, x), optimizer=args.optimizer, precision=args.precision, device=args.device,
-        return_timeline=True,
+        timeline=True,
     )  # fmt: skip
+    timeline = breakdown.timeline
     seconds = time.perf_counter() - start
     analytic = estimate_analytic(
         TransformerShape.from_config(module.config), args.batch_size, args.seq_len,

@@ -4,7 +4,8 @@ Public surface (everything else lives in private modules):
 
 - `MemoryBreakdown`: a step's peak memory by category, in bytes; `measure`: measure one training step
   of any model and optimizer; `estimate_memory`: the same breakdown for a step simulated on fake tensors,
-  before any memory is spent.
+  before any memory is spent. `Step` (with `Sharding`): how a step runs, as one value the estimating,
+  advising and fitting functions take as ``step=``.
 - Callbacks: `MemoryMonitor` (log every step's breakdown), `ActivationCheckpointing` (the cheapest
   checkpointing plan that fits a budget), `OptimizerSwap` (the best optimizer that fits), `AutoFit`
   (micro-batch, accumulation, checkpointing and optimizer for a GPU size), `GradientRelease` (free the
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # what type checkers and docs read; at run time `__getattr__`
     from lightning_memkit._optimizers.choice import OptimizerChoice, fit_optimizer
     from lightning_memkit._optimizers.swap import CATALOGUE, swap_optimizer
     from lightning_memkit._sharding.layout import ConfigureModel
+    from lightning_memkit._step import Sharding, Step
     from lightning_memkit.callbacks import (
         ActivationCheckpointing,
         AutoFit,
@@ -102,6 +104,8 @@ __all__ = [
     "OptimizerChoice",
     "OptimizerOffload",
     "OptimizerSwap",
+    "Sharding",
+    "Step",
     "StepCost",
     "TimelineEvent",
     "__version__",
@@ -167,6 +171,8 @@ _EXPORTS: dict[str, str] = {
     "CATALOGUE": "lightning_memkit._optimizers.swap",
     "swap_optimizer": "lightning_memkit._optimizers.swap",
     "ConfigureModel": "lightning_memkit._sharding.layout",
+    "Sharding": "lightning_memkit._step",
+    "Step": "lightning_memkit._step",
     "TimelineEvent": "lightning_memkit._estimating.fake_tracker",
     "estimate_memory": "lightning_memkit._estimating.simulate",
     "ActivationCheckpointing": "lightning_memkit.callbacks",

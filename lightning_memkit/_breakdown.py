@@ -8,7 +8,11 @@ activation memory counted?" has a single answer: here, with the same five fields
 from __future__ import annotations
 
 import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotation only: the simulated step's events are the estimator's
+    from lightning_memkit._estimating.fake_tracker import TimelineEvent
 
 MiB = 2**20
 GiB = 2**30
@@ -36,7 +40,8 @@ def format_bytes(n: int | float) -> str:
 class MemoryBreakdown:
     """Bytes live at the peak of one training step, split into the four consumers plus the rest.
 
-    All fields are integers in bytes.
+    The five categories are integers in bytes; the optional ``timeline`` is not a category and takes no
+    part in equality, ``repr`` or `as_dict`.
 
     Attributes:
         parameters: the model's parameters and buffers (storages shared by ties/views counted once), a
@@ -47,6 +52,8 @@ class MemoryBreakdown:
         activations: tensors saved for backward by autograd that are none of the above.
         temporary: everything else live at the peak: workspaces, the batch, logits/loss copies,
             gradient buffers not yet accumulated, optimizer temporaries, autocast weight copies.
+        timeline: the simulated step op by op (`TimelineEvent`), from ``estimate_memory(...,
+            timeline=True)``; ``None`` otherwise.
     """
 
     parameters: int = 0
@@ -54,15 +61,16 @@ class MemoryBreakdown:
     optimizer_state: int = 0
     activations: int = 0
     temporary: int = 0
+    timeline: list[TimelineEvent] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in CATEGORIES:
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"MemoryBreakdown.{f.name} must be an int number of bytes, got {value!r}")
+                raise TypeError(f"MemoryBreakdown.{name} must be an int number of bytes, got {value!r}")
             if value < 0:
                 raise ValueError(
-                    f"MemoryBreakdown.{f.name} must be a number of bytes, at least 0; got {value} (what is "
+                    f"MemoryBreakdown.{name} must be a number of bytes, at least 0; got {value} (what is "
                     "live at a peak is never less than nothing)"
                 )
 
@@ -78,7 +86,7 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict[str, int]:
         """The five categories and ``peak``, in bytes."""
-        return {**asdict(self), "peak": self.peak}
+        return {**{name: getattr(self, name) for name in CATEGORIES}, "peak": self.peak}
 
     def in_words(self) -> str:
         """The five categories in a sentence: ``"parameters 1.00 MiB, gradients ..., temporary 12 KiB"``."""

@@ -3,8 +3,9 @@
 A step's memory depends on how it runs: its precision, the checkpointing of its blocks, whether it is the
 last micro-batch of an accumulation cycle, the lever that changes the optimizer step (gradients released,
 the step fused into backward, the optimizer offloaded: at most one) and, past one device, how the model
-is sharded. `Step` holds those; `estimate_memory` takes them as keywords and builds one, the planners
-make one per candidate (`dataclasses.replace`), and the callbacks read one from the Trainer
+is sharded. `Step` holds those, and `estimate_memory`, `advise` and `fit_optimizer` take one as ``step=``
+beside their short keywords for the common cases (`Step.split`: one or the other); the planners make one
+per candidate (`dataclasses.replace`), and the callbacks read one from the Trainer
 (`lightning_memkit.callbacks._trainer.trainer_step`). Checking them is done once, here, not in each
 signature that passes them on.
 """
@@ -29,18 +30,19 @@ LEVERS: tuple[str, ...] = get_args(Lever)
 
 @dataclass(frozen=True)
 class Sharding:
-    """One rank of a model sharded over ``world_size`` ranks: FSDP2 (``fully_shard``), with tensor
-    parallelism and HSDP's replicas where the layout has them.
+    """How a `Step` is sharded: one rank of a model sharded over ``world_size`` ranks with FSDP2
+    (``fully_shard``), with tensor parallelism and HSDP's replicas where the layout has them.
 
     The default layout is the one Lightning documents: ``fully_shard`` on each repeated block, then on the
     root, over every rank; with ``replicate_size``, HSDP (``fully_shard`` over a (replicate, shard) mesh);
     with ``tensor_parallel_size``, each block's projections split first (`_sharding.parallel.tp_plan`).
     A ``parallelize_fn`` replaces it: the layout is then whatever that function does, run on the simulated
     copy of the model with a fake ``DeviceMesh`` named ``("data_parallel", "tensor_parallel")``, as
-    Lightning's ``ModelParallelStrategy`` hands ``self.device_mesh`` to ``configure_model``.
+    Lightning's ``ModelParallelStrategy`` hands ``self.device_mesh`` to ``configure_model``. The fields are
+    checked when it is made (`ValueError` / `TypeError` naming the field).
 
     Attributes:
-        world_size: the ranks the model is sharded over, all of them.
+        world_size: the number of ranks (processes, one GPU each) the model is sharded over, all of them.
         reshard_after_forward: ``fully_shard``'s own: ``False`` keeps each unit's parameters gathered from
             its forward to its backward.
         mp_policy: ``fully_shard``'s ``MixedPrecisionPolicy``, or ``None``.
@@ -49,6 +51,11 @@ class Sharding:
         replicate_size: HSDP's replicas of the default layout: each rank shards over
             ``data_parallel_size // replicate_size`` ranks.
         parallelize_fn: ``fn(model, device_mesh)`` that applies the layout (Fabric's word), or ``None``.
+
+    Example::
+
+        Sharding(world_size=8)  # FSDP2 over 8 ranks, Lightning's documented layout
+        Sharding(world_size=8, tensor_parallel_size=2)  # TP 2 x FSDP2 4
     """
 
     world_size: int = 1
@@ -119,21 +126,32 @@ class Sharding:
 
 @dataclass(frozen=True)
 class Step:
-    """How one training step runs, as far as its memory goes.
+    """How one training step runs, as far as its memory goes: what `estimate_memory`, `advise` and
+    `fit_optimizer` take as ``step=`` (the same as their keywords ``precision=``, ``checkpointing=``, ...;
+    `Step.of` makes one from those keywords). Frozen and checked when made; `but` changes fields.
 
     Attributes:
-        precision: a Lightning precision string (``"32-true"``, ``"bf16-mixed"``, ...).
+        precision: a Lightning precision string (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
+            ``"16-true"``, ``"bf16-true"``, ``"64-true"``).
         checkpointing: ``None`` (the blocks as written), a `CheckpointMode` for every block, or a
             `CheckpointPlan` / ``{module name: mode}`` mapping.
         accumulating: the last micro-batch of a gradient accumulation cycle (its backward adds to
             gradients already there), the cycle's highest.
         first_step: the first step, before the optimizer has state (else the steady state).
-        lever: what changes the optimizer step (`Lever`), or ``None``.
-        sharding: one rank's FSDP2 layout (`Sharding`), or ``None`` for one device.
+        lever: what changes the optimizer step, or ``None``: ``"release_gradients"`` (`GradientRelease`),
+            ``"fused_step"`` (`FusedOptimizerStep`) or ``"offload"`` (`OptimizerOffload`).
+        sharding: one rank's FSDP2 layout (`Sharding`), or ``None`` for one device. Figures for a sharded
+            step are one rank's, in bytes like all of them.
         compile_budget: for a model with compiled modules, torch.compile's
             ``activation_memory_budget`` (the share of the activations its partitioner keeps, 0 to 1);
             ``None``: as configured (``torch._functorch.config``, 1.0 by default). Below the configured
             budget the simulated peak is a lower bound (`estimate_memory`).
+
+    Example::
+
+        step = Step(precision="bf16-mixed", checkpointing="full", sharding=Sharding(world_size=8))
+        estimate_memory(model, batch, step=step)  # one rank's step: as precision=..., strategy="fsdp2", ...
+        estimate_memory(model, batch, step=step.but(lever="release_gradients"))
     """
 
     precision: str = "32-true"
@@ -226,14 +244,20 @@ class Step:
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple[Step, dict[str, Any]]:
         """``kwargs`` in `estimate_memory`'s form as a `Step` and the rest (``optimizer``, ``loss_fn``,
-        ``device``, ...); a ``step=`` among them is taken as it is, with no step keyword beside it."""
+        ``device``, ...): the public functions' one way to read their step. A ``step=`` among them is taken
+        as it is; a step keyword beside it that is not at its default is a `TypeError` naming it (a
+        signature's defaults cannot say whether they were written out, so those pass)."""
         rest = {k: v for k, v in kwargs.items() if k not in _KEYWORDS}
         given = {k: v for k, v in kwargs.items() if k in _KEYWORDS}
         step = rest.pop("step", None)
         if step is None:
             return cls.of(**given), rest
-        if given:
-            raise TypeError(f"give step= or {', '.join(given)}, not both")
+        beside = [k for k, v in given.items() if not (v is _DEFAULTS[k] or v == _DEFAULTS[k])]
+        if beside:
+            raise TypeError(
+                f"give step= or {', '.join(beside)}, not both: the Step holds them (change one with "
+                "step.but(...))"
+            )
         if not isinstance(step, Step):
             raise TypeError(f"step= must be a Step; got {step!r} ({type(step).__name__})")
         return step, rest
@@ -281,5 +305,6 @@ class Step:
 
 #: The layout fields of `Sharding` `Step.keywords` leaves out at their defaults.
 _LAYOUT_DEFAULTS = {"tensor_parallel_size": 1, "replicate_size": 1, "parallelize_fn": None}
-#: `Step.of`'s keywords, as `estimate_memory` takes them.
-_KEYWORDS = frozenset(inspect.signature(Step.of).parameters)
+#: `Step.of`'s keywords, as `estimate_memory` takes them, and their defaults.
+_DEFAULTS = {name: p.default for name, p in inspect.signature(Step.of).parameters.items()}
+_KEYWORDS = frozenset(_DEFAULTS)

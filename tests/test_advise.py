@@ -23,6 +23,7 @@ from lightning_memkit import (
     ActivationCheckpointing,
     GradientRelease,
     MemoryMonitor,
+    Step,
     advise,
     chunked_cross_entropy,
 )
@@ -223,6 +224,16 @@ def test_fragmentation_is_read_from_the_allocator_statistics():
     assert "expandable_segments:True" in finding.fix
     tidy = {**stats, "reserved_bytes.all.peak": (7 << 30) + (1 << 20), "num_alloc_retries": 0}
     assert "fragmentation" not in advise(model, batch, memory_stats=tidy, **kwargs)
+
+
+def test_the_step_as_one_value_advises_as_its_keywords():
+    model, batch = _tiny_lm()
+    kwargs = dict(optimizer="adamw", loss_fn=lm_loss, device="cpu")
+    given = advise(model, batch, precision="bf16-mixed", accumulating=True, **kwargs)
+    stepped = advise(model, batch, step=Step(precision="bf16-mixed", accumulating=True), **kwargs)
+    assert stepped.as_dict() == given.as_dict()
+    with pytest.raises(TypeError, match="give step= or precision, not both"):
+        advise(model, batch, step=Step(), precision="bf16-mixed", **kwargs)
 
 
 def test_chunked_cross_entropy_is_the_cross_entropy():

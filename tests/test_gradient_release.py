@@ -92,10 +92,9 @@ def test_the_saving_is_the_gradients_unless_the_backward_peaks_higher():
     peak is then that or the backward's, whichever is higher. In the GPT example at 8 x 64 the backward's
     first ops (the loss's gradient over the logits) rise above it: 85 % of the gradients are saved."""
     module, _, batch = _gpt()
-    with_grads, timeline = estimate_memory(module, batch, device="cpu", return_timeline=True)
-    released, released_timeline = estimate_memory(
-        module, batch, device="cpu", release_gradients=True, return_timeline=True
-    )
+    with_grads = estimate_memory(module, batch, device="cpu", timeline=True)
+    released = estimate_memory(module, batch, device="cpu", release_gradients=True, timeline=True)
+    timeline, released_timeline = with_grads.timeline, released.timeline
     peak = max(timeline, key=lambda e: e.live)
     assert peak.phase == "forward" and with_grads.gradients > 0  # Lightning's order: last step's grads
     at = max(released_timeline, key=lambda e: e.live)

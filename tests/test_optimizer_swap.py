@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_memkit import (
     CATALOGUE,
     OptimizerSwap,
+    Sharding,
+    Step,
     estimate_memory,
     fit_optimizer,
     format_bytes,
@@ -256,6 +258,26 @@ def test_fit_optimizer_keeps_what_fits_and_picks_the_first_that_does():
     assert decay["lr"] == 1.5e-3 and decay["initial_lr"] == 3e-3  # warmup's first step: half the peak
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert "AdamW -> adamw8bit" in choice.summary()
+
+
+def test_fit_optimizer_takes_the_step_as_one_value():
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
+    keywords = dict(precision="bf16-mixed", accumulating=True, release_gradients=True)
+    given = fit_optimizer(model, optimizer, "1GiB", batch=_batch(), device="cpu", **keywords)
+    step = Step.of(**keywords)
+    stepped = fit_optimizer(model, optimizer, "1GiB", batch=_batch(), device="cpu", step=step)
+    assert (stepped.breakdown, stepped.tried) == (given.breakdown, given.tried)
+    static = fit_optimizer(model, optimizer, "1GiB", device="cpu", fused_step=True).breakdown  # no batch
+    assert (
+        fit_optimizer(model, optimizer, "1GiB", device="cpu", step=Step(lever="fused_step")).breakdown
+        == static
+    )
+    assert static.gradients == 0
+    with pytest.raises(TypeError, match="give step= or precision, not both"):
+        fit_optimizer(model, optimizer, "1GiB", step=step, precision="16-mixed")
+    with pytest.raises(ValueError, match=r"fit_optimizer plans one device; step= is sharded \(FSDP2 over 2"):
+        fit_optimizer(model, optimizer, "1GiB", step=Step(sharding=Sharding(world_size=2)))
 
 
 def test_bitsandbytes_without_fake_kernels_falls_back_to_sgd_plus_state(monkeypatch):

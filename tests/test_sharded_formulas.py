@@ -174,9 +174,9 @@ def test_fsdp_full_shard_against_the_simulated_fsdp2_rank():
     ids = torch.randint(0, 131, (4, 32), generator=torch.Generator().manual_seed(0))
     loss = lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # noqa: E731
     for N in (2, 4):
-        peak, timeline = estimate_memory(
+        peak = estimate_memory(
             module, (ids, ids), device="cpu", strategy="fsdp2", world_size=N, precision="32-true",
-            optimizer="adamw", loss_fn=loss, return_timeline=True,
+            optimizer="adamw", loss_fn=loss, timeline=True,
         )  # fmt: skip
         analytic = shard(model_static(module, "32-true", "adamw"), "fsdp", N)
         params = list(module.parameters())
@@ -188,7 +188,7 @@ def test_fsdp_full_shard_against_the_simulated_fsdp2_rank():
         buffers = sum(b.numel() * b.element_size() for b in module.buffers())
         assert (rank0 - analytic.parameters, gathered, buffers) == ({2: 128, 4: 64}[N], 33_920, 32)
         assert peak.parameters - analytic.parameters == (rank0 - analytic.parameters) + gathered + buffers
-        at_peak = max(timeline, key=lambda event: event.live)
+        at_peak = max(peak.timeline, key=lambda event: event.live)
         assert (at_peak.phase, at_peak.op) == ("backward", "aten._log_softmax_backward_data.default")
         assert peak.gradients == 0 and analytic.gradients == -(-4 * 26_976 // N)
         # AdamW's moments on the padded shards; every rank steps every tensor, so the 21 step counters whole.

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import TimelineEvent, estimate_memory
+from lightning_memkit import Step, TimelineEvent, estimate_memory
 from lightning_memkit._estimating import analytic
 from lightning_memkit._estimating.optimizer_state import adamw_state_bytes
 from lightning_memkit.demos.gpt import GPT, GPTConfig, GPTLightningModule
@@ -230,27 +230,58 @@ def test_cuda_target_rounds_blocks_uses_foreach_and_keeps_step_counters_on_cpu()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(100, 300), nn.GELU(), nn.Linear(300, 10))
     batch = (torch.randn(8, 100), torch.randint(0, 10, (8,)))
-    estimate, timeline = estimate_memory(
-        model, batch, optimizer="adamw", loss_fn=F.cross_entropy, device="cuda", return_timeline=True
+    estimate = estimate_memory(
+        model, batch, optimizer="adamw", loss_fn=F.cross_entropy, device="cuda", timeline=True
     )
+    timeline = estimate.timeline
     blocks = [math.ceil(4 * p.numel() / 512) * 512 for p in model.parameters()]  # caching allocator
     assert estimate.parameters == sum(blocks)
     assert estimate.optimizer_state == 2 * sum(blocks)  # exp_avg, exp_avg_sq; "step" lives on the CPU
     assert any(e.op.startswith("aten._foreach") for e in timeline if e.phase == "optimizer")
-    _, cpu_timeline = estimate_memory(
-        model, batch, optimizer="adamw", loss_fn=F.cross_entropy, device="cpu", return_timeline=True
-    )
+    cpu_timeline = estimate_memory(
+        model, batch, optimizer="adamw", loss_fn=F.cross_entropy, device="cpu", timeline=True
+    ).timeline
     assert not any(e.op.startswith("aten._foreach") for e in cpu_timeline)
 
 
 def test_timeline_peaks_at_the_breakdowns_peak():
-    estimate, timeline = estimate_memory(
-        GPTLightningModule("tiny"), _tokens(4, 64), device="cpu", return_timeline=True
-    )
+    estimate = estimate_memory(GPTLightningModule("tiny"), _tokens(4, 64), device="cpu", timeline=True)
+    timeline = estimate.timeline
     assert all(isinstance(e, TimelineEvent) for e in timeline)
     assert max(e.live for e in timeline) == estimate.peak
     phases = [e.phase for e in timeline]  # zero_grad(set_to_none=True) runs no op
     assert sorted(set(phases), key=phases.index) == ["forward", "backward", "optimizer"]
+    # The timeline rides along: the breakdown's value, dict and repr are the five categories'.
+    plain = estimate_memory(GPTLightningModule("tiny"), _tokens(4, 64), device="cpu")
+    assert plain.timeline is None
+    assert plain == estimate and hash(plain) == hash(estimate)
+    assert plain.as_dict() == estimate.as_dict() and "timeline" not in repr(estimate)
+
+
+def test_return_timeline_still_returns_the_pair_with_a_future_warning():
+    module, batch = GPTLightningModule("tiny"), _tokens(2, 32)
+    with pytest.warns(FutureWarning, match=r"timeline=True and read the result's \.timeline"):
+        estimate, timeline = estimate_memory(module, batch, device="cpu", return_timeline=True)
+    assert (
+        timeline == estimate.timeline == estimate_memory(module, batch, device="cpu", timeline=True).timeline
+    )
+    assert timeline and all(isinstance(e, TimelineEvent) for e in timeline)
+
+
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"precision": "bf16-mixed", "checkpointing": "full"},
+        {"accumulating": True, "release_gradients": True, "first_step": True},
+        {"strategy": "fsdp2", "world_size": 2, "reshard_after_forward": False},
+    ],
+)
+def test_a_step_value_estimates_as_its_keywords(keywords):
+    module, batch = GPTLightningModule("tiny"), _tokens(2, 32)
+    given = estimate_memory(module, batch, device="cpu", **keywords)
+    assert estimate_memory(module, batch, device="cpu", step=Step.of(**keywords)) == given
+    with pytest.raises(TypeError, match="give step= or precision, not both"):
+        estimate_memory(module, batch, step=Step.of(**keywords), precision="16-mixed")
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "adafactor", "adamw8bit", "lion8bit"])

@@ -163,7 +163,8 @@ def advise(
         memory_stats: ``torch.cuda.memory_stats()`` of a run, for the ``fragmentation`` finding (default:
             the current CUDA device's when ``device`` is CUDA and one is present).
         step: the step as one value (`Step`: any layout `estimate_memory` simulates, tensor parallelism
-            and HSDP among them), instead of ``precision`` to ``world_size``.
+            and HSDP among them), instead of ``precision`` to ``world_size``; a step keyword set beside
+            it is a `TypeError` naming it, as in `estimate_memory`.
 
     Returns:
         An `Advice`: ``print(advice)`` shows a table; ``advice.findings`` are largest saving first.
@@ -185,10 +186,6 @@ def advise(
     return advise_traced(model, batch, Tracer(model), memory_stats=memory_stats, **kwargs)[0]
 
 
-#: `advise`'s keywords that are not the step's: how it is run.
-_RUN = ("optimizer", "loss_fn", "device")
-
-
 def advise_traced(
     model: nn.Module,
     batch: Any,
@@ -204,11 +201,6 @@ def advise_traced(
     bound = inspect.signature(advise).bind(model, batch, memory_stats=memory_stats, **kwargs)
     bound.apply_defaults()
     kwargs = {k: v for k, v in bound.arguments.items() if k not in ("model", "batch", "memory_stats")}
-    if kwargs.get("step") is not None:  # the step as one value: its keywords as they were left
-        defaults = inspect.signature(advise).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in _RUN or v != defaults[k].default or k == "step"}
-    else:
-        kwargs.pop("step", None)
     step, run = Step.split(kwargs)  # run: optimizer, loss_fn, device
     optimizer, device = run["optimizer"], run["device"]
     tracker = simulate_step(model, batch, step, tracer=tracer, history=history, **run)

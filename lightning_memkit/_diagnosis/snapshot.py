@@ -77,8 +77,9 @@ def memory_snapshot(
         model: the model, as `estimate_memory` takes it (real or on the meta device).
         batch: the batch, as `estimate_memory` takes it.
         path: where to write the pickle (``torch.cuda.memory._dump_snapshot``'s format); ``None``: nowhere.
-        **kwargs: `estimate_memory`'s keyword arguments (``optimizer``, ``precision``, ``device``,
-            ``checkpointing``, ...), but ``return_timeline``.
+        **kwargs: `estimate_memory`'s keyword arguments (``optimizer``, ``step`` or ``precision``,
+            ``device``, ``checkpointing``, ...), but ``timeline`` and ``return_timeline`` (the snapshot is
+            the step op by op).
 
     Returns:
         The snapshot dict: ``{"segments": [...], "device_traces": [[...]]}``. Open a written file with

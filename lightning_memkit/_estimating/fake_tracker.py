@@ -3,7 +3,7 @@
 `_SimTracker` counts the fake tensors' storages in the target device's rounding, answers the values a
 fake tensor does not have (from the batch's shadows, or a placeholder), sizes value-shaped ops from a
 recorded routing, and tells an optional tracer (`_estimating.trace`) and history (`_estimating.repeated`)
-what it sees; its timeline is `estimate_memory`'s ``return_timeline``. `track` runs one step under a fresh
+what it sees; its timeline is `estimate_memory`'s result's ``timeline``. `track` runs one step under a fresh
 one, with CUDA's step counters and cuBLAS's workspaces (`cublas_workspace_bytes`) accounted as a CUDA
 step holds them. Why the fakes are CPU tensors: `_estimating.simulate`.
 """
@@ -50,7 +50,7 @@ _DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class TimelineEvent(NamedTuple):
-    """One op of the simulated step, as returned by ``estimate_memory(..., return_timeline=True)``."""
+    """One op of the simulated step, as in ``estimate_memory(..., timeline=True).timeline``."""
 
     phase: str  # "forward" | "zero_grad" | "backward" | "optimizer"
     op: str  # the aten overload that ran, e.g. "aten.mm.default"

@@ -7,8 +7,8 @@ storage size, and no data. The same storage tracker `measure` uses (`_measuring.
 step, so the result is the breakdown `measure` would report for the real step, and a 70B model can be
 planned on a laptop. Compared with `_estimating.analytic`, nothing is assumed about the architecture:
 whatever the code allocates is counted. How the step runs (precision, checkpointing, accumulation, the
-lever on the optimizer step, FSDP2's sharding) arrives as one `Step`; `estimate_memory` makes it from
-its keywords.
+lever on the optimizer step, FSDP2's sharding) arrives as one `Step`: `estimate_memory` takes it as
+``step=`` or makes it from its keywords (`Step.split`).
 
 How the pieces are faked, in order:
 
@@ -53,21 +53,22 @@ run without autograd on the real weights (`_estimating.routing`), and the step i
 them; weights on the meta device show none, and the step raises `NotImplementedError`, naming the op and
 the module and what to do instead.
 
-This module is the entry: `estimate_memory` (its keywords made one `Step`), `estimate_step` and
-`counted_step`, and the shortcut for deep stacks of identical blocks (`_estimating.repeated`). The step
-itself is `_estimating.fake_step.simulate_step`; it fakes the model and the batch with
-`_estimating.fake_model`, builds the optimizers with `_estimating.fake_optimizers`, counts with
-`_estimating.fake_tracker` (`TimelineEvent`, `cublas_workspace_bytes`) and takes its dtypes from
-`_estimating.precision` (`PRECISION_DTYPES`).
+This module is the entry: `estimate_memory` (its ``step=``, or its keywords made one `Step`),
+`estimate_step` and `counted_step`, and the shortcut for deep stacks of identical blocks
+(`_estimating.repeated`). The step itself is `_estimating.fake_step.simulate_step`; it fakes the model
+and the batch with `_estimating.fake_model`, builds the optimizers with `_estimating.fake_optimizers`,
+counts with `_estimating.fake_tracker` (`TimelineEvent`, `cublas_workspace_bytes`) and takes its dtypes
+from `_estimating.precision` (`PRECISION_DTYPES`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -79,7 +80,7 @@ from lightning_memkit._estimating import repeated
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.fake_optimizers import OptimizerLike
 from lightning_memkit._estimating.fake_step import simulate_step
-from lightning_memkit._estimating.fake_tracker import TimelineEvent, _SimTracker
+from lightning_memkit._estimating.fake_tracker import _SimTracker
 from lightning_memkit._estimating.lightning_step import is_lightning, lightning_stand_ins, without_parameters
 from lightning_memkit._sharding import layout as _layout
 from lightning_memkit._step import Step
@@ -89,60 +90,6 @@ __all__ = [
     "estimate_memory",
     "estimate_step",
 ]
-
-
-@overload
-def estimate_memory(
-    model: nn.Module,
-    batch: Any,
-    *,
-    optimizer: OptimizerLike | None = ...,
-    loss_fn: Callable[[Any, Any], Tensor] | None = ...,
-    precision: str = ...,
-    checkpointing: str | CheckpointPlan | None = ...,
-    device: str | torch.device = ...,
-    first_step: bool = ...,
-    accumulating: bool = ...,
-    release_gradients: bool = ...,
-    fused_step: bool = ...,
-    offload: bool = ...,
-    strategy: str | None = ...,
-    world_size: int = ...,
-    reshard_after_forward: bool = ...,
-    mp_policy: Any = ...,
-    tensor_parallel_size: int = ...,
-    replicate_size: int = ...,
-    parallelize_fn: Callable[[nn.Module, Any], Any] | None = ...,
-    compile_budget: float | None = ...,
-    return_timeline: Literal[False] = ...,
-) -> MemoryBreakdown: ...
-
-
-@overload
-def estimate_memory(
-    model: nn.Module,
-    batch: Any,
-    *,
-    optimizer: OptimizerLike | None = ...,
-    loss_fn: Callable[[Any, Any], Tensor] | None = ...,
-    precision: str = ...,
-    checkpointing: str | CheckpointPlan | None = ...,
-    device: str | torch.device = ...,
-    first_step: bool = ...,
-    accumulating: bool = ...,
-    release_gradients: bool = ...,
-    fused_step: bool = ...,
-    offload: bool = ...,
-    strategy: str | None = ...,
-    world_size: int = ...,
-    reshard_after_forward: bool = ...,
-    mp_policy: Any = ...,
-    tensor_parallel_size: int = ...,
-    replicate_size: int = ...,
-    parallelize_fn: Callable[[nn.Module, Any], Any] | None = ...,
-    compile_budget: float | None = ...,
-    return_timeline: Literal[True],
-) -> tuple[MemoryBreakdown, list[TimelineEvent]]: ...
 
 
 def estimate_memory(
@@ -167,8 +114,10 @@ def estimate_memory(
     replicate_size: int = 1,
     parallelize_fn: Callable[[nn.Module, Any], Any] | None = None,
     compile_budget: float | None = None,
+    step: Step | None = None,
+    timeline: bool = False,
     return_timeline: bool = False,
-) -> MemoryBreakdown | tuple[MemoryBreakdown, list[TimelineEvent]]:
+) -> MemoryBreakdown:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
 
     The step runs on fake tensors (see the module docstring), so nothing proportional to the model or the
@@ -184,6 +133,10 @@ def estimate_memory(
     which neither compiles nor skips a frame for the simulation. Not restored: any other attribute the step
     rebinds (``self.calls += 1``), attributes whose name starts with ``_``, objects outside the module
     (globals, files, loggers). ``self.log``/``self.log_dict`` do nothing during the step.
+
+    How the step runs is given either as one `Step` (``step=``) or by the keywords ``precision`` to
+    ``compile_budget`` (the short forms, `Step.of`'s); a step keyword set beside ``step=`` is a
+    `TypeError` naming it.
 
     Args:
         model: a ``LightningModule`` — its ``training_step(batch, 0)`` and ``configure_optimizers()`` run
@@ -267,12 +220,17 @@ def estimate_memory(
             configured (``torch._functorch.config``). Each such module's step is simulated as inductor runs
             it (`_estimating.compiled`: the code inductor generates for it, run with its kernels stubbed),
             at any budget.
-        return_timeline: also return the step op by op, as a list of `TimelineEvent`.
+        step: how the step runs, as one value (`Step`, its layout a `Sharding`), instead of the keywords
+            ``precision`` to ``compile_budget``.
+        timeline: also record the step op by op, as the result's ``timeline`` (a list of
+            `TimelineEvent`); the whole step is then simulated, even a deep stack of identical blocks.
+        return_timeline: deprecated, use ``timeline=True`` and the result's ``.timeline``: returns
+            ``(breakdown, breakdown.timeline)``.
 
     Returns:
         The `MemoryBreakdown` at the step's peak, in bytes, with ``parameters``, ``gradients``,
-        ``optimizer_state``, ``activations`` and ``temporary`` as `measure` defines them; with
-        ``return_timeline=True``, ``(breakdown, timeline)``.
+        ``optimizer_state``, ``activations`` and ``temporary`` as `measure` defines them (one rank's with
+        a `Sharding`), and with ``timeline=True`` its ``timeline``.
 
     Example::
 
@@ -280,10 +238,42 @@ def estimate_memory(
             model = GPTLightningModule("llama-7b")
         x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
         print(estimate_memory(model, (x, x), precision="bf16-mixed"))
+        print(estimate_memory(model, (x, x), step=Step(precision="bf16-mixed", checkpointing="full")))
     """
     if (empty := without_parameters(model)) is not None:
         raise ValueError(f"estimate_memory: {empty}")
-    runs_it = isinstance(parallelize_fn, _layout.ConfigureModel)  # configure_model runs on the copy
+    step, run = Step.split(
+        dict(
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            device=device,
+            step=step,
+            precision=precision,
+            checkpointing=checkpointing,
+            accumulating=accumulating,
+            first_step=first_step,
+            release_gradients=release_gradients,
+            fused_step=fused_step,
+            offload=offload,
+            strategy=strategy,
+            world_size=world_size,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            tensor_parallel_size=tensor_parallel_size,
+            replicate_size=replicate_size,
+            parallelize_fn=parallelize_fn,
+            compile_budget=compile_budget,
+        )
+    )
+    if return_timeline:
+        warnings.warn(
+            "estimate_memory(return_timeline=True) is deprecated: pass timeline=True and read the "
+            "result's .timeline (the breakdown is returned alone)",
+            FutureWarning,
+            stacklevel=2,
+        )
+    # configure_model runs on the simulated copy
+    runs_it = step.sharding is not None and isinstance(step.sharding.parallelize_fn, _layout.ConfigureModel)
     if not runs_it and _configure_model_pending(model):
         name = type(model).__name__
         warnings.warn(
@@ -293,32 +283,10 @@ def estimate_memory(
             "Trainer will, or estimate from a callback once fit has started.",
             stacklevel=2,
         )
-    step = Step.of(
-        precision=precision,
-        checkpointing=checkpointing,
-        accumulating=accumulating,
-        first_step=first_step,
-        release_gradients=release_gradients,
-        fused_step=fused_step,
-        offload=offload,
-        strategy=strategy,
-        world_size=world_size,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        tensor_parallel_size=tensor_parallel_size,
-        replicate_size=replicate_size,
-        parallelize_fn=parallelize_fn,
-        compile_budget=compile_budget,
-    )
-    return estimate_step(
-        model,
-        batch,
-        step,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        device=device,
-        return_timeline=return_timeline,
-    )
+    breakdown = estimate_step(model, batch, step, **run, timeline=timeline or return_timeline)
+    if return_timeline:  # the deprecated form
+        return breakdown, breakdown.timeline  # type: ignore[return-value]
+    return breakdown
 
 
 def _configure_model_pending(model: nn.Module) -> bool:
@@ -359,20 +327,20 @@ def estimate_step(
     optimizer: OptimizerLike | None = None,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     device: str | torch.device = "cuda",
-    return_timeline: bool = False,
-) -> Any:
+    timeline: bool = False,
+) -> MemoryBreakdown:
     """`estimate_memory` of a `Step` (the planners' and callbacks' form: one value for how the step runs)."""
     simulate = functools.partial(
         simulate_step, model, batch, step, optimizer=optimizer, loss_fn=loss_fn, device=device
     )
-    shortcut = None if return_timeline else _shortcut(model, step, optimizer, simulate)
+    shortcut = None if timeline else _shortcut(model, step, optimizer, simulate)
     if shortcut is not None:
         return shortcut.breakdown
-    tracker = simulate(timeline=return_timeline)
+    tracker = simulate(timeline=timeline)
     breakdown = tracker.breakdown()
-    if return_timeline:
+    if timeline:
         assert tracker.timeline is not None
-        return breakdown, tracker.timeline
+        return dataclasses.replace(breakdown, timeline=tracker.timeline)
     return breakdown
 
 
@@ -394,7 +362,7 @@ def _shortcut(
 
 
 def counted_step(model: nn.Module, batch: Any, step: Step, **kwargs: Any) -> tuple[MemoryBreakdown, int, int]:
-    """`estimate_step`'s breakdown (same arguments but ``return_timeline``), with the step's FLOPs and
+    """`estimate_step`'s breakdown (same arguments but ``timeline``), with the step's FLOPs and
     its forward and backward ops: for deep stacks of identical blocks from three shallow steps too."""
     simulate = functools.partial(simulate_step, model, batch, step, **kwargs, timeline=True)
     shortcut = _shortcut(model, step, kwargs.get("optimizer"), simulate, count=True)

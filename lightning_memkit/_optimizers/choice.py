@@ -486,6 +486,7 @@ def fit_optimizer(
     release_gradients: bool = False,
     fused_step: bool = False,
     offload: bool = False,
+    step: Step | None = None,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
 
@@ -519,13 +520,17 @@ def fit_optimizer(
             is whole at once (the static estimate leaves them out).
         offload: the loop keeps the optimizer in host memory (`offload_optimizer`): its state and the
             gradients are not the device's (the static estimate still counts the state: safe side).
+        step: the step as one value (`Step`: its precision, accumulation and lever; with ``batch``, its
+            checkpointing too), instead of ``precision`` to ``offload``; giving both is a `TypeError`.
+            One device: a step with a `Sharding` is a `ValueError`.
 
     Returns:
         An `OptimizerChoice`: the name chosen, the optimizers, the estimated breakdown and every estimate
         tried.
 
     Raises:
-        ValueError: no candidate fits, with the numbers and what else could make the step fit.
+        ValueError: no candidate fits, with the numbers and what else could make the step fit; or
+            ``step`` is sharded.
 
     Example::
 
@@ -534,24 +539,33 @@ def fit_optimizer(
         choice.rebind(scheduler)
         print(choice.summary())
     """
-    budget = parse_budget(budget)
-    given = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
-    if step_peak is not None:
-        estimate, method = _given(step_peak), "given"
-    elif batch is not None and len(given) == 1 and not _manual(model):
-        step = Step.of(
+    step, _ = Step.split(
+        dict(
+            step=step,
             precision=precision,
             accumulating=accumulating,
             release_gradients=release_gradients,
             fused_step=fused_step,
             offload=offload,
         )
+    )
+    if step.sharding is not None:
+        raise ValueError(
+            f"fit_optimizer plans one device; step= is sharded ({step.sharding.describe()} over "
+            f"{step.sharding.world_size} ranks): plan a sharded run with plan_fit, or pass "
+            "step.but(sharding=None) to fit one device's step"
+        )
+    budget = parse_budget(budget)
+    given = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    if step_peak is not None:
+        estimate, method = _given(step_peak), "given"
+    elif batch is not None and len(given) == 1 and not _manual(model):
         estimate = simulated_estimator(model, batch, step, loss_fn=loss_fn, device=device)
         method = "simulated"
     else:
-        gradients = not (fused_step or offload)
+        gradients = not (step.fused_step or step.offload)
         estimate, method = static_estimator(model, device=device, gradients=gradients), "static"
-    names = compensated_candidates(optimizers, given, precision)
+    names = compensated_candidates(optimizers, given, step.precision)
     return choose_optimizer(
         given, budget, estimate, candidates=names, allow_unknown=allow_unknown, method=method
     )

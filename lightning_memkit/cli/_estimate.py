@@ -170,7 +170,8 @@ def _simulate(
     )
     snapshot = None
     if args.snapshot is None and args.html is None:
-        breakdown, timeline = estimate_memory(model, batch, **kwargs, return_timeline=True)
+        breakdown = estimate_memory(model, batch, **kwargs, timeline=True)
+        timeline = breakdown.timeline or []
     else:
         snapshot, tracker = simulated_snapshot(model, batch, timeline=True, **kwargs)
         if args.snapshot is not None:
