@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPUS", "Budget", "parse_budget", "parse_bytes", "reads_device"]
+__all__ = ["GPUS", "Budget", "BudgetSetting", "parse_budget", "parse_bytes", "reads_device"]
 
 # --- the checks every constructor shares ---------------------------------------------------------
 
@@ -188,6 +188,36 @@ class Budget:
         if usable <= 0:
             raise ValueError(f"{source}: {total} bytes leave nothing once the CUDA context is taken")
         return cls(total=total, usable=usable, source=source)
+
+
+class BudgetSetting:
+    """A callback's ``budget=`` as given, read once: a size, a GPU name or a `Budget` at construction (a bad
+    one fails there, before any run), ``"auto"`` and a fraction of the device by `resolve` in ``setup``, once
+    the run is on its device (they read from card to card differently). ``None``: no budget."""
+
+    def __init__(self, given: int | float | str | Budget | None) -> None:
+        self.given = given
+        #: whether the budget is read from the run's CUDA device (``"auto"``, a fraction)
+        self.from_device = given is not None and reads_device(given)
+        #: the budget (``None`` without one, or until `resolve` for one read from the device)
+        self.budget: Budget | None = None if given is None or self.from_device else parse_budget(given)
+
+    def resolve(self) -> Budget | None:
+        """The budget, one read from the device read now (call it in ``setup``)."""
+        if self.from_device:
+            self.budget = parse_budget(self.given)  # type: ignore[arg-type]
+        return self.budget
+
+    @property
+    def usable(self) -> int | None:
+        """Bytes the step's peak may reach (``None`` without a budget, or until `resolve`)."""
+        return None if self.budget is None else self.budget.usable
+
+    @property
+    def key(self) -> Any:
+        """What a saved state keys the budget by: as given where it is read from the device (its bytes
+        differ from card to card), else its bytes."""
+        return self.given if self.from_device else self.usable
 
 
 def _current_device_bytes() -> tuple[int, str]:

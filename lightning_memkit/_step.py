@@ -20,12 +20,16 @@ from typing import Any, Literal, get_args
 from lightning_memkit._budget import valid_name, whole_number
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, PRECISIONS
 
-__all__ = ["LEVERS", "Lever", "Sharding", "Step"]
+__all__ = ["LEVERS", "LEVER_CALLBACKS", "Lever", "Sharding", "Step"]
 
 #: What changes the optimizer step (`GradientRelease`, `FusedOptimizerStep`, `OptimizerOffload`).
 Lever = Literal["release_gradients", "fused_step", "offload"]
 #: The levers, cheapest first.
 LEVERS: tuple[str, ...] = get_args(Lever)
+#: The callback that makes each lever in a Trainer.
+LEVER_CALLBACKS: dict[str, str] = dict(
+    zip(LEVERS, ("GradientRelease", "FusedOptimizerStep", "OptimizerOffload"), strict=True)
+)
 
 
 @dataclass(frozen=True)

@@ -306,7 +306,7 @@ def test_non_positive_sizes_name_the_value():
         TransformerShape(vocab_size=10, d_model=10, n_layer=1, n_head=3, position="none")
     with pytest.raises(ValueError, match="batch must be a positive integer, got -1"):
         activation_bytes(LLAMA_7B, -1, 128)
-    with pytest.raises(ValueError, match="n_gpus must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
         shard(MemoryBreakdown(), "zero1", 0)
     with pytest.raises(ValueError, match="needs block_size"):
         TransformerShape(vocab_size=10, d_model=8, n_layer=1, n_head=2)
@@ -403,6 +403,6 @@ def test_estimate_is_monotone_and_sharding_keeps_activations(shape, batch, seq_l
     small = estimate_analytic(shape, batch, seq_len, optimizer=optimizer)
     assert estimate_analytic(shape, batch + 1, seq_len, optimizer=optimizer).peak >= small.peak
     assert estimate_analytic(shape, batch, seq_len + 1, optimizer=optimizer).peak >= small.peak
-    sharded = estimate_analytic(shape, batch, seq_len, optimizer=optimizer, strategy="fsdp", n_gpus=4)
+    sharded = estimate_analytic(shape, batch, seq_len, optimizer=optimizer, strategy="fsdp", world_size=4)
     assert sharded.activations == small.activations and sharded.temporary == small.temporary
     assert sharded.parameters == -(-small.parameters // 4)

@@ -199,8 +199,10 @@ def test_lighter_optimizer_when_adamw_cannot_fit(module, batch, loads, monkeypat
 
 
 def test_multi_gpu_plan_is_per_rank(module, batch):
-    plan = plan_fit(module, batch, 12_000_000, margin=0.0, device="cpu", strategy="fsdp", n_gpus=4, cost=COST)
-    assert (plan.strategy, plan.n_gpus) == ("fsdp", 4)
+    plan = plan_fit(
+        module, batch, 12_000_000, margin=0.0, device="cpu", strategy="fsdp", world_size=4, cost=COST
+    )
+    assert (plan.strategy, plan.world_size) == ("fsdp", 4)
     assert plan.micro_batch_size * plan.accumulate_grad_batches == G // 4
 
 

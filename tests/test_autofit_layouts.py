@@ -39,7 +39,13 @@ from lightning_memkit.testing import AllocatorPeaks
 WORLD, BATCH, SEQ, STEPS = 4, 2, 32, 2  # BATCH: the user's batch size a rank; the global batch 8
 BUDGET = "370KiB"
 #: what the quick tier plans: adamw alone (a lighter optimizer would fit FSDP2 4), the FLOP cost
-PLANNED = {"strategy": "fsdp2", "n_gpus": WORLD, "device": "cpu", "cost": "flops", "optimizers": ["adamw"]}
+PLANNED = {
+    "strategy": "fsdp2",
+    "world_size": WORLD,
+    "device": "cpu",
+    "cost": "flops",
+    "optimizers": ["adamw"],
+}
 
 
 class Llama(ZooModule):
@@ -152,7 +158,7 @@ def test_what_cannot_apply_is_skipped_never_planned_as_another():
 
 def _fit_plan(**layout) -> FitPlan:
     plan = FitPlan(1, 4, "full", "adamw", "32-true", 300_000, parse_budget(BUDGET), strategy="fsdp2",
-                   n_gpus=WORLD, device="cpu")  # fmt: skip
+                   world_size=WORLD, device="cpu")  # fmt: skip
     return replace(plan, **layout)
 
 
@@ -188,8 +194,8 @@ def test_the_plan_code_names_the_layout():
     hsdp = plan_code(_fit_plan(replicate_size=2), Llama(), global_batch=8, optimizers=None)
     assert 'init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))' in hsdp
     assert "data_parallel_size=(2, 2)" in hsdp and "parallelize_module" not in hsdp
-    both = plan_code(_fit_plan(tensor_parallel_size=2, replicate_size=2, n_gpus=8), Llama(), global_batch=8,
-                     optimizers=None)  # fmt: skip
+    both = plan_code(_fit_plan(tensor_parallel_size=2, replicate_size=2, world_size=8), Llama(),
+                     global_batch=8, optimizers=None)  # fmt: skip
     assert '(2, 2, 2), mesh_dim_names=("replicate", "shard", "tensor_parallel"))' in both
     compile(_configure_model(both), "configure_model", "exec")
 

@@ -180,10 +180,12 @@ def _resume(out: Path) -> None:
     checkpoint = out / "first.ckpt"
     _fit(out / "first", AutoFitStrategy(budget="1GiB"), Llama(), max_steps=2, save=checkpoint)
     _fit(out / "resumed", AutoFitStrategy(budget="900KiB"), Llama(), ckpt_path=checkpoint)
-    for name, n_gpus in (("same_run", WORLD), ("four_ranks", 4)):
+    for name, world_size in (("same_run", WORLD), ("four_ranks", 4)):
         rewritten = out / f"{name}.ckpt"
         if torch.distributed.get_rank() == 0:
-            _rewrite_plan(checkpoint, rewritten, micro_batch_size=2, accumulate_grad_batches=2, n_gpus=n_gpus)
+            _rewrite_plan(
+                checkpoint, rewritten, micro_batch_size=2, accumulate_grad_batches=2, world_size=world_size
+            )
         torch.distributed.barrier()
         _fit(out / name, AutoFitStrategy(budget="1GiB"), Llama(), ckpt_path=rewritten)
 
@@ -367,7 +369,7 @@ def test_every_rank_fits_the_budget_it_was_planned_for(runs, budget):
         record = read(runs / budget, rank)
         plan = record["plan"]
         plans.append(plan)
-        assert record["global_step"] == STEPS and plan["n_gpus"] == WORLD and plan["strategy"] == "fsdp2"
+        assert record["global_step"] == STEPS and plan["world_size"] == WORLD and plan["strategy"] == "fsdp2"
         assert plan["limit"] == limit and plan["estimated_peak"] <= limit
         assert max(record["allocator"]) <= parse_bytes(budget), f"rank {rank}: {record['allocator']}"
         assert matches_the_rank(plan["estimated_peak"], record["allocator"][-1]), record["allocator"]
@@ -506,7 +508,7 @@ def test_a_plan_saved_on_four_ranks_is_not_installed_on_two(runs):
     optimizer state, and a warning names the world size, both values."""
     for rank in range(WORLD):
         four = read(runs / "resume" / "four_ranks", rank)
-        assert four["plan"]["n_gpus"] == WORLD and (four["batch_size"], four["accumulate"]) != (2, 2)
+        assert four["plan"]["world_size"] == WORLD and (four["batch_size"], four["accumulate"]) != (2, 2)
         assert four["batch_size"] == four["plan"]["micro_batch_size"]
         assert four["global_step"] == STEPS and four["optimizer_steps"] == [float(STEPS)]
     assert _warned(runs / "resume" / "four_ranks", "made for another run (world size 4 -> 2)")
@@ -523,7 +525,7 @@ def test_autofit_and_activation_checkpointing_plan_the_sharded_step_under_model_
     for rank in range(WORLD):
         fit = read(runs / "autofit_callback", rank)
         plan = fit["callback_plans"]["AutoFit"]
-        assert plan["strategy"] == "fsdp2" and plan["n_gpus"] == WORLD
+        assert plan["strategy"] == "fsdp2" and plan["world_size"] == WORLD
         assert max(fit["allocator"]) <= budget
         assert (fit["batch_size"], fit["accumulate"]) == (
             plan["micro_batch_size"],
@@ -550,8 +552,8 @@ def test_the_strategy_and_the_callback_do_not_plan_twice():
 
 def _offload_plan(budget, cost="flops", **kwargs):
     return plan_fit(
-        Llama(), zoo_batch("qwen2", BATCH * WORLD, SEQ), budget, strategy="fsdp2", n_gpus=WORLD, device="cpu",
-        cost=cost, optimizers=["adamw"], **kwargs,
+        Llama(), zoo_batch("qwen2", BATCH * WORLD, SEQ), budget, strategy="fsdp2", world_size=WORLD,
+        device="cpu", cost=cost, optimizers=["adamw"], **kwargs,
     )  # fmt: skip
 
 
@@ -585,7 +587,7 @@ def test_cpu_offload_is_planned_only_where_nothing_else_fits():
     forced = _offload_plan("600KiB", cpu_offload=True)  # asked for: planned even where not needed
     assert forced.cpu_offload and forced.estimated_peak < roomy.estimated_peak
     with pytest.raises(ValueError, match="plan it with strategy='fsdp2'"):
-        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1GiB", n_gpus=2, device="cpu", cpu_offload=True)
+        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1GiB", world_size=2, device="cpu", cpu_offload=True)
 
 
 @pytest.mark.slow  # planning-heavy
@@ -607,7 +609,7 @@ def test_a_slow_link_plans_fewer_larger_micro_batches():
 @pytest.mark.slow
 def test_one_rank_of_fsdp2_plans_no_optimizer_dtensor_cannot_run():
     """On one rank the step still runs on DTensors: the same optimizers are left out as on many."""
-    plan = plan_fit(Llama(), zoo_batch("qwen2", 4, SEQ), "1GiB", strategy="fsdp2", n_gpus=1, device="cpu",
+    plan = plan_fit(Llama(), zoo_batch("qwen2", 4, SEQ), "1GiB", strategy="fsdp2", world_size=1, device="cpu",
                     cost="flops", optimizers=["adamw", "adamw8bit", "adafactor"])  # fmt: skip
     assert plan.optimizer == "adamw" and "adamw8bit" in plan.note and "adafactor" in plan.note
 
@@ -617,10 +619,10 @@ def test_the_fused_step_is_planned_on_the_sharded_step():
     """Under FSDP2 each shard steps inside backward once its reduce-scatter is done: `plan_fit` plans the
     fused step there, with no accumulation (it steps at every backward); DDP is refused, saying why."""
     plan = _offload_plan("1MiB", fused_step=True)
-    assert plan.lever == "FusedOptimizerStep" and plan.accumulate_grad_batches == 1
+    assert plan.lever == "fused_step" and plan.accumulate_grad_batches == 1
     assert plan.estimated_peak <= plan.limit
     with pytest.raises(ValueError, match="cannot run under ddp: it reduces each gradient"):
-        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", n_gpus=2, device="cpu", fused_step=True)
+        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", world_size=2, device="cpu", fused_step=True)
 
 
 @pytest.mark.slow
@@ -633,7 +635,7 @@ def test_a_bf16_mixed_run_is_sharded_and_planned_with_a_bf16_policy(runs):
     for rank in range(WORLD):
         record = read(runs / "bf16", rank)
         plan = record["plan"]
-        assert plan["mixed_precision_policy"] and plan["precision"] == "bf16-mixed"
+        assert plan["mp_policy"] and plan["precision"] == "bf16-mixed"
         assert set(record["param_dtypes"]) == {"torch.bfloat16"}
         assert max(record["allocator"]) <= parse_bytes("600KiB")
         assert matches_the_rank(plan["estimated_peak"], record["allocator"][-1]), record["allocator"]
@@ -641,19 +643,17 @@ def test_a_bf16_mixed_run_is_sharded_and_planned_with_a_bf16_policy(runs):
 
 @pytest.mark.slow  # planning-heavy: two sharded plans
 def test_a_bf16_mixed_plan_simulates_and_prints_the_bf16_policy():
-    """`plan_fit(mixed_precision_policy=True)`: a bf16-mixed plan's step simulated with FSDP2's bf16
+    """`plan_fit(mp_policy=True)`: a bf16-mixed plan's step simulated with FSDP2's bf16
     MixedPrecisionPolicy (leaner: at this budget, a micro-batch twice as large fits), said in the summary
     and in the code by hand."""
     options = dict(cost="flops", precision="bf16-mixed", checkpointing=("none",))
-    plan = _offload_plan("1MiB", mixed_precision_policy=True, **options)
+    plan = _offload_plan("1MiB", mp_policy=True, **options)
     plain = _offload_plan("1MiB", **options)
-    assert plan.mixed_precision_policy and not plain.mixed_precision_policy
+    assert plan.mp_policy and not plain.mp_policy
     assert (plan.micro_batch_size, plain.micro_batch_size) == (4, 2)
     assert "gathered in bf16 (MixedPrecisionPolicy)" in plan.summary()
     code = plan_code(plan, Llama(), global_batch=BATCH * WORLD, optimizers=["adamw"])
     assert "policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in code
     assert "mp_policy=policy" in code and "import MixedPrecisionPolicy, fully_shard" in code
-    with pytest.raises(ValueError, match="mixed_precision_policy is FSDP2's MixedPrecisionPolicy"):
-        plan_fit(
-            Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", n_gpus=2, device="cpu", mixed_precision_policy=True
-        )
+    with pytest.raises(ValueError, match="mp_policy is FSDP2's MixedPrecisionPolicy"):
+        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", world_size=2, device="cpu", mp_policy=True)

@@ -48,7 +48,7 @@ def test_checkpointing_none_says_what_to_choose():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"n_gpus": 0}, "n_gpus must be a whole number of GPUs, at least 1; got 0"),
+        ({"world_size": 0}, "world_size must be a whole number of ranks, at least 1; got 0"),
         ({"precision": []}, "is empty"),
     ],
 )

@@ -439,7 +439,7 @@ def test_plan_code_writes_a_per_block_plan_each_strategy_can_run(strategy):
     plan = FitPlan(
         micro_batch_size=4, accumulate_grad_batches=2, checkpointing="2 none, 2 full", optimizer="adamw",
         precision="bf16-mixed", estimated_peak=10**9, budget=parse_budget("A100-40GB"), strategy=strategy,
-        n_gpus=2, checkpoint_plan=CheckpointPlan.from_dict({"blocks": blocks}),
+        world_size=2, checkpoint_plan=CheckpointPlan.from_dict({"blocks": blocks}),
     )  # fmt: skip
     code = plan_code(plan, GPTLightningModule("tiny"), global_batch=16, optimizers=None)
     _, by_hand = _trainer_calls(code)
@@ -519,8 +519,8 @@ def test_plan_for_fsdp2_simulates_the_sharded_step_and_prints_its_set_up():
     code is AutoFitStrategy (which makes the plan and shards), then ModelParallelStrategy with the
     fully_shard layout set by hand."""
     plan = plan_fit(
-        _tiny(), _tokens(32, 32), 10 * 2**20, optimizers=["adamw"], strategy="fsdp2", n_gpus=4, device="cpu",
-        cost="flops",
+        _tiny(), _tokens(32, 32), 10 * 2**20, optimizers=["adamw"], strategy="fsdp2", world_size=4,
+        device="cpu", cost="flops",
     )  # fmt: skip
     batch = _tokens(32 // 4, 32)
     micro = [t[: plan.micro_batch_size] for t in batch]
@@ -545,8 +545,8 @@ def test_a_plan_without_resharding_shows_its_own_peak_in_the_table():
     """Room to spare: FSDP2 keeps the unsharded parameters from forward to backward, a higher peak than
     the configuration's default-resharding simulation; the chosen row of the table has that peak too."""
     plan = plan_fit(
-        _tiny(), _tokens(32, 32), 64 * 2**20, optimizers=["adamw"], strategy="fsdp2", n_gpus=4, device="cpu",
-        cost="flops", checkpointing=("none",),
+        _tiny(), _tokens(32, 32), 64 * 2**20, optimizers=["adamw"], strategy="fsdp2", world_size=4,
+        device="cpu", cost="flops", checkpointing=("none",),
     )  # fmt: skip
     assert plan.reshard_after_forward is False
     key = (plan.micro_batch_size, plan.checkpointing, plan.optimizer, plan.precision)

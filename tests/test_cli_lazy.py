@@ -179,4 +179,4 @@ def test_the_parsers_names_are_the_librarys():
     args = parser().parse_args(
         ["plan", "--model", "tiny", "--gpu", "24GB", "--global-batch", "8", "--seq-len", "8"]
     )
-    assert all(hasattr(args, lever) for lever in _autofit.LEVER_CALLBACKS)
+    assert all(hasattr(args, lever) for lever in _autofit.LEVERS)

@@ -501,7 +501,14 @@ def test_under_fsdp2_a_compiled_model_is_planned_without_its_activation_budget()
     with pytest.warns(UserWarning, match="FSDP2's sharded step is simulated eagerly"):
         estimate_memory(module, batch, device="cpu", strategy="fsdp2", world_size=2)
     plan = plan_fit(
-        module, batch, "64MB", optimizers=("adamw",), cost="flops", device="cpu", n_gpus=2, strategy="fsdp2"
+        module,
+        batch,
+        "64MB",
+        optimizers=("adamw",),
+        cost="flops",
+        device="cpu",
+        world_size=2,
+        strategy="fsdp2",
     )
     assert plan.modes == ("none",) and "FSDP2's sharded step is simulated eagerly" in plan.note
 

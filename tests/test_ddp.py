@@ -418,7 +418,7 @@ def test_ddp_autofit_rank_zero_plans_for_all(ddp):
     m, accumulate = plan["micro_batch_size"], plan["accumulate_grad_batches"]
     assert m < 8 and plan["estimated_peak"] <= plan["limit"]  # the default micro-batch does not fit
     assert (rank0["batch_size"], rank0["accumulate"]) == (m, accumulate)
-    assert m * accumulate == 8 and (plan["n_gpus"], plan["strategy"]) == (2, "ddp")
+    assert m * accumulate == 8 and (plan["world_size"], plan["strategy"]) == (2, "ddp")
     assert not rank0["guarded"]
 
 

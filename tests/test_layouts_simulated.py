@@ -188,21 +188,27 @@ def test_a_plan_under_tensor_parallelism_splits_the_batch_over_the_data_parallel
     ids = torch.randint(0, 131, (8, SEQ))
     layout = Sharding(4, tensor_parallel_size=2)
     plan = plan_fit(
-        model, (ids, ids), "100MB", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2", n_gpus=4,
-        sharding=layout, optimizers=["adamw8bit", "adamw"],
+        model, (ids, ids), "100MB", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2",
+        world_size=4, sharding=layout, optimizers=["adamw8bit", "adamw"],
     )  # fmt: skip
     assert plan.micro_batch_size * plan.accumulate_grad_batches == 8 // 2
     assert plan.optimizer == "adamw" and isinstance(plan.reshard_after_forward, bool)
     # the user's layout function calls fully_shard with its own resharding: the plan does not choose one
     theirs = Sharding(4, tensor_parallel_size=2, parallelize_fn=user_tp)
     plan = plan_fit(
-        model, (ids, ids), "100MB", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2", n_gpus=4,
-        sharding=theirs, optimizers=["adamw"],
+        model, (ids, ids), "100MB", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2",
+        world_size=4, sharding=theirs, optimizers=["adamw"],
     )  # fmt: skip
     assert plan.reshard_after_forward is None
-    with pytest.raises(ValueError, match="layout of strategy='fsdp2' over n_gpus ranks"):
+    with pytest.raises(ValueError, match="layout of strategy='fsdp2' over world_size ranks"):
         plan_fit(
-            model, (ids, ids), "100MB", loss_fn=lambda loss, _: loss, device="cpu", n_gpus=2, sharding=layout
+            model,
+            (ids, ids),
+            "100MB",
+            loss_fn=lambda loss, _: loss,
+            device="cpu",
+            world_size=2,
+            sharding=layout,
         )
 
 

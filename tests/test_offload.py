@@ -326,7 +326,7 @@ def test_autofit_plans_the_offloaded_step_with_accumulation(tmp_path):
     trainer.fit(module, GPTDataModule(batch_size=8, seq_len=64, num_sentences=300))
     plan = fit.plan
     assert (plan.lever, plan.optimizer, plan.micro_batch_size, plan.accumulate_grad_batches) == (
-        "OptimizerOffload", "adamw", 4, 2,
+        "offload", "adamw", 4, 2,
     )  # fmt: skip
     assert len(peaks.peaks) == 6 and max(peaks.peaks) <= 25_000_000
     assert max(peaks.peaks[2:]) == pytest.approx(plan.estimated_peak, rel=0.01)
@@ -352,7 +352,7 @@ def test_memkit_plan_relaxes_what_was_left_open_and_offloads_where_nothing_else_
     status, out, _ = run_cli([*argv, "--gpu", "613.6MB", "--json"])
     report = json.loads(out)
     assert (report["lever"], report["optimizer"], report["precision"]) == (
-        "OptimizerOffload",
+        "offload",
         "adamw",
         "32-true",
     )
@@ -370,7 +370,7 @@ def test_memkit_plan_relaxes_what_was_left_open_and_offloads_where_nothing_else_
     status, out, err = run_cli([*argv, "--gpu", "611.6MB", "--json"])
     report = json.loads(out)
     assert (report["lever"], report["optimizer"], report["precision"]) == (
-        "OptimizerOffload",
+        "offload",
         "adamw",
         "bf16-true",
     )
@@ -382,4 +382,4 @@ def test_memkit_plan_relaxes_what_was_left_open_and_offloads_where_nothing_else_
     # rules that set-up out, not the search
     status, out, err = run_cli([*argv, "--gpu", "611.6MB", "--precision", "bf16-true", "--json"])
     assert status == 0, err
-    assert json.loads(out)["lever"] == "OptimizerOffload"
+    assert json.loads(out)["lever"] == "offload"

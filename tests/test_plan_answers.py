@@ -268,7 +268,7 @@ def test_a_refusal_names_the_fused_step_where_it_fits():
     fused = plan_fit(model, (x, x), limit, fused_step=True, **run)
     assert (fused.micro_batch_size, fused.lever) == (
         2,
-        "FusedOptimizerStep",
+        "fused_step",
     ) and fused.estimated_peak <= limit
     named = (
         "What would fit: FusedOptimizerStep() (plan_fit's fused_step=True): its leanest plan, micro-batch 2, "
@@ -303,7 +303,7 @@ def test_a_refusal_names_the_step_lever_that_fits_and_the_planner_agrees():
     assert named is not None, str(refused.value)
     assert float(named.group(1)) * 2**20 <= limit
     fused = plan_fit(module, batch, limit, fused_step=True, **run)  # the planner agrees
-    assert fused.lever == "FusedOptimizerStep" and fused.estimated_peak <= limit
+    assert fused.lever == "fused_step" and fused.estimated_peak <= limit
     with pytest.raises(ValueError) as nothing:  # no lever fits half of it: none is named
         plan_fit(module, batch, limit // 2, **run)
     assert "plan_fit's" not in str(nothing.value)

@@ -41,25 +41,25 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
 
 
-def deepspeed_gpu(stage: int, total: int, largest: int, n_gpus: int, offload: str) -> int:
+def deepspeed_gpu(stage: int, total: int, largest: int, world_size: int, offload: str) -> int:
     """DeepSpeed's per-GPU model-states bytes: the stage-3 function at stage 3, the stage-1-and-2 module's
     (named for stage 2; DeepSpeed has none for stage 1) below."""
     if stage == 3:
         _, gpu, _ = estimate_zero3_model_states_mem_needs(
-            total, largest, num_gpus_per_node=n_gpus, cpu_offload=offload != "none",
+            total, largest, num_gpus_per_node=world_size, cpu_offload=offload != "none",
             cpu_offload_params=offload == "optimizer+param",
         )  # fmt: skip
         return gpu
     _, gpu = estimate_zero2_model_states_mem_needs(
-        total, num_gpus_per_node=n_gpus, cpu_offload=offload != "none"
+        total, num_gpus_per_node=world_size, cpu_offload=offload != "none"
     )
     return gpu
 
 
-def ours(shapes: list, stage: int, n_gpus: int, offload: str) -> int:
+def ours(shapes: list, stage: int, world_size: int, offload: str) -> int:
     """Our model states on one rank: DeepSpeed's 16-bit copies with AdamW, divided by `shard`."""
     static = static_breakdown(shapes, precision=DEEPSPEED_16BIT, optimizer="adamw")
-    return shard(static, f"deepspeed_stage_{stage}", n_gpus, offload=offload).static
+    return shard(static, f"deepspeed_stage_{stage}", world_size, offload=offload).static
 
 
 def explained(stage: int, offload: str, P: int, T: int, LL: int, N: int) -> int:
@@ -132,7 +132,7 @@ def test_the_7b_stage_3_answer_per_rank_term_by_term():
     fp32 weights and autocast's copies), which is not DeepSpeed's."""
     P = count_parameters(LLAMA_7B)
     one_rank = estimate_analytic(
-        LLAMA_7B, 1, 2048, precision="bf16-mixed", strategy="deepspeed_stage_3", n_gpus=8
+        LLAMA_7B, 1, 2048, precision="bf16-mixed", strategy="deepspeed_stage_3", world_size=8
     )
     alone = estimate_analytic(LLAMA_7B, 1, 2048, precision="bf16-mixed", attention="sdpa")
     assert one_rank.parameters == one_rank.gradients == 2 * P // 8
@@ -148,11 +148,11 @@ def test_deepspeed_keeps_16_bit_weights_and_fp32_masters_at_every_16_bit_precisi
     """Lightning hands DeepSpeed ``fp16``/``bf16`` for these four; its engine casts the weights to 16 bit and
     its ZeRO optimizer keeps fp32 masters and moments (read as fp32 weights with autocast copies before)."""
     shape = TransformerShape.from_name("gpt2")
-    got = estimate_analytic(shape, 1, 1024, precision=precision, strategy="deepspeed_stage_2", n_gpus=4)
+    got = estimate_analytic(shape, 1, 1024, precision=precision, strategy="deepspeed_stage_2", world_size=4)
     P = count_parameters(shape)
     assert (got.parameters, got.gradients, got.temporary) == (2 * P, 2 * P // 4, 0)
     assert got.optimizer_state == -(-(12 * P + 4 * len(parameter_shapes(shape))) // 4)
-    fsdp = estimate_analytic(shape, 1, 1024, precision=precision, strategy="zero2", n_gpus=4)
+    fsdp = estimate_analytic(shape, 1, 1024, precision=precision, strategy="zero2", world_size=4)
     assert fsdp.parameters == P * (4 if "mixed" in precision else 2)  # FSDP's SHARD_GRAD_OP: the scheme's own
 
 

@@ -72,12 +72,12 @@ def _saved(tmp_path, optimizers=None, **plan):
 def test_a_plan_made_for_four_ranks_is_not_installed_on_one(tmp_path):
     """Saved by 4 FSDP ranks (micro-batch 4 x 2 each), resumed on one device: this run's own plan (the
     user's 8 x 1) trains, and a warning names the world size and the strategy, both values."""
-    path, _ = _saved(tmp_path, n_gpus=4, strategy="fsdp", micro_batch_size=4, accumulate_grad_batches=2)
+    path, _ = _saved(tmp_path, world_size=4, strategy="fsdp", micro_batch_size=4, accumulate_grad_batches=2)
     callback = AutoFit("100TB", cost="flops")
     said = r"made for another run \(world size 4 -> 1; strategy fsdp -> one device\)"
     with pytest.warns(UserWarning, match=said):
         trainer, seen = _fit(tmp_path, callback, ckpt_path=path)
-    assert callback.plan.n_gpus == 1 and "GPUs" not in callback.plan.summary()
+    assert callback.plan.world_size == 1 and "GPUs" not in callback.plan.summary()
     assert seen.sizes == [8] * STEPS and trainer.global_step == 2 * STEPS
     assert {float(s["step"]) for s in seen.state.values()} == {float(STEPS)}  # AdamW's state went on
 
@@ -143,7 +143,7 @@ def test_a_plan_saved_before_its_run_was_recorded_still_resumes(tmp_path):
     CUDA device assumed, plans again, says so, and its AdamW state goes on."""
     path, checkpoint = _saved(tmp_path)
     plan = checkpoint["callbacks"]["AutoFit"]["plan"]
-    for key in ("n_gpus", "strategy", "device", "lever", "modes", "mixed_precision_policy", "cpu_offload"):
+    for key in ("world_size", "strategy", "device", "lever", "modes", "mp_policy", "cpu_offload"):
         del plan[key]
     torch.save(checkpoint, path)
     callback = AutoFit("100TB", cost="flops")
@@ -206,12 +206,12 @@ def test_a_plan_saved_by_two_ddp_ranks_is_not_installed_on_one_device(tmp_path):
     world size and the strategy, and the checkpoint's AdamW state goes on."""
     spawn_ranks(_ddp_rank, (tmp_path,), 2, "DDP")
     saved = torch.load(tmp_path / "ddp.ckpt", weights_only=False)["callbacks"]["AutoFit"]["plan"]
-    assert (saved["n_gpus"], saved["strategy"]) == (2, "ddp")
+    assert (saved["world_size"], saved["strategy"]) == (2, "ddp")
     callback = AutoFit("100TB", cost="flops")
     said = r"made for another run \(world size 2 -> 1; strategy ddp -> one device\)"
     with pytest.warns(UserWarning, match=said):
         trainer, seen = _fit(tmp_path, callback, ckpt_path=tmp_path / "ddp.ckpt")
-    assert callback.plan.n_gpus == 1 and trainer.global_step == 2 * STEPS
+    assert callback.plan.world_size == 1 and trainer.global_step == 2 * STEPS
     assert {float(s["step"]) for s in seen.state.values()} == {float(STEPS)}
 
 

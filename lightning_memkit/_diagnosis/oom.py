@@ -94,14 +94,14 @@ def step_need(
     *,
     measured: MemoryBreakdown | None = None,
     strategy: str = "ddp",
-    n_gpus: int = 1,
+    world_size: int = 1,
     **run: Any,
 ) -> tuple[MemoryBreakdown, str]:
     """What one rank's training step of ``model`` on ``batch`` needs, by category, and how that is known.
 
     ``measured`` (the breakdown of an earlier step of the same signature) when there is one, else ``step``
     simulated (``run``: ``optimizer``, ``device``) on a CPU copy of the batch, divided as ``strategy``
-    shards it over ``n_gpus``; a step with FSDP2's `Sharding`: one rank's sharded step simulated
+    shards it over ``world_size``; a step with FSDP2's `Sharding`: one rank's sharded step simulated
     (``model`` unsharded: `simulable`).
     """
     if measured is not None:
@@ -112,9 +112,9 @@ def step_need(
     if step.sharding is not None:
         layout = f"{step.sharding.world_size} under {step.sharding.describe()}"
         return need, f"one rank's step of {layout}, simulated for this batch"
-    if n_gpus > 1:
+    if world_size > 1:
         grads = model_static(model, step.precision).gradients
-        need = shard(need, strategy, n_gpus, gradient_bytes=grads)
+        need = shard(need, strategy, world_size, gradient_bytes=grads)
     return need, "simulated for this batch"
 
 
@@ -183,7 +183,7 @@ def explain_oom(
             "device). The plans below are for the step's own figure, so they are leaner than this step:"
         )
         budget = Budget(need.peak, need.peak, f"{format_bytes(need.peak)}, this step's need")
-    copies = accumulate * plan_options.get("n_gpus", 1)  # (micro, ...) -> (micro * copies, ...)
+    copies = accumulate * plan_options.get("world_size", 1)  # (micro, ...) -> (micro * copies, ...)
     whole = repeat_batch(on_cpu(batch), copies, plan_options.get("batch_axes"))
     lines += [*table, *plans_section(model, whole, budget, **plan_options)]
     return "\n".join(lines)
@@ -238,7 +238,7 @@ def plans_section(
         )
         lines += [f"       {line}" for code in by_hand_code(option, model) for line in code.splitlines()]
         names.update(c.split("(")[0] for c in lever_callbacks(option))
-    per_gpu = batch_size(batch, plan_options.get("batch_axes")) // plan.n_gpus
+    per_gpu = batch_size(batch, plan_options.get("batch_axes")) // plan.world_size
     verb = "give" if planner_present else "use" if fsdp2 else "add"
     what = f"{planner} these arguments, which make" if planner_present else f"{planner}, which makes"
     lines += [
@@ -283,7 +283,7 @@ def fastest_plans(plan: FitPlan, n: int = MAX_PLANS) -> list[tuple[FitPlan, floa
 
 
 def _brief(plan: FitPlan) -> str:
-    gpus = f" x {plan.n_gpus} GPUs ({plan.strategy})" if plan.n_gpus > 1 else ""
+    gpus = f" x {plan.world_size} GPUs ({plan.strategy})" if plan.world_size > 1 else ""
     return (
         f"micro-batch {plan.micro_batch_size} x accumulate {plan.accumulate_grad_batches}{gpus}, "
         f"checkpointing {plan.checkpointing}, {plan.optimizer or 'configured optimizer'}, {plan.precision}"

@@ -52,7 +52,7 @@ def plan_code(
     """The plan as Python a user pastes: the Trainer with ``AutoFit``, which makes this plan as the fit
     starts (`autofit_code`), then the same set by hand (`by_hand_code`). ``optimizers`` are the candidates
     planned, if given (``--optimizer``). The callback that changes the step the plan was made for
-    (`FitPlan.lever`, ``"FusedOptimizerStep"``) is in both Trainers."""
+    (`FitPlan.lever_callback`, ``"FusedOptimizerStep"``) is in both Trainers."""
     named = plan.budget.source in GPUS
     fsdp2 = by_the_strategy(plan)
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
@@ -109,7 +109,7 @@ def autofit_code(plan: FitPlan, *, optimizers: Sequence[str | None] | None) -> s
         autofit["optimizers"] = json.dumps([o for o in kahan if o is not None])
     elif optimizers is not None:
         autofit["optimizers"] = json.dumps(list(optimizers))
-    levers = [f"{plan.lever}()"] if plan.lever else []
+    levers = [f"{plan.lever_callback}()"] if plan.lever else []
     if by_the_strategy(plan):  # the strategy plans: no AutoFit callback
         if plan.tensor_parallel_size > 1 or plan.replicate_size > 1:  # the layout it planned, given
             autofit |= _layout_arguments(plan)
@@ -187,7 +187,7 @@ def lever_callbacks(plan: FitPlan) -> list[str]:
     """The callbacks that set ``plan``'s step by hand: its lever, then checkpointing. ActivationCheckpointing
     plans a budget on the unsharded step (and refuses to under FSDP): with a sharded strategy a per-block
     plan is written as its strongest mode on every block, which fits too."""
-    levers = [f"{plan.lever}()"] if plan.lever else []
+    levers = [f"{plan.lever_callback}()"] if plan.lever else []
     if plan.compile_budget is not None:  # torch's configuration, not a callback (`by_hand_code`)
         return levers
     if plan.checkpointing not in CHECKPOINT_MODES and not _sharded(plan):  # no one mode names it
@@ -238,12 +238,12 @@ def _strongest(plan: FitPlan) -> str:
 
 
 def _sharded(plan: FitPlan) -> bool:
-    return plan.n_gpus > 1 and plan.strategy != "ddp"
+    return plan.world_size > 1 and plan.strategy != "ddp"
 
 
 def by_the_strategy(plan: FitPlan) -> bool:
     """Whether ``plan`` is `AutoFitStrategy`'s to make (FSDP2 over several ranks), not AutoFit's."""
-    return plan.n_gpus > 1 and plan.strategy == "fsdp2"
+    return plan.world_size > 1 and plan.strategy == "fsdp2"
 
 
 def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
@@ -253,9 +253,9 @@ def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
     if by_the_strategy(plan):
         dp, tp = plan.data_parallel_size, plan.tensor_parallel_size
         strategy = f"ModelParallelStrategy(data_parallel_size={dp}, tensor_parallel_size={tp})"
-        trainer |= {"strategy": strategy, "devices": str(plan.n_gpus)}
-    elif plan.n_gpus > 1:
-        trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.n_gpus)}
+        trainer |= {"strategy": strategy, "devices": str(plan.world_size)}
+    elif plan.world_size > 1:
+        trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.world_size)}
     return trainer
 
 
@@ -278,7 +278,7 @@ def fsdp2_layout(plan: FitPlan, model: nn.Module | None = None) -> str:
         option += ", offload_policy=CPUOffloadPolicy()"
         names.append("CPUOffloadPolicy")
     policy = []
-    if plan.mixed_precision_policy:
+    if plan.mp_policy:
         option += ", mp_policy=policy"
         names.append("MixedPrecisionPolicy")
         policy.append("policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")

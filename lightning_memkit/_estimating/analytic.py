@@ -418,12 +418,12 @@ OFFLOAD: dict[str, tuple[str, ...]] = {
 def shard(
     breakdown: MemoryBreakdown,
     strategy: str,
-    n_gpus: int,
+    world_size: int,
     *,
     gradient_bytes: int | None = None,
     offload: str = "none",
 ) -> MemoryBreakdown:
-    """One rank's share: the categories ``strategy`` partitions are divided by ``n_gpus`` (rounded up),
+    """One rank's share: the categories ``strategy`` partitions are divided by ``world_size`` (rounded up),
     ZeRO's ``(2 + 2 + K)·Ψ / N_d`` per rank at stage 3 (Rajbhandari et al. 2020, Figure 1).
 
     ``offload`` (one of `OFFLOAD`, ZeRO strategies only) puts the partitioned categories it names in host
@@ -440,7 +440,7 @@ def shard(
     simulated peak taken before every gradient exists); ZeRO's and FSDP's own buffers are not modelled.
     """
     sharded = STRATEGIES[valid_name("strategy", strategy, STRATEGIES)]
-    _positive("n_gpus", n_gpus)
+    _positive("world_size", world_size)
     moved = OFFLOAD[valid_name("offload", offload, OFFLOAD)]
     if moved and not strategy.startswith(("zero", "deepspeed")):
         raise ValueError(
@@ -448,9 +448,9 @@ def shard(
         )
     if "parameters" in moved and "parameters" not in sharded:
         raise ValueError(f"offload={offload!r} moves parameter shards: stage 3 only, not {strategy!r}")
-    one_rank = replace(breakdown, **{c: _ceil_div(getattr(breakdown, c), n_gpus) for c in sharded})
+    one_rank = replace(breakdown, **{c: _ceil_div(getattr(breakdown, c), world_size) for c in sharded})
     one_rank = replace(one_rank, **{c: 0 for c in moved if c in sharded})
-    if strategy == "ddp" and n_gpus > 1:
+    if strategy == "ddp" and world_size > 1:
         buckets = breakdown.gradients if gradient_bytes is None else gradient_bytes
         one_rank = replace(one_rank, gradients=one_rank.gradients + buckets)
     return one_rank
@@ -549,7 +549,7 @@ def estimate_analytic(
     checkpointing: str = "none",
     attention: str = "sdpa",
     strategy: str = "ddp",
-    n_gpus: int = 1,
+    world_size: int = 1,
 ) -> MemoryBreakdown:
     """One rank's training-step memory for ``shape`` at per-device micro-batch ``batch`` × ``seq_len``.
 
@@ -571,4 +571,4 @@ def estimate_analytic(
         attention=attention,
     )
     total = replace(static, activations=acts, temporary=_autocast_copy_bytes(shape, scheme))
-    return shard(total, strategy, n_gpus)
+    return shard(total, strategy, world_size)

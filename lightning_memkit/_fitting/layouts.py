@@ -239,7 +239,7 @@ def plan_layouts(
     model: nn.Module,
     batch: Any,
     axes: SampleAxes | None,
-    n_gpus: int,
+    world_size: int,
     layouts: Layouts,
     precision: str,
     link: _fsdp2.Link,
@@ -248,7 +248,7 @@ def plan_layouts(
     """The plan (``plan(layout)``, `plan_fit` with that layout) of the first layout, in the order of least
     communication (`ordered`), that fits every rank; its note names the layout and those passed over.
     Raises `ValueError` where none fits, with each layout's reason."""
-    found, skipped = candidates(model, n_gpus, layouts)
+    found, skipped = candidates(model, world_size, layouts)
     total = batch_size(batch, axes)
     fitting = [layout for layout in found if total % layout.data_parallel_size == 0]
     skipped += [
@@ -274,7 +274,7 @@ def plan_layouts(
         note = "; ".join(n for n in [chosen.note, *notes] if n)
         return dataclasses.replace(chosen, note=note)
     reasons = [*refused, *(f"skipped: {s}" for s in skipped)]
-    raise ValueError(f"No layout of {n_gpus} ranks fits: " + ("; ".join(reasons) or "no layout to plan"))
+    raise ValueError(f"No layout of {world_size} ranks fits: " + ("; ".join(reasons) or "no layout to plan"))
 
 
 def _why_not(error: ValueError) -> str:

@@ -35,6 +35,7 @@ from lightning_memkit._estimating.lightning_step import (
 from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._optimizers.schedulers import rebind_scheduler
 from lightning_memkit._optimizers.swap import identify, lr_factor, swap_optimizer
+from lightning_memkit._step import LEVER_CALLBACKS
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 
@@ -182,7 +183,7 @@ class FitPlan:
         alternatives: every configuration simulated, as `Alternative` rows.
         strategy: Lightning's strategy name (``"ddp"``, ``"fsdp"``, ``"deepspeed_stage_2"``, ...); ``"auto"``
             for one GPU.
-        n_gpus: ranks the global batch is split across.
+        world_size: ranks the global batch is split across.
         cost: the throughput model the times came from.
         modes: the checkpointing modes that were candidates (``("none",)`` for a model without
             repeated blocks, which cannot be checkpointed; ``("none", "compile budget")`` for a compiled
@@ -190,8 +191,9 @@ class FitPlan:
         note: why some modes asked for were not candidates (``""`` when all were); `summary` shows it.
         checkpoint_plan: the checkpointing planner's plan, block by block, with its measured savings and
             recompute cost (`CheckpointPlan`); ``None`` where every block has the mode `checkpointing` names.
-        lever: the callback that changes the step the plan was made for (``"GradientRelease"``,
-            ``"FusedOptimizerStep"``, ``"OptimizerOffload"``), or ``None``.
+        lever: what changes the step the plan was made for, as `Step` says it (``"release_gradients"``,
+            ``"fused_step"``, ``"offload"``), or ``None``; `lever_callback` names the callback that makes
+            it in a Trainer.
         host_bytes: host memory the plan needs besides the device's: an offloaded optimizer's fp32
             masters, their gradients and its state (0 without offloading).
         offload_seconds: of the time per global batch, what the offloaded optimizer adds (transfers and
@@ -202,7 +204,7 @@ class FitPlan:
         cpu_offload: FSDP2's ``CPUOffloadPolicy`` (``strategy="fsdp2"``): the sharded parameters, their
             gradients and the optimizer state in host memory (`host_bytes`, about), because nothing fit
             without it; its device peak is an upper bound (see `plan_fit`).
-        mixed_precision_policy: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+        mp_policy: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)`` on every unit (a ``bf16-mixed`` plan of `AutoFitStrategy`).
         device: the device type the step was simulated for: ``"cuda"`` (the caching allocator's 512-byte
             blocks, foreach optimizers) or ``"cpu"``.
@@ -222,7 +224,7 @@ class FitPlan:
     margin: float = 0.1
     alternatives: tuple[Alternative, ...] = ()
     strategy: str = "auto"
-    n_gpus: int = 1
+    world_size: int = 1
     cost: StepCost | None = field(default=None, compare=False)
     modes: tuple[str, ...] = field(default=CHECKPOINT_MODES, compare=False)
     note: str = field(default="", compare=False)
@@ -232,7 +234,7 @@ class FitPlan:
     offload_seconds: float = 0.0
     reshard_after_forward: bool | None = None
     cpu_offload: bool = False
-    mixed_precision_policy: bool = False
+    mp_policy: bool = False
     device: str = "cuda"
     tensor_parallel_size: int = 1
     replicate_size: int = 1
@@ -249,8 +251,26 @@ class FitPlan:
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks that each take their own batch: ``n_gpus // tensor_parallel_size``."""
-        return self.n_gpus // self.tensor_parallel_size
+        """The ranks that each take their own batch: ``world_size // tensor_parallel_size``."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def lever_callback(self) -> str | None:
+        """The callback that makes `lever` in a Trainer (``"GradientRelease"``, ``"FusedOptimizerStep"``,
+        ``"OptimizerOffload"``), or ``None``."""
+        return None if self.lever is None else LEVER_CALLBACKS[self.lever]
+
+    @property
+    def n_gpus(self) -> int:
+        """`world_size`'s old name; it stops working in the next minor release."""
+        _renamed("n_gpus", "world_size")
+        return self.world_size
+
+    @property
+    def mixed_precision_policy(self) -> bool:
+        """`mp_policy`'s old name; it stops working in the next minor release."""
+        _renamed("mixed_precision_policy", "mp_policy")
+        return self.mp_policy
 
     @property
     def layout(self) -> str:
@@ -358,17 +378,17 @@ class FitPlan:
             margin=data.get("margin", 0.1),
             alternatives=tuple(Alternative(**a) for a in data.get("alternatives", ())),
             strategy=data.get("strategy", "ddp"),
-            n_gpus=data.get("n_gpus", 1),
+            world_size=data.get("world_size", data.get("n_gpus", 1)),  # a plan saved before the rename
             cost=StepCost(**cost) if cost else None,
             modes=tuple(data.get("modes", CHECKPOINT_MODES)),
             note=data.get("note", ""),
             checkpoint_plan=CheckpointPlan.from_dict(checkpoints) if checkpoints else None,
-            lever=data.get("lever"),
+            lever=_LEVER_WORDS.get(data.get("lever"), data.get("lever")),  # a plan saved as the callback
             host_bytes=data.get("host_bytes", 0),
             offload_seconds=data.get("offload_seconds", 0.0),
             reshard_after_forward=data.get("reshard_after_forward"),
             cpu_offload=data.get("cpu_offload", False),
-            mixed_precision_policy=data.get("mixed_precision_policy", False),
+            mp_policy=data.get("mp_policy", data.get("mixed_precision_policy", False)),
             device=data.get("device", "cuda"),
             tensor_parallel_size=data.get("tensor_parallel_size", 1),
             replicate_size=data.get("replicate_size", 1),
@@ -376,9 +396,9 @@ class FitPlan:
 
     def summary(self) -> str:
         """One line: the plan and its peak against the limit."""
-        gpus = f" x {self.n_gpus} GPUs ({self.strategy})" if self.n_gpus > 1 else ""
-        if self.n_gpus > 1 and (self.tensor_parallel_size > 1 or self.replicate_size > 1):
-            gpus = f" x {self.n_gpus} GPUs ({self.layout})"
+        gpus = f" x {self.world_size} GPUs ({self.strategy})" if self.world_size > 1 else ""
+        if self.world_size > 1 and (self.tensor_parallel_size > 1 or self.replicate_size > 1):
+            gpus = f" x {self.world_size} GPUs ({self.layout})"
         return (
             f"micro-batch {self.micro_batch_size} x accumulate {self.accumulate_grad_batches}{gpus}, "
             f"checkpointing {self.checkpointing}, optimizer {self.optimizer or 'as configured'}, "
@@ -389,8 +409,8 @@ class FitPlan:
                 if self.reshard_after_forward is None
                 else f", reshard_after_forward={self.reshard_after_forward}"
             )
-            + (f"; with {self.lever}" if self.lever else "")
-            + ("; gathered in bf16 (MixedPrecisionPolicy)" if self.mixed_precision_policy else "")
+            + (f"; with {self.lever_callback}" if self.lever else "")
+            + ("; gathered in bf16 (MixedPrecisionPolicy)" if self.mp_policy else "")
             + ("; offloaded to the CPU (CPUOffloadPolicy)" if self.cpu_offload else "")
             + (f" ({format_bytes(self.host_bytes)} of host memory" if self.host_bytes else "")
             + (
@@ -526,3 +546,15 @@ class _Applied:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+#: A lever by its callback's name, as plans saved before `FitPlan.lever` took `Step`'s word name it.
+_LEVER_WORDS = {callback: lever for lever, callback in LEVER_CALLBACKS.items()}
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"FitPlan.{old} is now FitPlan.{new}; {old} stops working in the next minor release",
+        FutureWarning,
+        stacklevel=3,
+    )

@@ -16,7 +16,8 @@ from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
 from lightning_memkit._estimating.analytic import shard
 from lightning_memkit._estimating.lightning_step import batch_size
 from lightning_memkit._fitting.simulations import Candidate, Simulations
-from lightning_memkit._fitting.space import LEVER_CALLBACKS, Pair, SearchSpace, _pairs, loads
+from lightning_memkit._fitting.space import Pair, SearchSpace, _pairs, loads
+from lightning_memkit._step import LEVER_CALLBACKS
 
 _SUGGESTED_GPUS = (2, 4, 8, 16, 32, 64)
 #: The end of the no-fit message where no 16-bit weights were allowed.
@@ -46,7 +47,7 @@ def _lever_that_fits(space: SearchSpace, search: Simulations) -> str:
     lever's keyword: its leanest optimizer and precision (`_pairs` as it forms them), the strongest
     checkpointing, and for the fused step one micro-batch, the global batch per GPU. Where it fits, that
     `plan_fit` finds a plan: a refusal never contradicts the planner."""
-    if search.lever is not None or search.n_gpus > 1 or search.sharding:
+    if search.lever is not None or search.world_size > 1 or search.sharding:
         return ""
     modes, limit = space.modes, space.limit
     strongest = modes[-1] if modes[-1] in CHECKPOINT_MODES else "none"  # compiled: the budget configured
@@ -100,7 +101,7 @@ def _infeasible(space: SearchSpace, search: Simulations, pairs: Sequence[Pair], 
         ),
         None,
     )
-    ranks = f" over {search.n_gpus} GPUs ({search.strategy})" if search.n_gpus > 1 else ""
+    ranks = f" over {search.world_size} GPUs ({search.strategy})" if search.world_size > 1 else ""
     fixes = []
     if fsdp is not None:
         fixes.append(f"{fsdp} GPUs of this size with strategy='fsdp' (or deepspeed_stage_3) keep {first_opt}")

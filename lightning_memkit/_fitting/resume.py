@@ -34,7 +34,7 @@ def stale(saved: FitPlan, current: FitPlan) -> list[Change]:
         if old != new:
             changes.append((what, show(old), show(new)))
 
-    differ("world size", saved.n_gpus, current.n_gpus)
+    differ("world size", saved.world_size, current.world_size)
     differ("strategy", _layout(saved), _layout(current))
     # tensor parallel, HSDP: another rank's share (beside the world size, which says itself)
     degrees = (
@@ -43,7 +43,7 @@ def stale(saved: FitPlan, current: FitPlan) -> list[Change]:
     )
     if saved.strategy == current.strategy == "fsdp2" and degrees[0] != degrees[1]:
         differ("parallel layout", saved.layout, current.layout)
-    differ("FSDP2 bf16 MixedPrecisionPolicy", saved.mixed_precision_policy, current.mixed_precision_policy)
+    differ("FSDP2 bf16 MixedPrecisionPolicy", saved.mp_policy, current.mp_policy)
     usable = (saved.budget.total, saved.budget.usable), (current.budget.total, current.budget.usable)
     if usable[0] != usable[1]:
         changes.append(("budget", _budget(saved), _budget(current)))
@@ -79,7 +79,7 @@ def refusal(saved: FitPlan, current: FitPlan, changed: list[Change], why: str, f
 def _layout(plan: FitPlan) -> str:
     """The plan's strategy, one device read alike whatever its name (``"auto"``; ``"ddp"``, the default of a
     plan saved without one)."""
-    return "one device" if plan.n_gpus == 1 and plan.strategy in ("auto", "ddp") else plan.strategy
+    return "one device" if plan.world_size == 1 and plan.strategy in ("auto", "ddp") else plan.strategy
 
 
 def _per_rank(plan: FitPlan) -> int:

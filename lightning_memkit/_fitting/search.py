@@ -32,7 +32,6 @@ from lightning_memkit._fitting.ranking import Ranking, _Option, _quickest
 from lightning_memkit._fitting.refusal import no_fit_message
 from lightning_memkit._fitting.simulations import Simulations
 from lightning_memkit._fitting.space import (
-    LEVER_CALLBACKS,
     LIGHTNING_STRATEGY,
     Pair,
     SearchSpace,
@@ -43,8 +42,8 @@ from lightning_memkit._fitting.space import (
 )
 from lightning_memkit._levers.offload import transfer_seconds
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._step import Sharding, Step
-from lightning_memkit._vocabulary import AUTO
+from lightning_memkit._step import LEVERS, Sharding, Step
+from lightning_memkit._vocabulary import AUTO, renamed_keywords
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -55,6 +54,7 @@ TIMED_NOTE = (
 )
 
 
+@renamed_keywords(n_gpus="world_size", mixed_precision_policy="mp_policy")
 def plan_fit(
     model: nn.Module,
     batch: Any,
@@ -65,7 +65,7 @@ def plan_fit(
     precision: str | Sequence[str] = "32-true",
     checkpointing: str | Sequence[str] = AUTO,
     strategy: str = "ddp",
-    n_gpus: int = 1,
+    world_size: int = 1,
     device: str = "cuda",
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     cost: str | StepCost = "auto",
@@ -77,11 +77,12 @@ def plan_fit(
     refine_limit: int | None = None,
     cpu_offload: bool | None = False,
     link: _fsdp2.Link | None = None,
-    mixed_precision_policy: bool = False,
+    mp_policy: bool = False,
     batch_axes: SampleAxes | None = None,
     micro_batch_size: int | None = None,
     sharding: Sharding | _layouts.Layouts | Literal["auto"] | None = None,
     blocks: LayerClasses | None = None,
+    step: Step | None = None,
 ) -> FitPlan:
     """The fastest configuration whose simulated peak is at most ``budget.usable * (1 - margin)``; or, with
     ``micro_batch_size``, the run as set up where that fits.
@@ -101,10 +102,12 @@ def plan_fit(
         checkpointing: the checkpointing modes a block may get: ``"auto"`` (all of `CHECKPOINT_MODES`),
             one mode (that one or none), or the modes (``("none", "full")``); the plan chooses block by
             block.
-        strategy, n_gpus: shard one rank's step (``"ddp"``, ``"fsdp"``, ``"zero1"`` to ``"zero3"``,
-            ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``: the whole step divided); the batch is split
-            across ranks. ``"fsdp2"``: one rank's FSDP2 step simulated (`estimate_memory`'s
-            ``strategy="fsdp2"``), checkpointing planned block by block on it.
+        strategy, world_size: shard one rank's step over ``world_size`` ranks, by Lightning's strategy name
+            (``"ddp"``, ``"fsdp"``, ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``: the whole step
+            divided; ``"zero1"`` to ``"zero3"`` are DeepSpeed's stages too); the batch is split across ranks.
+            ``"fsdp2"`` (Lightning's ``ModelParallelStrategy`` with ``fully_shard``): one rank's FSDP2 step
+            simulated (`estimate_memory`'s ``strategy="fsdp2"``), checkpointing planned block by block on
+            it. ``n_gpus=`` is ``world_size``'s old name.
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.
@@ -139,15 +142,16 @@ def plan_fit(
             of what stays on the device, not simulated as such). ``None``: only where nothing fits
             without it (`AutoFitStrategy`, ``memkit plan``). `FitPlan.cpu_offload` and
             `FitPlan.host_bytes` say so.
-        mixed_precision_policy: with ``strategy="fsdp2"``, the ``bf16-mixed`` plans shard each unit with
+        mp_policy: with ``strategy="fsdp2"``, ``True``: the ``bf16-mixed`` plans shard each unit with
             FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
-            (parameters all-gathered and computed in bf16, gradients reduce-scattered in fp32), as
-            `AutoFitStrategy` does; `FitPlan.mixed_precision_policy` says whether the plan has it.
+            (parameters all-gathered and computed in bf16, gradients reduce-scattered in fp32; the policy
+            `estimate_memory`'s and `Sharding`'s ``mp_policy`` simulate), as `AutoFitStrategy` does;
+            `FitPlan.mp_policy` says whether the plan has it. ``mixed_precision_policy=`` is its old name.
         sharding: with ``strategy="fsdp2"``, the layout the run applies (`Sharding`: tensor parallelism,
             HSDP, or a ``parallelize_fn`` such as a LightningModule's own ``configure_model``), simulated as
-            it is; its ``world_size`` is ``n_gpus``, and the global batch splits over its data-parallel
-            ranks. Default: FSDP2's documented layout over ``n_gpus``. ``"auto"`` or a `Layouts`: the layout
-            planned too, among tensor-parallel degrees (torchtitan's LLaMA plan, or the user's
+            it is; its ``world_size`` is the run's, and the global batch splits over its data-parallel
+            ranks. Default: FSDP2's documented layout over ``world_size``. ``"auto"`` or a `Layouts`: the
+            layout planned too, among tensor-parallel degrees (torchtitan's LLaMA plan, or the user's
             ``parallelize_fn``) and HSDP splits, the global batch the same for each: the first, in the
             order of least communication, whose plan fits every rank (`_fitting.layouts`; its cost model
             there). `FitPlan.tensor_parallel_size` and `FitPlan.replicate_size` say which.
@@ -162,6 +166,12 @@ def plan_fit(
         blocks: the layer classes whose instances are the blocks to checkpoint (``{ResBlock, AttnBlock}``,
             as `ActivationCheckpointing` takes them); default: the repeated layers `find_blocks` finds. A
             plan that checkpoints names its blocks (`FitPlan.checkpoint_plan`).
+        step: the `Step` every candidate starts from, in place of the keywords it holds: its precision
+            (the one planned), its lever (``release_gradients``, ``fused_step`` or ``offload``) and its
+            `Sharding` (``strategy="fsdp2"`` over its ``world_size``, the layout simulated as it is). What
+            the planner chooses, it must leave at its default: checkpointing (give the modes a block may get
+            as ``checkpointing=``), the accumulating and first step (every candidate's are planned), and
+            torch.compile's budget. A keyword given beside it with another value is a ``TypeError``.
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -172,14 +182,18 @@ def plan_fit(
             what would fit (more GPUs with FSDP, a larger GPU). Also for an empty ``batch``.
         NotImplementedError: a LightningModule with manual optimization.
     """
+    if step is not None:  # spelled as the keywords it stands for
+        return plan_fit(
+            **_step_as_keywords({name: value for name, value in locals().items() if name in _ARGUMENTS})
+        )
     if sharding == "auto" or isinstance(sharding, _layouts.Layouts):  # the layout planned too
         return _plan_layouts({name: value for name, value in locals().items() if name in _ARGUMENTS})
     space = SearchSpace.of(
         model, batch, budget, margin=margin, optimizers=optimizers, precision=precision,
-        checkpointing=checkpointing, strategy=strategy, n_gpus=n_gpus, device=device, loss_fn=loss_fn,
+        checkpointing=checkpointing, strategy=strategy, world_size=world_size, device=device, loss_fn=loss_fn,
         cost=cost, progress=progress, release_gradients=release_gradients, fused_step=fused_step,
         offload=offload, compensate=compensate, refine_limit=refine_limit, cpu_offload=cpu_offload,
-        link=link, mixed_precision_policy=mixed_precision_policy, batch_axes=batch_axes,
+        link=link, mp_policy=mp_policy, batch_axes=batch_axes,
         micro_batch_size=micro_batch_size, sharding=sharding, blocks=blocks,
     )  # fmt: skip
     search = Simulations.of(space)
@@ -231,7 +245,7 @@ def _plan_layouts(arguments: dict[str, Any]) -> FitPlan:
     try:
         return _layouts.plan_layouts(
             plan, arguments["model"], batch, default_axes(batch) if axes is None else axes,
-            arguments["n_gpus"], layouts, precision if isinstance(precision, str) else precision[0],
+            arguments["world_size"], layouts, precision if isinstance(precision, str) else precision[0],
             arguments["link"] or _fsdp2.LINKS[device], device,
         )  # fmt: skip
     except ValueError as error:
@@ -241,18 +255,54 @@ def _plan_layouts(arguments: dict[str, Any]) -> FitPlan:
     # CPU offload (None: where nothing fits without it) last, on FSDP2's layout over every rank, the only
     # one it is planned for: its transfers cost more than any layout's collectives
     try:
-        offloaded = plan(Sharding(arguments["n_gpus"]), None)
+        offloaded = plan(Sharding(arguments["world_size"]), None)
     except ValueError as error:
         raise ValueError(f"{no_layout}. With CPU offload: {error}") from None
     return dataclasses.replace(offloaded, note="; ".join(filter(None, (offloaded.note, no_layout))))
 
 
-#: `plan_fit`'s arguments, as `_plan_layouts` passes them on.
+#: `plan_fit`'s arguments, as `_plan_layouts` and `_step_as_keywords` pass them on.
 _ARGUMENTS = frozenset(inspect.signature(plan_fit).parameters)
 
 
-#: `plan_fit`'s arguments, as `_plan_layouts` passes them on.
-_ARGUMENTS = frozenset(inspect.signature(plan_fit).parameters)
+def _step_as_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
+    """`plan_fit`'s ``arguments`` with its ``step=`` given as the keywords the step stands for: precision,
+    lever and FSDP2 layout. A keyword set beside it to another value, or a part of the step the planner
+    chooses itself, is refused."""
+    step = arguments.pop("step")
+    if not isinstance(step, Step):
+        raise TypeError(f"step= must be a Step; got {step!r} ({type(step).__name__})")
+    chosen = {
+        "checkpointing": step.checkpointing is not None,
+        "accumulating": step.accumulating,
+        "first_step": step.first_step,
+        "compile_budget": step.compile_budget is not None,
+    }
+    if any(chosen.values()):
+        raise ValueError(
+            f"plan_fit chooses the step's {', '.join(k for k, v in chosen.items() if v)} itself: give a step "
+            "of precision, lever and sharding only (the modes a block may get go in checkpointing=)"
+        )
+    given: dict[str, Any] = {"precision": step.precision}
+    given |= {lever: step.lever == lever for lever in LEVERS}
+    if step.sharding is not None:
+        given |= {
+            "strategy": Sharding.strategy,
+            "world_size": step.sharding.world_size,
+            "sharding": step.sharding,
+        }
+    clash = [name for name, value in given.items() if arguments[name] not in (_DEFAULTS[name], value)]
+    if clash:
+        raise TypeError(f"plan_fit() got step= and {'=, '.join(clash)}=: give one or the other")
+    return arguments | given
+
+
+#: `plan_fit`'s defaults, which `_step_as_keywords` may replace.
+_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(plan_fit).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+}
 
 
 class _Transfers(NamedTuple):
@@ -296,7 +346,7 @@ def _step_cost(
     timing = "flops" if set_up and isinstance(space.cost, str) else space.cost
     step_cost = search.step_cost(timing, opt, prec)
     if (
-        search.sharding and space.n_gpus > 1
+        search.sharding and space.world_size > 1
     ):  # the layout's collectives every micro-step, each rank's on `link`
         fixed, per_sample = _layouts.collectives(
             space.model,
@@ -310,7 +360,7 @@ def _step_cost(
         )
     transfers = _Transfers()
     if search.cpu_offload:  # FSDP2's CPUOffloadPolicy: a rank's shards, their gradients and the state
-        on_host = shard(model_static(space.model, prec, opt or "sgd"), "fsdp", space.n_gpus)
+        on_host = shard(model_static(space.model, prec, opt or "sgd"), "fsdp", space.world_size)
         moved = (on_host.parameters, on_host.gradients, on_host.optimizer_state)
         step_cost, transfers = _offloaded(space, step_cost, on_host.static, moved)
     if space.lever == "offload":  # the optimizer on the host
@@ -392,18 +442,18 @@ def _fit_plan(
         budget=space.budget,
         margin=space.margin,
         alternatives=ranking.alternatives(options, space.planned_optimizers, space.precisions),
-        strategy=LIGHTNING_STRATEGY[space.strategy] if space.n_gpus > 1 else "auto",
-        n_gpus=space.n_gpus,
+        strategy=LIGHTNING_STRATEGY[space.strategy] if space.world_size > 1 else "auto",
+        world_size=space.world_size,
         cost=ranking.cost,
         modes=space.modes,
         note=note,
         checkpoint_plan=best.plan or named_plan(space.model, best.label, search.blocks),
-        lever=LEVER_CALLBACKS.get(space.lever),
+        lever=space.lever,
         host_bytes=transfers.host,
         offload_seconds=transfers.per_step + transfers.micro * (G // best.m),
         reshard_after_forward=reshard,
         cpu_offload=search.cpu_offload,
-        mixed_precision_policy=getattr(search.sharded(prec), "mp_policy", None) is not None,
+        mp_policy=getattr(search.sharded(prec), "mp_policy", None) is not None,
         device=torch.device(space.device).type,
         tensor_parallel_size=sharding.tensor_parallel_size if sharding else 1,
         replicate_size=sharding.replicate_size if sharding else 1,
@@ -457,7 +507,7 @@ def static_floor(
     precision: str | Sequence[str],
     *,
     strategy: str = "ddp",
-    n_gpus: int = 1,
+    world_size: int = 1,
     compensate: bool = True,
     release_gradients: bool = False,
     fused_step: bool = False,
@@ -468,8 +518,8 @@ def static_floor(
     arguments: no plan fits a limit below it. No simulation; ``None`` when no pair would be planned."""
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
     lever = Step.of(release_gradients=release_gradients, fused_step=fused_step, offload=offload).lever
-    search = Simulations(model, None, None, "cuda", strategy, n_gpus, lever=lever)
-    candidates, _ = _candidates(model, optimizers, strategy, n_gpus)
+    search = Simulations(model, None, None, "cuda", strategy, world_size, lever=lever)
+    candidates, _ = _candidates(model, optimizers, strategy, world_size)
     pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)
     return min((search.static(o, p) for o, p in pairs), default=None)
 

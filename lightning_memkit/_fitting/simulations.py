@@ -66,8 +66,8 @@ class Simulations:
     """Simulations of one model and batch, cached by `Candidate`; one rank's (sharded) peak."""
 
     def __init__(
-        self, model, batch, loss_fn, device, strategy, n_gpus, *, progress=None, lever=None, axes=None,
-        layout=None, limit=None, refine_limit=None, cpu_offload=False, mixed_precision_policy=False,
+        self, model, batch, loss_fn, device, strategy, world_size, *, progress=None, lever=None, axes=None,
+        layout=None, limit=None, refine_limit=None, cpu_offload=False, mp_policy=False,
         blocks=None,
     ) -> None:  # fmt: skip
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
@@ -76,13 +76,13 @@ class Simulations:
         #: what changes the optimizer step (`Step.lever`), planned for
         self.lever: Lever | None = lever
         #: how one rank's share is cut (`shard`): one process runs its whole step
-        self.strategy = strategy if n_gpus > 1 or strategy == "fsdp2" else "ddp"
-        self.n_gpus = n_gpus
+        self.strategy = strategy if world_size > 1 or strategy == "fsdp2" else "ddp"
+        self.world_size = world_size
         #: FSDP2's step is simulated sharded (one rank's, in the run's layout); the other strategies
         #: divide the whole step
-        self.sharding = (layout or Sharding(n_gpus)) if strategy == "fsdp2" else None
+        self.sharding = (layout or Sharding(world_size)) if strategy == "fsdp2" else None
         #: FSDP2 with a bf16 MixedPrecisionPolicy for the bf16-mixed steps (`plan_fit`'s keyword)
-        self.mixed_precision_policy = mixed_precision_policy
+        self.mp_policy = mp_policy
         self.cache: dict[Candidate, MemoryBreakdown] = {}  # one rank's
         self.counts: dict[Candidate, tuple[int, int]] = {}  # FLOPs and ops of the steps `counted`
         self.whole: dict[Candidate, MemoryBreakdown] = {}  # the same steps, unsharded
@@ -117,15 +117,15 @@ class Simulations:
     def of(cls, space: SearchSpace) -> Simulations:
         """The simulations of one rank's step in ``space``: its batch, strategy, lever and limit."""
         return cls(
-            space.model, space.per_rank, space.loss_fn, space.device, space.strategy, space.n_gpus,
+            space.model, space.per_rank, space.loss_fn, space.device, space.strategy, space.world_size,
             progress=space.progress, lever=space.lever, axes=space.axes, layout=space.sharding,
             limit=space.limit, refine_limit=space.refine_limit, cpu_offload=bool(space.cpu_offload),
-            mixed_precision_policy=space.mixed_precision_policy, blocks=space.blocks,
+            mp_policy=space.mp_policy, blocks=space.blocks,
         )  # fmt: skip
 
     def sharded(self, precision: str) -> Sharding | None:
         """The FSDP2 layout of a step at ``precision`` (``None``: not sharded)."""
-        if self.sharding is not None and self.mixed_precision_policy and precision == "bf16-mixed":
+        if self.sharding is not None and self.mp_policy and precision == "bf16-mixed":
             return dataclasses.replace(self.sharding, mp_policy=_fsdp2.bf16_policy())
         return self.sharding
 
@@ -232,7 +232,7 @@ class Simulations:
         if self.sharding:
             return self.offloaded(breakdown, precision) if self.cpu_offload else breakdown
         grads = self._static(None, precision).gradients
-        return shard(breakdown, self.strategy, self.n_gpus, gradient_bytes=grads)
+        return shard(breakdown, self.strategy, self.world_size, gradient_bytes=grads)
 
     def offloaded(self, breakdown: MemoryBreakdown, precision: str) -> MemoryBreakdown:
         """What of one rank's FSDP2 step stays on the device under ``CPUOffloadPolicy``: the sharded
@@ -244,8 +244,8 @@ class Simulations:
         if itemsize not in self._shard_bytes:  # the model's shards, once per element size
             blocks = [name for name, _ in find_blocks(self.model)]
             self._shard_bytes[itemsize] = (
-                _fsdp2.shard_bytes(self.model, self.n_gpus, itemsize),
-                _fsdp2.largest_unit_shard(self.model, blocks, self.n_gpus, itemsize),
+                _fsdp2.shard_bytes(self.model, self.world_size, itemsize),
+                _fsdp2.largest_unit_shard(self.model, blocks, self.world_size, itemsize),
             )
         shards, in_flight = self._shard_bytes[itemsize]
         return dataclasses.replace(
@@ -428,7 +428,7 @@ class Simulations:
         if optimizer is None or self.cpu_offload:
             return 0
         try:
-            return shard(self._static(optimizer, precision), self.strategy, self.n_gpus).static
+            return shard(self._static(optimizer, precision), self.strategy, self.world_size).static
         except ValueError:
             return 0
 

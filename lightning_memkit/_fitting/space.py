@@ -52,12 +52,6 @@ LIGHTNING_STRATEGY: dict[str, str] = {
     "deepspeed_stage_2": "deepspeed_stage_2",
     "deepspeed_stage_3": "deepspeed_stage_3",
 }
-#: The step levers, `plan_fit`'s keywords, cheapest first, and the callback that makes each in a Trainer.
-LEVER_CALLBACKS = {
-    "release_gradients": "GradientRelease",
-    "fused_step": "FusedOptimizerStep",
-    "offload": "OptimizerOffload",
-}
 
 Pair = tuple[str | None, str]
 """An optimizer (catalogue name; ``None``: the model's own) and a Lightning precision string."""
@@ -87,7 +81,7 @@ class SearchSpace:
     #: the checkpointing modes a block may get (`_checkpointable`), weakest first
     modes: tuple[str, ...]
     strategy: str
-    n_gpus: int
+    world_size: int
     #: the ranks the global batch splits over (`_data_parallel_ranks`)
     ranks: int
     lever: Lever | None
@@ -106,7 +100,7 @@ class SearchSpace:
     #: FSDP2's CPUOffloadPolicy: asked for, not, or (``None``) where nothing fits without it
     cpu_offload: bool | None
     link: _fsdp2.Link | None
-    mixed_precision_policy: bool
+    mp_policy: bool
     #: the run's FSDP2 layout (``None``: FSDP2's default, or not FSDP2)
     sharding: Sharding | None
     #: the classes whose instances are the blocks (``None``: `find_blocks`')
@@ -115,9 +109,9 @@ class SearchSpace:
 
     @classmethod
     def of(
-        cls, model, batch, budget, *, margin, optimizers, precision, checkpointing, strategy, n_gpus, device,
-        loss_fn, cost, progress, release_gradients, fused_step, offload, compensate, refine_limit,
-        cpu_offload, link, mixed_precision_policy, batch_axes, micro_batch_size, sharding, blocks,
+        cls, model, batch, budget, *, margin, optimizers, precision, checkpointing, strategy, world_size,
+        device, loss_fn, cost, progress, release_gradients, fused_step, offload, compensate, refine_limit,
+        cpu_offload, link, mp_policy, batch_axes, micro_batch_size, sharding, blocks,
     ) -> SearchSpace:  # fmt: skip
         """The space `plan_fit` searches with these arguments (its own), each checked in the order the
         errors are documented; raises the first error found."""
@@ -132,22 +126,21 @@ class SearchSpace:
             raise ValueError(
                 "precision= is empty: give a Lightning precision string, e.g. '32-true' or 'bf16-mixed'"
             )
-        if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < 1:
-            raise ValueError(f"n_gpus must be a whole number of GPUs, at least 1; got {n_gpus!r}")
+        world_size = whole_number("world_size", world_size, of="ranks", at_least=1)
         strategy = valid_name("strategy", strategy, STRATEGIES)
-        ranks = _data_parallel_ranks(sharding, strategy, n_gpus, cpu_offload)
+        ranks = _data_parallel_ranks(sharding, strategy, world_size, cpu_offload)
         modes, dropped = _checkpointable(
             model, allowed_modes(checkpointing), sharded=strategy == "fsdp2", blocks=blocks
         )
         axes = default_axes(batch) if batch_axes is None else batch_axes
         total = batch_size(batch, axes)
         if total % ranks:
-            what = f"{ranks} data-parallel ranks" if ranks != n_gpus else f"{n_gpus} GPUs"
+            what = f"{ranks} data-parallel ranks" if ranks != world_size else f"{world_size} GPUs"
             raise ValueError(f"The global batch of {total} does not split evenly across {what}")
         per_rank = batch_slice(batch, total // ranks, axes=axes)
         sizes = _divisors(total // ranks)
-        _check_levers(strategy, n_gpus, fused_step, offload)
-        optimizers, unsharded = _candidates(model, optimizers, strategy, n_gpus)
+        _check_levers(strategy, world_size, fused_step, offload)
+        optimizers, unsharded = _candidates(model, optimizers, strategy, world_size)
         if not optimizers:
             raise ValueError(
                 f"No optimizer to plan: {unsharded}; name a torch or torch-optimi one (adamw, sgd)"
@@ -155,15 +148,15 @@ class SearchSpace:
         pairs = _pairs(optimizers, precisions, compensate and not offload, fused_step)  # masters are fp32
         _check_pairs(pairs, optimizers, precisions, fused_step)
         blocks = None if blocks is None else block_classes(blocks)
-        _check_fsdp2_options(strategy, cpu_offload, mixed_precision_policy)
+        _check_fsdp2_options(strategy, cpu_offload, mp_policy)
         return cls(
             model, batch, per_rank, axes, total,
             tuple(sizes[-1:] if fused_step else sizes),  # the fused step steps at every backward
-            budget, margin, int(budget.usable * (1 - margin)), precisions, modes, strategy, n_gpus, ranks,
+            budget, margin, int(budget.usable * (1 - margin)), precisions, modes, strategy, world_size, ranks,
             Step.of(release_gradients=release_gradients, fused_step=fused_step, offload=offload).lever,
             optimizers, tuple(pairs), compensate, tuple(note for note in (dropped, unsharded) if note),
             device, loss_fn, cost, progress, refine_limit, cpu_offload if strategy == "fsdp2" else False,
-            link, mixed_precision_policy, sharding, blocks, micro_batch_size,
+            link, mp_policy, sharding, blocks, micro_batch_size,
         )  # fmt: skip
 
     @property
@@ -180,7 +173,7 @@ class SearchSpace:
     def offload_when_needed(self) -> bool:
         """Whether FSDP2's CPU offload is tried only where nothing fits without it (``cpu_offload=None``):
         on FSDP2's own layout over every rank, the only one `Simulations.offloaded` models."""
-        plain = self.sharding is None or self.sharding.shard_size == self.n_gpus
+        plain = self.sharding is None or self.sharding.shard_size == self.world_size
         return self.cpu_offload is None and self.strategy == "fsdp2" and plain
 
 
@@ -196,18 +189,18 @@ def _check_model(model: nn.Module) -> None:
         raise ValueError(empty)
 
 
-def _check_levers(strategy: str, n_gpus: int, fused_step: bool, offload: bool) -> None:
+def _check_levers(strategy: str, world_size: int, fused_step: bool, offload: bool) -> None:
     """Refuse a step lever the strategy cannot run: the fused step under DDP and the like, the offloaded
     optimizer on several processes."""
-    if fused_step and n_gpus > 1 and strategy != "fsdp2":
+    if fused_step and world_size > 1 and strategy != "fsdp2":
         raise ValueError(
             f"The optimizer step fused into backward cannot run under {strategy}: it reduces each "
-            "gradient across ranks after backward. Plan it with n_gpus=1 or strategy='fsdp2' (each "
+            "gradient across ranks after backward. Plan it with world_size=1 or strategy='fsdp2' (each "
             "shard steps once its reduce-scatter is done), or plan release_gradients=True instead."
         )
-    if offload and (fused_step or n_gpus > 1):
+    if offload and (fused_step or world_size > 1):
         raise ValueError(
-            "The offloaded optimizer runs on one process, its step after backward: plan it with n_gpus=1 "
+            "The offloaded optimizer runs on one process, its step after backward: plan it with world_size=1 "
             "and without fused_step."
         )
 
@@ -231,16 +224,15 @@ def _check_pairs(
         )
 
 
-def _check_fsdp2_options(strategy: str, cpu_offload: bool | None, mixed_precision_policy: bool) -> None:
+def _check_fsdp2_options(strategy: str, cpu_offload: bool | None, mp_policy: bool) -> None:
     """Refuse FSDP2's own options under another strategy."""
     if cpu_offload and strategy != "fsdp2":
         raise ValueError(
             f"cpu_offload is FSDP2's CPUOffloadPolicy: plan it with strategy='fsdp2', not {strategy!r}"
         )
-    if mixed_precision_policy and strategy != "fsdp2":
+    if mp_policy and strategy != "fsdp2":
         raise ValueError(
-            f"mixed_precision_policy is FSDP2's MixedPrecisionPolicy: plan it with strategy='fsdp2', not "
-            f"{strategy!r}"
+            f"mp_policy is FSDP2's MixedPrecisionPolicy: plan it with strategy='fsdp2', not {strategy!r}"
         )
 
 
@@ -248,17 +240,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _data_parallel_ranks(sharding: Sharding | None, strategy: str, n_gpus: int, cpu_offload: Any) -> int:
-    """The ranks the global batch splits over: ``n_gpus``, less tensor parallelism's groups of the run's
+def _data_parallel_ranks(sharding: Sharding | None, strategy: str, world_size: int, cpu_offload: Any) -> int:
+    """The ranks the global batch splits over: ``world_size``, less tensor parallelism's groups of the run's
     layout (``sharding``, checked against the other arguments)."""
     if sharding is None:
-        return n_gpus
+        return world_size
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding= must be a Sharding; got {sharding!r} ({type(sharding).__name__})")
-    if strategy != "fsdp2" or sharding.world_size != n_gpus:
+    if strategy != "fsdp2" or sharding.world_size != world_size:
         raise ValueError(
-            f"sharding= is the layout of strategy='fsdp2' over n_gpus ranks; got strategy={strategy!r}, "
-            f"n_gpus={n_gpus} and a layout over {sharding.world_size} ranks ({sharding.describe()})"
+            f"sharding= is the layout of strategy='fsdp2' over world_size ranks; got strategy={strategy!r}, "
+            f"world_size={world_size} and a layout over {sharding.world_size} ranks ({sharding.describe()})"
         )
     plain = sharding.parallelize_fn is None and sharding.tensor_parallel_size == sharding.replicate_size == 1
     if cpu_offload and not plain:
@@ -270,7 +262,7 @@ def _data_parallel_ranks(sharding: Sharding | None, strategy: str, n_gpus: int, 
 
 
 def _candidates(
-    model: nn.Module, optimizers: Sequence[str | None] | None, strategy: str, n_gpus: int
+    model: nn.Module, optimizers: Sequence[str | None] | None, strategy: str, world_size: int
 ) -> tuple[tuple[str | None, ...], str]:
     """The optimizers to plan, in quality order (the model's own, then lighter, unless named), and a note
     on those left out: under FSDP2 the bitsandbytes optimizers, whose kernels DTensor cannot shard ("does

@@ -28,7 +28,7 @@ class FSDP2Options:
     #: FSDP2's CPU offload: never (``False``), or ``None``: where nothing fits without it
     cpu_offload: bool | None = False
     #: a bf16-mixed run sharded with FSDP2's bf16 ``MixedPrecisionPolicy``
-    mixed_precision_policy: bool = False
+    mp_policy: bool = False
     #: the ranks' collectives as timed (``None``: `_sharding.fsdp2.LINKS`' for the device)
     link: Any = None
 

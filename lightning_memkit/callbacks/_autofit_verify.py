@@ -91,7 +91,7 @@ def budgets_differ(monitor: Any, plan: FitPlan, budget: Any) -> str | None:
     if theirs is None or abs(theirs - mine.usable) <= 0.01 * mine.usable:
         return None
     return (
-        f"MemoryMonitor(budget={monitor._budget_spec!r}) beside AutoFit(budget={budget!r}): "
+        f"MemoryMonitor(budget={monitor._budget.given!r}) beside AutoFit(budget={budget!r}): "
         f"the monitor warns over {format_bytes(theirs)} and logs peaks as fractions of it, while "
         f"AutoFit plans for {format_bytes(mine.usable)} (a limit of "
         f"{format_bytes(plan.limit)} after its margin). Give both the same budget, or the "

@@ -102,7 +102,7 @@ def explain_run_oom(
         as_run,
         measured=measured,
         strategy=strategy,
-        n_gpus=ranks,
+        world_size=ranks,
         optimizer=optimizer,
         device=kind,
     )
@@ -133,7 +133,7 @@ def explain_run_oom(
         precision=precision(trainer),
         checkpointing=plan.checkpointing_asked if plan is not None else CHECKPOINT_MODES,
         strategy=strategy,
-        n_gpus=ranks,
+        world_size=ranks,
         device=kind,
         compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
         planner_present=plan is not None,

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._budget import Budget, parse_budget, reads_device
+from lightning_memkit._budget import Budget, BudgetSetting
 from lightning_memkit._checkpointing.blocks import block_classes, find_blocks, no_blocks_message
 from lightning_memkit._checkpointing.planner import plan_checkpointing, planned_modes
 from lightning_memkit._checkpointing.policies import (
@@ -142,11 +142,7 @@ class ActivationCheckpointing(Callback):
         blocks: Iterable[type[nn.Module]] | None = None,
         cost: str = "measured",
     ) -> None:
-        self._budget_given = budget
-        #: The budget in bytes; one read from the device (a fraction, ``"auto"``) is known from ``setup`` on.
-        self.budget: int | None = None
-        if budget is not None and not reads_device(budget):  # a fraction is checked here, read in setup
-            self.budget = parse_budget(budget).usable
+        self._budget = BudgetSetting(budget)
         # A generator is read once, here: the checks below and `allowed_modes` read it again.
         if isinstance(checkpointing, Iterable) and not isinstance(checkpointing, (str, type)):
             checkpointing = tuple(checkpointing)
@@ -184,10 +180,16 @@ class ActivationCheckpointing(Callback):
         self._layout: Layout | None = None
 
     @property
+    def budget(self) -> int | None:
+        """The budget in bytes; one read from the device (a fraction, ``"auto"``) is known from ``setup``
+        on."""
+        return self._budget.usable
+
+    @property
     def state_key(self) -> str:
         classes = None if self.layer_classes is None else sorted(c.__qualname__ for c in self.layer_classes)
         # A budget read from the device keys as given: its bytes differ from card to card.
-        budget = self._budget_given if reads_device(self._budget_given) else self.budget
+        budget = self._budget.key
         # keyed ``policy=`` as the first checkpoints were, so that they still resume this callback
         return self._generate_state_key(budget=budget, policy=self.checkpointing, layer_classes=classes)
 
@@ -201,8 +203,9 @@ class ActivationCheckpointing(Callback):
             self._handle.remove()
             self._handle = None
         self._deferring = False
-        if reads_device(self._budget_given):
-            self.budget = _device_budget(self._budget_given, trainer)
+        if self._budget.from_device:
+            _check_cuda(self._budget.given, trainer)
+            self._budget.resolve()
         planner = autofit_in(trainer)
         if planner is not None:
             self._defer(planner)
@@ -275,7 +278,7 @@ class ActivationCheckpointing(Callback):
         micro-batch and optimizer, within this callback's modes."""
         modes = self.modes_for(planner.checkpointing)  # type: ignore[attr-defined]
         self._deferring, self.plan, self._loaded = True, None, False
-        budget = "" if self._budget_given is None else f" (its budget={self._budget_given!r} is not used)"
+        budget = "" if self._budget.given is None else f" (its budget={self._budget.given!r} is not used)"
         rank_zero_info(
             f"ActivationCheckpointing defers to AutoFit{budget}: AutoFit plans the checkpointing together "
             f"with the micro-batch and the optimizer, with {', '.join(modes)} per block; its plan is "
@@ -388,7 +391,7 @@ class ActivationCheckpointing(Callback):
                 "FSDPStrategy(activation_checkpointing_policy=...) and the ActivationCheckpointing callback "
                 "both configure activation checkpointing; keep one of them."
             )
-        if self._budget_given is not None:
+        if self._budget.given is not None:
             raise MisconfigurationException(
                 "ActivationCheckpointing(budget=...) cannot plan under FSDPStrategy yet: the simulated step "
                 "does not shard parameters, gradients and optimizer state, so its peak is not the run's. "
@@ -415,8 +418,8 @@ class ActivationCheckpointing(Callback):
         return True
 
 
-def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:
-    """A fraction or ``"auto"`` in bytes, from the device the run trains on (set by ``setup``)."""
+def _check_cuda(budget: float | str, trainer: pl.Trainer) -> None:
+    """A fraction or ``"auto"`` is read from the CUDA device the run trains on: refuse it on another."""
     device = trainer.strategy.root_device
     if device.type != "cuda":
         raise MisconfigurationException(
@@ -424,7 +427,6 @@ def _device_budget(budget: float | str, trainer: pl.Trainer) -> int:
             f"this run trains on {device.type}. Give a size ('24GB', '6GiB') or a GPU name ('A100-40GB') "
             "instead."
         )
-    return parse_budget(budget).usable
 
 
 def _layer_classes(value: Any) -> bool:

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown, format_bytes
-from lightning_memkit._budget import flag, parse_budget, reads_device, whole_number
+from lightning_memkit._budget import Budget, BudgetSetting, flag, whole_number
 from lightning_memkit._diagnosis.advise import Advice
 from lightning_memkit._diagnosis.oom import StepInFlight
 from lightning_memkit._measuring.kernels import helper_ready, start_helper
@@ -152,7 +152,7 @@ class MemoryMonitor(Callback):
 
     def __init__(
         self,
-        budget: int | str | None = None,
+        budget: int | float | str | Budget | None = None,
         log_every_n_steps: int | None = None,
         remeasure_every_n_steps: int = 100,
         plot: bool = True,
@@ -174,10 +174,7 @@ class MemoryMonitor(Callback):
             )
         if remeasure_every_n_steps < 0:
             raise ValueError(f"`remeasure_every_n_steps` must be >= 0, got {remeasure_every_n_steps}")
-        self._budget_spec = budget
-        self._budget = None if budget is None or reads_device(budget) else parse_budget(budget)
-        #: the budget in bytes (``None`` without one, or until ``setup`` for a device-relative one)
-        self.budget = None if self._budget is None else self._budget.usable
+        self._budget = BudgetSetting(budget)
         self.log_every_n_steps = log_every_n_steps
         self.remeasure_every_n_steps = int(remeasure_every_n_steps)  # numpy's integers too
         self.plot = plot
@@ -218,6 +215,11 @@ class MemoryMonitor(Callback):
         self._helper_started: float | None = None
 
     @property
+    def budget(self) -> int | None:
+        """The budget in bytes (``None`` without one, or until ``setup`` for one read from the device)."""
+        return self._budget.usable
+
+    @property
     def measured_steps(self) -> int:
         """How many steps were measured from scratch (the rest reused a twin's breakdown)."""
         return self._twins.measured_steps
@@ -236,9 +238,7 @@ class MemoryMonitor(Callback):
             )
         self._reset()  # a resumed fit gets its history back in load_state_dict, which comes after
         self._device = trainer.strategy.root_device
-        if self._budget_spec is not None and reads_device(self._budget_spec):
-            self._budget = parse_budget(self._budget_spec)
-            self.budget = self._budget.usable
+        self._budget.resolve()
         if self._device.type == "cpu" and start_helper():
             self._helper_started = time.perf_counter()
 
@@ -334,7 +334,9 @@ class MemoryMonitor(Callback):
             measured = None
             if self._in_step and not self._disabled and self._failure is None:
                 measured = self._twins.twin()
-            report_oom(trainer, pl_module, self._step, self._budget, who="MemoryMonitor", measured=measured)
+            report_oom(
+                trainer, pl_module, self._step, self._budget.budget, who="MemoryMonitor", measured=measured
+            )
         self._step.end()
 
     @override
@@ -379,7 +381,7 @@ class MemoryMonitor(Callback):
         budget as given (a device-relative one reads differently from card to card), and the periods of
         logging and re-measuring."""
         return self._generate_state_key(
-            budget=self._budget_spec,
+            budget=self._budget.given,
             log_every_n_steps=self.log_every_n_steps,
             remeasure_every_n_steps=self.remeasure_every_n_steps,
         )

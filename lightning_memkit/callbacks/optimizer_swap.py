@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_memkit._breakdown import MemoryBreakdown, MiB
-from lightning_memkit._budget import Budget, flag, parse_budget, reads_device
+from lightning_memkit._budget import Budget, BudgetSetting, flag, parse_budget
 from lightning_memkit._optimizers.choice import (
     Estimator,
     OptimizerChoice,
@@ -161,11 +161,9 @@ class OptimizerSwap(Callback):
         optimizers: Sequence[str] = DEFAULT_CANDIDATES,
         allow_unknown: bool = False,
     ) -> None:
-        self._budget_spec = budget
-        # "auto" and fractions are read from the device in ``setup``; anything else is checked now.
-        self._budget: Budget | None = None if reads_device(budget) else parse_budget(budget)
-        #: Bytes the step's peak may reach (``None`` until ``setup`` for ``"auto"`` or a fraction).
-        self.budget: int | None = None if self._budget is None else self._budget.usable
+        if budget is None:  # the one callback that cannot run without one
+            parse_budget(budget)  # the error every budget gets that is no size
+        self._budget = BudgetSetting(budget)
         if not isinstance(optimizers, Iterable):  # a name alone is one candidate
             raise TypeError(
                 f"optimizers must be an optimizer name or a list of them from {', '.join(CATALOGUE)}; got "
@@ -175,6 +173,11 @@ class OptimizerSwap(Callback):
         self.optimizers = valid_candidates(optimizers)
         self.allow_unknown = flag("allow_unknown", allow_unknown)
         self._reset()
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes the step's peak may reach (``None`` until ``setup`` for ``"auto"`` or a fraction)."""
+        return self._budget.usable
 
     def _reset(self) -> None:
         """What one fit decides: a second fit (another model, another batch) starts from nothing."""
@@ -194,8 +197,7 @@ class OptimizerSwap(Callback):
         if stage != "fit":
             return
         self._reset()  # a resumed fit gets its stored choice back in load_state_dict, called after setup
-        self._budget = parse_budget(self._budget_spec)  # "auto" and fractions: this fit's device
-        self.budget = self._budget.usable
+        self._budget.resolve()  # "auto" and fractions: this fit's device
         strategy = trainer.strategy
         if isinstance(strategy, ModelParallelStrategy):
             # FSDP2: the strategy shards the optimizer and loads its state after on_fit_start, so a swap
@@ -208,8 +210,9 @@ class OptimizerSwap(Callback):
                 why = (
                     "which shards the optimizer and restores its state after the fit has started, where a "
                     "swapped optimizer could not be resumed. Use Trainer(strategy=AutoFitStrategy(budget="
-                    f"{self._budget_spec!r})): it chooses the optimizer (with the micro-batch, checkpointing "
-                    "and resharding) for one rank's sharded step, and keeps the choice in the checkpoint."
+                    f"{self._budget.given!r})): it chooses the optimizer (with the micro-batch, "
+                    "checkpointing and resharding) for one rank's sharded step, and keeps the choice in the "
+                    "checkpoint."
                 )
             rank_zero_warn(f"OptimizerSwap defers to {type(strategy).__name__}, {why}")
             self._disabled = True
@@ -220,7 +223,7 @@ class OptimizerSwap(Callback):
                 else f"among the module's own and then this callback's candidates {self.optimizers!r}"
             )
             rank_zero_info(
-                f"OptimizerSwap defers to AutoFit (its budget={self._budget_spec!r} is not used): AutoFit "
+                f"OptimizerSwap defers to AutoFit (its budget={self._budget.given!r} is not used): AutoFit "
                 f"chooses the optimizer together with the micro-batch and the checkpointing, {among}; its "
                 "choice is AutoFit.plan.optimizer."
             )
@@ -289,8 +292,8 @@ class OptimizerSwap(Callback):
     ) -> None:
         """Rank 0 estimates and chooses; every rank learns the name to swap to (``None``: keep). Leaves
         ``_decision`` unset when the step needs a batch and ``first_batch()`` has none."""
-        assert self._budget is not None  # resolved in setup
-        budget = self._budget
+        budget = self._budget.budget
+        assert budget is not None  # resolved in setup
         optimizers = list(trainer.strategy.optimizers)
         made: list[OptimizerChoice] = []
 

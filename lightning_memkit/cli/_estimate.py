@@ -145,7 +145,7 @@ def _fit(model: nn.Module, args: argparse.Namespace, simulated: MemoryBreakdown)
             optimizers=run_candidates(model, args.optimizer),
             precision=args.precision,
             strategy=args.strategy,
-            n_gpus=args.gpus,
+            world_size=args.gpus,
             device=args.device,
             loss_fn=step_options(model, args.optimizer)["loss_fn"],
             **({"sharding": args.sharding} if args.sharding is not None else {}),

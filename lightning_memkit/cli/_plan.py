@@ -28,8 +28,9 @@ from lightning_memkit._estimating.precision import sixteen_bit_weights
 from lightning_memkit._estimating.simulate import estimate_memory
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._fitting.refusal import LOWER_PRECISION_HINT
-from lightning_memkit._fitting.search import LEVER_CALLBACKS, plan_fit, static_floor
+from lightning_memkit._fitting.search import plan_fit, static_floor
 from lightning_memkit._optimizers.swap import COMPENSATED, KAHAN, lighter_candidates
+from lightning_memkit._step import LEVER_CALLBACKS, LEVERS
 from lightning_memkit.cli._args import usage_error
 from lightning_memkit.cli._models import (
     analytic_precision,
@@ -180,7 +181,7 @@ def _best_plan(
             optimizers=args.optimizer,
             precision=attempt.precision,
             strategy=args.strategy,
-            n_gpus=args.gpus,
+            world_size=args.gpus,
             device=args.device,
             loss_fn=loss_fn,
             cost="flops",
@@ -191,7 +192,7 @@ def _best_plan(
             refine_limit=args.refine_limit,  # a count, not a clock
             # FSDP2 on a GPU: offload if nothing fits
             cpu_offload=None if args.strategy == "fsdp2" and args.device == "cuda" else False,
-            mixed_precision_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
+            mp_policy=args.strategy == "fsdp2",  # bf16-mixed, as AutoFitStrategy shards it
         )
 
     # As asked first; where nothing fits that way, every relaxed set-up, the best plan kept: the
@@ -201,7 +202,7 @@ def _best_plan(
     first_error: ValueError | None = None
     for i, attempt in enumerate(attempts):
         floor = static_floor(
-            model, args.optimizer, attempt.precision, strategy=args.strategy, n_gpus=args.gpus,
+            model, args.optimizer, attempt.precision, strategy=args.strategy, world_size=args.gpus,
             **_levers(attempt),
         )  # fmt: skip
         floor = (
@@ -242,17 +243,17 @@ def _best_plan(
     return min(plans, key=lambda p: _rank(p, model, args)), relaxed, attempts
 
 
-_LEVERS = tuple(LEVER_CALLBACKS)
+_LEVERS = LEVERS
 
 
-def _frozen_bytes(model: nn.Module, strategy: str, n_gpus: int) -> int:
+def _frozen_bytes(model: nn.Module, strategy: str, world_size: int) -> int:
     """The bytes of the parameters no optimizer steps (an adapter fine-tune's base, 4-bit packed data as it
-    is stored) one GPU holds: divided by ``n_gpus`` under a strategy that shards parameters. The static
+    is stored) one GPU holds: divided by ``world_size`` under a strategy that shards parameters. The static
     floor counts trainable parameters only; with this, a base too large for the card is known without a
     simulation of every relaxed set-up (each of a 70B model's takes a minute)."""
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     sharded = strategy == "fsdp2" or "parameters" in STRATEGIES.get(strategy, ())
-    return frozen // n_gpus if sharded else frozen
+    return frozen // world_size if sharded else frozen
 
 
 def _budget_line(budget: Budget, margin: float, device: str) -> str:
@@ -306,7 +307,7 @@ def _rank(plan: FitPlan, model: nn.Module, args: argparse.Namespace) -> tuple[in
     precisions = list(args.precision or RELAXED_PRECISIONS)
     original = {twin: base for base, twin in COMPENSATED.items() if twin != base}
     optimizer = original.get(plan.optimizer or "", plan.optimizer)
-    levers = [None, *LEVER_CALLBACKS.values()]
+    levers = [None, *LEVERS]
     return (
         candidates.index(optimizer) if optimizer in candidates else len(candidates),
         precisions.index(plan.precision) if plan.precision in precisions else len(precisions),
@@ -332,7 +333,7 @@ def _given_up(
     if plan.precision not in asked.precision:
         how = (
             "the update runs on fp32 master weights in host memory, so no small step is lost"
-            if plan.lever == "OptimizerOffload" and sixteen_bit_weights(plan.precision)
+            if plan.lever == "offload" and sixteen_bit_weights(plan.precision)
             else "Kahan-summed, so no small step is lost"
             if plan.optimizer in KAHAN
             else "the weights stay fp32"
@@ -341,13 +342,13 @@ def _given_up(
     wanted = args.optimizer[0] if args.optimizer else lighter_candidates(model)[0]
     if plan.optimizer != wanted and COMPENSATED.get(wanted or "") != plan.optimizer:
         lines.append(f"optimizer: {plan.optimizer} instead of {wanted}")
-    if plan.lever == "OptimizerOffload" and not asked.offload:
+    if plan.lever == "offload" and not asked.offload:
         lines.append(
             f"time: about {plan.offload_seconds:.2g} s per global batch of transfers to and from the host "
             "and the host's update (PCIe 4.0 x16, a few cores), and "
             f"{format_bytes(plan.host_bytes)} of host memory"
         )
-    elif plan.lever == "FusedOptimizerStep" and not asked.fused_step:
+    elif plan.lever == "fused_step" and not asked.fused_step:
         lines.append("gradient accumulation and clipping (the step runs inside backward); no time")
     return lines
 

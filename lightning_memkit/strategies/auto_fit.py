@@ -39,7 +39,7 @@ Mixed precision. With ``precision="bf16-mixed"`` every unit gets FSDP2's ``Mixed
 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (torchtitan's default): the parameters are
 all-gathered and computed in bf16 (half the unsharded copies' bytes and the all-gathers' traffic), the
 gradients reduce-scattered and the optimizer stepped in fp32; the plan simulates exactly that
-(`FitPlan.mixed_precision_policy`). The other precisions get no policy.
+(`FitPlan.mp_policy`). The other precisions get no policy.
 
 A budget that nothing fits is refused at ``setup`` with AutoFit's figures (the static floor, the leanest
 plan's peak, and the number of FSDP ranks or the GPU that fits).
@@ -331,7 +331,7 @@ class AutoFitStrategy(ModelParallelStrategy):
 
         layout = Sharding(
             self.world_size, plan.reshard_after_forward is not False,
-            _fsdp2.bf16_policy() if plan.mixed_precision_policy else None,
+            _fsdp2.bf16_policy() if plan.mp_policy else None,
             plan.tensor_parallel_size, plan.replicate_size,
         )  # fmt: skip
         shape, names = mesh_shape(layout)
@@ -408,7 +408,7 @@ class _Planner(AutoFit):
 
     @override
     def _fsdp2_options(self, trainer: pl.Trainer) -> FSDP2Options:
-        return FSDP2Options(cpu_offload=None, mixed_precision_policy=True, link=trainer.strategy._link)
+        return FSDP2Options(cpu_offload=None, mp_policy=True, link=trainer.strategy._link)
 
     @override
     def _sharding(self, trainer: pl.Trainer, plan: FitPlan | None = None) -> Any:
@@ -420,7 +420,9 @@ class _Planner(AutoFit):
         if plan is None:
             return layouts
         return Sharding(
-            plan.n_gpus, tensor_parallel_size=plan.tensor_parallel_size, replicate_size=plan.replicate_size
+            plan.world_size,
+            tensor_parallel_size=plan.tensor_parallel_size,
+            replicate_size=plan.replicate_size,
         )
 
     @override
@@ -438,7 +440,7 @@ def _fsdp2_choices(plan: FitPlan | None) -> tuple[bool, bool, bool]:
     bf16 mixed precision policy."""
     if plan is None:
         return True, False, False
-    return plan.reshard_after_forward is not False, plan.cpu_offload, plan.mixed_precision_policy
+    return plan.reshard_after_forward is not False, plan.cpu_offload, plan.mp_policy
 
 
 def _layout_sizes(tensor_parallel_size: Any, data_parallel_size: Any) -> tuple[Any, Any]:

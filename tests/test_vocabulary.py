@@ -1,0 +1,102 @@
+"""One word per idea. `plan_fit` in the step's own words: `world_size` for the ranks (as `estimate_memory`
+and Lightning say it), a `Step` in place of the keywords it holds, the lever as `Step` names it, FSDP2's
+`mp_policy`; the old spellings still run, with a FutureWarning, and plans saved in them load. A budget is
+one thing to every callback: the same forms, read once."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memkit import ActivationCheckpointing, Budget, FitPlan, MemoryMonitor, OptimizerSwap, plan_fit
+from lightning_memkit._budget import parse_budget
+from lightning_memkit._step import Sharding, Step
+
+BUDGET = 4_000_000
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def _plan(**kwargs) -> FitPlan:
+    batch = (torch.randn(16, 32), torch.randn(16, 32))
+    options = dict(device="cpu", cost="flops", optimizers=["adamw"], loss_fn=nn.functional.mse_loss)
+    return plan_fit(_model(), batch, BUDGET, **(options | kwargs))
+
+
+def test_world_size_names_the_ranks_and_n_gpus_still_runs_with_a_warning() -> None:
+    plan = _plan(strategy="ddp", world_size=2)
+    assert plan.world_size == 2 and plan.micro_batch_size * plan.accumulate_grad_batches == 8
+    with pytest.warns(FutureWarning, match=r"plan_fit\(n_gpus=...\) is now plan_fit\(world_size=...\)"):
+        old = _plan(strategy="ddp", n_gpus=2)
+    assert old == plan
+    with pytest.warns(FutureWarning, match="FitPlan.n_gpus is now FitPlan.world_size"):
+        assert plan.n_gpus == 2
+    with pytest.raises(TypeError, match="n_gpus= and world_size="):
+        _plan(n_gpus=2, world_size=2)
+
+
+def test_a_step_stands_for_its_keywords() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling warns of nothing
+        by_step = _plan(step=Step(precision="bf16-mixed", lever="release_gradients"))
+    assert by_step == _plan(precision="bf16-mixed", release_gradients=True)
+    assert (by_step.lever, by_step.lever_callback) == ("release_gradients", "GradientRelease")
+    sharded = _plan(step=Step(sharding=Sharding(world_size=2)), checkpointing="none")
+    assert sharded == _plan(strategy="fsdp2", world_size=2, checkpointing="none")
+    assert (sharded.strategy, sharded.world_size) == ("fsdp2", 2)
+    # the same value beside the step is no clash; another is
+    assert _plan(step=Step(precision="bf16-mixed"), precision="bf16-mixed") == _plan(precision="bf16-mixed")
+    with pytest.raises(TypeError, match=r"got step= and precision=, fused_step="):
+        _plan(step=Step(), precision="bf16-mixed", fused_step=True)
+    with pytest.raises(ValueError, match="plan_fit chooses the step's checkpointing, accumulating itself"):
+        _plan(step=Step(checkpointing="full", accumulating=True))
+    with pytest.raises(TypeError, match="step= must be a Step; got 'bf16-mixed'"):
+        _plan(step="bf16-mixed")
+
+
+def test_a_plan_saved_in_the_old_words_loads_in_the_new() -> None:
+    plan = _plan(release_gradients=True, strategy="ddp", world_size=2)
+    saved = plan.as_dict()
+    assert (saved["lever"], saved["world_size"]) == ("release_gradients", 2) and "n_gpus" not in saved
+    old = {k: v for k, v in saved.items() if k not in ("world_size", "limit")}
+    old |= {"n_gpus": 2, "lever": "GradientRelease"}
+    assert FitPlan.from_dict(old) == plan
+    assert "with GradientRelease" in plan.summary()
+
+
+def test_mp_policy_is_fsdp2s_word_in_the_planner_too() -> None:
+    plan = _plan(strategy="fsdp2", world_size=2, precision="bf16-mixed", mp_policy=True, checkpointing="none")
+    assert plan.mp_policy and "gathered in bf16 (MixedPrecisionPolicy)" in plan.summary()
+    with pytest.warns(
+        FutureWarning, match=r"plan_fit\(mixed_precision_policy=...\) is now plan_fit\(mp_policy"
+    ):
+        old = _plan(
+            strategy="fsdp2", world_size=2, precision="bf16-mixed", mixed_precision_policy=True,
+            checkpointing="none",
+        )  # fmt: skip
+    assert old == plan
+    with pytest.warns(FutureWarning, match="FitPlan.mixed_precision_policy is now FitPlan.mp_policy"):
+        assert plan.mixed_precision_policy
+    saved = {k: v for k, v in plan.as_dict().items() if k not in ("mp_policy", "limit")}
+    assert FitPlan.from_dict(saved | {"mixed_precision_policy": True}) == plan
+
+
+@pytest.mark.parametrize("callback", [MemoryMonitor, ActivationCheckpointing, OptimizerSwap])
+def test_every_callback_reads_a_budget_the_same_way(callback) -> None:
+    """Bytes, a size, a GPU name and a `Budget` are read at construction, to the bytes `parse_budget`
+    gives; ``"auto"`` and a fraction wait for the run's device; a bad one fails at once."""
+    card = Budget.for_device(24 * 2**30, "mine")
+    expected = {6_000_000: 6_000_000, "6GiB": 6 * 2**30, "A100-40GB": parse_budget("A100-40GB").usable}
+    for given, usable in (expected | {card: card.usable}).items():
+        assert callback(budget=given).budget == usable
+    assert callback(budget="auto").budget is None and callback(budget=0.9).budget is None
+    with pytest.raises(ValueError, match="Unknown GPU or size 'A100-41GB'"):
+        callback(budget="A100-41GB")
+    with pytest.raises(ValueError, match="A float budget is a fraction"):
+        callback(budget=1.5)
