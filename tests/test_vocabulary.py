@@ -5,6 +5,7 @@ one thing to every callback: the same forms, read once."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -50,10 +51,12 @@ def test_a_step_stands_for_its_keywords() -> None:
     sharded = _plan(step=Step(sharding=Sharding(world_size=2)), checkpointing="none")
     assert sharded == _plan(strategy="fsdp2", world_size=2, checkpointing="none")
     assert (sharded.strategy, sharded.world_size) == ("fsdp2", 2)
-    # the same value beside the step is no clash; another is
-    assert _plan(step=Step(precision="bf16-mixed"), precision="bf16-mixed") == _plan(precision="bf16-mixed")
+    # a keyword the step stands for beside it is refused, as estimate_memory refuses it (Step.split)
     with pytest.raises(TypeError, match=r"got step= and precision=, fused_step="):
         _plan(step=Step(), precision="bf16-mixed", fused_step=True)
+    with pytest.raises(TypeError, match=r"got step= and strategy="):  # never planned as something else
+        _plan(step=Step(sharding=Sharding(world_size=2)), strategy="ddp", world_size=2)
+    assert _plan(step=Step(lever="offload"), strategy="ddp").lever == "offload"  # DDP is no step's
     with pytest.raises(ValueError, match="plan_fit chooses the step's checkpointing, accumulating itself"):
         _plan(step=Step(checkpointing="full", accumulating=True))
     with pytest.raises(TypeError, match="step= must be a Step; got 'bf16-mixed'"):
@@ -100,3 +103,17 @@ def test_every_callback_reads_a_budget_the_same_way(callback) -> None:
         callback(budget="A100-41GB")
     with pytest.raises(ValueError, match="A float budget is a fraction"):
         callback(budget=1.5)
+
+
+def test_a_layouts_own_policy_and_an_unknown_lever_are_refused() -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fp16 = Sharding(world_size=2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    with pytest.raises(ValueError, match="plan_fit plans FSDP2's bf16 MixedPrecisionPolicy itself"):
+        _plan(step=Step(precision="16-mixed", sharding=fp16))
+    with pytest.raises(TypeError, match="mp_policy must be True or False"):
+        _plan(strategy="fsdp2", world_size=2, mp_policy=fp16.mp_policy)
+    plan = _plan()
+    assert dataclasses.replace(plan, lever="GradientRelease").lever == "release_gradients"  # saved so
+    with pytest.raises(ValueError, match="Unknown lever 'Bogus'"):
+        dataclasses.replace(plan, lever="Bogus")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._budget import Budget
+from lightning_memkit._budget import Budget, valid_name
 from lightning_memkit._checkpointing.compiled import COMPILE_BUDGET, label_budget
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._diagnosis.report import render_table
@@ -35,7 +35,7 @@ from lightning_memkit._estimating.lightning_step import (
 from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._optimizers.schedulers import rebind_scheduler
 from lightning_memkit._optimizers.swap import identify, lr_factor, swap_optimizer
-from lightning_memkit._step import LEVER_CALLBACKS
+from lightning_memkit._step import LEVER_CALLBACKS, LEVERS
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 
@@ -239,6 +239,12 @@ class FitPlan:
     tensor_parallel_size: int = 1
     replicate_size: int = 1
 
+    def __post_init__(self) -> None:
+        if self.lever in _LEVER_WORDS:  # a plan saved, or made, naming the lever by its callback
+            object.__setattr__(self, "lever", _LEVER_WORDS[self.lever])
+        elif self.lever is not None:
+            valid_name("lever", self.lever, LEVERS)
+
     @property
     def limit(self) -> int:
         """Bytes the step's peak may reach: ``budget.usable * (1 - margin)``."""
@@ -383,7 +389,7 @@ class FitPlan:
             modes=tuple(data.get("modes", CHECKPOINT_MODES)),
             note=data.get("note", ""),
             checkpoint_plan=CheckpointPlan.from_dict(checkpoints) if checkpoints else None,
-            lever=_LEVER_WORDS.get(data.get("lever"), data.get("lever")),  # a plan saved as the callback
+            lever=data.get("lever"),
             host_bytes=data.get("host_bytes", 0),
             offload_seconds=data.get("offload_seconds", 0.0),
             reshard_after_forward=data.get("reshard_after_forward"),

@@ -64,7 +64,7 @@ def plan_fit(
     optimizers: Sequence[str | None] | None = None,
     precision: str | Sequence[str] = "32-true",
     checkpointing: str | Sequence[str] = AUTO,
-    strategy: str = "ddp",
+    strategy: str | None = None,
     world_size: int = 1,
     device: str = "cuda",
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
@@ -107,7 +107,8 @@ def plan_fit(
             divided; ``"zero1"`` to ``"zero3"`` are DeepSpeed's stages too); the batch is split across ranks.
             ``"fsdp2"`` (Lightning's ``ModelParallelStrategy`` with ``fully_shard``): one rank's FSDP2 step
             simulated (`estimate_memory`'s ``strategy="fsdp2"``), checkpointing planned block by block on
-            it. ``n_gpus=`` is ``world_size``'s old name.
+            it. Default: ``"ddp"``, or ``"fsdp2"`` for a ``step=`` with a `Sharding`. ``n_gpus=`` is
+            ``world_size``'s old name.
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.
@@ -171,7 +172,7 @@ def plan_fit(
             `Sharding` (``strategy="fsdp2"`` over its ``world_size``, the layout simulated as it is). What
             the planner chooses, it must leave at its default: checkpointing (give the modes a block may get
             as ``checkpointing=``), the accumulating and first step (every candidate's are planned), and
-            torch.compile's budget. A keyword given beside it with another value is a ``TypeError``.
+            torch.compile's budget. One of the keywords it stands for given beside it is a ``TypeError``.
 
     Side effects: none on ``model``. The simulations run `estimate_memory` (which restores what it runs)
     and the timing (``cost="measured"``) runs `isolated` (see `measured_cost`): a plan that changes nothing
@@ -229,7 +230,7 @@ def _plan_layouts(arguments: dict[str, Any]) -> FitPlan:
     layout fits, for FSDP2 over every rank."""
     layouts = arguments["sharding"]
     layouts = _layouts.Layouts() if layouts == "auto" else layouts
-    if arguments["strategy"] != "fsdp2":
+    if arguments["strategy"] != Sharding.strategy:
         raise ValueError(
             f"sharding={layouts!r} plans FSDP2's layout (tensor parallel, HSDP): pass strategy='fsdp2', not "
             f"{arguments['strategy']!r}"
@@ -267,8 +268,8 @@ _ARGUMENTS = frozenset(inspect.signature(plan_fit).parameters)
 
 def _step_as_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
     """`plan_fit`'s ``arguments`` with its ``step=`` given as the keywords the step stands for: precision,
-    lever and FSDP2 layout. A keyword set beside it to another value, or a part of the step the planner
-    chooses itself, is refused."""
+    lever and FSDP2 layout. One of those keywords given beside it (as `Step.split` refuses them), or a part
+    of the step the planner chooses itself, is refused."""
     step = arguments.pop("step")
     if not isinstance(step, Step):
         raise TypeError(f"step= must be a Step; got {step!r} ({type(step).__name__})")
@@ -291,7 +292,7 @@ def _step_as_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
             "world_size": step.sharding.world_size,
             "sharding": step.sharding,
         }
-    clash = [name for name, value in given.items() if arguments[name] not in (_DEFAULTS[name], value)]
+    clash = [name for name in given if arguments[name] != _DEFAULTS[name]]
     if clash:
         raise TypeError(f"plan_fit() got step= and {'=, '.join(clash)}=: give one or the other")
     return arguments | given

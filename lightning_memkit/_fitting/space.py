@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_memkit._budget import Budget, parse_budget, valid_name, whole_number
+from lightning_memkit._budget import Budget, flag, parse_budget, valid_name, whole_number
 from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._checkpointing.compiled import COMPILE_BUDGET, configured_budget
 from lightning_memkit._estimating.analytic import STRATEGIES
@@ -127,7 +127,7 @@ class SearchSpace:
                 "precision= is empty: give a Lightning precision string, e.g. '32-true' or 'bf16-mixed'"
             )
         world_size = whole_number("world_size", world_size, of="ranks", at_least=1)
-        strategy = valid_name("strategy", strategy, STRATEGIES)
+        strategy = "ddp" if strategy is None else valid_name("strategy", strategy, STRATEGIES)
         ranks = _data_parallel_ranks(sharding, strategy, world_size, cpu_offload)
         modes, dropped = _checkpointable(
             model, allowed_modes(checkpointing), sharded=strategy == "fsdp2", blocks=blocks
@@ -148,7 +148,7 @@ class SearchSpace:
         pairs = _pairs(optimizers, precisions, compensate and not offload, fused_step)  # masters are fp32
         _check_pairs(pairs, optimizers, precisions, fused_step)
         blocks = None if blocks is None else block_classes(blocks)
-        _check_fsdp2_options(strategy, cpu_offload, mp_policy)
+        _check_fsdp2_options(strategy, cpu_offload, mp_policy, sharding)
         return cls(
             model, batch, per_rank, axes, total,
             tuple(sizes[-1:] if fused_step else sizes),  # the fused step steps at every backward
@@ -224,8 +224,17 @@ def _check_pairs(
         )
 
 
-def _check_fsdp2_options(strategy: str, cpu_offload: bool | None, mp_policy: bool) -> None:
-    """Refuse FSDP2's own options under another strategy."""
+def _check_fsdp2_options(
+    strategy: str, cpu_offload: bool | None, mp_policy: bool, sharding: Sharding | None
+) -> None:
+    """Refuse FSDP2's own options under another strategy, and a layout's own mixed precision policy: the
+    planner plans its one policy (``mp_policy=True``), as `AutoFitStrategy` applies it."""
+    flag("mp_policy", mp_policy)
+    if sharding is not None and sharding.mp_policy is not None:
+        raise ValueError(
+            "plan_fit plans FSDP2's bf16 MixedPrecisionPolicy itself (mp_policy=True: bf16 parameters, fp32 "
+            f"reductions), not a layout's own ({sharding.mp_policy!r}): leave mp_policy out of the Sharding"
+        )
     if cpu_offload and strategy != "fsdp2":
         raise ValueError(
             f"cpu_offload is FSDP2's CPUOffloadPolicy: plan it with strategy='fsdp2', not {strategy!r}"

@@ -243,9 +243,6 @@ def _best_plan(
     return min(plans, key=lambda p: _rank(p, model, args)), relaxed, attempts
 
 
-_LEVERS = LEVERS
-
-
 def _frozen_bytes(model: nn.Module, strategy: str, world_size: int) -> int:
     """The bytes of the parameters no optimizer steps (an adapter fine-tune's base, 4-bit packed data as it
     is stored) one GPU holds: divided by ``world_size`` under a strategy that shards parameters. The static
@@ -280,19 +277,19 @@ def _budget_line(budget: Budget, margin: float, device: str) -> str:
 
 def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The set-ups to plan, in order: as asked first, then with what the user left open relaxed."""
-    asked = [lever for lever in _LEVERS if getattr(args, lever)]
-    first = argparse.Namespace(precision=args.precision or ["32-true"], **{k: k in asked for k in _LEVERS})
+    asked = [lever for lever in LEVERS if getattr(args, lever)]
+    first = argparse.Namespace(precision=args.precision or ["32-true"], **{k: k in asked for k in LEVERS})
     precisions = [args.precision] if args.precision else [list(RELAXED_PRECISIONS)]
     # one process only (FSDP2 steps each shard inside backward once its reduce-scatter is done)
     single = ("offload",) if args.strategy == "fsdp2" else ("fused_step", "offload")
     open_levers = [
         lever
-        for lever in _LEVERS
+        for lever in LEVERS
         if (args.gpus == 1 or lever not in single) and (args.device == "cuda" or lever != "offload")
     ]
     levers = [asked] if asked else [[], *([lever] for lever in open_levers)]
     relaxed = [
-        argparse.Namespace(precision=precision, **{k: k in chosen for k in _LEVERS})
+        argparse.Namespace(precision=precision, **{k: k in chosen for k in LEVERS})
         for chosen in levers
         for precision in precisions
     ]
@@ -316,7 +313,7 @@ def _rank(plan: FitPlan, model: nn.Module, args: argparse.Namespace) -> tuple[in
 
 
 def _levers(attempt: argparse.Namespace) -> dict[str, bool]:
-    return {lever: getattr(attempt, lever) for lever in _LEVERS}
+    return {lever: getattr(attempt, lever) for lever in LEVERS}
 
 
 def _describe(attempt: argparse.Namespace) -> str:
