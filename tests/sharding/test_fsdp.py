@@ -28,10 +28,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch.distributed
-from helpers import spawn_ranks
+from helpers import needs_distributed, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from test_ddp import needs_distributed
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from zoo import ZooModule, zoo_batch
 

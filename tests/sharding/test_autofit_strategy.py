@@ -21,10 +21,10 @@ import lightning.pytorch as pl
 import pytest
 import test_fsdp as fsdp_test
 import torch.distributed
-from helpers import spawn_ranks
+from helpers import needs_distributed, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from test_ddp import needs_distributed
+from models import BuiltLater
 from test_fsdp import STEPS, ShardedLlama, llama, matches_the_rank
 from zoo import ZooModule, zoo_batch
 
@@ -319,10 +319,8 @@ def test_a_root_unit_the_step_never_calls_is_refused_naming_the_parameter(tmp_pa
 
 def test_a_module_without_parameters_yet_is_left_to_the_planners_sentence():
     """No parameters at all (configure_model builds them) is no root unit to refuse: planning then says
-    why, in `without_parameters`' words (tests/test_refusals.py), not "its parameters are in , ..."."""
-    from test_refusals import _Built
-
-    _check_root(_Built(build_later=True))  # nothing raised
+    why, in `without_parameters`' words (test_refusals.py), not "its parameters are in , ..."."""
+    _check_root(BuiltLater(build_later=True))  # nothing raised
     with pytest.raises(ValueError, match="is _Scaled itself"):
         _check_root(_Scaled())
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_rank, counted_ranks, counted_step
-from test_ddp import needs_distributed
+from helpers import counted_rank, counted_ranks, counted_step, needs_distributed
 from test_moe import _eager_moe, _loss
 
 from lightning_memkit import estimate_memory

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import encoder_step
+from models import encoder_step
 from torch import nn
 
 from lightning_memkit import MemoryBreakdown, measure, storage_bytes

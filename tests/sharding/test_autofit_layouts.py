@@ -20,8 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import counted_ranks, run_in_turn
-from test_ddp import needs_distributed
+from helpers import counted_ranks, needs_distributed, run_in_turn
 from test_parallel_layouts import llama
 from zoo import ZooModule, zoo_batch
 

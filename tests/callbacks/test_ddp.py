@@ -21,9 +21,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch.distributed
-from conftest import EncoderLM
-from helpers import spawn_ranks
+from helpers import needs_distributed, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
+from models import EncoderLM
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memkit import (
@@ -43,9 +43,6 @@ MiB = 2**20  # the unit of the logged keys
 # The ranks' scenarios run once, on the worker that runs these tests: one pair of rank processes at a time
 # next to the other worker's tests, and no worker waiting for another's ranks.
 pytestmark = pytest.mark.xdist_group("ddp-ranks")
-needs_distributed = pytest.mark.skipif(
-    not torch.distributed.is_available(), reason="torch.distributed is not available"
-)
 
 
 def _trainer(out: Path, **kwargs) -> pl.Trainer:
@@ -80,7 +77,7 @@ def _monitor(out: Path) -> None:
 
 def _compiled(out: Path) -> None:
     """A decoder compiled in ``configure_model`` (dynamo's DDP optimizer splits its graph at the buckets)."""
-    from test_compiled import CompiledDecoder
+    from models import CompiledDecoder
 
     peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
     callbacks = [*peaks.around(monitor), _Record(out, peaks, monitor)]
@@ -107,7 +104,7 @@ class _RecordCompileBudget(pl.Callback):
 def _compiled_budget(out: Path) -> None:
     """AutoFit on a decoder compiled in ``configure_model``, at a limit 0.9 of one rank's compiled step (with
     DDP's buckets): rank 0 plans a lower activation budget, and every rank sets it for the fit."""
-    from test_compiled import CompiledDecoder
+    from models import CompiledDecoder
     from torch._functorch import config
 
     probe = CompiledDecoder(batch_size=4)

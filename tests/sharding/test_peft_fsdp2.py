@@ -22,11 +22,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_rank, counted_ranks, counted_step
+from helpers import counted_rank, counted_ranks, counted_step, needs_distributed
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from peft_models import AdapterModule, adapter_model, token_batch
-from test_ddp import needs_distributed
 
 from lightning_memkit import AutoFitStrategy, FitPlan, MemoryMonitor, estimate_memory, measure
 from lightning_memkit._checkpointing.blocks import find_blocks

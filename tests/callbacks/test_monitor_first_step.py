@@ -7,8 +7,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import EncoderLM
 from helpers import cpu_trainer
+from models import EncoderLM
 
 from lightning_memkit import MemoryMonitor
 from lightning_memkit._measuring import kernels

@@ -135,7 +135,7 @@ def test_the_cli_refuses_a_sequence_past_the_block_size():
     assert status == 2 and "must be positive integers separated by commas (1,2,4,8), got '1,x'" in err
 
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _beside_the_finder(rank: int, out: Path) -> None:

@@ -10,10 +10,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import EncoderLM
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import MLPModule
+from models import EncoderLM, MLPModule
 from torch import nn
 
 from lightning_memkit import CATEGORIES, MemoryMonitor

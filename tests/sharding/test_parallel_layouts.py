@@ -28,10 +28,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_ranks, run_in_turn
+from helpers import counted_ranks, needs_distributed, run_in_turn
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from test_ddp import needs_distributed
 from test_fsdp import BATCH, SEQ, STEPS, matches_the_rank, per_step_truth, read
 from test_fsdp import _Record as _FSDPRecord
 from test_fsdp import llama as fsdp_llama

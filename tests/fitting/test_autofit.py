@@ -437,7 +437,7 @@ def _gpt():
 
 
 def _encoder():
-    from conftest import EncoderLM
+    from models import EncoderLM
 
     return EncoderLM(batch_size=8, n_batches=16), None  # torch's own layers, its own train_dataloader
 

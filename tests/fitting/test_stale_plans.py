@@ -14,10 +14,9 @@ from datetime import timedelta
 import lightning as L
 import pytest
 import torch
-from helpers import spawn_ranks
+from helpers import needs_distributed, spawn_ranks
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from models import BlockNet, MLPModule
-from test_ddp import needs_distributed
 
 from lightning_memkit import AutoFit
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-from conftest import EncoderLM
+from models import EncoderLM
 
 from lightning_memkit import MemoryMonitor
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 EXAMPLE = REPO / "examples" / "hf" / "train.py"
 #: the README's two commands, exactly as .ci/run and a newcomer run them

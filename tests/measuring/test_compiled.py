@@ -20,8 +20,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import Losses, cpu_trainer, spawn_ranks
+from models import COMPILED_STEPS, CompiledCNN, CompiledDecoder
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import MemoryMonitor, measure
 from lightning_memkit._measuring.patches import _COMPILED_ALLOCATORS
@@ -39,79 +39,7 @@ from lightning_memkit.testing import (
     saved_for_backward,
 )
 
-STEPS = 4
-
-
-class CompiledDecoder(pl.LightningModule):
-    """A tiny random LLaMA (grouped-query attention), compiled in ``configure_model`` as Lightning's docs
-    show; ``batch_size`` x ``seq_len`` token ids, seeded."""
-
-    def __init__(self, batch_size: int = 4, seq_len: int = 32, attention_dropout: float = 0.0) -> None:
-        super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        self.batch_size, self.seq_len = batch_size, seq_len
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, attention_dropout=attention_dropout,
-        )  # fmt: skip
-        self.model = LlamaForCausalLM(config)
-
-    def configure_model(self) -> None:
-        self.model = torch.compile(self.model)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self) -> DataLoader:
-        ids = torch.randint(
-            0, 256, (STEPS * self.batch_size, self.seq_len), generator=torch.Generator().manual_seed(0)
-        )
-        return DataLoader(ids, batch_size=self.batch_size)
-
-
-class CNN(nn.Module):
-    """Two convolutions with BatchNorm, pooled, then a linear head: (B, 3, 32, 32) -> (B, 10). Its own
-    ``forward``: ``nn.Sequential.compile()`` compiles no frame (dynamo skips torch.nn's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        )  # fmt: skip
-        self.head = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).mean((2, 3)))  # (B, 32, 16, 16) -> (B, 32) -> (B, 10)
-
-
-class CompiledCNN(pl.LightningModule):
-    def __init__(self, batch_size: int = 8) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-        torch.manual_seed(0)
-        self.net = CNN()
-
-    def configure_model(self) -> None:
-        self.net.compile()
-
-    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(0)
-        n = STEPS * self.batch_size
-        data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
-        return DataLoader(data, batch_size=self.batch_size)
+STEPS = COMPILED_STEPS
 
 
 class Owners(pl.Callback):

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import EncoderLM, encoder_step
+from models import EncoderLM, encoder_step
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import Losses, cpu_trainer
-from test_compiled import CompiledCNN
+from models import CompiledCNN
 from torch import nn
 from zoo import ZooModule, zoo_batch
 

@@ -215,7 +215,7 @@ class _Boom(RuntimeError):
 def test_an_error_in_the_trackers_bookkeeping_never_reaches_the_step(tmp_path, monkeypatch):
     """The tracker's own failure inside an op: the op's result goes back untouched, the monitor warns once
     and stops, and training is bit-identical to a run without it."""
-    from conftest import EncoderLM
+    from models import EncoderLM
 
     _, plain = _fit_losses(tmp_path / "plain", lambda: EncoderLM(n_layer=1))
 
@@ -263,7 +263,7 @@ def test_an_error_in_a_saved_tensor_hook_never_reaches_the_step(monkeypatch):
 
 def test_two_monitors_checkpoint_and_resume_each_their_own(tmp_path):
     """Lightning refused them: "Found more than one stateful callback of type `MemoryMonitor`"."""
-    from conftest import EncoderLM
+    from models import EncoderLM
 
     def monitors():
         return MemoryMonitor(plot=False, summary=False), MemoryMonitor(
@@ -305,7 +305,7 @@ def test_two_monitors_checkpoint_and_resume_each_their_own(tmp_path):
 
 def test_fast_dev_run_writes_no_plot_and_says_so(tmp_path, monkeypatch, lightning_log):
     """``memory.png`` landed in the current directory."""
-    from conftest import EncoderLM
+    from models import EncoderLM
 
     cwd, root = tmp_path / "cwd", tmp_path / "root"
     cwd.mkdir()
@@ -321,7 +321,7 @@ def test_fast_dev_run_writes_no_plot_and_says_so(tmp_path, monkeypatch, lightnin
 
 
 def test_the_report_warning_names_the_path(tmp_path, monkeypatch):
-    from conftest import EncoderLM
+    from models import EncoderLM
 
     def full(*args, **kwargs):
         raise OSError("No space left on device")

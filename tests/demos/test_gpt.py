@@ -34,7 +34,7 @@ from lightning_memkit.demos.gpt import (
     _rotate,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = ROOT / "examples" / "gpt" / "train.py"
 
 # Hugging Face's counts for GPT-2 (tied head counted once) and Meta's for LLaMA-7B; tiny is ours.

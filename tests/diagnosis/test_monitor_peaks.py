@@ -12,8 +12,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import EncoderLM
 from lightning.pytorch.loggers import CSVLogger
+from models import EncoderLM
 from test_html_report import _parse
 from test_snapshot import _peak
 from torch import nn

@@ -11,7 +11,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _requirement(name: str) -> Requirement:

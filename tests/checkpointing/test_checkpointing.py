@@ -11,13 +11,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import EncoderLM
 from helpers import cpu_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import PlainGPT, lm_loss
+from models import EncoderLM, PlainGPT, lm_loss
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode

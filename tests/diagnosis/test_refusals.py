@@ -15,8 +15,7 @@ from helpers import cpu_trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning_utilities.core.rank_zero import rank_zero_only
-from models import MLPModule
-from torch.utils.data import DataLoader, TensorDataset
+from models import BuiltLater, MLPModule
 
 from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
 from lightning_memkit.testing import PretendOOM
@@ -47,32 +46,7 @@ def test_an_oom_on_rank_one_is_explained_by_rank_one(tmp_path, monkeypatch):
     assert "The step needs" in said
 
 
-class _Built(L.LightningModule):
-    """A regression whose layers ``configure_model`` builds (``build_later``), as Lightning documents for
-    large models, or that has none at all."""
-
-    def __init__(self, build_later: bool) -> None:
-        super().__init__()
-        self.batch_size, self.build_later, self.net = 8, build_later, None
-
-    def configure_model(self) -> None:
-        if self.build_later and self.net is None:  # idempotent, as Lightning asks of the hook
-            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        out = self.net(x) if self.net is not None else x.mean(1, keepdim=True)
-        return torch.nn.functional.mse_loss(out, y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters())
-
-    def train_dataloader(self):
-        data = TensorDataset(torch.randn(32, 16), torch.randn(32, 1))
-        return DataLoader(data, batch_size=self.batch_size)
-
-
-class _Bare(_Built):
+class _Bare(BuiltLater):
     """No layers, and no configure_model to build them."""
 
     configure_model = L.LightningModule.configure_model
@@ -81,11 +55,14 @@ class _Bare(_Built):
 #: what planning and estimating say: each module's sentence, and whether it says where to build the layers
 _SAID = {
     _Bare: ("_Bare has no parameters: its step trains nothing, so there is nothing to estimate", False),
-    _Built: ("_Built has no parameters yet: its configure_model builds them, which a Trainer runs", True),
+    BuiltLater: (
+        "BuiltLater has no parameters yet: its configure_model builds them, which a Trainer runs",
+        True,
+    ),
 }
 
 
-@pytest.mark.parametrize("kind", [_Bare, _Built])
+@pytest.mark.parametrize("kind", [_Bare, BuiltLater])
 def test_a_module_without_parameters_gets_a_sentence(tmp_path, kind):
     """AutoFit (and AutoFitStrategy, which plans through it) and estimate_memory say why, where planning
     said "The training step fails on every micro-batch of [1, 2, 4]: optimizer got an empty parameter

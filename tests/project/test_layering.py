@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "lightning_memkit"
 
 #: The imports of a stage listed below the importer that docs/development.md names and explains:
