@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import Losses, Regression, cpu_trainer, tiny_gpt
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import Logger
 
 from lightning_memkit import (
     ActivationCheckpointing,
@@ -231,11 +231,7 @@ def _Plain() -> Regression:
 def test_a_raising_logger_is_warned_about_once_and_training_goes_on(tmp_path, make):
     torch.manual_seed(0)
     logger, losses = _Broken(), Losses()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=3, logger=logger,
-        callbacks=[make(), losses], enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, log_every_n_steps=1,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [make(), losses], max_steps=3, logger=logger, log_every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(_Plain())
@@ -251,11 +247,7 @@ def test_a_monitor_budget_that_is_not_autofits_is_warned_about(tmp_path, monitor
     """Issue 29: MemoryMonitor(budget="24GB") beside AutoFit(budget="40MB") said nothing, and each then
     judged the run by another budget."""
     monitor = MemoryMonitor(budget=monitor_budget, plot=False, summary=False)
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=CSVLogger(tmp_path),
-        callbacks=[AutoFit(budget="40MB", cost="flops"), monitor], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [AutoFit(budget="40MB", cost="flops"), monitor], max_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(_Plain())

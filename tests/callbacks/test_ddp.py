@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch.distributed
-from helpers import needs_distributed, spawn_ranks
+from helpers import needs_distributed, spawn_ranks, trainer_arguments
 from lightning.pytorch.loggers import CSVLogger
 from models import EncoderLM
 from torch.nn.parallel import DistributedDataParallel
@@ -46,10 +46,8 @@ pytestmark = pytest.mark.xdist_group("ddp-ranks")
 
 
 def _trainer(out: Path, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=2, strategy="ddp", enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, **kwargs,
-    )  # fmt: skip
+    """The suite's Trainer (`helpers.trainer_arguments`) on 2 DDP ranks."""
+    return pl.Trainer(**trainer_arguments(out, devices=2, strategy="ddp", **kwargs))
 
 
 # --- the scenarios, as each rank runs them ----------------------------------------------------------

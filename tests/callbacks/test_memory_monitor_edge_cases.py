@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import Losses, cpu_trainer
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import lightning_memkit.callbacks._fit_end as fit_end
@@ -60,16 +59,12 @@ class SparseInput(pl.LightningModule):
 
 
 def _fit_losses(tmp_path: Path, model: Callable[[], pl.LightningModule], *monitors, ckpt_path=None, **kwargs):
-    """Fit ``model()``, built and trained from the same seed, on one CPU (as `helpers.cpu_trainer`);
+    """Fit ``model()``, built and trained from the same seed, on one CPU (`helpers.cpu_trainer`);
     the trainer and its losses."""
     losses = Losses()
     torch.manual_seed(0)
     module = model()
-    trainer = pl.Trainer(**{
-        "default_root_dir": tmp_path, "accelerator": "cpu", "devices": 1, "max_steps": 4,
-        "limit_val_batches": 0, "logger": CSVLogger(tmp_path), "callbacks": [*monitors, losses],
-        "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False, **kwargs,
-    })  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [*monitors, losses], **kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, losses.losses
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers import cpu_trainer
 from zoo import MODELS, ZooModule, zoo_batch
 
 from lightning_memkit import AutoFit, MemoryMonitor, estimate_memory
@@ -21,12 +21,7 @@ NAMES = list(MODELS)
 def _fit(
     module: pl.LightningModule, callbacks: list, tmp_path, max_steps: int, precision: str = "32-true"
 ) -> pl.Trainer:
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
-        precision=precision,
-        logger=CSVLogger(tmp_path), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, callbacks, max_steps, precision=precision)
     trainer.fit(module)
     return trainer
 

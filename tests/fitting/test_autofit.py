@@ -9,8 +9,7 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
-from helpers import Regression
-from lightning.pytorch.loggers import CSVLogger
+from helpers import Regression, cpu_trainer
 from models import MLPModule
 
 from lightning_memkit import (
@@ -210,11 +209,7 @@ def test_autofit_in_trainer(tmp_path):
     module = GPTLightningModule("tiny", max_steps=4)
     data = GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
     callback = AutoFit(budget=BUDGET, cost="flops")
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, accelerator="cpu", devices=1,
-        callbacks=[callback], enable_progress_bar=False, enable_model_summary=False,
-        logger=CSVLogger(tmp_path), enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [callback], max_steps=2)
     trainer.fit(module, data)
     plan = callback.plan
     assert (plan.micro_batch_size, plan.checkpointing) != (G, "none")  # the default run does not fit
@@ -406,10 +401,7 @@ def test_resume_installs_the_saved_plan(tmp_path):
     assert trainer.global_step == 3
 
     # Without AutoFit the plan cannot be read (AutoFit's docstring says what to add): Lightning names it.
-    plain = L.Trainer(
-        default_root_dir=tmp_path, max_steps=3, limit_val_batches=0, accelerator="cpu", devices=1,
-        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
-    )  # fmt: skip
+    plain = cpu_trainer(tmp_path, [], max_steps=3, logger=False)
     added = pytest.warns(UserWarning, match=r"Please add the following callbacks: \[.*'AutoFit'")
     with added, pytest.raises(KeyError):  # the module's AdamW, given AdamW8bit's state
         plain.fit(_Device(), GPTDataModule(batch_size=G, seq_len=T, num_sentences=300), ckpt_path=ckpt)
@@ -455,11 +447,7 @@ def test_plan_and_monitor_match_the_allocator_in_the_trainer(tmp_path, model, bu
     # other modes' choice is tested above, and each mode adds simulations.
     autofit = AutoFit(budget=budget, cost="flops", checkpointing=("none", "selective"))
     peaks, monitor, callback = AllocatorPeaks(), MemoryMonitor(), autofit
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=3, limit_val_batches=0, accelerator="cpu", devices=1,
-        callbacks=[callback, *peaks.around(monitor)], enable_progress_bar=False, enable_model_summary=False,
-        logger=CSVLogger(tmp_path), enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [callback, *peaks.around(monitor)], max_steps=3)
     trainer.fit(module, data)
     k = callback.plan.accumulate_grad_batches
     assert k > 1 and callback.plan.checkpointing != "none"  # what this test is about: both at once
@@ -606,11 +594,7 @@ def test_accumulation_that_fits_is_never_merged_into_a_larger_micro_batch(tmp_pa
         torch.manual_seed(0)
         data = GPTDataModule(batch_size=4, seq_len=32, num_sentences=100)
         autofit = AutoFit(budget="1000GB", cost="flops", verify_steps=0)
-        trainer = L.Trainer(
-            default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2,
-            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            enable_checkpointing=False, callbacks=[autofit],
-        )  # fmt: skip
+        trainer = cpu_trainer(tmp_path, [autofit], max_steps=1, accumulate_grad_batches=2, logger=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, data)

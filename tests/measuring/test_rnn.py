@@ -10,8 +10,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import steady_step_and_estimate
-from lightning.pytorch.loggers import CSVLogger
+from helpers import cpu_trainer, steady_step_and_estimate
 from models import Tagger, lm_loss
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -104,11 +103,7 @@ def test_the_monitor_is_the_allocators_every_step(rnn, tmp_path):
     """Measured and unmeasured Trainer steps alike (the monitor reuses a measured twin's figures for the
     unmeasured ones): every logged step within 0.1 % of the allocator's."""
     peaks, monitor = AllocatorPeaks(), MemoryMonitor(plot=False, summary=False)
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=4, logger=CSVLogger(tmp_path),
-        callbacks=peaks.around(monitor), enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, peaks.around(monitor), max_steps=4)
     trainer.fit(TaggerModule(batch_size=4, rnn=rnn))
     assert len(monitor.history) == len(peaks.peaks) == 4
     for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
@@ -125,11 +120,7 @@ def test_autofit_keeps_an_lstm_within_its_budget(tmp_path):
     budget = int(static + 0.45 * (naive.peak - static))
     autofit = AutoFit(budget=budget, margin=0.01, cost="flops", optimizers=["adamw"])
     peaks = AllocatorPeaks()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
-        callbacks=[autofit, *peaks.around()], enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [autofit, *peaks.around()], max_steps=2, logger=False)
     trainer.fit(module)
     assert autofit.plan.micro_batch_size < 8  # it had to cut the batch: an LSTM has no blocks to checkpoint
     assert peaks.peaks and max(peaks.peaks) <= budget

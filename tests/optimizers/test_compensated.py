@@ -5,11 +5,10 @@ sees them."""
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import optimi
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers import cpu_trainer
 
 from lightning_memkit import estimate_memory, fit_optimizer, plan_fit, swap_optimizer
 from lightning_memkit._fitting.space import _pairs
@@ -71,11 +70,7 @@ def test_the_bf16_step_with_kahan_is_as_estimated(tmp_path):
     Kahan buffer (6 bytes per parameter)."""
     torch.manual_seed(0)
     module, peaks = GPTLightningModule("tiny", max_steps=3, optimizer="adamw_kahan"), AllocatorPeaks()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=3, precision="bf16-true",
-        limit_val_batches=0, logger=CSVLogger(tmp_path), callbacks=peaks.around(),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, peaks.around(), max_steps=3, precision="bf16-true")
     trainer.fit(module, GPTDataModule(batch_size=B, seq_len=T, num_sentences=300))
     (optimizer,) = trainer.optimizers
     assert type(optimizer) is optimi.AdamW
