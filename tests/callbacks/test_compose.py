@@ -27,7 +27,8 @@ from lightning_memkit._optimizers.swap import identify, lighter_candidates
 from lightning_memkit.demos.gpt import Block
 from lightning_memkit.testing import AllocatorPeaks
 
-#: bytes: the tiny GPT's step at micro-batch 8 needs about 27 MB without checkpointing (tests/test_autofit)
+#: bytes: the tiny GPT's step at micro-batch 8 needs about 27 MB without checkpointing
+#: (tests/fitting/test_autofit.py)
 TIGHT = 24_000_000
 
 

@@ -369,7 +369,8 @@ def test_ddp_logs_each_rank_matching_the_allocator(ddp):
 def test_ddp_a_compiled_step_is_measured_on_each_rank(ddp):
     """MemoryMonitor on a model compiled in ``configure_model``, under DDP: each rank's every step as its
     allocator records it. torch.profiler's timeline misses the token ids, which only generated kernels read
-    (tests/test_compiled.py counts them with the CPU allocator's own count): they are the tolerance."""
+    (tests/measuring/test_compiled.py counts them with the CPU allocator's own count): they are the
+    tolerance."""
     out = ddp("compiled")
     ids = 4 * 32 * 8  # one rank's (4, 32) int64 batch
     for rank in (0, 1):

@@ -400,8 +400,9 @@ def test_a_7b_step_opens(tmp_path):
 
 def _steady_step_peak(module, tmp_path) -> int:
     """The allocator's peak of ``module``'s second Trainer step on the CPU (torch.profiler's memory
-    timeline, `AllocatorPeaks`), as tests/test_zoo.py measures it: the steady step, which the snapshot
-    simulates (the optimizer's state made, the previous step's gradients alive through the forward)."""
+    timeline, `AllocatorPeaks`), as tests/estimating/test_zoo.py measures it: the steady step, which the
+    snapshot simulates (the optimizer's state made, the previous step's gradients alive through the
+    forward)."""
     peaks = AllocatorPeaks()
     cpu_trainer(tmp_path, peaks.around(), max_steps=2).fit(module)
     assert len(peaks.peaks) == 2

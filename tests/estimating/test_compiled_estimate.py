@@ -3,7 +3,7 @@ simulated as inductor runs it (`lightning_memkit._estimating.compiled`), against
 
 The truth is the allocator's peak of the real compiled step (`allocator_peak`: torch.profiler's memory
 timeline), steady state: the third step. The profiler misses a batch that only generated kernels read
-(tests/test_compiled.py), a few kilobytes here, inside the bars.
+(tests/measuring/test_compiled.py), a few kilobytes here, inside the bars.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_a_compiled_cnn_is_estimated_to_the_allocators_byte():
     batch = (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
     estimate = estimate_memory(module, batch, device="cpu")
     # torch.profiler's timeline misses the images, which only a generated kernel reads (they are live all
-    # along: tests/test_compiled.py counts them with the CPU allocator's own count)
+    # along: tests/measuring/test_compiled.py counts them with the CPU allocator's own count)
     real = _real_peak(module, batch) + batch[0].untyped_storage().nbytes()
     assert abs(estimate.peak / real - 1) < 0.001, (estimate.peak, real)
 
@@ -227,8 +227,8 @@ def _compiled_and_real(
 ) -> tuple[int, int]:
     """(the estimate, the third real step) of ``model`` on ``batch = (input, target)``, Lightning's order.
     The real step is `measure`'s, which follows a compiled step to the CPU allocator's own count
-    (tests/test_compiled.py): torch.profiler's timeline misses what only generated kernels touch (the
-    input, a buffer written in the forward)."""
+    (tests/measuring/test_compiled.py): torch.profiler's timeline misses what only generated kernels touch
+    (the input, a buffer written in the forward)."""
     estimate = estimate_memory(model, batch, optimizer=optimizer, loss_fn=loss_fn, device="cpu")
     real = _OPTIMIZERS[optimizer](model.parameters())
     x, target = batch

@@ -370,7 +370,7 @@ def test_eager_experts_measured_as_the_unmeasured_step_allocates():
     """`measure` follows any routing. Under any Python dispatch mode the autograd engine adds the
     gradients that several experts' selects send to one parameter out of place, so the measured step
     holds one more parameter-sized buffer than the same step unmeasured (it read +345,912 B here); the
-    tracker counts such a sum as the plain step makes it, in place (tests/test_packed.py)."""
+    tracker counts such a sum as the plain step makes it, in place (tests/measuring/test_packed.py)."""
     from lightning_memkit import measure
 
     model, ids = _eager_moe()

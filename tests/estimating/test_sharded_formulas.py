@@ -34,7 +34,7 @@ TINY_LLAMA = dict(
 
 
 def tiny_llama() -> torch.nn.Module:
-    """tests/test_fsdp.py's LLaMA: its 131-row vocabulary shards unevenly, so FSDP pads."""
+    """tests/sharding/test_fsdp.py's LLaMA: its 131-row vocabulary shards unevenly, so FSDP pads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

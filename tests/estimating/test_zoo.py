@@ -44,7 +44,8 @@ def test_monitor_and_estimate_match_the_allocator(name, tmp_path):
 # Every kind once: an encoder-decoder with a dict batch and the cache on (T5), a decoder with the cache on
 # (Qwen2, the LLaMA family), and an image model, the CNN with BatchNorm in bf16 (its oneDNN reorders).
 # BERT, GPT-2, GPT-NeoX, ViT and the fp32 CNN add no kind of step here that these and the monitor test above
-# do not cover, for 7-8 s of planning each (`tests/test_checkpointing_hf.py` plans every zoo model).
+# do not cover, for 7-8 s of planning each (`tests/checkpointing/test_checkpointing_hf.py` plans every zoo
+# model).
 AUTOFIT = [
     ("t5", "32-true"),
     ("qwen2", "32-true"),

@@ -157,7 +157,7 @@ def test_refuses_what_needs_all_gradients_before_a_step(tmp_path):
         match = f"FusedOptimizerStep cannot run here: {message}.*GradientRelease"
         with pytest.raises(ValueError, match=match):
             _trainer(tmp_path, [FusedOptimizerStep()], max_steps=1, **kwargs).fit(module, data)
-    # FSDP2 alone is served (tests/test_fsdp.py trains it bit-identically on gloo ranks); tensor
+    # FSDP2 alone is served (tests/sharding/test_fsdp.py trains it bit-identically on gloo ranks); tensor
     # parallelism is not. The mesh is the one setup would make: a CPU cannot run two tensor-parallel ranks.
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, logger=False,

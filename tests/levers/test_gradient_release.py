@@ -1,7 +1,7 @@
 """GradientRelease / release_gradients (issue 15, lever 1): the gradients are freed once the optimizer has
 stepped, so a Lightning step's forward runs without the previous step's gradients. The peak falls by what
 `estimate_memory(release_gradients=True)` predicts (the allocator's figures), the monitor still matches the
-allocator, and training is bit-identical (`tests/test_observe_only.py` runs it in 14 usages)."""
+allocator, and training is bit-identical (`tests/callbacks/test_observe_only.py` runs it in 14 usages)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The README and the documentation (issue 29): the README stays a newcomer's page whose commands, links
 and Hugging Face example are true, and the API reference lists every public name. The site's build and
-how it renders: tests/test_site.py."""
+how it renders: tests/project/test_site.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The documentation site as a reader sees it (issue 49, item 6): `mkdocs build --strict` passing is not
-enough, so the built pages are rendered by headless Chromium, as tests/test_html_report.py renders the
-HTML report, and read for what a reader would trip on: a menu bar that wraps into rows, a command broken
+enough, so the built pages are rendered by headless Chromium, as tests/diagnosis/test_html_report.py renders
+the HTML report, and read for what a reader would trip on: a menu bar that wraps into rows, a command broken
 across lines, a literal `**` where bold was meant, an API signature as one line running off the page.
 
 One Chromium run renders every page: a probe page holds each page in a 1280 x 900 frame (a laptop's

@@ -3,12 +3,13 @@
 Quick tier: the layout search on a fake process group in this one process (`plan_fit(sharding="auto")`,
 `_fitting.layouts`), the plan's record of the layout and its code. Slow tier: `AutoFitStrategy` with the
 layout left open on 4 gloo ranks, at a budget only tensor parallel 2 x FSDP2 2 fits, each rank against its
-all-thread counting allocator (as tests/test_autofit_strategy.py), the ranks started once per session.
+all-thread counting allocator (as tests/sharding/test_autofit_strategy.py), the ranks started once per
+session.
 
-The model is tests/test_parallel_layouts.py's tiny LLaMA with 4 key/value heads. Its leanest AdamW plans
-(micro-batch 1, full checkpointing, global batch 8 over 4 ranks) peak at about 362 KiB a rank under FSDP2
-4, 486 KiB under HSDP 2 x 2, 344 KiB under TP 4 and 319 KiB under TP 2 x FSDP2 2: at `BUDGET` with a 10 %
-margin (a 333 KiB limit) only the last fits.
+The model is tests/sharding/test_parallel_layouts.py's tiny LLaMA with 4 key/value heads. Its leanest AdamW
+plans (micro-batch 1, full checkpointing, global batch 8 over 4 ranks) peak at about 362 KiB a rank under
+FSDP2 4, 486 KiB under HSDP 2 x 2, 344 KiB under TP 4 and 319 KiB under TP 2 x FSDP2 2: at `BUDGET` with a
+10 % margin (a 333 KiB limit) only the last fits.
 """
 
 import json

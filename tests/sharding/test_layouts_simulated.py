@@ -1,6 +1,6 @@
 """Tensor parallelism and HSDP simulated in this one process, on fake tensors over a fake process group:
 the layouts `Sharding` names, the user's own ``parallelize_fn``, and what is refused. The real ranks these
-simulations are held to run in tests/test_parallel_layouts.py (4 gloo ranks)."""
+simulations are held to run in tests/sharding/test_parallel_layouts.py (4 gloo ranks)."""
 
 import pytest
 import torch

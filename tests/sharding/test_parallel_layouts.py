@@ -14,8 +14,8 @@ FSDP2 on each layer and the root, in torchtitan's order. The model is test_fsdp'
 key/value heads as query heads (4): with its 2, four tensor-parallel ranks would split a key/value head.
 
 The truth is each rank's all-thread counting allocator, the monitor and the truth in the same fit, as in
-tests/test_fsdp.py, whose reading of the ranks' records these tests share. The ranks start once per test
-session and run every layout in turn: watched, unwatched, then under AutoFit.
+tests/sharding/test_fsdp.py, whose reading of the ranks' records these tests share. The ranks start once per
+test session and run every layout in turn: watched, unwatched, then under AutoFit.
 """
 
 import hashlib

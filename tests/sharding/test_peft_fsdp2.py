@@ -3,8 +3,8 @@
 Two ranks run the tiny LLaMA of tests/peft_models.py under peft's LoRA, ``fully_shard`` on each decoder layer
 and the root as Lightning's ``ModelParallelStrategy`` documents, AdamW on the adapters alone, each rank on a
 batch of its own. Each rank's steady step is held to `estimate_memory(strategy="fsdp2")`, within the bar of
-the full fine-tune's sharded estimate (tests/test_fsdp.py), and `measure` to its allocator; then the same
-models in Lightning's Trainer: MemoryMonitor under ModelParallelStrategy, and AutoFitStrategy's plan.
+the full fine-tune's sharded estimate (tests/sharding/test_fsdp.py), and `measure` to its allocator; then the
+same models in Lightning's Trainer: MemoryMonitor under ModelParallelStrategy, and AutoFitStrategy's plan.
 
 QLoRA's 4-bit base shards too, as the FSDP+QLoRA recipe keeps it: bitsandbytes' ``Params4bit`` stored as
 bf16 (``quant_storage``), so that FSDP2 flattens, shards and all-gathers it like any bf16 weight, each
