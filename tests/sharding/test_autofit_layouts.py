@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import counted_ranks, needs_distributed, run_in_turn
+from helpers import counted_ranks, cpu_trainer, needs_distributed, run_in_turn
 from test_parallel_layouts import llama
 from zoo import ZooModule, zoo_batch
 
@@ -240,11 +240,8 @@ def _fit(out: Path) -> None:
     strategy = AutoFitStrategy(budget=BUDGET, optimizers=["adamw"], cost="flops", tensor_parallel_size="auto",
                                data_parallel_size="auto")  # fmt: skip
     torch.manual_seed(0)
-    trainer = pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False,
-        strategy=strategy, callbacks=[*peaks.around(), _Record(out, peaks)], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    callbacks = [*peaks.around(), _Record(out, peaks)]
+    trainer = cpu_trainer(out, callbacks, STEPS, devices=WORLD, logger=False, strategy=strategy)
     trainer.fit(Llama())
 
 

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import pytest
 import test_fsdp as fsdp_test
 import torch.distributed
-from helpers import needs_distributed, spawn_ranks
+from helpers import cpu_trainer, needs_distributed, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from models import BuiltLater
@@ -130,11 +130,9 @@ def _fit(
     out.mkdir(parents=True, exist_ok=True)
     peaks = AllocatorPeaks(all_threads=True)
     torch.manual_seed(0)
-    trainer = pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=max_steps, log_every_n_steps=1,
-        strategy=strategy, logger=CSVLogger(out, name="autofit"), precision=precision,
-        callbacks=[*callbacks, *peaks.around(), _Record(out, peaks)], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
+    trainer = cpu_trainer(
+        out, [*callbacks, *peaks.around(), _Record(out, peaks)], max_steps, devices=WORLD,
+        log_every_n_steps=1, strategy=strategy, logger=CSVLogger(out, name="autofit"), precision=precision,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -163,11 +161,7 @@ class ChunkedLlama(Llama):
 
 def _refused(out: Path, budget: str = "200KiB", module=Llama) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    trainer = pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=1, logger=False,
-        strategy=AutoFitStrategy(budget=budget), enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(out, [], 1, devices=WORLD, logger=False, strategy=AutoFitStrategy(budget=budget))
     try:
         trainer.fit(module())
     except (ValueError, RuntimeError) as error:

@@ -28,7 +28,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch.distributed
-from helpers import needs_distributed, spawn_ranks
+from helpers import cpu_trainer, needs_distributed, spawn_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -174,23 +174,19 @@ def _scenario(out: Path, world: int, config: dict, watched: bool = True) -> None
         callbacks = [*peaks.around(monitor), _Record(out, peaks, monitor)]
     callbacks = [*levers, *callbacks]
     torch.manual_seed(0)
-    trainer = pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=world, max_steps=STEPS, log_every_n_steps=1,
+    trainer = cpu_trainer(
+        out, callbacks, STEPS, devices=world, log_every_n_steps=1, logger=CSVLogger(out, name="fsdp"),
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        logger=CSVLogger(out, name="fsdp"), callbacks=callbacks,
-        accumulate_grad_batches=accumulate, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
+        accumulate_grad_batches=accumulate,
     )  # fmt: skip
     trainer.fit(ShardedLlama(world, **config))
 
 
 def _mixed(out: Path, world: int) -> None:
     """A fit that fails with DTensor's "mixed torch.Tensor and DTensor": what the monitor says."""
-    trainer = pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=world, max_steps=1, logger=CSVLogger(out),
+    trainer = cpu_trainer(
+        out, [MemoryMonitor(plot=False, summary=False)], 1, devices=world,
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        callbacks=[MemoryMonitor(plot=False, summary=False)], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -204,11 +200,9 @@ def _mixed(out: Path, world: int) -> None:
 def _oom(out: Path, world: int) -> None:
     """A fit whose first step runs out of memory on every rank (`PretendOOM`): what the monitor says."""
     module = OutOfMemory(world)
-    trainer = pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=world, max_steps=1, logger=CSVLogger(out),
+    trainer = cpu_trainer(
+        out, [MemoryMonitor(budget=OOM_BUDGET, plot=False, summary=False)], 1, devices=world,
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        callbacks=[MemoryMonitor(budget=OOM_BUDGET, plot=False, summary=False)], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_ranks, needs_distributed, run_in_turn
+from helpers import counted_ranks, cpu_trainer, needs_distributed, run_in_turn
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_fsdp import BATCH, SEQ, STEPS, matches_the_rank, per_step_truth, read
@@ -149,10 +149,9 @@ def _trainer(out: Path, layout: str, callbacks: list) -> pl.Trainer:
     data_parallel, tensor_parallel = LAYOUTS[layout]
     strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel)
     torch.manual_seed(0)
-    return pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=STEPS, log_every_n_steps=1,
-        strategy=strategy, logger=CSVLogger(out, name=layout), callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    return cpu_trainer(
+        out, callbacks, STEPS, devices=WORLD, log_every_n_steps=1, strategy=strategy,
+        logger=CSVLogger(out, name=layout),
     )  # fmt: skip
 
 

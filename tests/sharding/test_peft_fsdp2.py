@@ -22,8 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
-from helpers import counted_rank, counted_ranks, counted_step, needs_distributed
-from lightning.pytorch.loggers import CSVLogger
+from helpers import counted_rank, counted_ranks, counted_step, cpu_trainer, needs_distributed
 from lightning.pytorch.strategies import ModelParallelStrategy
 from peft_models import AdapterModule, adapter_model, token_batch
 
@@ -104,11 +103,7 @@ def _fit(setup: str, how: str, out: Path) -> None:
     else:
         module, strategy = AdapterModule(setup, batch_size=8), AutoFitStrategy(budget="1GiB")
     callbacks = [*peaks.around(monitor), _Record(out, peaks, monitor)]
-    pl.Trainer(
-        default_root_dir=out, accelerator="cpu", devices=WORLD, max_steps=3, log_every_n_steps=1,
-        strategy=strategy, logger=CSVLogger(out), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
-    ).fit(module)  # fmt: skip
+    cpu_trainer(out, callbacks, 3, devices=WORLD, log_every_n_steps=1, strategy=strategy).fit(module)
 
 
 def _steps(setup: str, rank: int, out: Path, counter) -> None:
