@@ -1,8 +1,8 @@
 """The estimate of a torch.compile'd step against the real one (issue 26 item 7), CPU, steady step.
 
 For each model: compiled (inductor), its third real step measured with `measure` (which follows a compiled
-step buffer by buffer, to the CPU allocator's count: tests/test_compiled.py), and `estimate_memory` of the
-same step, simulated as inductor runs it (`lightning_memkit/_estimating/compiled.py`: the code inductor
+step buffer by buffer, to the CPU allocator's count: tests/measuring/test_compiled.py), and `estimate_memory`
+of the same step, simulated as inductor runs it (`lightning_memkit/_estimating/compiled.py`: the code inductor
 generates, its kernels stubbed). The eager simulation of the same model is printed beside, as the estimate
 was before any compiled simulation. Then the zoo's LLaMA at torch.compile activation budgets below the
 configured one, which `ActivationCheckpointing(budget=)` plans with (`_checkpointing/compiled.py`), and

@@ -13,10 +13,10 @@ the whole batch, so the plan must split it:
   fits it as it is.
 
 Printed: the plan, the shape of the batches the steps got, the planned peak, the steady real peak (the
-monitor's, exact on the CPU: tests/test_memory_monitor.py) and whether every step stayed in the budget. For
-the LSTM, ``before`` is what taking dimension 0 for the samples gave: its inputs (T, B, 8) and targets
-(B, 1) disagree there, so it was refused (with time-major targets too, it planned along T while the loader
-went on yielding B).
+monitor's, exact on the CPU: tests/callbacks/test_memory_monitor.py) and whether every step stayed in the
+budget. For the LSTM, ``before`` is what taking dimension 0 for the samples gave: its inputs (T, B, 8) and
+targets (B, 1) disagree there, so it was refused (with time-major targets too, it planned along T while the
+loader went on yielding B).
 """
 
 from __future__ import annotations

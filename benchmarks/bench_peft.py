@@ -2,7 +2,7 @@
 (nf4 and fp4, with and without double quantization, uint8 and bf16 storage) and LoRA over its 8-bit base
 (tests/peft_models.py: a tiny random LLaMA, LoRA r=8 on q/v/up/down, AdamW on the adapters, 4 x 64 tokens),
 and LoRA over torchao's int8 and int4 weight-only bases where torchao is installed
-(tests/test_peft_torchao.py: the same LLaMA quantized by ``quantize_``).
+(tests/estimating/test_peft_torchao.py: the same LLaMA quantized by ``quantize_``).
 
 For each set-up, on the CPU, with the CPU allocator's own count as the truth (`counting_allocator`,
 installed before any model is built):
@@ -56,8 +56,8 @@ def _error(value: int | str, truth: int) -> str:
 
 
 def _torchao_setups() -> list[str]:
-    """The torchao set-ups (tests/test_peft_torchao.py), at 32-true and the int8 one at bf16-true; none
-    without torchao."""
+    """The torchao set-ups (tests/estimating/test_peft_torchao.py), at 32-true and the int8 one at bf16-true;
+    none without torchao."""
     try:
         import torchao  # noqa: F401
     except ImportError:

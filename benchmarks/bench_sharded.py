@@ -6,11 +6,11 @@ step simulated in this process (``estimate_memory(strategy="fsdp2", world_size=N
 divides the one-device step (`shard(..., "fsdp", N)`), against rank 0's steady step; and what FSDP2
 holds at rank 0's peak.
 
-The ranks and configurations are tests/test_fsdp.py's (a Hugging Face LLaMA, uneven shards, AdamW).
+The ranks and configurations are tests/sharding/test_fsdp.py's (a Hugging Face LLaMA, uneven shards, AdamW).
 
 Then tensor parallel 4, TP 2 x FSDP2 2 and HSDP 2 x 2 on 4 ranks, each applied by the module's
-``configure_model`` under ModelParallelStrategy (tests/test_parallel_layouts.py's layouts and LLaMA, 4
-key/value heads): MemoryMonitor against the allocator, every rank and step; the step simulated with the
+``configure_model`` under ModelParallelStrategy (tests/sharding/test_parallel_layouts.py's layouts and LLaMA,
+4 key/value heads): MemoryMonitor against the allocator, every rank and step; the step simulated with the
 module's ``configure_model`` as the layout (``parallelize_fn=ConfigureModel()``) and with the default
 layout's keywords (``tensor_parallel_size``, ``replicate_size``), against every rank's steady step; and
 `AutoFit`'s plan at a budget of the plain run's highest rank (every rank's peak in the plan's own run).

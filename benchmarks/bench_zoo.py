@@ -10,8 +10,8 @@ BatchNorm), or of its `FAMILIES` when named, on the CPU, with torch.profiler's m
   the plan, and its highest real micro-step against the budget.
 
 A compiled model's batch is read only by generated kernels, which torch.profiler's timeline misses (see
-tests/test_compiled.py, whose truth there is the CPU allocator's own count): its monitor error here is
-mostly the profiler's.
+tests/measuring/test_compiled.py, whose truth there is the CPU allocator's own count): its monitor error here
+is mostly the profiler's.
 
 A column that does not apply says why in its first words: "refused" where the library refuses the model
 (NotImplementedError: the eager experts' ``nonzero``), "n/a" where the model has nothing for it

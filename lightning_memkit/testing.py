@@ -238,7 +238,7 @@ class PretendOOM:
 
     Not under FSDP2: the explanation simulates the module's unsharded twin, whose ``training_step`` this
     wrapper would send back to the sharded module. Raise from a subclass's ``training_step`` there, on
-    real tensors only (``tests/test_fsdp.py``'s ``OutOfMemory``).
+    real tensors only (``tests/sharding/test_fsdp.py``'s ``OutOfMemory``).
     """
 
     def __init__(

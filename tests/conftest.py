@@ -1,5 +1,5 @@
-"""Shared test models (torch's own TransformerEncoder, one the project did not write), fixtures, and the
-`cuda` marker's skip."""
+"""The suite's fixtures and the `cuda` marker's skip (the shared models are in models.py, the shared
+helpers in helpers.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,10 @@ from pathlib import Path
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from filelock import FileLock
 from helpers import trainer_arguments
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)  # torch may have been imported before this file (by a plugin)
@@ -34,50 +31,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
-
-
-class EncoderLM(pl.LightningModule):
-    """A stack of torch's own ``nn.TransformerEncoderLayer`` with a token head: a model we did not write."""
-
-    def __init__(self, d_model=64, n_layer=2, vocab=256, seq_len=64, batch_size=8, n_batches=8, foreach=None):
-        super().__init__()
-        self.save_hyperparameters()
-        self.embed = nn.Embedding(vocab, d_model)
-        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=0.1, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, vocab)
-
-    def forward(self, x):
-        return self.head(self.encoder(self.embed(x)))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.hparams.foreach)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        n, t, v = self.hparams.n_batches * self.hparams.batch_size, self.hparams.seq_len, self.hparams.vocab
-        x = torch.randint(0, v, (n, t), generator=g)
-        return DataLoader(TensorDataset(x, x.roll(-1, dims=1)), batch_size=self.hparams.batch_size)
-
-
-def encoder_step(d_model=64, n_layer=2, batch=8, seq_len=64, vocab=256, foreach=None):
-    """A plain-PyTorch (model, optimizer, step) triple on the encoder stack."""
-    torch.manual_seed(0)
-    model = EncoderLM(d_model, n_layer, vocab, seq_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
-    x = torch.randint(0, vocab, (batch, seq_len))
-
-    def step():
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return model, opt, step
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
@@ -80,6 +81,12 @@ def run_cli(argv):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(argv)
     return status, out.getvalue(), err.getvalue()
+
+
+#: marks a test that starts gloo ranks: skipped where this torch was built without torch.distributed
+needs_distributed = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
 
 
 def spawn_ranks(rank_fn, args: tuple, world: int, what: str, timeout_s: float = 600) -> None:

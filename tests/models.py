@@ -9,10 +9,14 @@ than writing its own ``Net``.
   factory without repeated blocks;
 - `Tagger`: an embedding, torch's LSTM or GRU and a per-token head, also stepped with `lm_loss`;
 - `AttributeUNet` (`UNetModule` over it): a diffusion-style UNet whose `ResBlock` and `AttnBlock` blocks
-  are plain attributes, no ``nn.ModuleList``.
+  are plain attributes, no ``nn.ModuleList``;
+- `EncoderLM` (`encoder_step`: the same as a plain step): torch's own ``nn.TransformerEncoder``, a model the
+  project did not write;
+- `BuiltLater`: a regression whose layers ``configure_model`` builds;
+- `CompiledDecoder` and `CompiledCNN`: a tiny LLaMA and a CNN compiled in ``configure_model``.
 
-Shared elsewhere: `helpers.Regression` and `helpers.tiny_gpt` (the GPT example with its data),
-`conftest.EncoderLM` (torch's own TransformerEncoder), the Hugging Face zoo in `zoo.py`.
+Shared elsewhere: `helpers.Regression` and `helpers.tiny_gpt` (the GPT example with its data), the Hugging
+Face zoo in `zoo.py`, the adapter fine-tunes in `peft_models.py`.
 """
 
 from __future__ import annotations
@@ -270,3 +274,150 @@ class UNetModule(pl.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(*self.batch(self.samples)), batch_size=self.batch_size)
+
+
+class BuiltLater(pl.LightningModule):
+    """A regression whose layers ``configure_model`` builds (``build_later``), as Lightning documents for
+    large models, or that has none at all."""
+
+    def __init__(self, build_later: bool) -> None:
+        super().__init__()
+        self.batch_size, self.build_later, self.net = 8, build_later, None
+
+    def configure_model(self) -> None:
+        if self.build_later and self.net is None:  # idempotent, as Lightning asks of the hook
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x) if self.net is not None else x.mean(1, keepdim=True)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+    def train_dataloader(self):
+        data = TensorDataset(torch.randn(32, 16), torch.randn(32, 1))
+        return DataLoader(data, batch_size=self.batch_size)
+
+
+class EncoderLM(pl.LightningModule):
+    """A stack of torch's own ``nn.TransformerEncoderLayer`` with a token head: a model we did not write."""
+
+    def __init__(self, d_model=64, n_layer=2, vocab=256, seq_len=64, batch_size=8, n_batches=8, foreach=None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.hparams.foreach)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        n, t, v = self.hparams.n_batches * self.hparams.batch_size, self.hparams.seq_len, self.hparams.vocab
+        x = torch.randint(0, v, (n, t), generator=g)
+        return DataLoader(TensorDataset(x, x.roll(-1, dims=1)), batch_size=self.hparams.batch_size)
+
+
+def encoder_step(d_model=64, n_layer=2, batch=8, seq_len=64, vocab=256, foreach=None):
+    """A plain-PyTorch (model, optimizer, step) triple on the encoder stack."""
+    torch.manual_seed(0)
+    model = EncoderLM(d_model, n_layer, vocab, seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    x = torch.randint(0, vocab, (batch, seq_len))
+
+    def step():
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+#: the batches a compiled module's (`CompiledDecoder`, `CompiledCNN`) loader yields: one epoch of steps
+COMPILED_STEPS = 4
+
+
+class CompiledDecoder(pl.LightningModule):
+    """A tiny random LLaMA (grouped-query attention), compiled in ``configure_model`` as Lightning's docs
+    show; ``batch_size`` x ``seq_len`` token ids, seeded."""
+
+    def __init__(self, batch_size: int = 4, seq_len: int = 32, attention_dropout: float = 0.0) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.batch_size, self.seq_len = batch_size, seq_len
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, attention_dropout=attention_dropout,
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+
+    def configure_model(self) -> None:
+        self.model = torch.compile(self.model)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        shape = (COMPILED_STEPS * self.batch_size, self.seq_len)
+        ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(0))
+        return DataLoader(ids, batch_size=self.batch_size)
+
+
+class CNN(nn.Module):
+    """Two convolutions with BatchNorm, pooled, then a linear head: (B, 3, 32, 32) -> (B, 10). Its own
+    ``forward``: ``nn.Sequential.compile()`` compiles no frame (dynamo skips torch.nn's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))  # (B, 32, 16, 16) -> (B, 32) -> (B, 10)
+
+
+class CompiledCNN(pl.LightningModule):
+    """`CNN` compiled in ``configure_model`` (``self.net.compile()``), cross-entropy over 10 classes, AdamW:
+    `COMPILED_STEPS` batches of ``batch_size`` random (B, 3, 32, 32) images, seeded."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        torch.manual_seed(0)
+        self.net = CNN()
+
+    def configure_model(self) -> None:
+        self.net.compile()
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        n = COMPILED_STEPS * self.batch_size
+        data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+        return DataLoader(data, batch_size=self.batch_size)

@@ -11,7 +11,7 @@ sets the DataModule's ``batch_size`` (which ``train_dataloader`` reads) and the 
 category (``memory/*`` keys, MiB), prints the peak step's table at the end and writes ``memory.png``
 beside the logs. On a GPU give a card's size or name instead (``--budget 24GiB``, ``--budget L4``).
 
-The classes below are the README's code, line for line (tests/test_docs.py checks it, and runs this).
+The classes below are the README's code, line for line (tests/project/test_docs.py checks it, and runs this).
 """
 
 import argparse

@@ -387,7 +387,7 @@ def static_breakdown(
 #: FSDP's full shard is stage 3, its SHARD_GRAD_OP stage 2. What DeepSpeed's estimators add to these shares
 #: (an fp32 gradient partition, 4 bytes a parameter over the ranks; at stage 3 the largest layer's 16-bit
 #: parameters and gradients, 4 bytes a parameter of it, unsharded) is left out: the test of these formulas,
-#: tests/test_sharded_formulas.py, holds the difference to those functions byte for byte.
+#: tests/estimating/test_sharded_formulas.py, holds the difference to those functions byte for byte.
 STRATEGIES: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "zero1": ("optimizer_state",),

@@ -24,9 +24,9 @@ where inductor lays convolutions out so), and a tracing context tells inductor w
 over.
 
 Measured against the CPU allocator, steady step (`benchmarks/bench_compiled_estimate.py`,
-tests/test_compiled_estimate.py): to the byte on the zoo's LLaMA, Qwen2, GPT-NeoX, T5, Whisper, BERT and a
-compiled CNN, ViT +0.02 %, GPT-2 +2.7 % (a graph break: below); the zoo's LLaMA at activation budgets 0.984
-to 0.1, to the byte (`_checkpointing.compiled` plans with them).
+tests/estimating/test_compiled_estimate.py): to the byte on the zoo's LLaMA, Qwen2, GPT-NeoX, T5, Whisper,
+BERT and a compiled CNN, ViT +0.02 %, GPT-2 +2.7 % (a graph break: below); the zoo's LLaMA at activation
+budgets 0.984 to 0.1, to the byte (`_checkpointing.compiled` plans with them).
 
 The traced graph is the whole module's: where dynamo breaks the graph (code it cannot trace), the real
 step is partitioned at the break, which the simulation does not see. A module whose ``compile()`` was

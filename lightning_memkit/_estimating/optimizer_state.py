@@ -1,6 +1,6 @@
 """Bytes of ``optimizer.state`` after the first step, per parameter shape: the exact formula of each
 optimizer in the catalogue, as torch 2.x and bitsandbytes 0.50 allocate it (checked against real steps
-in ``tests/test_analytic.py``). `optimizer_state_bytes
+in ``tests/estimating/test_analytic.py``). `optimizer_state_bytes
 <lightning_memkit._estimating.analytic.optimizer_state_bytes>`
 looks a name up in `OPTIMIZERS`."""
 

@@ -68,7 +68,7 @@ def fuse_optimizer_step(optimizers: Optimizer | Iterable[Optimizer]) -> FusedSte
     The peak no longer holds the model's gradients: during backward only the gradients not yet consumed
     exist (one layer's, give or take), and none in the forward. Training is the same as calling
     ``optimizer.step()`` after ``loss.backward()`` (bit-identical for torch's AdamW on the CPU,
-    ``tests/test_fused_step.py``); ``optimizer.step()`` and ``zero_grad()`` may still be called, and do
+    ``tests/levers/test_fused_step.py``); ``optimizer.step()`` and ``zero_grad()`` may still be called, and do
     nothing more. Learning-rate schedulers and ``state_dict`` work as before: it is the same optimizer.
 
     Any gradient present when it is installed is freed (it would otherwise join the first update).

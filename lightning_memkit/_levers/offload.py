@@ -19,7 +19,7 @@ The optimizer object stays the user's: its learning-rate scheduler, ``param_grou
 clipping (which reads the masters' gradients) work as before, and its ``state_dict`` has the same layout
 (state by parameter position). The update is computed on fp32 masters, so 16-bit weights lose no small
 step (what Kahan summation or stochastic rounding buy elsewhere); with fp32 weights training is the same
-as without offloading (bit-identical on the CPU, ``tests/test_offload.py``).
+as without offloading (bit-identical on the CPU, ``tests/levers/test_offload.py``).
 
 The price is time: every micro-batch sends its gradients to the host, every step sends the weights back,
 and the update runs on the host (`transfer_seconds`). Transfers are blocking, through pageable memory;

@@ -6,7 +6,7 @@ dispatch mode sees them:
 * activation checkpointing's CPU RNG state, kept per region for its recompute (``torch.get_rng_state``,
   5,056 bytes), and the outputs selective checkpointing's policy saves in its own cache, each wrapped in
   the private ``torch.utils.checkpoint._VersionWrapper`` (without that class they count as temporary; the
-  peak is the same, and tests/test_measure.py says so);
+  peak is the same, and tests/measuring/test_measure.py says so);
 * saved-tensor hooks the step pushes itself (``save_on_cpu``) replace the tracker's while in force: what
   they pack is reported all the same;
 * FSDP2 allocates and frees its unsharded parameters with ``UntypedStorage.resize_``, and gloo's

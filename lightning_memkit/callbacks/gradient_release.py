@@ -2,9 +2,9 @@
 
 The lever is `release_gradients`; this callback installs it on every optimizer of the fit (`StepHooks`:
 right before a training backward, again if the optimizers change, off when training ends or fails).
-Training is bit-identical with and without it (``tests/test_gradient_release.py``); the budget callbacks
-in the same Trainer (`AutoFit`, `ActivationCheckpointing`, `OptimizerSwap`) see it and estimate the step
-without the previous step's gradients in the forward.
+Training is bit-identical with and without it (``tests/levers/test_gradient_release.py``); the budget
+callbacks in the same Trainer (`AutoFit`, `ActivationCheckpointing`, `OptimizerSwap`) see it and estimate the
+step without the previous step's gradients in the forward.
 """
 
 from __future__ import annotations
