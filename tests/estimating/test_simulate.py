@@ -271,8 +271,7 @@ def test_return_timeline_still_returns_the_pair_with_a_future_warning():
 @pytest.mark.parametrize(
     "keywords",
     [
-        {"precision": "bf16-mixed", "checkpointing": "full"},
-        {"accumulating": True, "release_gradients": True, "first_step": True},
+        {"precision": "bf16-mixed", "checkpointing": "full", "accumulating": True, "release_gradients": True},
         {"strategy": "fsdp2", "world_size": 2, "reshard_after_forward": False},
     ],
 )

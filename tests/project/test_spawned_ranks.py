@@ -28,6 +28,7 @@ def _aborting_rank(rank: int) -> None:
     time.sleep(60)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_rank_killed_by_a_signal_says_what_it_printed_and_where_it_was():
     said = r"(?s)process 1 terminated with signal SIGABRT.*about to abort"
     with pytest.raises(AssertionError, match=said) as e:
