@@ -268,11 +268,14 @@ _ARGUMENTS = frozenset(inspect.signature(plan_fit).parameters)
 
 def _step_as_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
     """`plan_fit`'s ``arguments`` with its ``step=`` given as the keywords the step stands for: precision,
-    lever and FSDP2 layout. One of those keywords given beside it (as `Step.split` refuses them), or a part
-    of the step the planner chooses itself, is refused."""
+    lever and FSDP2 layout. One of those keywords set beside it is refused by `Step.split`, as every public
+    function refuses it; so is a part of the step the planner chooses itself."""
     step = arguments.pop("step")
-    if not isinstance(step, Step):
-        raise TypeError(f"step= must be a Step; got {step!r} ({type(step).__name__})")
+    sharded = getattr(step, "sharding", None) is not None
+    covered = ["precision", *LEVERS, *(("strategy", "world_size") if sharded else ())]
+    step, _ = Step.split({"step": step, **{name: arguments[name] for name in covered}})
+    if sharded and arguments["sharding"] is not None:
+        raise TypeError("give step= or sharding, not both: the Step holds the layout")
     chosen = {
         "checkpointing": step.checkpointing is not None,
         "accumulating": step.accumulating,
@@ -292,18 +295,7 @@ def _step_as_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
             "world_size": step.sharding.world_size,
             "sharding": step.sharding,
         }
-    clash = [name for name in given if arguments[name] != _DEFAULTS[name]]
-    if clash:
-        raise TypeError(f"plan_fit() got step= and {'=, '.join(clash)}=: give one or the other")
     return arguments | given
-
-
-#: `plan_fit`'s defaults, which `_step_as_keywords` may replace.
-_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(plan_fit).parameters.items()
-    if parameter.default is not inspect.Parameter.empty
-}
 
 
 class _Transfers(NamedTuple):

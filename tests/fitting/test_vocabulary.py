@@ -49,9 +49,11 @@ def test_a_step_stands_for_its_keywords() -> None:
     assert by_step == _plan(precision="bf16-mixed", release_gradients=True)
     assert (by_step.lever, by_step.lever_callback) == ("release_gradients", "GradientRelease")
     # a keyword the step stands for beside it is refused, as estimate_memory refuses it (Step.split)
-    with pytest.raises(TypeError, match=r"got step= and precision=, fused_step="):
+    with pytest.raises(TypeError, match=r"give step= or precision, fused_step, not both"):
         _plan(step=Step(), precision="bf16-mixed", fused_step=True)
-    with pytest.raises(TypeError, match=r"got step= and strategy="):  # never planned as something else
+    with pytest.raises(
+        TypeError, match=r"give step= or strategy, world_size, not both"
+    ):  # never planned as something else
         _plan(step=Step(sharding=Sharding(world_size=2)), strategy="ddp", world_size=2)
     assert _plan(step=Step(lever="offload"), strategy="ddp").lever == "offload"  # DDP is no step's
     with pytest.raises(ValueError, match="plan_fit chooses the step's checkpointing, accumulating itself"):
