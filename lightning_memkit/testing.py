@@ -39,6 +39,7 @@ __all__ = [
     "counting_allocator",
     "cpu_profiler",
     "profile_peak",
+    "reducer_bucket_bytes",
     "saved_for_backward",
 ]
 
@@ -157,8 +158,11 @@ class AllocatorPeaks:
     ``zero_grad`` frees. With ``all_threads`` (CPU), the peak is `counting_allocator`'s instead, which
     sees the collectives' worker threads too (install it before the model is built). It counts what was
     live when the step began as the profile does: the step's own tensors (the module's parameters,
-    buffers and gradients, the optimizers' state, the batch); the rest of the process's memory (the data
-    set, what the loggers keep) is not the step's and is taken off.
+    buffers and gradients, the optimizers' state, the batch, and under DDP its reducer's gradient buckets);
+    the rest of the process's memory (the data set, what the loggers keep) is not the step's and is taken
+    off. Under DDP, prefer ``all_threads``: torch.profiler's memory timeline of a DDP step now and then
+    rejects its own trace ("duplicate outputs", about one profile of two steps in eleven) or keeps a bucket
+    that gloo's thread freed alive to the end; the count is the same every time.
     """
 
     def __init__(self, device: str | torch.device = "cpu", *, all_threads: bool = False) -> None:
@@ -172,7 +176,7 @@ class AllocatorPeaks:
     def around(self, *callbacks: object) -> list:
         return [self.start, *callbacks, self.stop]
 
-    def _open(self, step_tensors: Callable[[], Iterable[Tensor]] = tuple) -> None:
+    def _open(self, step_tensors: Callable[[], Iterable[Tensor]] = tuple, step_bytes: int = 0) -> None:
         # Garbage of earlier work (a reference cycle holding tensors) collected inside the window would
         # count as live from its start: the profile knows a freed block allocated before it began only by
         # its free. When the collector runs depends on every thread's allocations (pytest-xdist's own).
@@ -184,7 +188,8 @@ class AllocatorPeaks:
             from lightning_memkit._measuring.storages import storage_bytes
 
             self._counter.reset_peak()
-            self._not_the_steps = self._counter.live_bytes() - storage_bytes(step_tensors(), self.device)
+            live = self._counter.live_bytes()
+            self._not_the_steps = live - storage_bytes(step_tensors(), self.device) - step_bytes
         else:
             self._prof = cpu_profiler()
             self._prof.start()
@@ -217,7 +222,8 @@ class _Open(pl.Callback):  # module level, so that ddp_spawn can pickle it
             yield from optimizer_tensors(trainer.optimizers)
             yield from (t for t in tree_leaves(batch) if isinstance(t, Tensor))
 
-        self.peaks._open(step_tensors)
+        buckets = reducer_bucket_bytes(trainer.strategy.model) if self.peaks._counter is not None else 0
+        self.peaks._open(step_tensors, buckets)
 
 
 class _Close(pl.Callback):
@@ -278,3 +284,15 @@ class PretendOOM:
 
     def remove(self) -> None:
         self.module.__dict__.pop("training_step", None)
+
+
+def reducer_bucket_bytes(model: object) -> int:
+    """Bytes of a `DistributedDataParallel` ``model``'s gradient buckets, as torch's reducer lays them out
+    now (its own zero-filled copies of them, made and freed here: call it before a count begins); 0 for
+    another model."""
+    from lightning_memkit._measuring.storages import storage_bytes
+
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    buckets = model.reducer._get_zeros_like_grad_buckets()
+    return storage_bytes([bucket.buffer() for bucket in buckets])
