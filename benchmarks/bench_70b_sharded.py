@@ -30,7 +30,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
-from lightning_memkit import estimate_memory
+from lightning_memkit import Sharding, estimate_memory
 from lightning_memkit._breakdown import GiB, MemoryBreakdown
 from lightning_memkit._budget import parse_budget
 from lightning_memkit._estimating.analytic import PRESETS, _block_shapes, count_parameters
@@ -88,11 +88,15 @@ def cold_dtensor_caches() -> None:
     propagator._propagate_tensor_meta_cached.cache_clear()
 
 
-def simulate(model: pl.LightningModule, batch: int, **keywords) -> tuple[MemoryBreakdown, float]:
-    """One rank's step (``batch`` sequences a rank) and the seconds it took to simulate."""
+def simulate(
+    model: pl.LightningModule, batch: int, *, checkpointing: str, world_size: int, **layout
+) -> tuple[MemoryBreakdown, float]:
+    """One rank's step (``batch`` sequences a rank) under `Sharding` ``layout`` over ``world_size`` ranks,
+    and the seconds it took to simulate."""
     x = torch.zeros(batch, SEQ, dtype=torch.long, device="meta")
     start = time.perf_counter()
-    b = estimate_memory(model, (x, x), precision="bf16-mixed", strategy="fsdp2", **keywords)
+    sharding = Sharding(world_size, **layout)
+    b = estimate_memory(model, (x, x), precision="bf16-mixed", checkpointing=checkpointing, sharding=sharding)
     return b, time.perf_counter() - start
 
 

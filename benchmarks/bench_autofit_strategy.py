@@ -26,7 +26,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sharding"))  # its test modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers, models
 import lightning.pytorch as pl
 import torch
 from helpers import spawn_ranks

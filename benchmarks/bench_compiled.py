@@ -22,7 +22,8 @@ import torch
 
 from lightning_memkit.testing import AllocatorPeaks, counting_allocator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "measuring"))  # its test modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers, models
 
 MiB = 2**20
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_compiled import CNN
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers, models
+from models import CNN
 from zoo import ZOO, zoo_batch
 
 from lightning_memkit import estimate_memory, measure, plan_checkpointing, plan_fit

@@ -29,7 +29,7 @@ from lightning_memkit.demos.gpt import GPTDataModule, GPTLightningModule
 from lightning_memkit.testing import AllocatorPeaks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import EncoderLM
+from models import EncoderLM
 
 
 class StepTimer(pl.Callback):

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "estimating"))  # its test modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers, models
 from helpers import cpu_trainer
 from peft_models import SETUPS, AdapterModule, token_batch
 

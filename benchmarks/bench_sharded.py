@@ -19,6 +19,7 @@ layout's keywords (``tensor_parallel_size``, ``replicate_size``), against every 
     python benchmarks/bench_sharded.py --layouts   # the second only
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -33,13 +34,14 @@ import torch.distributed
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sharding"))  # its test modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers, models
 from helpers import counted_rank, spawn_ranks
 from test_fsdp import BATCH, BF16_POLICY, SCENARIOS, SEQ, STEPS, ShardedLlama, per_step_truth, read, run_ranks
 from test_parallel_layouts import LAYOUTS, ParallelLlama
 from zoo import zoo_batch
 
-from lightning_memkit import AutoFit, ConfigureModel, MemoryMonitor, estimate_memory
+from lightning_memkit import AutoFit, ConfigureModel, MemoryMonitor, Sharding, estimate_memory
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._estimating.analytic import shard
 from lightning_memkit.testing import AllocatorPeaks, build_counting_allocator
@@ -57,6 +59,14 @@ SIMULATED = {
 }
 
 
+def _fsdp2_peak(module: pl.LightningModule, batch: torch.Tensor, world: int, options: dict) -> int:
+    """One rank's simulated peak over ``world`` ranks, ``options`` `estimate_memory`'s and the layout's."""
+    fields = {f.name for f in dataclasses.fields(Sharding)}
+    layout = Sharding(world, **{k: v for k, v in options.items() if k in fields})
+    rest = {k: v for k, v in options.items() if k not in fields}
+    return estimate_memory(module, batch, device="cpu", sharding=layout, **rest).peak
+
+
 def fsdp2_table() -> None:
     rows = []
     for world in (2, 4):
@@ -65,12 +75,7 @@ def fsdp2_table() -> None:
         grads = 4 * sum(p.numel() for p in module.parameters())
         divided = shard(whole, "fsdp", world, gradient_bytes=grads).peak
         batch = zoo_batch("qwen2", BATCH, SEQ)
-        simulated = {
-            name: estimate_memory(
-                module, batch, device="cpu", strategy="fsdp2", world_size=world, **options
-            ).peak
-            for name, options in SIMULATED.items()
-        }
+        simulated = {name: _fsdp2_peak(module, batch, world, options) for name, options in SIMULATED.items()}
         with tempfile.TemporaryDirectory() as tmp:
             run_ranks(Path(tmp), world)
             for name, config in SCENARIOS.items():
@@ -173,10 +178,10 @@ def _layout_rank(rank: int, out: Path) -> None:
 
 def _simulated(layout: str, **keywords) -> int:
     """One rank's steady step of ``layout``, simulated in this process."""
-    tensor_parallel = keywords.pop("tensor_parallel_size", LAYOUTS[layout][1])
+    keywords.setdefault("tensor_parallel_size", LAYOUTS[layout][1])
     return estimate_memory(
-        ParallelLlama(layout), zoo_batch("qwen2", BATCH, SEQ), device="cpu", strategy="fsdp2",
-        world_size=WORLD, tensor_parallel_size=tensor_parallel, **keywords,
+        ParallelLlama(layout), zoo_batch("qwen2", BATCH, SEQ), device="cpu",
+        sharding=Sharding(WORLD, **keywords),
     ).peak  # fmt: skip
 
 

@@ -12,15 +12,19 @@ signature that passes them on.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from lightning_memkit._budget import valid_name, whole_number
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, PRECISIONS
 
 __all__ = ["LEVERS", "LEVER_CALLBACKS", "Lever", "Sharding", "Step"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: What changes the optimizer step (`GradientRelease`, `FusedOptimizerStep`, `OptimizerOffload`).
 Lever = Literal["release_gradients", "fused_step", "offload"]
@@ -206,10 +210,11 @@ class Step:
         tensor_parallel_size: int = 1,
         replicate_size: int = 1,
         parallelize_fn: Callable[[Any, Any], Any] | None = None,
+        sharding: Sharding | None = None,
         compile_budget: float | None = None,
     ) -> Step:
-        """The step `estimate_memory`'s keywords describe (the levers as three flags, the sharded layout's
-        as `Sharding`'s fields)."""
+        """The step `estimate_memory`'s keywords describe (the levers as three flags; the sharded layout as
+        a `Sharding`, or ``strategy="fsdp2"`` with its fields)."""
         if fused_step and offload:
             raise ValueError(
                 "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
@@ -217,7 +222,16 @@ class Step:
         # Released gradients are what the other two levers give anyway: either stands for both.
         lever = "fused_step" if fused_step else "offload" if offload else None
         lever = lever or ("release_gradients" if release_gradients else None)
-        sharding = None
+        layout = {
+            "world_size": world_size, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy,
+            "tensor_parallel_size": tensor_parallel_size, "replicate_size": replicate_size,
+            "parallelize_fn": parallelize_fn,
+        }  # fmt: skip
+        if sharding is not None:
+            return cls(
+                precision, checkpointing, accumulating, first_step, lever,
+                _given_layout(sharding, strategy, layout), compile_budget,
+            )  # fmt: skip
         if strategy is None:
             given = [
                 name
@@ -239,10 +253,7 @@ class Step:
                 )
         else:
             valid_name("strategy", strategy, (Sharding.strategy,))
-            sharding = Sharding(
-                world_size, reshard_after_forward, mp_policy, tensor_parallel_size, replicate_size,
-                parallelize_fn,
-            )  # fmt: skip
+            sharding = Sharding(**layout)
         return cls(precision, checkpointing, accumulating, first_step, lever, sharding, compile_budget)
 
     @classmethod
@@ -277,15 +288,10 @@ class Step:
             out["first_step"] = True
         if self.lever is not None:
             out[self.lever] = True
-        if self.sharding is not None:
+        if self.sharding == Sharding(getattr(self.sharding, "world_size", 1)):  # the short form
             out.update(strategy=Sharding.strategy, world_size=self.sharding.world_size)
-            if not self.sharding.reshard_after_forward:
-                out["reshard_after_forward"] = False
-            if self.sharding.mp_policy is not None:
-                out["mp_policy"] = self.sharding.mp_policy
-            for name in ("tensor_parallel_size", "replicate_size", "parallelize_fn"):
-                if getattr(self.sharding, name) != _LAYOUT_DEFAULTS[name]:
-                    out[name] = getattr(self.sharding, name)
+        elif self.sharding is not None:
+            out["sharding"] = self.sharding
         if self.compile_budget is not None:
             out["compile_budget"] = self.compile_budget
         return out
@@ -307,8 +313,59 @@ class Step:
         return self.lever == "offload"
 
 
-#: The layout fields of `Sharding` `Step.keywords` leaves out at their defaults.
-_LAYOUT_DEFAULTS = {"tensor_parallel_size": 1, "replicate_size": 1, "parallelize_fn": None}
+def _given_layout(sharding: Sharding, strategy: str | None, layout: dict[str, Any]) -> Sharding:
+    """``sharding=`` as `Step.of` takes it: a `Sharding`, with ``strategy`` at most ``"fsdp2"`` and none of
+    its fields given again as a keyword (``world_size`` may repeat its own)."""
+    if not isinstance(sharding, Sharding):
+        raise TypeError(f"sharding= must be a Sharding; got {sharding!r} ({type(sharding).__name__})")
+    if strategy not in (None, Sharding.strategy):
+        raise ValueError(f"sharding= is FSDP2's layout (strategy='fsdp2'); got strategy={strategy!r}")
+    defaults = {name: field.default for name, field in Sharding.__dataclass_fields__.items()}
+    again = [
+        name for name, value in layout.items()
+        if value is not defaults[name] and value != defaults[name]
+        and not (name == "world_size" and value == sharding.world_size)
+    ]  # fmt: skip
+    if again:
+        raise TypeError(
+            f"give sharding= or {', '.join(again)}, not both: the Sharding holds the layout "
+            f"({sharding.describe()} over {sharding.world_size} ranks)"
+        )
+    return sharding
+
+
+def moved_into_sharding(fn: _F) -> _F:
+    """Let ``fn`` (which takes ``sharding=``) still take `Sharding`'s fields other than ``world_size`` as
+    keywords beside ``strategy="fsdp2"``, as it did, with a `FutureWarning` that shows the ``sharding=``
+    they make."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        moved = {name: kwargs.pop(name) for name in _MOVED if name in kwargs}
+        if moved:
+            if kwargs.get("sharding") is not None:
+                raise TypeError(
+                    f"give sharding= or {', '.join(moved)}, not both: the Sharding holds the layout"
+                )
+            if kwargs.get("strategy") != Sharding.strategy:
+                Step.of(strategy=kwargs.get("strategy"), **moved)  # the error for a layout without FSDP2
+            kwargs.pop("strategy")
+            kwargs["sharding"] = Sharding(world_size=kwargs.pop("world_size", 1), **moved)
+            fields = ", ".join(f"{k}={v!r}" for k, v in moved.items())
+            warnings.warn(
+                f"{fn.__name__}({', '.join(f'{k}=' for k in moved)}) is deprecated: pass "
+                f"sharding=Sharding(world_size={kwargs['sharding'].world_size}, {fields}) instead of "
+                "strategy='fsdp2' and these keywords (they go in 0.2)",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+#: `Sharding`'s fields that `moved_into_sharding` still takes as keywords.
+_MOVED = ("reshard_after_forward", "mp_policy", "tensor_parallel_size", "replicate_size", "parallelize_fn")
 #: `Step.of`'s keywords, as `estimate_memory` takes them, and their defaults.
 _DEFAULTS = {name: p.default for name, p in inspect.signature(Step.of).parameters.items()}
 _KEYWORDS = frozenset(_DEFAULTS)

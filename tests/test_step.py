@@ -19,8 +19,8 @@ def test_the_keywords_make_one_step_and_back() -> None:
     sharded = Step.of(strategy="fsdp2", world_size=4, reshard_after_forward=False)
     assert sharded.sharding == Sharding(4, reshard_after_forward=False)
     assert Step.of(**sharded.keywords()) == sharded
-    # Only what differs from the defaults: `advise` takes no FSDP2 option but the ranks (the monitor's
-    # advice under FSDP2 passes a trainer's step so).
+    assert sharded.keywords() == {"precision": "32-true", "sharding": sharded.sharding}
+    # Only what differs from the defaults, FSDP2's own layout in the short form `advise` takes too.
     assert Step.of().keywords() == {"precision": "32-true"}
     assert Step.of(strategy="fsdp2", world_size=2).keywords() == {
         "precision": "32-true",

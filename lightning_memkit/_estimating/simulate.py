@@ -83,7 +83,7 @@ from lightning_memkit._estimating.fake_step import simulate_step
 from lightning_memkit._estimating.fake_tracker import _SimTracker
 from lightning_memkit._estimating.lightning_step import is_lightning, lightning_stand_ins, without_parameters
 from lightning_memkit._sharding import layout as _layout
-from lightning_memkit._step import Step
+from lightning_memkit._step import Sharding, Step, moved_into_sharding
 
 __all__ = [
     "counted_step",
@@ -92,6 +92,28 @@ __all__ = [
 ]
 
 
+def _timeline_returned(fn: Callable[..., MemoryBreakdown]) -> Callable[..., MemoryBreakdown]:
+    """``estimate_memory(return_timeline=True)``, the old form of ``timeline=True``: ``(breakdown,
+    breakdown.timeline)``, with a `FutureWarning`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, return_timeline: bool = False, **kwargs: Any) -> MemoryBreakdown:
+        if not return_timeline:
+            return fn(*args, **kwargs)
+        warnings.warn(
+            "estimate_memory(return_timeline=True) is deprecated: pass timeline=True and read the "
+            "result's .timeline (the breakdown is returned alone)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        breakdown = fn(*args, **{**kwargs, "timeline": True})
+        return breakdown, breakdown.timeline  # type: ignore[return-value]
+
+    return wrapper
+
+
+@_timeline_returned
+@moved_into_sharding
 def estimate_memory(
     model: nn.Module,
     batch: Any,
@@ -108,15 +130,10 @@ def estimate_memory(
     offload: bool = False,
     strategy: str | None = None,
     world_size: int = 1,
-    reshard_after_forward: bool = True,
-    mp_policy: Any = None,
-    tensor_parallel_size: int = 1,
-    replicate_size: int = 1,
-    parallelize_fn: Callable[[nn.Module, Any], Any] | None = None,
+    sharding: Sharding | None = None,
     compile_budget: float | None = None,
     step: Step | None = None,
     timeline: bool = False,
-    return_timeline: bool = False,
 ) -> MemoryBreakdown:
     """The peak memory of one training step of ``model`` on ``batch``, by category, without running it.
 
@@ -195,25 +212,21 @@ def estimate_memory(
             CPU's FSDP2 step is simulated: on CUDA, prefetching on a second stream can keep one more
             layer's parameters unsharded than counted here. ``None`` (default): one device.
         world_size: the number of ranks the model is sharded over, with ``strategy``.
-        reshard_after_forward: with ``strategy``, ``fully_shard``'s own: ``False`` keeps every unit's
-            unsharded parameters from its forward to its backward (no all-gather in backward).
-        mp_policy: with ``strategy``, ``fully_shard``'s own: a ``MixedPrecisionPolicy``, e.g.
-            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (all-gathered
-            and computed in bf16, gradients reduce-scattered in fp32). ``None``: none.
-        tensor_parallel_size: with ``strategy``, the ranks of one tensor-parallel group (Lightning's
-            ``ModelParallelStrategy``'s word): ``world_size // tensor_parallel_size`` ranks each take their
-            own ``batch``. Without ``parallelize_fn``, each block's projections are split as torchtitan
-            splits LLaMA's (query, key, value, gate and up by column; output and down by row:
-            `_sharding.layout.tp_plan`), then FSDP2 shards over the data-parallel ranks.
-        replicate_size: with ``strategy``, HSDP: ``fully_shard`` over a (replicate, shard) mesh, each
-            parameter sharded over ``world_size // tensor_parallel_size // replicate_size`` ranks and
-            replicated across ``replicate_size`` such groups.
-        parallelize_fn: with ``strategy``, ``fn(model, device_mesh)`` that applies the layout (Fabric's
-            ``ModelParallelStrategy``'s word), run on the simulated copy of ``model`` with a fake mesh
-            named ``("data_parallel", "tensor_parallel")``, as Lightning hands ``self.device_mesh`` to
-            ``configure_model``; a mesh it builds with ``init_device_mesh`` (HSDP's) is a fake one of the
-            same world. For a LightningModule whose ``configure_model`` applies the layout,
-            ``parallelize_fn=ConfigureModel()`` runs it so (`lightning_memkit.ConfigureModel`).
+        sharding: one rank of FSDP2's layout as a `Sharding`, instead of ``strategy`` and ``world_size``
+            (which may only repeat it): its ``world_size``; ``reshard_after_forward`` and ``mp_policy``, as
+            ``fully_shard`` takes them (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)``: all-gathered and computed in bf16, gradients reduce-scattered in
+            fp32); ``tensor_parallel_size``, the ranks of one tensor-parallel group (Lightning's
+            ``ModelParallelStrategy``'s word: ``world_size // tensor_parallel_size`` ranks each take their own
+            ``batch``; without ``parallelize_fn`` each block's projections are split as torchtitan splits
+            LLaMA's, query, key, value, gate and up by column, output and down by row, `_sharding.layout.
+            tp_plan`, then FSDP2 shards over the data-parallel ranks); ``replicate_size``, HSDP's replicas
+            (``fully_shard`` over a (replicate, shard) mesh); ``parallelize_fn``, ``fn(model, device_mesh)``
+            that applies the layout (Fabric's word), run on the simulated copy of ``model`` with a fake mesh
+            named ``("data_parallel", "tensor_parallel")`` as Lightning hands ``self.device_mesh`` to
+            ``configure_model`` (a mesh it builds with ``init_device_mesh`` is a fake one of the same world;
+            ``ConfigureModel()`` runs a LightningModule's own ``configure_model``). Those five were keywords
+            of their own: they still are, with a `FutureWarning`, beside ``strategy="fsdp2"``.
         compile_budget: for a model with compiled modules (``torch.compile(module)`` or
             ``module.compile()``, inductor's backend): torch.compile's ``activation_memory_budget`` to
             simulate, the share of the activations its partitioner may keep (0 to 1); ``None``: as
@@ -224,8 +237,6 @@ def estimate_memory(
             ``precision`` to ``compile_budget``.
         timeline: also record the step op by op, as the result's ``timeline`` (a list of
             `TimelineEvent`); the whole step is then simulated, even a deep stack of identical blocks.
-        return_timeline: deprecated, use ``timeline=True`` and the result's ``.timeline``: returns
-            ``(breakdown, breakdown.timeline)``.
 
     Returns:
         The `MemoryBreakdown` at the step's peak, in bytes, with ``parameters``, ``gradients``,
@@ -257,21 +268,10 @@ def estimate_memory(
             offload=offload,
             strategy=strategy,
             world_size=world_size,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy,
-            tensor_parallel_size=tensor_parallel_size,
-            replicate_size=replicate_size,
-            parallelize_fn=parallelize_fn,
+            sharding=sharding,
             compile_budget=compile_budget,
         )
     )
-    if return_timeline:
-        warnings.warn(
-            "estimate_memory(return_timeline=True) is deprecated: pass timeline=True and read the "
-            "result's .timeline (the breakdown is returned alone)",
-            FutureWarning,
-            stacklevel=2,
-        )
     # configure_model runs on the simulated copy
     runs_it = step.sharding is not None and isinstance(step.sharding.parallelize_fn, _layout.ConfigureModel)
     if not runs_it and _configure_model_pending(model):
@@ -283,10 +283,7 @@ def estimate_memory(
             "Trainer will, or estimate from a callback once fit has started.",
             stacklevel=2,
         )
-    breakdown = estimate_step(model, batch, step, **run, timeline=timeline or return_timeline)
-    if return_timeline:  # the deprecated form
-        return breakdown, breakdown.timeline  # type: ignore[return-value]
-    return breakdown
+    return estimate_step(model, batch, step, **run, timeline=timeline)
 
 
 def _configure_model_pending(model: nn.Module) -> bool:

@@ -195,12 +195,7 @@ def layout_keywords(args: argparse.Namespace) -> dict[str, object]:
     layout = args.sharding
     if layout is None:
         return {}
-    return {
-        "strategy": "fsdp2",
-        "world_size": layout.world_size,
-        "tensor_parallel_size": layout.tensor_parallel_size,
-        "replicate_size": layout.replicate_size,
-    }
+    return {"sharding": layout}
 
 
 def layout_words(layout: Sharding) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import run_cli
 
-from lightning_memkit import estimate_memory
+from lightning_memkit import Sharding, estimate_memory
 
 transformers = pytest.importorskip("transformers")
 
@@ -251,8 +251,8 @@ def test_estimate_simulates_tensor_parallelism_and_hsdp_as_the_library_does(conf
     ]:
         report = _json([*argv, *flags])
         expected = estimate_memory(
-            built, batch, **step_options(built, None), precision="32-true", device="cpu", strategy="fsdp2",
-            world_size=4, **layout,
+            built, batch, **step_options(built, None), precision="32-true", device="cpu",
+            sharding=Sharding(4, **layout),
         ).peak  # fmt: skip
         assert report["simulated"]["peak"] == expected
     _fails(

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import Step, TimelineEvent, estimate_memory
+from lightning_memkit import Sharding, Step, TimelineEvent, estimate_memory
 from lightning_memkit._estimating import analytic
 from lightning_memkit._estimating.optimizer_state import adamw_state_bytes
 from lightning_memkit.demos.gpt import GPT, GPTConfig, GPTLightningModule
@@ -272,7 +272,7 @@ def test_return_timeline_still_returns_the_pair_with_a_future_warning():
     "keywords",
     [
         {"precision": "bf16-mixed", "checkpointing": "full", "accumulating": True, "release_gradients": True},
-        {"strategy": "fsdp2", "world_size": 2, "reshard_after_forward": False},
+        {"sharding": Sharding(2, reshard_after_forward=False)},
     ],
 )
 def test_a_step_value_estimates_as_its_keywords(keywords):

@@ -118,3 +118,37 @@ def test_a_layouts_own_policy_and_an_unknown_lever_are_refused() -> None:
     assert dataclasses.replace(plan, lever="GradientRelease").lever == "release_gradients"  # saved so
     with pytest.raises(ValueError, match="Unknown lever 'Bogus'"):
         dataclasses.replace(plan, lever="Bogus")
+
+
+def test_estimate_memory_takes_fsdp2s_layout_as_one_sharding() -> None:
+    """The layout's five options are `Sharding`'s fields, not five more keywords of `estimate_memory`: the old
+    keywords still run beside ``strategy="fsdp2"`` with a FutureWarning that shows the ``sharding=`` they
+    make, and estimate the same step; a field given twice, a world size that disagrees, a strategy that is
+    not FSDP2 or a value that is not a Sharding are refused."""
+    from lightning_memkit import estimate_memory
+
+    model, batch = _model(), (torch.randn(4, 32), torch.randn(4, 32))
+    options = dict(optimizer="adamw", loss_fn=nn.functional.mse_loss, device="cpu")
+    layout = Sharding(2, reshard_after_forward=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = estimate_memory(model, batch, sharding=layout, **options)
+        assert (
+            estimate_memory(model, batch, strategy="fsdp2", world_size=2, sharding=layout, **options) == new
+        )
+    assert new.parameters > estimate_memory(model, batch, sharding=Sharding(4), **options).parameters
+    with pytest.warns(FutureWarning, match=r"sharding=Sharding\(world_size=2, reshard_after_forward=False\)"):
+        old = estimate_memory(
+            model, batch, strategy="fsdp2", world_size=2, reshard_after_forward=False, **options
+        )
+    assert old == new
+    with pytest.raises(TypeError, match="give sharding= or world_size, not both"):
+        estimate_memory(model, batch, sharding=layout, strategy="fsdp2", world_size=4, **options)
+    with pytest.raises(TypeError, match="give sharding= or reshard_after_forward, not both"):
+        estimate_memory(model, batch, sharding=layout, reshard_after_forward=False, **options)
+    with pytest.raises(ValueError, match=r"reshard_after_forward is FSDP2's .* pass strategy='fsdp2'"):
+        estimate_memory(model, batch, reshard_after_forward=False, **options)
+    with pytest.raises(ValueError, match="sharding= is FSDP2's layout"):
+        estimate_memory(model, batch, sharding=layout, strategy="ddp", **options)
+    with pytest.raises(TypeError, match="sharding= must be a Sharding; got 2"):
+        estimate_memory(model, batch, sharding=2, **options)

@@ -31,6 +31,7 @@ from lightning_memkit import (
     ActivationCheckpointing,
     AutoFit,
     AutoFitStrategy,
+    Sharding,
     chunked_cross_entropy,
     estimate_memory,
     parse_bytes,
@@ -562,8 +563,8 @@ def test_cpu_offload_is_planned_only_where_nothing_else_fits():
     plan = tight.checkpoint_plan or tight.checkpointing
     batch = zoo_batch("qwen2", tight.micro_batch_size, SEQ)
     on_device = estimate_memory(
-        model, batch, device="cpu", strategy="fsdp2", world_size=WORLD, checkpointing=plan,
-        accumulating=tight.accumulate_grad_batches > 1, reshard_after_forward=tight.reshard_after_forward,
+        model, batch, device="cpu", checkpointing=plan, accumulating=tight.accumulate_grad_batches > 1,
+        sharding=Sharding(WORLD, reshard_after_forward=tight.reshard_after_forward),
     )  # fmt: skip
     shards = shard_bytes(model, WORLD)
     assert tight.estimated_peak < on_device.peak

@@ -37,6 +37,7 @@ from lightning_memkit import (
     FusedOptimizerStep,
     GradientRelease,
     MemoryMonitor,
+    Sharding,
     apply_checkpointing,
     estimate_memory,
 )
@@ -356,11 +357,13 @@ def test_each_rank_holds_its_shard_and_less_than_the_whole_step(fsdp):
         assert record["monitor"][-1]["peak"] < whole
 
 
-def simulated_rank(world: int, **kwargs) -> int:
-    """One rank's step as `estimate_memory` simulates it: FSDP2 on fake tensors over a fake process group."""
+def simulated_rank(world: int, layout: dict | None = None, **kwargs) -> int:
+    """One rank's step as `estimate_memory` simulates it: FSDP2 on fake tensors over a fake process group,
+    ``layout`` the `Sharding`'s fields beside ``world``."""
     module = ShardedLlama(world)
     batch = zoo_batch("qwen2", BATCH, SEQ)
-    return estimate_memory(module, batch, device="cpu", strategy="fsdp2", world_size=world, **kwargs).peak
+    sharding = Sharding(world, **(layout or {}))
+    return estimate_memory(module, batch, device="cpu", sharding=sharding, **kwargs).peak
 
 
 @pytest.mark.slow
@@ -370,10 +373,10 @@ def simulated_rank(world: int, **kwargs) -> int:
     [
         ("default", {}),
         ("full_checkpointing", {"checkpointing": "full"}),
-        ("no_reshard", {"reshard_after_forward": False}),
+        ("no_reshard", {"layout": {"reshard_after_forward": False}}),
         ("gradient_release", {"release_gradients": True}),
         ("fused_step", {"fused_step": True}),
-        ("bf16_policy", {"mp_policy": BF16_POLICY}),
+        ("bf16_policy", {"layout": {"mp_policy": BF16_POLICY}}),
     ],
 )
 def test_the_simulated_sharded_step_is_every_ranks_step(fsdp, scenario, options):
@@ -575,4 +578,4 @@ def test_fsdp2_options_without_the_strategy_are_refused():
         with pytest.raises(ValueError, match=f"{next(iter(options))} is FSDP2's .*pass strategy='fsdp2'"):
             estimate_memory(module, batch, device="cpu", **options)
     with pytest.raises(TypeError, match="mp_policy must be FSDP2's MixedPrecisionPolicy"):
-        estimate_memory(module, batch, device="cpu", strategy="fsdp2", world_size=2, mp_policy="bf16")
+        estimate_memory(module, batch, device="cpu", sharding=Sharding(2, mp_policy="bf16"))

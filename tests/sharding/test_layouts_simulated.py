@@ -40,9 +40,10 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def peak(model: nn.Module, **layout) -> int:
+    """One rank's simulated peak of ``model`` under the `Sharding` ``layout``'s fields make."""
     return estimate_memory(
-        model, batch(), optimizer="adamw", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2",
-        **layout,
+        model, batch(), optimizer="adamw", loss_fn=lambda loss, _: loss, device="cpu",
+        sharding=Sharding(**layout),
     ).peak  # fmt: skip
 
 
@@ -121,8 +122,8 @@ def test_parameters_a_layout_leaves_whole_cost_what_they_hold(tmp_path):
 
     def one_rank_peak(model: nn.Module) -> int:
         return estimate_memory(
-            model, batch(), optimizer="adamw", loss_fn=lambda loss, _: loss, device="cpu", strategy="fsdp2",
-            world_size=1, tensor_parallel_size=1, parallelize_fn=q_proj_split,
+            model, batch(), optimizer="adamw", loss_fn=lambda loss, _: loss, device="cpu",
+            sharding=Sharding(parallelize_fn=q_proj_split),
         ).peak  # fmt: skip
 
     whole = estimate_memory(llama(), batch(), optimizer="adamw", loss_fn=lambda loss, _: loss, device="cpu")
@@ -174,7 +175,7 @@ def test_layouts_that_cannot_run_are_refused_with_the_reason():
         mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
         estimate_memory(
             mlp, (torch.zeros(4, 8), torch.zeros(4, 1)), optimizer="sgd", loss_fn=nn.functional.mse_loss,
-            device="cpu", strategy="fsdp2", world_size=2, tensor_parallel_size=2,
+            device="cpu", sharding=Sharding(2, tensor_parallel_size=2),
         )  # fmt: skip
     with pytest.raises(ValueError, match="tensor_parallel_size is FSDP2's"):
         Step.of(tensor_parallel_size=2)
@@ -253,8 +254,8 @@ def test_a_lightning_modules_configure_model_is_the_layout_it_is_simulated_with(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         own = estimate_memory(
-            module, batch(), device="cpu", strategy="fsdp2", world_size=4, tensor_parallel_size=2,
-            parallelize_fn=ConfigureModel(),
+            module, batch(), device="cpu",
+            sharding=Sharding(4, tensor_parallel_size=2, parallelize_fn=ConfigureModel()),
         ).peak  # fmt: skip
     assert own == peak(llama(), world_size=4, tensor_parallel_size=2, parallelize_fn=user_tp)
     assert not any(type(p).__name__ == "DTensor" for p in module.parameters())

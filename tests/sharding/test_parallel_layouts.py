@@ -37,7 +37,7 @@ from test_fsdp import llama as fsdp_llama
 from torch.distributed.tensor import DTensor
 from zoo import ZooModule, zoo_batch
 
-from lightning_memkit import AutoFit, ConfigureModel, MemoryMonitor, estimate_memory
+from lightning_memkit import AutoFit, ConfigureModel, MemoryMonitor, Sharding, estimate_memory
 from lightning_memkit._optimizers.swap import CATALOGUE
 from lightning_memkit.testing import AllocatorPeaks
 
@@ -290,8 +290,8 @@ def simulated_rank(layout: str, how: str, **options) -> int:
     fn = partial(parallelize, layout=layout) if how == "function" else ConfigureModel()
     tensor_parallel = LAYOUTS[layout][1]
     return estimate_memory(
-        module, batch, device="cpu", strategy="fsdp2", world_size=WORLD, tensor_parallel_size=tensor_parallel,
-        parallelize_fn=fn, **options,
+        module, batch, device="cpu",
+        sharding=Sharding(WORLD, tensor_parallel_size=tensor_parallel, parallelize_fn=fn), **options,
     ).peak  # fmt: skip
 
 
