@@ -12,19 +12,15 @@ signature that passes them on.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, get_args
 
 from lightning_memkit._budget import valid_name, whole_number
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, PRECISIONS
 
 __all__ = ["LEVERS", "LEVER_CALLBACKS", "Lever", "Sharding", "Step"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: What changes the optimizer step (`GradientRelease`, `FusedOptimizerStep`, `OptimizerOffload`).
 Lever = Literal["release_gradients", "fused_step", "offload"]
@@ -246,10 +242,16 @@ class Step:
                 if set_
             ]
             if given:
+                fields = [name for name in given if name != "world_size"]
+                how = (
+                    f"give the layout as sharding=Sharding(world_size=..., {'=..., '.join(fields)}=...)"
+                    if fields
+                    else "pass strategy='fsdp2' with it (or sharding=Sharding(world_size=...))"
+                )
                 raise ValueError(
                     f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} FSDP2's (its sharded "
-                    "layout's): pass strategy='fsdp2' with it to simulate one rank's sharded step, or leave "
-                    "it out for one device"
+                    f"layout's): {how} to simulate one rank's sharded step, or leave "
+                    f"{'it' if len(given) == 1 else 'them'} out for one device"
                 )
         else:
             valid_name("strategy", strategy, (Sharding.strategy,))
@@ -334,37 +336,37 @@ def _given_layout(sharding: Sharding, strategy: str | None, layout: dict[str, An
     return sharding
 
 
-def moved_into_sharding(fn: _F) -> _F:
-    """Let ``fn`` (which takes ``sharding=``) still take `Sharding`'s fields other than ``world_size`` as
-    keywords beside ``strategy="fsdp2"``, as it did, with a `FutureWarning` that shows the ``sharding=``
-    they make."""
+def moved_into_sharding(name: str, kwargs: dict[str, Any]) -> str | None:
+    """Fold `Sharding`'s fields other than ``world_size``, given to ``name`` (a function that takes
+    ``sharding=``) as keywords of their own beside ``strategy="fsdp2"`` as it once took them, into
+    ``kwargs["sharding"]``; returns the `FutureWarning`'s text that shows the ``sharding=`` they make, for
+    the caller to warn at its own caller's line. Fields left at their defaults without FSDP2 are dropped (they
+    meant nothing); given beside ``sharding=`` or ``step=``, or set without FSDP2, they are refused."""
+    moved = {field: kwargs.pop(field) for field in _MOVED if field in kwargs}
+    defaults = {field: f.default for field, f in Sharding.__dataclass_fields__.items()}
+    set_ = [
+        field for field, value in moved.items() if not (value is defaults[field] or value == defaults[field])
+    ]
+    if not moved:
+        return None
+    if kwargs.get("step") is not None and set_:
+        given = [k for k in ("strategy", "world_size") if kwargs.get(k) not in (None, 1)] + set_
+        raise TypeError(f"give step= or {', '.join(given)}, not both: the Step's Sharding holds the layout")
+    if kwargs.get("sharding") is not None:
+        raise TypeError(f"give sharding= or {', '.join(moved)}, not both: the Sharding holds the layout")
+    if kwargs.get("strategy") != Sharding.strategy:
+        Step.of(strategy=kwargs.get("strategy"), **moved)  # set without FSDP2: refused, saying so
+        return None
+    del kwargs["strategy"]
+    kwargs["sharding"] = layout = Sharding(world_size=kwargs.pop("world_size", 1), **moved)
+    fields = ", ".join(f"{k}={getattr(v, '__qualname__', None) or v!r}" for k, v in moved.items())
+    return (
+        f"{name}({'=, '.join(moved)}=) beside strategy='fsdp2' is deprecated (they go in 0.2): pass "
+        f"sharding=Sharding(world_size={layout.world_size}, {fields})"
+    )
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        moved = {name: kwargs.pop(name) for name in _MOVED if name in kwargs}
-        if moved:
-            if kwargs.get("sharding") is not None:
-                raise TypeError(
-                    f"give sharding= or {', '.join(moved)}, not both: the Sharding holds the layout"
-                )
-            if kwargs.get("strategy") != Sharding.strategy:
-                Step.of(strategy=kwargs.get("strategy"), **moved)  # the error for a layout without FSDP2
-            kwargs.pop("strategy")
-            kwargs["sharding"] = Sharding(world_size=kwargs.pop("world_size", 1), **moved)
-            fields = ", ".join(f"{k}={v!r}" for k, v in moved.items())
-            warnings.warn(
-                f"{fn.__name__}({', '.join(f'{k}=' for k in moved)}) is deprecated: pass "
-                f"sharding=Sharding(world_size={kwargs['sharding'].world_size}, {fields}) instead of "
-                "strategy='fsdp2' and these keywords (they go in 0.2)",
-                FutureWarning,
-                stacklevel=2,
-            )
-        return fn(*args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
-
-
-#: `Sharding`'s fields that `moved_into_sharding` still takes as keywords.
+#: `Sharding`'s fields that `moved_into_sharding` still takes as keywords of their own.
 _MOVED = ("reshard_after_forward", "mp_policy", "tensor_parallel_size", "replicate_size", "parallelize_fn")
 #: `Step.of`'s keywords, as `estimate_memory` takes them, and their defaults.
 _DEFAULTS = {name: p.default for name, p in inspect.signature(Step.of).parameters.items()}

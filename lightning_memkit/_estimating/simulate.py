@@ -68,7 +68,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -85,6 +85,8 @@ from lightning_memkit._estimating.lightning_step import is_lightning, lightning_
 from lightning_memkit._sharding import layout as _layout
 from lightning_memkit._step import Sharding, Step, moved_into_sharding
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 __all__ = [
     "counted_step",
     "estimate_memory",
@@ -92,13 +94,17 @@ __all__ = [
 ]
 
 
-def _timeline_returned(fn: Callable[..., MemoryBreakdown]) -> Callable[..., MemoryBreakdown]:
-    """``estimate_memory(return_timeline=True)``, the old form of ``timeline=True``: ``(breakdown,
-    breakdown.timeline)``, with a `FutureWarning`."""
+def _old_keywords(fn: _F) -> _F:
+    """`estimate_memory` as it was also called, with a `FutureWarning` at the caller's line: FSDP2's layout
+    as keywords of their own beside ``strategy="fsdp2"`` (`moved_into_sharding`), and
+    ``return_timeline=True``, the old form of ``timeline=True``, which returns ``(breakdown,
+    breakdown.timeline)``."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, return_timeline: bool = False, **kwargs: Any) -> MemoryBreakdown:
-        if not return_timeline:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if (message := moved_into_sharding(fn.__name__, kwargs)) is not None:
+            warnings.warn(message, FutureWarning, stacklevel=2)
+        if not kwargs.pop("return_timeline", False):
             return fn(*args, **kwargs)
         warnings.warn(
             "estimate_memory(return_timeline=True) is deprecated: pass timeline=True and read the "
@@ -107,13 +113,12 @@ def _timeline_returned(fn: Callable[..., MemoryBreakdown]) -> Callable[..., Memo
             stacklevel=2,
         )
         breakdown = fn(*args, **{**kwargs, "timeline": True})
-        return breakdown, breakdown.timeline  # type: ignore[return-value]
+        return breakdown, breakdown.timeline
 
-    return wrapper
+    return wrapper  # type: ignore[return-value]
 
 
-@_timeline_returned
-@moved_into_sharding
+@_old_keywords
 def estimate_memory(
     model: nn.Module,
     batch: Any,
@@ -281,7 +286,7 @@ def estimate_memory(
             "and no Trainer is attached: the step simulated is the module as it is now (a model that "
             f"configure_model compiles is simulated eagerly). Call {name}.configure_model() first, as the "
             "Trainer will, or estimate from a callback once fit has started.",
-            stacklevel=2,
+            stacklevel=3,  # estimate_memory's caller, past `_old_keywords`
         )
     return estimate_step(model, batch, step, **run, timeline=timeline)
 

@@ -91,7 +91,7 @@ class ActivationCheckpointing(Callback):
     (FSDP2, tensor parallelism, HSDP, applied in ``configure_model``, which runs after this ``setup``: apply
     no checkpointing of your own there) the plan fits one rank's step in the layout the run applies: the
     module's ``configure_model`` run on a copy over a fake device mesh of the run's shape
-    (`estimate_memory`'s ``parallelize_fn``), and the run's layout is held to it at ``on_fit_start``.
+    (`Sharding`'s ``parallelize_fn``), and the run's layout is held to it at ``on_fit_start``.
     ``FSDPStrategy`` wraps the model itself: full checkpointing without a budget is handed to it in its own
     form (as if it had been built with ``activation_checkpointing_policy={BlockClass}``), selective
     checkpointing is applied in place (FSDPStrategy's own form has no selective variant), and a budget is

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,17 +138,41 @@ def test_estimate_memory_takes_fsdp2s_layout_as_one_sharding() -> None:
             estimate_memory(model, batch, strategy="fsdp2", world_size=2, sharding=layout, **options) == new
         )
     assert new.parameters > estimate_memory(model, batch, sharding=Sharding(4), **options).parameters
-    with pytest.warns(FutureWarning, match=r"sharding=Sharding\(world_size=2, reshard_after_forward=False\)"):
+    with pytest.warns(
+        FutureWarning, match=r"sharding=Sharding\(world_size=2, reshard_after_forward=False\)"
+    ) as seen:
         old = estimate_memory(
             model, batch, strategy="fsdp2", world_size=2, reshard_after_forward=False, **options
         )
     assert old == new
+    assert [Path(w.filename).name for w in seen] == [Path(__file__).name]  # said at the caller's line, once
+    with pytest.warns(FutureWarning) as seen:
+        old, timeline = estimate_memory(
+            model, batch, strategy="fsdp2", world_size=2, reshard_after_forward=False, return_timeline=True,
+            **options,
+        )  # fmt: skip
+    assert old == new and timeline
+    assert [Path(w.filename).name for w in seen] == [Path(__file__).name] * 2
     with pytest.raises(TypeError, match="give sharding= or world_size, not both"):
         estimate_memory(model, batch, sharding=layout, strategy="fsdp2", world_size=4, **options)
     with pytest.raises(TypeError, match="give sharding= or reshard_after_forward, not both"):
         estimate_memory(model, batch, sharding=layout, reshard_after_forward=False, **options)
-    with pytest.raises(ValueError, match=r"reshard_after_forward is FSDP2's .* pass strategy='fsdp2'"):
+    with pytest.raises(
+        ValueError, match=r"reshard_after_forward is FSDP2's .*: give the layout as sharding="
+    ):
         estimate_memory(model, batch, reshard_after_forward=False, **options)
+    with pytest.raises(
+        TypeError, match="give step= or strategy, world_size, reshard_after_forward, not both"
+    ):
+        estimate_memory(
+            model, batch, step=Step(), strategy="fsdp2", world_size=2, reshard_after_forward=False, **options
+        )
+    one_device = estimate_memory(model, batch, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an old keyword at its default without FSDP2 meant nothing; still
+        assert estimate_memory(model, batch, tensor_parallel_size=1, **options) == one_device
+        assert estimate_memory(model, batch, strategy=None, replicate_size=1, **options) == one_device
+        assert estimate_memory(model, batch, step=Step(), reshard_after_forward=True, **options) == one_device
     with pytest.raises(ValueError, match="sharding= is FSDP2's layout"):
         estimate_memory(model, batch, sharding=layout, strategy="ddp", **options)
     with pytest.raises(TypeError, match="sharding= must be a Sharding; got 2"):
