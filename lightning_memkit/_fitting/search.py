@@ -151,7 +151,8 @@ def plan_fit(
         sharding: with ``strategy="fsdp2"``, the layout the run applies (`Sharding`: tensor parallelism,
             HSDP, or a ``parallelize_fn`` such as a LightningModule's own ``configure_model``), simulated as
             it is; its ``world_size`` is the run's, and the global batch splits over its data-parallel
-            ranks. Default: FSDP2's documented layout over ``world_size``. ``"auto"`` or a `Layouts`: the
+            ranks (``strategy`` and ``world_size`` left out, the `Sharding` gives them). Default: FSDP2's
+            documented layout over ``world_size``. ``"auto"`` or a `Layouts`: the
             layout planned too, among tensor-parallel degrees (torchtitan's LLaMA plan, or the user's
             ``parallelize_fn``) and HSDP splits, the global batch the same for each: the first, in the
             order of least communication, whose plan fits every rank (`_fitting.layouts`; its cost model
@@ -189,6 +190,11 @@ def plan_fit(
         )
     if sharding == "auto" or isinstance(sharding, _layouts.Layouts):  # the layout planned too
         return _plan_layouts({name: value for name, value in locals().items() if name in _ARGUMENTS})
+    if isinstance(
+        sharding, Sharding
+    ):  # the layout says the strategy and the ranks, as estimate_memory reads it
+        strategy = strategy or Sharding.strategy
+        world_size = sharding.world_size if world_size == 1 else world_size
     space = SearchSpace.of(
         model, batch, budget, margin=margin, optimizers=optimizers, precision=precision,
         checkpointing=checkpointing, strategy=strategy, world_size=world_size, device=device, loss_fn=loss_fn,

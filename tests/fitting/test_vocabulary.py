@@ -90,6 +90,11 @@ def test_a_sharded_step_and_mp_policy_are_fsdp2s_words_in_the_planner_too() -> N
         assert plan.mixed_precision_policy
     saved = {k: v for k, v in plan.as_dict().items() if k not in ("mp_policy", "limit")}
     assert FitPlan.from_dict(saved | {"mixed_precision_policy": True}) == plan
+    # a Sharding alone says the strategy and the ranks, as estimate_memory reads it; a disagreement is refused
+    alone = _plan(sharding=Sharding(2), precision="bf16-mixed", mp_policy=True, checkpointing="none")
+    assert alone == plan
+    with pytest.raises(ValueError, match="sharding= is the layout of strategy='fsdp2' over world_size ranks"):
+        _plan(sharding=Sharding(2), strategy="ddp", world_size=2)
 
 
 @pytest.mark.parametrize("callback", [MemoryMonitor, ActivationCheckpointing, OptimizerSwap])
