@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
 from lightning_memkit._budget import valid_name, whole_number
@@ -229,23 +229,11 @@ class Step:
                 _given_layout(sharding, strategy, layout), compile_budget,
             )  # fmt: skip
         if strategy is None:
-            given = [
-                name
-                for name, set_ in {
-                    "world_size": world_size != 1,
-                    "reshard_after_forward": reshard_after_forward is not True,
-                    "mp_policy": mp_policy is not None,
-                    "tensor_parallel_size": tensor_parallel_size != 1,
-                    "replicate_size": replicate_size != 1,
-                    "parallelize_fn": parallelize_fn is not None,
-                }.items()
-                if set_
-            ]
-            if given:
-                fields = [name for name in given if name != "world_size"]
+            if given := _set_fields(layout):
+                named = [name for name in given if name != "world_size"]
                 how = (
-                    f"give the layout as sharding=Sharding(world_size=..., {'=..., '.join(fields)}=...)"
-                    if fields
+                    f"give the layout as sharding=Sharding(world_size=..., {'=..., '.join(named)}=...)"
+                    if named
                     else "pass strategy='fsdp2' with it (or sharding=Sharding(world_size=...))"
                 )
                 raise ValueError(
@@ -290,8 +278,8 @@ class Step:
             out["first_step"] = True
         if self.lever is not None:
             out[self.lever] = True
-        if self.sharding == Sharding(getattr(self.sharding, "world_size", 1)):  # the short form
-            out.update(strategy=Sharding.strategy, world_size=self.sharding.world_size)
+        if self.sharding is not None and self.sharding == Sharding(self.sharding.world_size):
+            out.update(strategy=Sharding.strategy, world_size=self.sharding.world_size)  # the short form
         elif self.sharding is not None:
             out["sharding"] = self.sharding
         if self.compile_budget is not None:
@@ -322,12 +310,11 @@ def _given_layout(sharding: Sharding, strategy: str | None, layout: dict[str, An
         raise TypeError(f"sharding= must be a Sharding; got {sharding!r} ({type(sharding).__name__})")
     if strategy not in (None, Sharding.strategy):
         raise ValueError(f"sharding= is FSDP2's layout (strategy='fsdp2'); got strategy={strategy!r}")
-    defaults = {name: field.default for name, field in Sharding.__dataclass_fields__.items()}
     again = [
-        name for name, value in layout.items()
-        if value is not defaults[name] and value != defaults[name]
-        and not (name == "world_size" and value == sharding.world_size)
-    ]  # fmt: skip
+        name
+        for name in _set_fields(layout)
+        if not (name == "world_size" and layout[name] == sharding.world_size)
+    ]
     if again:
         raise TypeError(
             f"give sharding= or {', '.join(again)}, not both: the Sharding holds the layout "
@@ -343,13 +330,9 @@ def moved_into_sharding(name: str, kwargs: dict[str, Any]) -> str | None:
     the caller to warn at its own caller's line. Fields left at their defaults without FSDP2 are dropped (they
     meant nothing); given beside ``sharding=`` or ``step=``, or set without FSDP2, they are refused."""
     moved = {field: kwargs.pop(field) for field in _MOVED if field in kwargs}
-    defaults = {field: f.default for field, f in Sharding.__dataclass_fields__.items()}
-    set_ = [
-        field for field, value in moved.items() if not (value is defaults[field] or value == defaults[field])
-    ]
     if not moved:
         return None
-    if kwargs.get("step") is not None and set_:
+    if kwargs.get("step") is not None and (set_ := _set_fields(moved)):
         given = [k for k in ("strategy", "world_size") if kwargs.get(k) not in (None, 1)] + set_
         raise TypeError(f"give step= or {', '.join(given)}, not both: the Step's Sharding holds the layout")
     if kwargs.get("sharding") is not None:
@@ -359,13 +342,25 @@ def moved_into_sharding(name: str, kwargs: dict[str, Any]) -> str | None:
         return None
     del kwargs["strategy"]
     kwargs["sharding"] = layout = Sharding(world_size=kwargs.pop("world_size", 1), **moved)
-    fields = ", ".join(f"{k}={getattr(v, '__qualname__', None) or v!r}" for k, v in moved.items())
+    shown = ", ".join(f"{k}={getattr(v, '__qualname__', None) or v!r}" for k, v in moved.items())
     return (
         f"{name}({'=, '.join(moved)}=) beside strategy='fsdp2' is deprecated (they go in 0.2): pass "
-        f"sharding=Sharding(world_size={layout.world_size}, {fields})"
+        f"sharding=Sharding(world_size={layout.world_size}, {shown})"
     )
 
 
+def _set_fields(layout: dict[str, Any]) -> list[str]:
+    """The fields of ``layout`` (`Sharding`'s, by name) given other than as their defaults (``1`` is not
+    ``True``: ``fully_shard`` reads an int ``reshard_after_forward`` as a mesh size)."""
+
+    def at_default(value: Any, default: Any) -> bool:
+        return value is default or (not isinstance(default, bool) and value == default)
+
+    return [name for name, value in layout.items() if not at_default(value, _LAYOUT_DEFAULTS[name])]
+
+
+#: `Sharding`'s fields and their defaults: FSDP2's documented layout over one rank.
+_LAYOUT_DEFAULTS = {field.name: field.default for field in fields(Sharding)}
 #: `Sharding`'s fields that `moved_into_sharding` still takes as keywords of their own.
 _MOVED = ("reshard_after_forward", "mp_policy", "tensor_parallel_size", "replicate_size", "parallelize_fn")
 #: `Step.of`'s keywords, as `estimate_memory` takes them, and their defaults.

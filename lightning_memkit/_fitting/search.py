@@ -190,9 +190,7 @@ def plan_fit(
         )
     if sharding == "auto" or isinstance(sharding, _layouts.Layouts):  # the layout planned too
         return _plan_layouts({name: value for name, value in locals().items() if name in _ARGUMENTS})
-    if isinstance(
-        sharding, Sharding
-    ):  # the layout says the strategy and the ranks, as estimate_memory reads it
+    if isinstance(sharding, Sharding):  # its strategy and ranks, as estimate_memory reads them
         strategy = strategy or Sharding.strategy
         world_size = sharding.world_size if world_size == 1 else world_size
     space = SearchSpace.of(
