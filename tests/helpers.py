@@ -43,13 +43,15 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=40)
 
 def trainer_arguments(tmp_path, max_steps=4, **overrides) -> dict:
     """The suite's Trainer arguments: one CPU, no validation, progress bar, summary or checkpoints, logging
-    to CSV; ``overrides`` replace any of these (``logger=False``) or add to them."""
+    to CSV in ``tmp_path`` (``None``: no folder, no logger); ``overrides`` replace any of these
+    (``logger=False``) or add to them."""
     defaults = dict(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
-        logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
+        accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
-    return {**defaults, **overrides}
+    if tmp_path is None:
+        return {**defaults, "logger": False, **overrides}
+    return {**defaults, "default_root_dir": tmp_path, "logger": CSVLogger(tmp_path), **overrides}
 
 
 def cpu_trainer(tmp_path, callbacks, max_steps=4, **overrides) -> pl.Trainer:

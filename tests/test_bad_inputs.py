@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import cpu_trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
@@ -78,8 +78,6 @@ def test_a_float_budget_is_a_fraction_of_the_device(fraction):
 
 def test_a_fraction_of_the_device_is_read_in_setup(tmp_path):
     monitor = MemoryMonitor(budget=0.9)  # no device is read before the run is on one
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, max_steps=1, callbacks=[monitor], enable_progress_bar=False
-    )
+    trainer = cpu_trainer(tmp_path, [monitor], max_steps=1)
     with pytest.raises(ValueError, match=r"'auto' or a fraction needs a CUDA device, and none is visible"):
         trainer.fit(BoringModel())

@@ -10,6 +10,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
+from helpers import cpu_trainer
 from torch import nn
 
 from lightning_memkit import (
@@ -287,18 +288,12 @@ def test_the_checkpointing_modes_are_checked_once_and_at_once():
 def test_the_trainers_step_takes_the_callers_changes_before_its_checks():
     """A fused step beside an accumulation that starts later: the first step does not accumulate, and
     asking for it so is no error (the check ran before the change did)."""
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     from lightning_memkit import FusedOptimizerStep
     from lightning_memkit.callbacks._trainer import trainer_step
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        callbacks=[FusedOptimizerStep(), GradientAccumulationScheduler({0: 1, 2: 4})],
-    )
+    trainer = cpu_trainer(None, [FusedOptimizerStep(), GradientAccumulationScheduler({0: 1, 2: 4})])
     step = trainer_step(trainer, accumulating=False)
     assert step.fused_step and not step.accumulating
     with pytest.raises(ValueError, match="cannot accumulate gradients"):

@@ -5,7 +5,7 @@ import pickle
 import lightning as L
 import pytest
 import torch
-from helpers import Regression
+from helpers import Regression, cpu_trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lightning_memkit import estimate_memory
@@ -102,11 +102,14 @@ def test_the_rich_bar_under_autofit_counts_batches_and_no_epoch_limit(tmp_path):
             ]
             seen.append((task.description.strip(), task.completed, task.total))
 
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, accumulate_grad_batches=4, max_steps=1,
-        limit_val_batches=0, logger=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[bar, _Read(), autofit],
-    )  # fmt: skip
+    trainer = cpu_trainer(
+        tmp_path,
+        [bar, _Read(), autofit],
+        accumulate_grad_batches=4,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=True,
+    )
     trainer.fit(module)
     assert (autofit.plan.micro_batch_size, autofit.plan.accumulate_grad_batches) == (32, 4)  # kept
     assert seen == [("Epoch 0", 4, 4)]
@@ -145,11 +148,14 @@ def test_the_bar_pickles_keeps_a_users_total_and_gets_its_class_back_after_an_ex
 
     def fit(bar, module) -> L.Trainer:
         autofit = AutoFit(budget="100TB", cost="flops", optimizers=(None,), checkpointing=("none",))
-        trainer = L.Trainer(
-            default_root_dir=tmp_path, accelerator="cpu", devices=1, accumulate_grad_batches=4, max_steps=3,
-            limit_val_batches=0, logger=False, enable_model_summary=False, enable_checkpointing=False,
-            callbacks=[bar, _Pickled(seen), autofit],
-        )  # fmt: skip
+        trainer = cpu_trainer(
+            tmp_path,
+            [bar, _Pickled(seen), autofit],
+            accumulate_grad_batches=4,
+            max_steps=3,
+            logger=False,
+            enable_progress_bar=True,
+        )
         trainer.fit(module)
         return trainer
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pickle
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import Losses, Regression, cpu_trainer, tiny_gpt
@@ -125,7 +124,7 @@ def test_autofit_plans_the_swaps_candidates_after_the_modules_own():
     """The first candidate was dropped when the module's own optimizer was not among them: beside
     ``OptimizerSwap(optimizers=("adafactor",))`` AutoFit planned AdamW alone and found that nothing fit."""
     module, _, _ = tiny_gpt()  # AdamW
-    trainer = pl.Trainer(callbacks=[OptimizerSwap("1GB", optimizers=("adafactor",))], logger=False)
+    trainer = cpu_trainer(None, [OptimizerSwap("1GB", optimizers=("adafactor",))])
     assert AutoFit(budget="1GB")._optimizers(trainer, module) == ("adamw", "adafactor")
     assert lighter_candidates(module, ("sgd", "adafactor")) == ("adamw", "sgd", "adafactor")
     assert lighter_candidates(module, ("lion", "adamw", "sgd")) == ("adamw", "sgd")  # lighter than its own

@@ -305,10 +305,7 @@ def test_fast_dev_run_writes_no_plot_and_says_so(tmp_path, monkeypatch, lightnin
     cwd, root = tmp_path / "cwd", tmp_path / "root"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    trainer = pl.Trainer(
-        default_root_dir=root, accelerator="cpu", devices=1, fast_dev_run=2, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[monitor := MemoryMonitor(summary=False)],
-    )  # fmt: skip
+    trainer = cpu_trainer(root, [(monitor := MemoryMonitor(summary=False))], fast_dev_run=2)
     trainer.fit(EncoderLM(n_layer=1))
     assert len(monitor.history) == 2
     assert list(tmp_path.rglob("memory.png")) == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import cpu_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -130,11 +131,7 @@ def test_activation_checkpointing_in_a_trainer_trains(tmp_path, net_and_batch):
     data = DataLoader(TensorDataset(x.repeat(2, 1, 1, 1), y.repeat(2)), batch_size=4)
     none, full = _estimate(model, (x, y), "none").peak, _estimate(model, (x, y), "full").peak
     callback = ActivationCheckpointing(budget=(none + full) // 2)
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[callback],
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [callback], max_steps=2, logger=False)
     trainer.fit(Module(), data)
     assert trainer.global_step == 2
     assert "selective" not in callback.plan.modes.values()

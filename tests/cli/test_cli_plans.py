@@ -12,7 +12,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cpu_trainer, run_cli
 from test_cli_hf import CausalLM
 
 from lightning_memkit import estimate_memory
@@ -56,10 +56,7 @@ def _trainer_peak(config) -> int:
     x = torch.randint(0, WIDE_LLAMA["vocab_size"], (3 * B, T))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=B)
     peaks = AllocatorPeaks()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=3, logger=False, callbacks=peaks.around(),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(None, peaks.around(), max_steps=3)
     trainer.fit(CausalLM(config), loader)
     return max(peaks.peaks[1:])
 

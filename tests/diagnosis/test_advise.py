@@ -14,7 +14,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers import cpu_trainer
 from models import lm_loss
 from torch import nn
 from zoo import ChunkedLossModule, ZooModule, zoo_batch
@@ -37,11 +37,7 @@ B, T = 8, 64
 def _steady_peak(module: pl.LightningModule, data, callbacks=(), steps: int = 2) -> int:
     """The allocator's highest peak from the second training step on (the first has no gradients yet)."""
     peaks = AllocatorPeaks()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
-        callbacks=[*callbacks, *peaks.around()], enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(None, [*callbacks, *peaks.around()], max_steps=steps)
     trainer.fit(module, data)
     return max(peaks.peaks[1:])
 
@@ -101,11 +97,7 @@ def test_memory_monitor_advises_at_the_end_of_fit_and_changes_nothing(gpt_advice
     for advising in (False, True):
         module, data, _ = _gpt()
         monitor = MemoryMonitor(plot=False, summary=False, advise=advising)
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, callbacks=[monitor],
-            logger=CSVLogger(tmp_path / str(advising)), enable_progress_bar=False,
-            enable_model_summary=False, enable_checkpointing=False,
-        )  # fmt: skip
+        trainer = cpu_trainer(tmp_path / str(advising), [monitor], max_steps=3)
         trainer.fit(module, data)
         runs[advising] = [p.detach().clone() for p in module.parameters()], torch.get_rng_state(), monitor
     for a, b in zip(runs[False][0], runs[True][0], strict=True):

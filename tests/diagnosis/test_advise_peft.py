@@ -12,6 +12,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import cpu_trainer
 from peft_models import SETUPS, TARGETS, AdapterModule, llama, quantized, token_batch
 from torch import nn
 
@@ -148,10 +149,7 @@ def test_memory_monitor_advises_a_qlora_run(qlora):
         def log_hyperparams(self, *args, **kwargs):
             pass
 
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=Metrics(), callbacks=[monitor],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(None, [monitor], max_steps=1, logger=Metrics())
     trainer.fit(_adapted("qlora-nf4"))
     assert [(f.kind, f.saved) for f in monitor.advice] == [(f.kind, f.saved) for f in advice]
     assert logged["memory/advice/optimizer_state"] == pytest.approx(advice["optimizer_state"].saved / 2**20)
@@ -164,10 +162,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _steady_peak(module: pl.LightningModule, callbacks=()) -> int:
     """The CPU allocator's highest peak from the second training step on."""
     peaks = AllocatorPeaks()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=3, logger=False, callbacks=[*callbacks, *peaks.around()],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(None, [*callbacks, *peaks.around()], max_steps=3)
     trainer.fit(module)
     return max(peaks.peaks[1:])
 

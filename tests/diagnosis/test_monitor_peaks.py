@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import cpu_trainer
 from lightning.pytorch.loggers import CSVLogger
 from models import EncoderLM
 from test_html_report import _parse
@@ -129,10 +130,7 @@ def test_each_phase_peak_is_the_allocators(one_thread):
 def _pictures(tmp_path, advise: bool):
     monitor = MemoryMonitor(plot=False, summary=False, snapshot=True, report=True, advise=advise)
     model = _Growing(n_batches=6)
-    trainer = pl.Trainer(
-        callbacks=[monitor], default_root_dir=tmp_path, max_steps=6, logger=CSVLogger(tmp_path),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [monitor], max_steps=6)
     trainer.fit(model)
     long_batch = model.train_dataloader().dataset[LONG]
     first_batch = model.train_dataloader().dataset[0]

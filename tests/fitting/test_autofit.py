@@ -332,13 +332,13 @@ def test_guard_only_where_it_can_recover():
     from lightning_memkit.callbacks._autofit_verify import unrecoverable as _unrecoverable
 
     module = GPTLightningModule("tiny")
-    assert _unrecoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module) is None
-    ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
+    assert _unrecoverable(cpu_trainer(None, []), module) is None
+    ddp = cpu_trainer(None, [], strategy="ddp")
     assert "DDPStrategy runs several" in _unrecoverable(ddp, module)
-    fused = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[FusedOptimizerStep()])
+    fused = cpu_trainer(None, [FusedOptimizerStep()])
     assert "FusedOptimizerStep steps each parameter inside the backward" in _unrecoverable(fused, module)
     module.automatic_optimization = False
-    assert "manual" in _unrecoverable(L.Trainer(accelerator="cpu", devices=1, logger=False), module)
+    assert "manual" in _unrecoverable(cpu_trainer(None, []), module)
 
 
 def test_a_ready_made_dataloader_is_refused(tmp_path):
@@ -347,11 +347,7 @@ def test_a_ready_made_dataloader_is_refused(tmp_path):
 
     data = GPTDataModule(batch_size=G, seq_len=T, num_sentences=300)
     data.setup("fit")
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=1, accelerator="cpu", devices=1, logger=False,
-        callbacks=[AutoFit(budget=BUDGET, cost="flops")], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [AutoFit(budget=BUDGET, cost="flops")], max_steps=1, logger=False)
     module = GPTLightningModule("tiny")
     module.batch_size = G  # an attribute AutoFit could set, but the loader below does not read it
     with pytest.raises(ValueError, match="ready-made"):
@@ -483,11 +479,7 @@ def test_autofit_runs_a_model_without_repeated_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(auto_fit, "rank_zero_info", lines.append)
     module = MLPModule(batch_size=4)  # no repeated blocks: nothing to checkpoint
     callback = AutoFit(budget="100TB", cost="flops")
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=2, accelerator="cpu", devices=1, callbacks=[callback],
-        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
-        accumulate_grad_batches=2,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [callback], max_steps=2, logger=False, accumulate_grad_batches=2)
     trainer.fit(module)
     assert trainer.global_step == 2
     # 4 x 2 fits as set up: kept (issue 46 item 5), not merged into 8 x 1
@@ -560,12 +552,17 @@ def test_whole_batch_counts_cover_the_samples_the_user_asked_for(tmp_path, budge
     data = GPTDataModule(batch_size=8, seq_len=32, num_sentences=300)
     autofit = AutoFit(budget=budget, cost="flops", checkpointing=("none",), verify_steps=0)
     schedule = _Schedule()
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3,
-        val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[autofit, schedule],
-    )  # fmt: skip
+    trainer = cpu_trainer(
+        tmp_path,
+        [autofit, schedule],
+        max_epochs=1,
+        limit_train_batches=3,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        max_steps=-1,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, data)
@@ -617,11 +614,16 @@ def test_an_interval_of_the_users_whole_epoch_stays_within_the_planned_epoch(tmp
         budget=int((half + whole) / 2 / 0.9), cost="flops", optimizers=("adamw",), checkpointing=("none",)
     )
     schedule = _Schedule()
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_epochs=2, val_check_interval=6,
-        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, callbacks=[autofit, schedule],
-    )  # fmt: skip
+    trainer = cpu_trainer(
+        tmp_path,
+        [autofit, schedule],
+        max_epochs=2,
+        val_check_interval=6,
+        num_sanity_val_steps=0,
+        logger=False,
+        limit_val_batches=1.0,
+        max_steps=-1,
+    )
     trainer.fit(module)
     assert autofit.plan.micro_batch_size == 4
     assert sum(schedule.sizes) == 2 * 44 and schedule.validations == [6, 12]  # each epoch's end, as asked

@@ -13,7 +13,7 @@ import os
 import lightning as L
 import pytest
 import torch
-from helpers import COLLECTIVE_TIMEOUT, needs_distributed, spawn_ranks
+from helpers import COLLECTIVE_TIMEOUT, cpu_trainer, needs_distributed, spawn_ranks
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from models import BlockNet, MLPModule
 
@@ -46,11 +46,13 @@ class _LateRestore(SingleDeviceStrategy):
 
 def _fit(tmp_path, callback, *, ckpt_path=None, strategy="auto", save=None):
     seen = _Seen()
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=2 * STEPS if ckpt_path else STEPS, accelerator="cpu", devices=1,
-        strategy=strategy, callbacks=[callback, seen], enable_progress_bar=False, enable_model_summary=False,
-        logger=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(
+        tmp_path,
+        [callback, seen],
+        max_steps=2 * STEPS if ckpt_path else STEPS,
+        strategy=strategy,
+        logger=False,
+    )
     trainer.fit(MLPModule(hidden=4096, batch_size=8), ckpt_path=ckpt_path)
     if save is not None:
         trainer.save_checkpoint(save)
@@ -169,11 +171,7 @@ def test_a_model_compiled_in_configure_model_resumes_with_its_compiled_plan(tmp_
     path, plans = tmp_path / "compiled.ckpt", []
     for ckpt_path in (None, path):
         callback = AutoFit("100TB", cost="flops")
-        trainer = L.Trainer(
-            default_root_dir=tmp_path, max_steps=2 * STEPS if ckpt_path else STEPS, accelerator="cpu",
-            devices=1, callbacks=[callback], enable_progress_bar=False, enable_model_summary=False,
-            logger=False, enable_checkpointing=False,
-        )  # fmt: skip
+        trainer = cpu_trainer(tmp_path, [callback], max_steps=2 * STEPS if ckpt_path else STEPS, logger=False)
         trainer.fit(_Compiled(batch_size=16), ckpt_path=ckpt_path)
         trainer.save_checkpoint(path)
         plans.append(callback.plan)
@@ -188,11 +186,9 @@ def _ddp_rank(rank: int, out) -> None:
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT
     )  # fmt: skip
-    trainer = L.Trainer(
-        default_root_dir=out, max_steps=STEPS, accelerator="cpu", devices=2, strategy="ddp",
-        callbacks=[AutoFit("100TB", cost="flops")], enable_progress_bar=False, enable_model_summary=False,
-        logger=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(
+        out, [AutoFit("100TB", cost="flops")], max_steps=STEPS, devices=2, strategy="ddp", logger=False
+    )
     trainer.fit(MLPModule(hidden=4096, batch_size=8))
     trainer.save_checkpoint(out / "ddp.ckpt")
     torch.distributed.destroy_process_group()

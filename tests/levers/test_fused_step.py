@@ -159,10 +159,9 @@ def test_refuses_what_needs_all_gradients_before_a_step(tmp_path):
             _trainer(tmp_path, [FusedOptimizerStep()], max_steps=1, **kwargs).fit(module, data)
     # FSDP2 alone is served (tests/sharding/test_fsdp.py trains it bit-identically on gloo ranks); tensor
     # parallelism is not. The mesh is the one setup would make: a CPU cannot run two tensor-parallel ranks.
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, logger=False,
-        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
-    )  # fmt: skip
+    trainer = cpu_trainer(
+        None, [], devices=2, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    )
     module, _, _ = _gpt()
     trainer.strategy._device_mesh = {"tensor_parallel": types.SimpleNamespace(size=lambda: 2)}
     why = refusal(trainer, module)

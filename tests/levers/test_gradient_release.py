@@ -8,7 +8,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers import cpu_trainer
 from zoo import ZooModule, zoo_batch
 
 from lightning_memkit import (
@@ -27,11 +27,7 @@ B, T = 8, 64
 
 
 def _fit(module, data, callbacks, tmp_path, max_steps=3, **kwargs) -> pl.Trainer:
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
-        logger=CSVLogger(tmp_path), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, **kwargs,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, callbacks, max_steps, **kwargs)
     trainer.fit(module, data)
     return trainer
 

@@ -264,7 +264,7 @@ def runs(once):
 
 def test_the_strategy_is_registered_by_name():
     """``Trainer(strategy="autofit")`` (and LightningCLI's ``--trainer.strategy autofit``) reach it."""
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="autofit", logger=False)
+    trainer = cpu_trainer(None, [], strategy="autofit")
     assert isinstance(trainer.strategy, AutoFitStrategy)
     assert trainer.strategy.autofit.budget == "auto"
 
@@ -303,10 +303,7 @@ def test_a_root_unit_the_step_never_calls_is_refused_naming_the_parameter(tmp_pa
     """AutoFitStrategy refuses, as the fit starts, to make the LightningModule the root FSDP2 unit where it
     has no forward (the first op then met a sharded ``scale``: "mixed torch.Tensor and DTensor", raised
     from inside the plan's simulation)."""
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy=AutoFitStrategy(budget="1GiB"),
-        logger=False, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [], strategy=AutoFitStrategy(budget="1GiB"), logger=False, max_steps=1)
     refusal = r"holding every parameter is _Scaled itself \(it holds `scale`"
     with pytest.raises(ValueError, match=refusal) as refused:
         trainer.fit(_Scaled())
@@ -336,10 +333,7 @@ def test_by_name_on_a_cpu_the_strategy_says_how_to_give_a_budget(tmp_path):
     ways to give a size (it was AutoFit's message, naming a callback the user never wrote)."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy="autofit", logger=False,
-        max_steps=1, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(tmp_path, [], strategy="autofit", logger=False, max_steps=1)
     refusal = r"AutoFitStrategy\(budget='auto'\) reads the CUDA device"
     with pytest.raises(ValueError, match=refusal) as refused:
         trainer.fit(BoringModel())
@@ -532,10 +526,7 @@ def test_autofit_and_activation_checkpointing_plan_the_sharded_step_under_model_
 
 
 def test_the_strategy_and_the_callback_do_not_plan_twice():
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=AutoFitStrategy(budget="1GiB"), callbacks=[AutoFit("1GiB")],
-        logger=False, max_steps=1, enable_progress_bar=False,
-    )  # fmt: skip
+    trainer = cpu_trainer(None, [AutoFit("1GiB")], strategy=AutoFitStrategy(budget="1GiB"), max_steps=1)
     with pytest.raises(ValueError, match="remove AutoFit from the Trainer's callbacks"):
         trainer.fit(Llama())
 

@@ -287,7 +287,7 @@ def test_lightning_fsdp_strategy_refuses_the_cpu():
     FullyShardedDataParallel raises "FSDP needs a non-CPU accelerator device".) When this fails, Lightning
     runs FSDP1 on CPU: measure it here as the ModelParallelStrategy run is."""
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
-        pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp", logger=False)
+        cpu_trainer(None, [], devices=2, strategy="fsdp")
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ simulations are held to run in tests/sharding/test_parallel_layouts.py (4 gloo r
 
 import pytest
 import torch
+from helpers import cpu_trainer
 from torch import nn
 
 from lightning_memkit import estimate_memory, plan_fit
@@ -310,18 +311,13 @@ def one_rank_group():
 def test_a_run_that_shards_otherwise_than_planned_is_refused_before_its_first_step(tmp_path):
     """AutoFit under ModelParallelStrategy (one gloo rank) simulates the layout configure_model applies; a
     run whose configure_model then applies another is stopped at on_fit_start, naming both layouts."""
-    import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_memkit import AutoFit
 
     module = Shifty()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=False,
-        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
-        callbacks=[AutoFit("1GB")], enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
-    )  # fmt: skip
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    trainer = cpu_trainer(tmp_path, [AutoFit("1GB")], max_steps=1, logger=False, strategy=strategy)
     before = [p.detach().clone() for p in module.parameters()]
     with pytest.raises(
         RuntimeError, match=r"AutoFit planned each rank's step of 1 under FSDP2: .*S\(0\), S\(1\)"
@@ -344,15 +340,10 @@ class Laid(Shifty):
 
 
 def _one_rank_fit(tmp_path, module, callbacks) -> "pl.Trainer":  # noqa: F821
-    import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=CSVLogger(tmp_path),
-        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    trainer = cpu_trainer(tmp_path, callbacks, max_steps=1, strategy=strategy)
     trainer.fit(module)
     return trainer
 
