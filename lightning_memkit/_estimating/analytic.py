@@ -382,12 +382,19 @@ def static_breakdown(
     )
 
 
+#: FSDP1's ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``, for which Lightning's StrategyRegistry has no
+#: name (its ``"fsdp"`` is FULL_SHARD): the gradients and optimizer state divided, the parameters whole, each
+#: in the precision's own copies (not DeepSpeed's). The callbacks read such a Trainer as it; a plan made for
+#: it says Lightning's ``"fsdp"`` (`lightning_memkit._fitting.space.LIGHTNING_STRATEGY`).
+SHARD_GRAD_OP = "fsdp_shard_grad_op"
+
 #: strategy -> the categories it partitions across ranks: ZeRO stage 1 the optimizer state (P_os), stage 2
 #: the gradients too (P_os+g), stage 3 the parameters too (P_os+g+p) (Rajbhandari et al. 2020, §5.1-5.3);
-#: FSDP's full shard is stage 3, its SHARD_GRAD_OP stage 2. What DeepSpeed's estimators add to these shares
-#: (an fp32 gradient partition, 4 bytes a parameter over the ranks; at stage 3 the largest layer's 16-bit
-#: parameters and gradients, 4 bytes a parameter of it, unsharded) is left out: the test of these formulas,
-#: tests/estimating/test_sharded_formulas.py, holds the difference to those functions byte for byte.
+#: FSDP's full shard is stage 3, its SHARD_GRAD_OP (`SHARD_GRAD_OP`) stage 2. What DeepSpeed's estimators
+#: add to these shares (an fp32 gradient partition, 4 bytes a parameter over the ranks; at stage 3 the
+#: largest layer's 16-bit parameters and gradients, 4 bytes a parameter of it, unsharded) is left out: the
+#: test of these formulas, tests/estimating/test_sharded_formulas.py, holds the difference to those functions
+#: byte for byte.
 STRATEGIES: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "zero1": ("optimizer_state",),
@@ -400,6 +407,7 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     # FSDP2 (fully_shard): its rank's step is simulated (estimate_memory's strategy="fsdp2"); this share,
     # FSDP's, is only the analytic fallback, which leaves out the units it holds unsharded.
     "fsdp2": ("optimizer_state", "gradients", "parameters"),
+    SHARD_GRAD_OP: ("optimizer_state", "gradients"),
 }
 
 
