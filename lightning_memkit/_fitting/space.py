@@ -44,9 +44,6 @@ from lightning_memkit._vocabulary import allowed_modes
 #: FSDP1's SHARD_GRAD_OP, which the registry does not name: ``"fsdp"``, FSDPStrategy's.
 LIGHTNING_STRATEGY: dict[str, str] = {
     "ddp": "ddp",
-    "zero1": "deepspeed_stage_1",
-    "zero2": "deepspeed_stage_2",
-    "zero3": "deepspeed_stage_3",
     "fsdp": "fsdp",
     "fsdp2": "fsdp2",  # ModelParallelStrategy with fully_shard in configure_model: see plan_code
     "deepspeed_stage_1": "deepspeed_stage_1",
