@@ -58,6 +58,16 @@ def test_plan_fit_arguments(kwargs, message):
         plan_fit(nn.Linear(2, 2), batch, "1GB", loss_fn=nn.functional.mse_loss, **kwargs)
 
 
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+def test_deepspeeds_stages_go_by_lightnings_names_only(name):
+    """Issue 48: ``"zero1"`` to ``"zero3"`` were other names for ``"deepspeed_stage_1"`` to ``"3"`` (and
+    ``"zero2"`` FSDP's SHARD_GRAD_OP inside too); refused now as any unknown strategy is, naming the valid."""
+    valid = "ddp, fsdp, deepspeed_stage_1, deepspeed_stage_2, deepspeed_stage_3, fsdp2, fsdp_shard_grad_op"
+    batch = (torch.zeros(4, 2), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=rf"^Unknown strategy '{name}'; valid: {valid}\.$"):
+        plan_fit(nn.Linear(2, 2), batch, "1GB", loss_fn=nn.functional.mse_loss, strategy=name, world_size=2)
+
+
 def test_every_budget_reads_gpu_names_sizes_and_fractions_alike():
     """Issue 12, item 11: MemoryMonitor refused 'H200' although the README lists GPU names for budgets."""
     assert MemoryMonitor(budget="H200").budget == parse_budget("H200").usable

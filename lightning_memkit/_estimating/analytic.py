@@ -382,17 +382,22 @@ def static_breakdown(
     )
 
 
-#: strategy -> the categories it partitions across ranks: ZeRO stage 1 the optimizer state (P_os), stage 2
-#: the gradients too (P_os+g), stage 3 the parameters too (P_os+g+p) (Rajbhandari et al. 2020, §5.1-5.3);
-#: FSDP's full shard is stage 3, its SHARD_GRAD_OP stage 2. What DeepSpeed's estimators add to these shares
-#: (an fp32 gradient partition, 4 bytes a parameter over the ranks; at stage 3 the largest layer's 16-bit
-#: parameters and gradients, 4 bytes a parameter of it, unsharded) is left out: the test of these formulas,
-#: tests/estimating/test_sharded_formulas.py, holds the difference to those functions byte for byte.
+#: FSDP1's ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``, for which Lightning's StrategyRegistry has no
+#: name (its ``"fsdp"`` is FULL_SHARD): the gradients and optimizer state divided, the parameters whole, each
+#: in the precision's own copies (not DeepSpeed's). The callbacks read such a Trainer as it; a plan made for
+#: it says Lightning's ``"fsdp"`` (`lightning_memkit._fitting.space.LIGHTNING_STRATEGY`).
+SHARD_GRAD_OP = "fsdp_shard_grad_op"
+
+#: strategy -> the categories it partitions across ranks, by Lightning's strategy names: ZeRO stage 1
+#: (``"deepspeed_stage_1"``) the optimizer state (P_os), stage 2 the gradients too (P_os+g), stage 3 the
+#: parameters too (P_os+g+p) (Rajbhandari et al. 2020, §5.1-5.3); FSDP's full shard (``"fsdp"``) divides
+#: what stage 3 does, its SHARD_GRAD_OP (`SHARD_GRAD_OP`) what stage 2 does. What DeepSpeed's estimators add
+#: to these shares (an fp32 gradient partition, 4 bytes a parameter over the ranks; at stage 3 the largest
+#: layer's 16-bit parameters and gradients, 4 bytes a parameter of it, unsharded) is left out: the test of
+#: these formulas, tests/estimating/test_sharded_formulas.py, holds the difference to those functions byte
+#: for byte.
 STRATEGIES: dict[str, tuple[str, ...]] = {
     "ddp": (),
-    "zero1": ("optimizer_state",),
-    "zero2": ("optimizer_state", "gradients"),
-    "zero3": ("optimizer_state", "gradients", "parameters"),
     "fsdp": ("optimizer_state", "gradients", "parameters"),
     "deepspeed_stage_1": ("optimizer_state",),
     "deepspeed_stage_2": ("optimizer_state", "gradients"),
@@ -400,6 +405,7 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     # FSDP2 (fully_shard): its rank's step is simulated (estimate_memory's strategy="fsdp2"); this share,
     # FSDP's, is only the analytic fallback, which leaves out the units it holds unsharded.
     "fsdp2": ("optimizer_state", "gradients", "parameters"),
+    SHARD_GRAD_OP: ("optimizer_state", "gradients"),
 }
 
 
@@ -426,9 +432,10 @@ def shard(
     """One rank's share: the categories ``strategy`` partitions are divided by ``world_size`` (rounded up),
     ZeRO's ``(2 + 2 + K)·Ψ / N_d`` per rank at stage 3 (Rajbhandari et al. 2020, Figure 1).
 
-    ``offload`` (one of `OFFLOAD`, ZeRO strategies only) puts the partitioned categories it names in host
-    memory: they count 0 on the device. With Adam, 16-bit weights and ``"optimizer"`` a stage-2 rank keeps
-    its ``2Ψ`` of 16-bit parameters, as DeepSpeed's ``estimate_zero2_model_states_mem_needs`` says.
+    ``offload`` (one of `OFFLOAD`, ``deepspeed_stage_*`` strategies only) puts the partitioned categories it
+    names in host memory: they count 0 on the device. With Adam, 16-bit weights and ``"optimizer"`` a stage-2
+    rank keeps its ``2Ψ`` of 16-bit parameters, as DeepSpeed's ``estimate_zero2_model_states_mem_needs``
+    says.
 
     Activations and temporaries are per rank already (``batch`` is the per-device micro-batch) and are
     never divided. Sharding moves bytes between devices; the sum over ranks stays the same.
@@ -442,9 +449,9 @@ def shard(
     sharded = STRATEGIES[valid_name("strategy", strategy, STRATEGIES)]
     _positive("world_size", world_size)
     moved = OFFLOAD[valid_name("offload", offload, OFFLOAD)]
-    if moved and not strategy.startswith(("zero", "deepspeed")):
+    if moved and not strategy.startswith("deepspeed"):
         raise ValueError(
-            f"offload={offload!r} is DeepSpeed's (a zero* or deepspeed_stage_* strategy), not {strategy!r}"
+            f"offload={offload!r} is DeepSpeed's (a deepspeed_stage_* strategy), not {strategy!r}"
         )
     if "parameters" in moved and "parameters" not in sharded:
         raise ValueError(f"offload={offload!r} moves parameter shards: stage 3 only, not {strategy!r}")

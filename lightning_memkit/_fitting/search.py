@@ -104,7 +104,9 @@ def plan_fit(
             block.
         strategy, world_size: shard one rank's step over ``world_size`` ranks, by Lightning's strategy name
             (``"ddp"``, ``"fsdp"``, ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``: the whole step
-            divided; ``"zero1"`` to ``"zero3"`` are DeepSpeed's stages too); the batch is split across ranks.
+            divided; ``"fsdp_shard_grad_op"``: ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``, which
+            Lightning's registry does not name, its plan's strategy ``"fsdp"``); the batch is split across
+            ranks.
             ``"fsdp2"`` (Lightning's ``ModelParallelStrategy`` with ``fully_shard``): one rank's FSDP2 step
             simulated (`estimate_memory`'s ``strategy="fsdp2"``), checkpointing planned block by block on
             it. Default: ``"ddp"``, or ``"fsdp2"`` for a ``step=`` with a `Sharding`. ``n_gpus=`` is

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_memkit._estimating.analytic import model_static, scheme
+from lightning_memkit._estimating.analytic import SHARD_GRAD_OP, model_static, scheme
 from lightning_memkit._estimating.isolate import rng_kept
 from lightning_memkit._sharding.layout import ConfigureModel, Layout, layout_mismatch, layout_of
 from lightning_memkit._step import Sharding, Step
@@ -94,7 +94,7 @@ def sharding(trainer: pl.Trainer) -> tuple[str, int]:
         mode = str(getattr(strategy, "sharding_strategy", "FULL_SHARD"))
         if "HYBRID" in mode or "NO_SHARD" in mode:  # hybrid shards within a node only: read as unsharded
             return "ddp", ranks
-        return ("zero2" if "SHARD_GRAD_OP" in mode else "fsdp"), ranks
+        return (SHARD_GRAD_OP if "SHARD_GRAD_OP" in mode else "fsdp"), ranks
     return "ddp", ranks  # DDP and anything else: nothing sharded, the conservative reading
 
 

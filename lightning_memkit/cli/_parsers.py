@@ -52,8 +52,9 @@ __all__ = [
 
 #: ``--loop``: the order a plain module's step runs in (`lightning_memkit.cli._models.load_model`).
 LOOPS = ("lightning", "plain")
-#: The GPT presets and the strategies a step is sharded by.
-PRESETS, STRATEGIES = tuple(_analytic.PRESETS), tuple(_analytic.STRATEGIES)
+#: The GPT presets, and the strategies a step is sharded by, by Lightning's names (and ``"fsdp2"``).
+PRESETS = tuple(_analytic.PRESETS)
+STRATEGIES = tuple(name for name in _analytic.STRATEGIES if name != _analytic.SHARD_GRAD_OP)
 #: What `memkit plan` relaxes, in order, when nothing fits as asked: precisions (unless ``--precision``
 #: names them), then the levers that change the step (unless one is named), cheapest first.
 RELAXED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")

@@ -451,6 +451,40 @@ def test_which_strategies_keep_ddp_buckets_and_accumulate():
     assert accumulates(trainer(callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})]))
 
 
+def test_fsdp_shard_grad_op_and_deepspeed_stage_2_are_two_strategies():
+    """Issue 48: ``"zero2"`` named both. FSDPStrategy's SHARD_GRAD_OP is read as ``"fsdp_shard_grad_op"``,
+    DeepSpeed's stage 2 as ``"deepspeed_stage_2"``: the same categories divided, and each plan says its run's
+    Lightning strategy (``"fsdp"``: the registry has no name for SHARD_GRAD_OP)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_memkit import plan_fit
+    from lightning_memkit._estimating.analytic import SHARD_GRAD_OP, STRATEGIES
+    from lightning_memkit.callbacks._trainer import sharding
+
+    def read(strategy):  # the strategies refuse a CPU Trainer: the two fields sharding reads
+        return sharding(SimpleNamespace(world_size=2, strategy=strategy))
+
+    assert read(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")) == (SHARD_GRAD_OP, 2)
+    assert read(FSDPStrategy()) == ("fsdp", 2)
+    assert STRATEGIES[SHARD_GRAD_OP] == STRATEGIES["deepspeed_stage_2"]
+    batch = (torch.zeros(4, 2), torch.zeros(4, 2))
+    plans = [
+        plan_fit(
+            torch.nn.Linear(2, 2), batch, "1GB", device="cpu", cost="flops", optimizers=["adamw"],
+            loss_fn=torch.nn.functional.mse_loss, strategy=strategy, world_size=2,
+        )
+        for strategy in (SHARD_GRAD_OP, "deepspeed_stage_2")
+    ]  # fmt: skip
+    assert [plan.strategy for plan in plans] == ["fsdp", "deepspeed_stage_2"]
+    assert plans[0].estimated_peak == plans[1].estimated_peak
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    assert read(DeepSpeedStrategy(stage=2)) == ("deepspeed_stage_2", 2)
+
+
 def test_a_decision_that_fails_on_rank_zero_fails_on_every_rank():
     """`on_rank_zero`: rank 0 raises its own error; another rank gets its kind and message from the
     broadcast instead of waiting for a decision (here the broadcast is played by hand)."""

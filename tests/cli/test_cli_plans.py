@@ -230,7 +230,8 @@ PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "32"]
         ([*PLAN, "--device", "cpu", "--memory", "A100-40GB"], "A100-40GB names a GPU; give a size instead"),
         ([*ESTIMATE, "--device", "cpu", "--gpu", "A100-40GB"], "A100-40GB names a GPU; give a size instead: "
          "--gpu 16GB"),
-        (["advise", *ESTIMATE[1:], "--gpus", "2", "--strategy", "zero3"], "Unknown strategy 'zero3'"),
+        (["advise", *ESTIMATE[1:], "--gpus", "2", "--strategy", "deepspeed_stage_3"], "Unknown strategy "
+         "'deepspeed_stage_3'; valid: ddp, fsdp2"),
         (["estimate", "--model", "tiny", "--batch-size", "2000000", "--seq-len", "1000000"], "a batch of "
          "2000000 x 1000000 is 2,000,000,000,000 tokens, more than the 1,099,511,627,776 the simulation "
          "counts"),

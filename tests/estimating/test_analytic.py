@@ -18,6 +18,7 @@ from lightning_memkit import estimate_memory
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
 from lightning_memkit._estimating.analytic import (
+    SHARD_GRAD_OP,
     STRATEGIES,
     PrecisionScheme,
     TransformerShape,
@@ -307,7 +308,7 @@ def test_non_positive_sizes_name_the_value():
     with pytest.raises(ValueError, match="batch must be a positive integer, got -1"):
         activation_bytes(LLAMA_7B, -1, 128)
     with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
-        shard(MemoryBreakdown(), "zero1", 0)
+        shard(MemoryBreakdown(), "deepspeed_stage_1", 0)
     with pytest.raises(ValueError, match="needs block_size"):
         TransformerShape(vocab_size=10, d_model=8, n_layer=1, n_head=2)
     with pytest.raises(ValueError, match="seq_len=2048 exceeds"):
@@ -319,7 +320,10 @@ def test_non_positive_sizes_name_the_value():
     [
         (lambda: PrecisionScheme.from_name("bf16"), r"Unknown precision 'bf16'.*Did you mean 'bf16-true'"),
         (lambda: optimizer_state_bytes("adam", [(4,)]), r"Unknown optimizer 'adam'.*Did you mean 'adamw'"),
-        (lambda: shard(MemoryBreakdown(), "zero-3", 2), r"Unknown strategy 'zero-3'.*Did you mean 'zero3'"),
+        (
+            lambda: shard(MemoryBreakdown(), "deepspeed_stage3", 2),
+            r"Unknown strategy 'deepspeed_stage3'.*Did you mean 'deepspeed_stage_3'",
+        ),
         (
             lambda: activation_bytes(LLAMA_7B, 1, 8, checkpointing="ful"),
             r"valid: none, selective, selective_half, full\. Did you mean 'full'",
@@ -390,11 +394,10 @@ def test_sharding_divides_exactly_its_categories(p, g, o, a, t, strategy):
 
 
 def test_zero_stages_nest():
-    zero1, zero2, zero3 = (set(STRATEGIES[f"zero{k}"]) for k in (1, 2, 3))
-    assert zero1 == {"optimizer_state"} < zero2 == zero1 | {"gradients"} < zero3 == zero2 | {"parameters"}
-    assert STRATEGIES["fsdp"] == STRATEGIES["zero3"] and STRATEGIES["ddp"] == ()
-    for k in (1, 2, 3):
-        assert STRATEGIES[f"deepspeed_stage_{k}"] == STRATEGIES[f"zero{k}"]
+    one, two, three = (set(STRATEGIES[f"deepspeed_stage_{k}"]) for k in (1, 2, 3))
+    assert one == {"optimizer_state"} < two == one | {"gradients"} < three == two | {"parameters"}
+    assert set(STRATEGIES["fsdp"]) == three and set(STRATEGIES[SHARD_GRAD_OP]) == two
+    assert STRATEGIES["ddp"] == ()
 
 
 @settings(max_examples=30, deadline=None)

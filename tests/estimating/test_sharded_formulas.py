@@ -13,6 +13,7 @@ import torch
 from lightning_memkit import estimate_memory
 from lightning_memkit._estimating.analytic import (
     DEEPSPEED_16BIT,
+    SHARD_GRAD_OP,
     TransformerShape,
     count_parameters,
     estimate_analytic,
@@ -152,7 +153,7 @@ def test_deepspeed_keeps_16_bit_weights_and_fp32_masters_at_every_16_bit_precisi
     P = count_parameters(shape)
     assert (got.parameters, got.gradients, got.temporary) == (2 * P, 2 * P // 4, 0)
     assert got.optimizer_state == -(-(12 * P + 4 * len(parameter_shapes(shape))) // 4)
-    fsdp = estimate_analytic(shape, 1, 1024, precision=precision, strategy="zero2", world_size=4)
+    fsdp = estimate_analytic(shape, 1, 1024, precision=precision, strategy=SHARD_GRAD_OP, world_size=4)
     assert fsdp.parameters == P * (4 if "mixed" in precision else 2)  # FSDP's SHARD_GRAD_OP: the scheme's own
 
 
