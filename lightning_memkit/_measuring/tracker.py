@@ -485,6 +485,14 @@ class Tracker(TorchDispatchMode, patches.Listener):
             self._check_peak()
 
     @_guarded
+    def on_compiled_inputs(self, tensors: Iterable[Any]) -> None:
+        """A compiled graph's generated code runs on ``tensors``: those its kernels alone read (the
+        simulator's stubs: no op shows them) are live all the same, since the step began."""
+        for t in tensors:
+            if isinstance(t, Tensor):
+                self.record(t, preexisting=True)
+
+    @_guarded
     def on_rng_state(self, state: Tensor) -> None:
         """A CPU RNG state activation checkpointing keeps for its recompute: kept for backward."""
         if self.listener is not None:
