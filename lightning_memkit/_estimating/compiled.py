@@ -61,10 +61,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_memkit._measuring.tracker import Tracker
+from lightning_memkit._measuring import patches
 
 __all__ = ["compiled_as_inductor", "compiled_modules"]
 
@@ -394,11 +394,6 @@ def _compiling() -> Iterator[None]:
         torch.compiler.is_compiling = before
 
 
-def _tracker() -> Tracker | None:
-    stack = _get_current_dispatch_mode_stack()
-    return stack[-1] if stack and isinstance(stack[-1], Tracker) else None
-
-
 def _same(t: Any) -> Any:
     return t
 
@@ -444,15 +439,14 @@ def _generated(
     call = _load(source)
 
     def run(args: list) -> Any:
-        tracker = _tracker()
-        if tracker is not None:
-            # inputs read only by generated kernels (stubbed: no op shows them) are live all the same
-            for t in args:
-                if isinstance(t, Tensor):
-                    tracker.record(t, preexisting=True)
+        # inputs read only by generated kernels (stubbed: no op shows them) are live all the same; with a
+        # tracker, the last input is held until the call returns, as it has been so far
+        held = args[-1] if patches.compiled_inputs(args) and args else None
         # boxed: ``call`` clears ``args`` and frees each input after its last read, as compiled
         with _faking(args):
-            return list(call(args))
+            out = list(call(args))
+        del held
+        return out
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run

@@ -2,15 +2,17 @@
 
 `_SimTracker` counts the fake tensors' storages in the target device's rounding, answers the values a
 fake tensor does not have (from the batch's shadows, or a placeholder), sizes value-shaped ops from a
-recorded routing, and tells an optional tracer (`_estimating.trace`) and history (`_estimating.repeated`)
-what it sees; its timeline is `estimate_memory`'s result's ``timeline``. `track` runs one step under a fresh
-one, with CUDA's step counters and cuBLAS's workspaces (`cublas_workspace_bytes`) accounted as a CUDA
-step holds them. Why the fakes are CPU tensors: `_estimating.simulate`.
+recorded routing, and tells what it sees to its listeners (`TrackerListener`): an optional history
+(`_estimating.repeated`), tracer (`_estimating.trace`) and timeline (`Timeline`: `estimate_memory`'s
+result's ``timeline``). `track` runs one step under a fresh one, with CUDA's step counters and cuBLAS's
+workspaces (`cublas_workspace_bytes`) accounted as a CUDA step holds them. Why the fakes are CPU
+tensors: `_estimating.simulate`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import re
@@ -27,14 +29,16 @@ from lightning_memkit._estimating import shadow as _shadow
 from lightning_memkit._estimating.lightning_step import TrainingStep
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._measuring import kernels as _kernels
+from lightning_memkit._measuring.listening import TrackerListener
 from lightning_memkit._measuring.ops import _value_shaped
-from lightning_memkit._measuring.storages import Storage, _iter_tensors, allocation_rounding
+from lightning_memkit._measuring.storages import _iter_tensors, allocation_rounding
 from lightning_memkit._measuring.tracker import Tracker
 
 __all__ = [
     "NOT_RECORDED",
     "SIM_DEVICE",
     "Placeholders",
+    "Timeline",
     "TimelineEvent",
     "cublas_workspace_bytes",
     "track",
@@ -119,10 +123,37 @@ class Placeholders(TorchDispatchMode):
         return value if value is not None else func(*args, **(kwargs or {}))
 
 
-class _SimTracker(Tracker):
-    """`Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline."""
+class Timeline(TrackerListener):
+    """The simulated step's ops, each with the bytes live after it (`TimelineEvent`): a listener of the
+    tracker (``estimate_memory(..., timeline=True).timeline``)."""
 
-    counts_fakes = True
+    def __init__(self) -> None:
+        self.events: list[TimelineEvent] = []
+
+    def op_finished(self, tracker: Tracker, func: Any) -> None:
+        if func.namespace not in _UNTIMED:
+            self.events.append(TimelineEvent(tracker.phase, str(func), tracker.current))  # type: ignore[attr-defined]
+
+
+def _kernel(func: Any, args: tuple, kwargs: dict, *, cpu: bool) -> Any:
+    """An op's kernel on the fakes (`Tracker`'s ``kernel``): ``_grouped_mm`` where its meta kernel refuses
+    the dtype, and for a CPU target the sizes the meta kernels leave out (`_measuring.kernels`)."""
+    if func in _GROUPED_MM and _is_float_not_bf16(args[0]):
+        out = _grouped_mm_output(args, kwargs)
+    else:
+        out = func(*args, **kwargs)
+    if cpu and func in _kernels.PLACEHOLDER_OUTPUTS:
+        out = _kernels.real_outputs(func, args, kwargs, out)  # a size the meta kernel leaves out
+    return out
+
+
+class _SimTracker(Tracker):
+    """`Tracker` over fake CPU tensors, in the target device's rounding, with an optional timeline.
+
+    What it counts differently goes through the tracker's hooks (``rounding``, ``counts_fakes``,
+    ``kernel``); what follows the step listens to it (`TrackerListener`): the history, the tracer and the
+    timeline, told in that order. Its own dispatch answers what fake tensors cannot (values, value-shaped
+    ops' sizes) and tells the listeners each op of the step."""
 
     def __init__(
         self,
@@ -133,14 +164,14 @@ class _SimTracker(Tracker):
         history: bool | repeated.History = False,
         routes: _routing.Routes | None = None,
     ) -> None:
-        super().__init__(SIM_DEVICE)
-        self.rounding = allocation_rounding(target)
+        cpu = target.type == "cpu"
+        kernel = functools.partial(_kernel, cpu=cpu)
+        super().__init__(SIM_DEVICE, rounding=allocation_rounding(target), counts_fakes=True, kernel=kernel)
         # Checkpointing's RNG states are real CPU tensors, and CPU kernels' own buffers
         # (`_measuring.kernels`) are the CPU's: device memory only when the target is the CPU.
-        self.counts_rng_states = self.counts_cpu_kernels = target.type == "cpu"
+        self.counts_rng_states = self.counts_cpu_kernels = cpu
         self.shadows = shadows  # the real values the batch gives (see _shadow)
         self.phase = "forward"
-        self.timeline: list[TimelineEvent] | None = [] if timeline else None
         self.tracer = tracer
         #: every candidate peak and every storage's life, to read the step at any point
         #: (`_estimating.repeated`; a given one: `_diagnosis.snapshot`'s)
@@ -150,6 +181,14 @@ class _SimTracker(Tracker):
         self.workspaces: Tensor | None = None  # cuBLAS's, for a CUDA target (`cublas_workspace_bytes`)
         #: the sizes the real forward's value-shaped ops gave (`_estimating.routing`), or ``None``
         self.routes = routes
+        for listener in (self.history, tracer):
+            if listener is not None:
+                self.listen(listener)
+        self.timeline: list[TimelineEvent] | None = None
+        if timeline:
+            recorder = Timeline()
+            self.listen(recorder)
+            self.timeline = recorder.events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func is _DEVICE_QUERY:  # most dispatches of a step, and nothing to follow: straight to the fakes
@@ -162,10 +201,9 @@ class _SimTracker(Tracker):
         dispatch = (
             super().__torch_dispatch__
         )  # the same dispatch, with the real values of the outputs followed
-        if self.tracer is not None:
-            self.tracer.before_op(func, args, kwargs, self.live)
-        if self.history is not None:
-            self.history.op = func
+        listener = self.listener
+        if listener is not None:
+            listener.op_started(self, func, args, kwargs)
         routed = self.routes is not None and _value_shaped(func, args)
         if routed and not self.shadows.follows(func, args, kwargs):
             # Sized by the weights' values: as the real forward's same call (no fake kernel is tried, whose
@@ -189,81 +227,9 @@ class _SimTracker(Tracker):
                 out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
             except DynamicOutputShapeException as err:
                 raise _routing.UnknownShape(_unknown_shape_message(func, NOT_RECORDED)) from err
-        if self.tracer is not None:
-            self.tracer.after_op(self)
-        if self.timeline is not None and func.namespace not in _UNTIMED:
-            self.timeline.append(TimelineEvent(self.phase, str(func), self.current))
+        if listener is not None:
+            listener.op_finished(self, func)
         return out
-
-    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if func in _GROUPED_MM and _is_float_not_bf16(args[0]):
-            out = _grouped_mm_output(args, kwargs)
-        else:
-            out = func(*args, **kwargs)
-        if self.counts_cpu_kernels and func in _kernels.PLACEHOLDER_OUTPUTS:
-            out = _kernels.real_outputs(func, args, kwargs, out)  # a size the meta kernel leaves out
-        return out
-
-    # What the tracer (`advise`'s) is told; without one, the tracker's own methods run unchanged.
-
-    def record(self, t: Tensor, *, preexisting: bool = False) -> Storage | None:
-        if self.tracer is None or preexisting:
-            return super().record(t, preexisting=preexisting)
-        known = len(self.live)
-        rec = super().record(t)
-        if len(self.live) > known:  # a new storage
-            assert rec is not None
-            self.tracer.created(rec, t, self.phase)
-        return rec
-
-    def _free(self, key: int) -> None:
-        if self.tracer is None and self.history is None:
-            super()._free(key)
-            return
-        entry = self.live.get(key)
-        super()._free(key)
-        if entry is not None and self.tracer is not None:
-            self.tracer.freed(entry[1])
-        if entry is not None and self.history is not None:
-            self.history.died(entry[1])
-
-    # What the history is told (`_estimating.repeated`); without one, the tracker's own methods run unchanged.
-
-    def _register(self, storage: torch.UntypedStorage, nbytes: int, *, preexisting: bool) -> Storage:
-        rec = super()._register(storage, nbytes, preexisting=preexisting)
-        if self.history is not None:
-            self.history.born(rec, preexisting=preexisting)
-        return rec
-
-    def on_resize(self, storage: torch.UntypedStorage, before: int) -> None:
-        if self.history is None:
-            super().on_resize(storage, before)
-            return
-        self.history.op, self.history.resizing = "resize_", storage
-        try:
-            super().on_resize(storage, before)
-        finally:
-            self.history.resizing = None
-
-    def on_rng_state(self, state: Tensor) -> None:
-        if self.history is not None:
-            self.history.op = "rng_state"
-        super().on_rng_state(state)
-
-    def _check_peak(self) -> None:
-        if self.history is not None:
-            self.history.point(self, 0)
-        super()._check_peak()
-
-    def _kernel_high(self, unseen: int) -> None:
-        if self.history is not None:
-            self.history.point(self, unseen)
-        super()._kernel_high(unseen)
-
-    def on_grad(self, param: Tensor) -> None:
-        if self.tracer is not None:
-            self.tracer.reached(param)  # even when a fused step has consumed the gradient already
-        super().on_grad(param)
 
 
 #: Why a step's value-shaped op is not followed on the first try (`simulate_step` then records them).

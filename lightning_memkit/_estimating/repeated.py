@@ -48,8 +48,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_memkit._breakdown import CATEGORIES, MemoryBreakdown
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import applied_modes
+from lightning_memkit._measuring.listening import TrackerListener
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from lightning_memkit._measuring.storages import Storage
     from lightning_memkit._measuring.tracker import Tracker
 
@@ -74,17 +77,41 @@ class _Point:
     index: int  # its place in the history
 
 
-class History:
+class History(TrackerListener):
     """Every candidate peak of a tracked step (after each op, resize and kernel high), and every storage's
-    life, so the step can be read at any point, not only at its peak."""
+    life, so the step can be read at any point, not only at its peak: a listener of the tracker."""
 
     def __init__(self) -> None:
         self.points: list[_Point] = []
-        self.op: Any = None  # the op running (set by the tracker)
-        self.resizing: torch.UntypedStorage | None = None  # the storage being resized, if any
+        self.op: Any = None  # the op running (as the tracker tells it)
+        self._resizing: torch.UntypedStorage | None = None  # the storage being resized, if any
         self._preexisting = 0
         self._lives: dict[int, tuple[Storage, int, list[tuple[int, int]]]] = {}  # id -> rec, born, sizes
         self._deaths: dict[int, int] = {}
+
+    # --- what the tracker tells (`TrackerListener`) ----------------------------------------------
+
+    def registered(self, tracker: Tracker, rec: Storage, t: Tensor | None, *, preexisting: bool) -> None:
+        self.born(rec, preexisting=preexisting)
+
+    def freed(self, tracker: Tracker, rec: Storage) -> None:
+        self.died(rec)
+
+    def candidate(self, tracker: Tracker, unseen: int) -> None:
+        self.point(tracker, unseen)
+
+    def op_started(self, tracker: Tracker, func: Any, args: tuple, kwargs: dict) -> None:
+        self.op = func
+
+    def rng_state(self, tracker: Tracker, state: Tensor) -> None:
+        self.op = "rng_state"
+
+    def resizing(self, tracker: Tracker, storage: torch.UntypedStorage | None) -> None:
+        if storage is not None:
+            self.op = "resize_"
+        self._resizing = storage
+
+    # --- the record ------------------------------------------------------------------------------
 
     def born(self, rec: Storage, *, preexisting: bool) -> None:
         self._lives[id(rec)] = (rec, 0 if preexisting else len(self.points), [(0, rec.nbytes)])
@@ -95,12 +122,12 @@ class History:
         self._deaths.setdefault(id(rec), len(self.points))
 
     def point(self, tracker: Tracker, unseen: int) -> None:
-        if self.resizing is not None:  # the resized storage's size from this point on
-            entry = tracker.live.get(id(self.resizing))
+        if self._resizing is not None:  # the resized storage's size from this point on
+            entry = tracker.live.get(id(self._resizing))
             life = None if entry is None else self._lives.get(id(entry[1]))
             if life is not None:
                 life[2].append((len(self.points), entry[1].nbytes))
-            self.resizing = None
+            self._resizing = None
         op = self.op if unseen == 0 else ("kernel", self.op)
         self.points.append(
             _Point(

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_memkit._measuring.listening import TrackerListener
 from lightning_memkit._measuring.storages import Storage, rounded
+
+if TYPE_CHECKING:
+    from lightning_memkit._measuring.tracker import Tracker
 
 
 class Origin(NamedTuple):
@@ -33,9 +37,9 @@ class Origin(NamedTuple):
     logits: bool  # as wide as the vocabulary: the logits, their copies and their gradients
 
 
-class Tracer:
-    """Follows, on a `_estimating.fake_tracker._SimTracker`, what creates each storage and how many bytes of
-    logits are live.
+class Tracer(TrackerListener):
+    """Follows, on a `_estimating.fake_tracker._SimTracker` it listens to, what creates each storage and how
+    many bytes of logits are live.
 
     Args:
         model: the simulated model (module names, and its output head: `output_head`).
@@ -67,7 +71,26 @@ class Tracer:
         """Name the modules of ``model``, a copy of the one given (FSDP2's sharded copy: the same names)."""
         self.names = {id(m): name for name, m in model.named_modules()}
 
-    # --- called by the tracker -------------------------------------------------------------------
+    # --- what the tracker tells (`TrackerListener`) ----------------------------------------------
+
+    def op_started(self, tracker: Tracker, func: Any, args: tuple, kwargs: dict) -> None:
+        self.before_op(func, args, kwargs, tracker.live)
+
+    def registered(self, tracker: Tracker, rec: Storage, t: Tensor | None, *, preexisting: bool) -> None:
+        if t is not None and not preexisting:  # made in the step, by an op
+            self.created(rec, t, tracker.phase)  # type: ignore[attr-defined]
+
+    def freed(self, tracker: Tracker, rec: Storage) -> None:
+        if rec.origin is not None and rec.origin.logits:
+            self.logits_live -= rec.nbytes
+
+    def gradient(self, tracker: Tracker, param: Tensor) -> None:
+        self.reached(param)
+
+    def op_finished(self, tracker: Tracker, func: Any) -> None:
+        self.after_op(tracker)
+
+    # --- called by the simulation and the above ------------------------------------------------
 
     def started(self, tracker: Any, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """The step is about to run: ``tracker`` holds what is live at its start (for `_diagnosis.snapshot`,
@@ -101,10 +124,6 @@ class Tracer:
         rec.origin = Origin(self.op, where, phase, t.dtype, shape, logits)
         if logits:
             self.logits_live += rec.nbytes
-
-    def freed(self, rec: Storage) -> None:
-        if rec.origin is not None and rec.origin.logits:
-            self.logits_live -= rec.nbytes
 
     def reached(self, param: Tensor) -> None:
         """A gradient reached ``param`` (its post-accumulate-grad hook ran)."""

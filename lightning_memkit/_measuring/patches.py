@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -73,6 +73,11 @@ class Listener(abc.ABC):
     @abc.abstractmethod
     def on_grad(self, param: Tensor) -> None:
         """``param.grad`` is a gradient (its post-accumulate-grad hook ran)."""
+
+    @abc.abstractmethod
+    def on_compiled_inputs(self, tensors: Iterable[Any]) -> None:
+        """A compiled graph's generated code runs on ``tensors`` (those among them): its kernels read them
+        where no op shows it."""
 
 
 _WATCHING = threading.local()  # .stack: the listeners watching this thread, innermost last
@@ -273,6 +278,17 @@ def watched(listener: Listener) -> Iterator[None]:
             _users -= 1
             if _users == 0:
                 _unpatch()
+
+
+def compiled_inputs(tensors: Iterable[Any]) -> bool:
+    """Tell the tracker running the step's ops (the innermost dispatch mode, where it is one) that a compiled
+    graph's generated code runs on ``tensors``: the simulator's stubbed kernels read them where no op shows
+    it. Returns whether a tracker was told."""
+    stack = _torch_private.dispatch_mode_stack()
+    if stack and isinstance(stack[-1], Listener):
+        stack[-1].on_compiled_inputs(tensors)
+        return True
+    return False
 
 
 def gradient_consumed(param: Tensor) -> None:

@@ -52,6 +52,11 @@ Around the tracker: `_measuring.measurement` is `measure`, `_measuring.storages`
 hold, `_measuring.patches` reports what no dispatch mode sees (checkpointing's RNG states, FSDP2's
 resizes, compiled buffers, ...), `_sharding.accounting` names FSDP2's part, and `_measuring._torch_private`
 reaches torch's private entry points.
+
+Who else follows a tracked step attaches a `TrackerListener` (`_measuring.listening`): the tracker tells it
+each storage registered and freed, each resize, each candidate peak, gradients and RNG states as they come.
+The simulator (`_estimating.fake_tracker`) records its timeline, history and trace that way, and changes
+what is counted only through the tracker's named hooks: ``rounding``, ``counts_fakes`` and ``kernel``.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._measuring import _torch_private, ops, patches
 from lightning_memkit._measuring.kernels import hides_memory, kernel_peak
+from lightning_memkit._measuring.listening import Listeners, TrackerListener
 from lightning_memkit._measuring.ops import _value_shaped
 from lightning_memkit._measuring.saved_tensors import SavedTensorHooks
 from lightning_memkit._measuring.storages import (
@@ -116,11 +122,25 @@ def _guarded(method: _Method) -> _Method:
     return guarded  # type: ignore[return-value]
 
 
-class Tracker(TorchDispatchMode, patches.Listener):
-    """Follows storage lifetimes on one device; keeps the live set at the highest point."""
+#: How an op's kernel is run: ``kernel(func, args, kwargs)`` returns ``func(*args, **kwargs)``'s outputs
+Kernel = Callable[[Any, tuple, dict], Any]
 
-    #: whether fake tensors are storages of the step (the simulator's) or of a simulation run inside it
-    counts_fakes = False
+
+class Tracker(TorchDispatchMode, patches.Listener):
+    """Follows storage lifetimes on one device; keeps the live set at the highest point.
+
+    What is counted, where a caller changes it (the simulator, `_estimating.fake_tracker`):
+
+    * ``rounding``: the allocator's granularity each storage's size is rounded up to (`rounded`); by default
+      ``device``'s;
+    * ``counts_fakes``: whether fake tensors are storages of the step (the simulator's) or of a simulation
+      run inside it (not counted);
+    * ``kernel``: how an op's kernel runs (`Kernel`); by default the op itself. The simulator's sizes what
+      the meta kernels refuse or leave out.
+
+    And who is told what it sees: ``listener`` (a `TrackerListener`, or ``None``; `listen` adds one).
+    """
+
     #: whether the CPU RNG states checkpointing keeps are on this tracker's device
     counts_rng_states = True
 
@@ -132,10 +152,22 @@ class Tracker(TorchDispatchMode, patches.Listener):
         dispatcher; its inputs, outputs and saved tensors are still seen (see `measure`)."""
         return True
 
-    def __init__(self, device: torch.device, *, survives_errors: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        survives_errors: bool = False,
+        rounding: int | None = None,
+        counts_fakes: bool = False,
+        kernel: Kernel | None = None,
+    ) -> None:
         super().__init__()
         self.device = device
-        self.rounding = allocation_rounding(device)
+        self.rounding = allocation_rounding(device) if rounding is None else rounding
+        self.counts_fakes = counts_fakes
+        self.kernel = kernel
+        #: who is told what the tracker sees (`TrackerListener`), or ``None``
+        self.listener: TrackerListener | None = None
         self.clock = 0
         self.live: dict[int, tuple[weakref.ref, Storage]] = {}
         self.current = 0
@@ -169,6 +201,15 @@ class Tracker(TorchDispatchMode, patches.Listener):
         #: key, until the next event says whether that operand died with it (see `_settle`)
         self._summed: int | None = None
 
+    def listen(self, listener: TrackerListener) -> None:
+        """Tell ``listener`` what the tracker sees from now on, after the listeners attached before it."""
+        if self.listener is None:
+            self.listener = listener
+        elif isinstance(self.listener, Listeners):
+            self.listener = Listeners(*self.listener.listeners, listener)
+        else:
+            self.listener = Listeners(self.listener, listener)
+
     # --- bookkeeping --------------------------------------------------------------------------
 
     def record(self, t: Tensor, *, preexisting: bool = False) -> Storage | None:
@@ -194,7 +235,7 @@ class Tracker(TorchDispatchMode, patches.Listener):
             rec = self._register(storage, rounded(storage.nbytes(), self.rounding), preexisting=False)
             rec.kind = "communication"
             return rec
-        return self._register(storage, rounded(storage.nbytes(), self.rounding), preexisting=preexisting)
+        return self._register(storage, rounded(storage.nbytes(), self.rounding), preexisting=preexisting, t=t)
 
     def records(self, t: Tensor, *, preexisting: bool = False) -> Iterator[Storage]:
         """The records of every storage holding ``t`` (several for some tensor subclasses)."""
@@ -203,7 +244,11 @@ class Tracker(TorchDispatchMode, patches.Listener):
             if rec is not None:
                 yield rec
 
-    def _register(self, storage: torch.UntypedStorage, nbytes: int, *, preexisting: bool) -> Storage:
+    def _register(
+        self, storage: torch.UntypedStorage, nbytes: int, *, preexisting: bool, t: Tensor | None = None
+    ) -> Storage:
+        """Count ``storage`` from now on, at ``nbytes`` (``t``: the tensor it was seen through, for the
+        listener)."""
         self._settle()
         rec = Storage(nbytes)
         rec.born_in = self._node
@@ -218,12 +263,25 @@ class Tracker(TorchDispatchMode, patches.Listener):
             self.peak_live.append(rec)
             if self.peak_nbytes is not None:
                 self.peak_nbytes.append(nbytes)
+        if self.listener is not None:
+            self.listener.registered(self, rec, t, preexisting=preexisting)
         return rec
 
-    @_guarded
     def on_resize(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_`` ran, from ``before`` bytes: how FSDP2 allocates and frees the unsharded
         parameters, which no dispatch mode sees."""
+        listener = self.listener
+        if listener is None:
+            self._resized(storage, before)
+            return
+        listener.resizing(self, storage)
+        try:
+            self._resized(storage, before)
+        finally:
+            listener.resizing(self, None)
+
+    @_guarded
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         entry = self.live.get(id(storage))
         if entry is None:
             # A fake tensor's storage is on the meta device: the simulator's (counts_fakes) are its own.
@@ -253,6 +311,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
         entry = self.live.pop(key, None)
         if entry is not None:
             self.current -= entry[1].nbytes
+            if self.listener is not None:
+                self.listener.freed(self, entry[1])
 
     def enter_phase(self, phase: str) -> None:
         """From now on the step is in ``phase`` (forward, backward, optimizer step: the caller's names; a
@@ -262,6 +322,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
         self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.current)
 
     def _check_peak(self) -> None:
+        if self.listener is not None:
+            self.listener.candidate(self, 0)
         self._settle()
         if self.named_phase is not None and self.current > self.phase_peaks[self.named_phase]:
             self.phase_peaks[self.named_phase] = self.current
@@ -284,12 +346,10 @@ class Tracker(TorchDispatchMode, patches.Listener):
         kwargs = kwargs or {}
         self._before_op(args, kwargs)
         before = self.current
-        out = self._run(func, args, kwargs)  # the step's own op: its errors are the step's
+        # the step's own op: its errors are the step's
+        out = func(*args, **kwargs) if self.kernel is None else self.kernel(func, args, kwargs)
         self._after_op(func, args, kwargs, out, before)
         return out
-
-    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        return func(*args, **kwargs)
 
     @_guarded
     def _before_op(self, args: tuple, kwargs: dict) -> None:
@@ -364,6 +424,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
 
     def _kernel_high(self, unseen: int) -> None:
         """A kernel held ``unseen`` bytes more than the live storages show, at its highest."""
+        if self.listener is not None:
+            self.listener.candidate(self, unseen)
         self._settle()
         if self.named_phase is not None and self.current + unseen > self.phase_peaks[self.named_phase]:
             self.phase_peaks[self.named_phase] = self.current + unseen
@@ -397,6 +459,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
     @_guarded
     def on_grad(self, param: Tensor) -> None:
         """``param.grad`` is a gradient (a post-accumulate-grad hook, or `gradient_consumed`)."""
+        if self.listener is not None:
+            self.listener.gradient(self, param)  # even when a fused step has consumed the gradient already
         if param.grad is None:
             return
         for rec in self.records(param.grad, preexisting=True):
@@ -421,8 +485,18 @@ class Tracker(TorchDispatchMode, patches.Listener):
             self._check_peak()
 
     @_guarded
+    def on_compiled_inputs(self, tensors: Iterable[Any]) -> None:
+        """A compiled graph's generated code runs on ``tensors``: those its kernels alone read (the
+        simulator's stubs: no op shows them) are live all the same, since the step began."""
+        for t in tensors:
+            if isinstance(t, Tensor):
+                self.record(t, preexisting=True)
+
+    @_guarded
     def on_rng_state(self, state: Tensor) -> None:
         """A CPU RNG state activation checkpointing keeps for its recompute: kept for backward."""
+        if self.listener is not None:
+            self.listener.rng_state(self, state)
         if not self.counts_rng_states:
             return
         rec = self.record(state)
