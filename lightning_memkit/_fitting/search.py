@@ -43,7 +43,7 @@ from lightning_memkit._fitting.space import (
 from lightning_memkit._levers.offload import transfer_seconds
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import LEVERS, Sharding, Step
-from lightning_memkit._vocabulary import AUTO, renamed_keywords
+from lightning_memkit._vocabulary import AUTO
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -54,7 +54,6 @@ TIMED_NOTE = (
 )
 
 
-@renamed_keywords(n_gpus="world_size", mixed_precision_policy="mp_policy")
 def plan_fit(
     model: nn.Module,
     batch: Any,
@@ -107,8 +106,7 @@ def plan_fit(
             divided; ``"zero1"`` to ``"zero3"`` are DeepSpeed's stages too); the batch is split across ranks.
             ``"fsdp2"`` (Lightning's ``ModelParallelStrategy`` with ``fully_shard``): one rank's FSDP2 step
             simulated (`estimate_memory`'s ``strategy="fsdp2"``), checkpointing planned block by block on
-            it. Default: ``"ddp"``, or ``"fsdp2"`` for a ``step=`` with a `Sharding`. ``n_gpus=`` is
-            ``world_size``'s old name.
+            it. Default: ``"ddp"``, or ``"fsdp2"`` for a ``step=`` with a `Sharding`.
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.
@@ -147,7 +145,7 @@ def plan_fit(
             FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
             (parameters all-gathered and computed in bf16, gradients reduce-scattered in fp32; the policy
             `estimate_memory`'s and `Sharding`'s ``mp_policy`` simulate), as `AutoFitStrategy` does;
-            `FitPlan.mp_policy` says whether the plan has it. ``mixed_precision_policy=`` is its old name.
+            `FitPlan.mp_policy` says whether the plan has it.
         sharding: with ``strategy="fsdp2"``, the layout the run applies (`Sharding`: tensor parallelism,
             HSDP, or a ``parallelize_fn`` such as a LightningModule's own ``configure_model``), simulated as
             it is; its ``world_size`` is the run's, and the global batch splits over its data-parallel
