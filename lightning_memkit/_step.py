@@ -196,23 +196,14 @@ class Step:
         checkpointing: Any = None,
         accumulating: bool = False,
         first_step: bool = False,
-        release_gradients: bool = False,
-        fused_step: bool = False,
-        offload: bool = False,
+        lever: Lever | None = None,
         strategy: str | None = None,
         world_size: int = 1,
         sharding: Sharding | None = None,
         compile_budget: float | None = None,
     ) -> Step:
-        """The step `estimate_memory`'s keywords describe (the levers as three flags; the sharded layout as
-        a `Sharding`, or ``strategy="fsdp2"`` over ``world_size`` ranks for FSDP2's documented one)."""
-        if fused_step and offload:
-            raise ValueError(
-                "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
-            )
-        # Released gradients are what the other two levers give anyway: either stands for both.
-        lever = "fused_step" if fused_step else "offload" if offload else None
-        lever = lever or ("release_gradients" if release_gradients else None)
+        """The step `estimate_memory`'s keywords describe (the sharded layout as a `Sharding`, or
+        ``strategy="fsdp2"`` over ``world_size`` ranks for FSDP2's documented one)."""
         if sharding is not None:
             sharding = _given_layout(sharding, strategy, world_size)
         elif strategy is not None:
@@ -262,7 +253,7 @@ class Step:
         if self.first_step:
             out["first_step"] = True
         if self.lever is not None:
-            out[self.lever] = True
+            out["lever"] = self.lever
         if self.sharding is not None and self.sharding == Sharding(self.sharding.world_size):
             out.update(strategy=Sharding.strategy, world_size=self.sharding.world_size)  # the short form
         elif self.sharding is not None:

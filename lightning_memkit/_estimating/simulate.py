@@ -83,7 +83,7 @@ from lightning_memkit._estimating.fake_step import simulate_step
 from lightning_memkit._estimating.fake_tracker import _SimTracker
 from lightning_memkit._estimating.lightning_step import is_lightning, lightning_stand_ins, without_parameters
 from lightning_memkit._sharding import layout as _layout
-from lightning_memkit._step import Sharding, Step
+from lightning_memkit._step import Lever, Sharding, Step
 
 __all__ = [
     "counted_step",
@@ -103,9 +103,7 @@ def estimate_memory(
     device: str | torch.device = "cuda",
     first_step: bool = False,
     accumulating: bool = False,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
+    lever: Lever | None = None,
     strategy: str | None = None,
     world_size: int = 1,
     sharding: Sharding | None = None,
@@ -168,17 +166,18 @@ def estimate_memory(
         accumulating: estimate the last micro-batch of a gradient accumulation cycle
             (``accumulate_grad_batches > 1``), the cycle's highest: its backward adds to gradients that
             are already there (no ``zero_grad`` before it), then the optimizer steps.
-        release_gradients: the gradients are freed as soon as the optimizers have stepped
-            (`release_gradients`, `GradientRelease`): a LightningModule's forward then runs without the
-            previous step's gradients, which Lightning's order (training_step, zero_grad, backward)
-            otherwise keeps through it. A plain module's step (zero_grad after the step) is the same.
-            With ``strategy="fsdp2"``: each rank's sharded gradients.
-        fused_step: each parameter is stepped inside backward as soon as its gradient is complete, and
-            the gradient freed (`fuse_optimizer_step`, `FusedOptimizerStep`): no step holds all the
-            gradients. Not with ``accumulating`` (it steps at every backward), nor with an optimizer that
-            needs a closure. With ``strategy="fsdp2"``: each shard steps once its reduce-scatter is done.
-        offload: the optimizers keep their state, fp32 master weights and the gradients' accumulation in
-            host memory (`offload_optimizer`, `OptimizerOffload`): each gradient leaves the device as it
+        lever: what changes the optimizer step (`Lever`), or ``None``. ``"release_gradients"``: the
+            gradients are freed as soon as the optimizers have stepped (`release_gradients`,
+            `GradientRelease`): a LightningModule's forward then runs without the previous step's
+            gradients, which Lightning's order (training_step, zero_grad, backward) otherwise keeps
+            through it. A plain module's step (zero_grad after the step) is the same. With
+            ``strategy="fsdp2"``: each rank's sharded gradients. ``"fused_step"``: each parameter is
+            stepped inside backward as soon as its gradient is complete, and the gradient freed
+            (`fuse_optimizer_step`, `FusedOptimizerStep`): no step holds all the gradients. Not with
+            ``accumulating`` (it steps at every backward), nor with an optimizer that needs a closure.
+            With ``strategy="fsdp2"``: each shard steps once its reduce-scatter is done. ``"offload"``:
+            the optimizers keep their state, fp32 master weights and the gradients' accumulation in host
+            memory (`offload_optimizer`, `OptimizerOffload`): each gradient leaves the device as it
             completes. On ``device="cuda"`` the host's bytes are not counted; on ``"cpu"`` they are the
             same memory, and are. Not with ``strategy`` (FSDP2's own is ``CPUOffloadPolicy``).
         strategy: ``"fsdp2"``: one rank's step under FSDP2, ``fully_shard`` on each block `find_blocks`
@@ -240,9 +239,7 @@ def estimate_memory(
             checkpointing=checkpointing,
             accumulating=accumulating,
             first_step=first_step,
-            release_gradients=release_gradients,
-            fused_step=fused_step,
-            offload=offload,
+            lever=lever,
             strategy=strategy,
             world_size=world_size,
             sharding=sharding,

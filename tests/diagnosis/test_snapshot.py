@@ -192,7 +192,7 @@ def test_cuda_counts_cublas_workspaces_and_rounds_to_blocks(gpt2):
         dict(device="cpu", precision="bf16-mixed"),
         dict(device="cuda", checkpointing="selective"),
         dict(device="cuda", first_step=True),
-        dict(device="cuda", fused_step=True),
+        dict(device="cuda", lever="fused_step"),
         dict(device="cpu", checkpointing="full", accumulating=True),
         pytest.param(dict(device="cpu", strategy="fsdp2", world_size=2), marks=pytest.mark.slow),
     ],

@@ -261,7 +261,12 @@ def test_timeline_peaks_at_the_breakdowns_peak():
 @pytest.mark.parametrize(
     "keywords",
     [
-        {"precision": "bf16-mixed", "checkpointing": "full", "accumulating": True, "release_gradients": True},
+        {
+            "precision": "bf16-mixed",
+            "checkpointing": "full",
+            "accumulating": True,
+            "lever": "release_gradients",
+        },
         {"sharding": Sharding(2, reshard_after_forward=False)},
     ],
 )

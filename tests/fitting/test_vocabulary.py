@@ -39,11 +39,11 @@ def test_a_step_stands_for_its_keywords() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spelling warns of nothing
         by_step = _plan(step=Step(precision="bf16-mixed", lever="release_gradients"))
-    assert by_step == _plan(precision="bf16-mixed", release_gradients=True)
+    assert by_step == _plan(precision="bf16-mixed", lever="release_gradients")
     assert (by_step.lever, by_step.lever_callback) == ("release_gradients", "GradientRelease")
     # a keyword the step stands for beside it is refused, as estimate_memory refuses it (Step.split)
-    with pytest.raises(TypeError, match=r"give step= or precision, fused_step, not both"):
-        _plan(step=Step(), precision="bf16-mixed", fused_step=True)
+    with pytest.raises(TypeError, match=r"give step= or precision, lever, not both"):
+        _plan(step=Step(), precision="bf16-mixed", lever="fused_step")
     with pytest.raises(
         TypeError, match=r"give step= or strategy, world_size, not both"
     ):  # never planned as something else
@@ -56,7 +56,7 @@ def test_a_step_stands_for_its_keywords() -> None:
 
 
 def test_a_plan_is_saved_in_the_same_words() -> None:
-    plan = _plan(release_gradients=True, strategy="ddp", world_size=2)
+    plan = _plan(lever="release_gradients", strategy="ddp", world_size=2)
     saved = plan.as_dict()
     assert (saved["lever"], saved["world_size"]) == ("release_gradients", 2)
     assert FitPlan.from_dict(saved) == plan

@@ -374,8 +374,8 @@ def simulated_rank(world: int, layout: dict | None = None, **kwargs) -> int:
         ("default", {}),
         ("full_checkpointing", {"checkpointing": "full"}),
         ("no_reshard", {"layout": {"reshard_after_forward": False}}),
-        ("gradient_release", {"release_gradients": True}),
-        ("fused_step", {"fused_step": True}),
+        ("gradient_release", {"lever": "release_gradients"}),
+        ("fused_step", {"lever": "fused_step"}),
         ("bf16_policy", {"layout": {"mp_policy": BF16_POLICY}}),
     ],
 )
