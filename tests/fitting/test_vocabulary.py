@@ -102,6 +102,10 @@ def test_a_layouts_own_policy_and_an_unknown_lever_are_refused() -> None:
     plan = _plan()
     with pytest.raises(ValueError, match="Unknown lever 'GradientRelease'"):  # a callback, no lever
         dataclasses.replace(plan, lever="GradientRelease")
+    with pytest.raises(ValueError, match=r"Unknown lever 'fused'; valid: .* Did you mean 'fused_step'"):
+        _plan(lever="fused")  # one keyword, Step's words
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fused_step'"):
+        _plan(fused_step=True)
 
 
 def test_estimate_memory_takes_fsdp2s_layout_as_one_sharding() -> None:
