@@ -110,9 +110,9 @@ def run(name: str, steps: int) -> dict[str, float]:
     peaks = AllocatorPeaks()
     module, _ = _fit(name, 3, peaks.around())
     x = torch.randint(0, 256, (B, T))
-    levers = {"fused_step": FusedOptimizerStep in extra, "offload": OptimizerOffload in extra}
-    estimate = estimate_memory(module, (x, x), device="cpu", precision=precision, **levers)
-    cuda = estimate_memory(module, (x, x), device="cuda", precision=precision, **levers)
+    lever = "fused_step" if FusedOptimizerStep in extra else "offload" if OptimizerOffload in extra else None
+    estimate = estimate_memory(module, (x, x), device="cpu", precision=precision, lever=lever)
+    cuda = estimate_memory(module, (x, x), device="cuda", precision=precision, lever=lever)
     clock = _Clock()
     _, trainer = _fit(name, steps, [clock])
     gaps = [b - a for a, b in zip(clock.starts[3:], clock.starts[4:], strict=False)]

@@ -54,8 +54,8 @@ SIMULATED = {
     "selective_checkpointing": {"checkpointing": "selective"},
     "bf16_policy": {"mp_policy": BF16_POLICY},
     "accumulation": {"accumulating": True},
-    "gradient_release": {"release_gradients": True},
-    "fused_step": {"fused_step": True},
+    "gradient_release": {"lever": "release_gradients"},
+    "fused_step": {"lever": "fused_step"},
 }
 
 

@@ -8,7 +8,8 @@ LightningModule in a Trainer on the CPU, with torch.profiler's memory timeline a
 - plain: the allocator's peak of the steady step (the highest after the first), MiB;
 - gradients: the model's gradient bytes, MiB;
 - released / fused: the lever's steady peak, MiB, and what it saves as a share of the gradients;
-- estimate: `estimate_memory(release_gradients=True)` / `(fused_step=True)` against the lever's real peak;
+- estimate: `estimate_memory(lever="release_gradients")` / `(lever="fused_step")` against the lever's real
+  peak;
 - step time: the lever's over plain, the median of per-pair ratios of interleaved runs (``--rounds``).
 
     python benchmarks/bench_step_levers.py
@@ -76,8 +77,8 @@ GPT = {"gpt": (8, 64), "gpt_1x16": (1, 16)}
 #: the step as each lever runs it: its callbacks and `estimate_memory`'s keywords
 LEVERS = {
     "plain": ([], {}),
-    "released": ([GradientRelease], {"release_gradients": True}),
-    "fused": ([FusedOptimizerStep], {"fused_step": True}),
+    "released": ([GradientRelease], {"lever": "release_gradients"}),
+    "fused": ([FusedOptimizerStep], {"lever": "fused_step"}),
 }
 
 

@@ -27,7 +27,7 @@ One table, a row per figure, each with its bar and whether it is met:
 8. `plan_fit` (what ``memkit plan`` runs) for the LLaMA model at the capped size: its estimate against the
    real run's peak (bar 2 %).
 9. `OptimizerOffload` on the GPT example with bf16 weights: the device's steady peak against
-   `estimate_memory(offload=True)` (bar 2 %), and no optimizer state left on the device.
+   `estimate_memory(lever="offload")` (bar 2 %), and no optimizer state left on the device.
 10. `MemoryMonitor` under FSDP2 (``fully_shard`` on each LLaMA layer and the model, ModelParallelStrategy
    over one device) against the allocator on every step (bar 0.1 %).
 11. The LLaMA model compiled in ``configure_model``: `MemoryMonitor` against the allocator on every step
@@ -719,7 +719,7 @@ def offload(bench: Bench) -> None:
     precision, bench.precision = bench.precision, "bf16-true"
     try:
         batch = example_batch(module)
-        estimate = estimate_memory(module, batch, precision="bf16-true", device=bench.device, offload=True)
+        estimate = estimate_memory(module, batch, precision="bf16-true", device=bench.device, lever="offload")
         state = _StateOnDevice(bench.device)
         run = bench.fit(module, [OptimizerOffload(), state])
     finally:

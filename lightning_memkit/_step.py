@@ -196,54 +196,25 @@ class Step:
         checkpointing: Any = None,
         accumulating: bool = False,
         first_step: bool = False,
-        release_gradients: bool = False,
-        fused_step: bool = False,
-        offload: bool = False,
+        lever: Lever | None = None,
         strategy: str | None = None,
         world_size: int = 1,
-        reshard_after_forward: bool = True,
-        mp_policy: Any = None,
-        tensor_parallel_size: int = 1,
-        replicate_size: int = 1,
-        parallelize_fn: Callable[[Any, Any], Any] | None = None,
         sharding: Sharding | None = None,
         compile_budget: float | None = None,
     ) -> Step:
-        """The step `estimate_memory`'s keywords describe (the levers as three flags; the sharded layout as
-        a `Sharding`, or ``strategy="fsdp2"`` with its fields)."""
-        if fused_step and offload:
-            raise ValueError(
-                "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
-            )
-        # Released gradients are what the other two levers give anyway: either stands for both.
-        lever = "fused_step" if fused_step else "offload" if offload else None
-        lever = lever or ("release_gradients" if release_gradients else None)
-        layout = {
-            "world_size": world_size, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy,
-            "tensor_parallel_size": tensor_parallel_size, "replicate_size": replicate_size,
-            "parallelize_fn": parallelize_fn,
-        }  # fmt: skip
+        """The step `estimate_memory`'s keywords describe (the sharded layout as a `Sharding`, or
+        ``strategy="fsdp2"`` over ``world_size`` ranks for FSDP2's documented one)."""
         if sharding is not None:
-            return cls(
-                precision, checkpointing, accumulating, first_step, lever,
-                _given_layout(sharding, strategy, layout), compile_budget,
-            )  # fmt: skip
-        if strategy is None:
-            if given := _set_fields(layout):
-                named = [name for name in given if name != "world_size"]
-                how = (
-                    f"give the layout as sharding=Sharding(world_size=..., {'=..., '.join(named)}=...)"
-                    if named
-                    else "pass strategy='fsdp2' with it (or sharding=Sharding(world_size=...))"
-                )
-                raise ValueError(
-                    f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} FSDP2's (its sharded "
-                    f"layout's): {how} to simulate one rank's sharded step, or leave "
-                    f"{'it' if len(given) == 1 else 'them'} out for one device"
-                )
-        else:
+            sharding = _given_layout(sharding, strategy, world_size)
+        elif strategy is not None:
             valid_name("strategy", strategy, (Sharding.strategy,))
-            sharding = Sharding(**layout)
+            sharding = Sharding(world_size)
+        elif world_size != 1:
+            raise ValueError(
+                "world_size is FSDP2's (its sharded layout's): pass strategy='fsdp2' with it (or "
+                "sharding=Sharding(world_size=...)) to simulate one rank's sharded step, or leave it out for "
+                "one device"
+            )
         return cls(precision, checkpointing, accumulating, first_step, lever, sharding, compile_budget)
 
     @classmethod
@@ -254,6 +225,11 @@ class Step:
         signature's defaults cannot say whether they were written out, so those pass)."""
         rest = {k: v for k, v in kwargs.items() if k not in _KEYWORDS}
         given = {k: v for k, v in kwargs.items() if k in _KEYWORDS}
+        if layout := [k for k in rest if k in _LAYOUT_FIELDS]:
+            raise TypeError(
+                f"{', '.join(layout)}: FSDP2's layout is one keyword, sharding=Sharding(world_size=..., "
+                f"{'=..., '.join(layout)}=...)"
+            )
         step = rest.pop("step", None)
         if step is None:
             return cls.of(**given), rest
@@ -277,7 +253,7 @@ class Step:
         if self.first_step:
             out["first_step"] = True
         if self.lever is not None:
-            out[self.lever] = True
+            out["lever"] = self.lever
         if self.sharding is not None and self.sharding == Sharding(self.sharding.world_size):
             out.update(strategy=Sharding.strategy, world_size=self.sharding.world_size)  # the short form
         elif self.sharding is not None:
@@ -303,66 +279,23 @@ class Step:
         return self.lever == "offload"
 
 
-def _given_layout(sharding: Sharding, strategy: str | None, layout: dict[str, Any]) -> Sharding:
-    """``sharding=`` as `Step.of` takes it: a `Sharding`, with ``strategy`` at most ``"fsdp2"`` and none of
-    its fields given again as a keyword (``world_size`` may repeat its own)."""
+def _given_layout(sharding: Sharding, strategy: str | None, world_size: int) -> Sharding:
+    """``sharding=`` as `Step.of` takes it: a `Sharding`, with ``strategy`` at most ``"fsdp2"`` and
+    ``world_size`` at most its own."""
     if not isinstance(sharding, Sharding):
         raise TypeError(f"sharding= must be a Sharding; got {sharding!r} ({type(sharding).__name__})")
     if strategy not in (None, Sharding.strategy):
         raise ValueError(f"sharding= is FSDP2's layout (strategy='fsdp2'); got strategy={strategy!r}")
-    again = [
-        name
-        for name in _set_fields(layout)
-        if not (name == "world_size" and layout[name] == sharding.world_size)
-    ]
-    if again:
+    if world_size not in (1, sharding.world_size):
         raise TypeError(
-            f"give sharding= or {', '.join(again)}, not both: the Sharding holds the layout "
+            "give sharding= or world_size, not both: the Sharding holds the layout "
             f"({sharding.describe()} over {sharding.world_size} ranks)"
         )
     return sharding
 
 
-def moved_into_sharding(name: str, kwargs: dict[str, Any]) -> str | None:
-    """Fold `Sharding`'s fields other than ``world_size``, given to ``name`` (a function that takes
-    ``sharding=``) as keywords of their own beside ``strategy="fsdp2"`` as it once took them, into
-    ``kwargs["sharding"]``; returns the `FutureWarning`'s text that shows the ``sharding=`` they make, for
-    the caller to warn at its own caller's line. Fields left at their defaults without FSDP2 are dropped (they
-    meant nothing); given beside ``sharding=`` or ``step=``, or set without FSDP2, they are refused."""
-    moved = {field: kwargs.pop(field) for field in _MOVED if field in kwargs}
-    if not moved:
-        return None
-    if kwargs.get("step") is not None and (set_ := _set_fields(moved)):
-        given = [k for k in ("strategy", "world_size") if kwargs.get(k) not in (None, 1)] + set_
-        raise TypeError(f"give step= or {', '.join(given)}, not both: the Step's Sharding holds the layout")
-    if kwargs.get("sharding") is not None:
-        raise TypeError(f"give sharding= or {', '.join(moved)}, not both: the Sharding holds the layout")
-    if kwargs.get("strategy") != Sharding.strategy:
-        Step.of(strategy=kwargs.get("strategy"), **moved)  # set without FSDP2: refused, saying so
-        return None
-    del kwargs["strategy"]
-    kwargs["sharding"] = layout = Sharding(world_size=kwargs.pop("world_size", 1), **moved)
-    shown = ", ".join(f"{k}={getattr(v, '__qualname__', None) or v!r}" for k, v in moved.items())
-    return (
-        f"{name}({'=, '.join(moved)}=) beside strategy='fsdp2' is deprecated (they go in 0.2): pass "
-        f"sharding=Sharding(world_size={layout.world_size}, {shown})"
-    )
-
-
-def _set_fields(layout: dict[str, Any]) -> list[str]:
-    """The fields of ``layout`` (`Sharding`'s, by name) given other than as their defaults (``1`` is not
-    ``True``: ``fully_shard`` reads an int ``reshard_after_forward`` as a mesh size)."""
-
-    def at_default(value: Any, default: Any) -> bool:
-        return value is default or (not isinstance(default, bool) and value == default)
-
-    return [name for name, value in layout.items() if not at_default(value, _LAYOUT_DEFAULTS[name])]
-
-
-#: `Sharding`'s fields and their defaults: FSDP2's documented layout over one rank.
-_LAYOUT_DEFAULTS = {field.name: field.default for field in fields(Sharding)}
-#: `Sharding`'s fields that `moved_into_sharding` still takes as keywords of their own.
-_MOVED = ("reshard_after_forward", "mp_policy", "tensor_parallel_size", "replicate_size", "parallelize_fn")
+#: `Sharding`'s fields that are no keywords of `Step.of` (`Step.split` names ``sharding=`` for them).
+_LAYOUT_FIELDS = frozenset(field.name for field in fields(Sharding)) - {"world_size"}
 #: `Step.of`'s keywords, as `estimate_memory` takes them, and their defaults.
 _DEFAULTS = {name: p.default for name, p in inspect.signature(Step.of).parameters.items()}
 _KEYWORDS = frozenset(_DEFAULTS)

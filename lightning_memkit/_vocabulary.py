@@ -8,10 +8,8 @@ which answers ``--help`` and usage errors before torch is imported.
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar, get_args
+from collections.abc import Sequence
+from typing import Literal, get_args
 
 from lightning_memkit._budget import names, valid_name
 
@@ -23,11 +21,8 @@ __all__ = [
     "PRECISIONS",
     "CheckpointMode",
     "allowed_modes",
-    "renamed_keywords",
     "unbudgeted_mode",
 ]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: A checkpointing mode by name: what one block (or, given as one string, every block) gets.
 CheckpointMode = Literal["none", "selective", "selective_half", "full"]
@@ -63,30 +58,3 @@ PRECISIONS: tuple[str, ...] = ("64-true", "32-true", "16-mixed", "bf16-mixed", "
 DEVICES: tuple[str, ...] = ("cuda", "cpu")
 #: What a planner ranks plans by: step times measured on the device, FLOPs, or whichever the device allows.
 COSTS: tuple[str, ...] = ("auto", "measured", "flops")
-
-
-def renamed_keywords(**renames: str) -> Callable[[_F], _F]:
-    """Let the decorated function take each ``old=`` keyword of ``renames`` (``n_gpus="world_size"``) as its
-    new name, with a `FutureWarning` that names the new one: a keyword renamed for one word per idea keeps
-    working until the next minor release. Giving both names is a `TypeError`."""
-
-    def decorate(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renames.items():
-                if old not in kwargs:
-                    continue
-                if new in kwargs:
-                    raise TypeError(f"{fn.__name__}() got {old}= and {new}=: {old} is {new}'s old name")
-                warnings.warn(
-                    f"{fn.__name__}({old}=...) is now {fn.__name__}({new}=...); {old}= stops working in the "
-                    "next minor release",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-                kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate

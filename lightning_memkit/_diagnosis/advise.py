@@ -51,7 +51,7 @@ from lightning_memkit._estimating.simulate import estimate_step
 from lightning_memkit._estimating.trace import Tracer
 from lightning_memkit._measuring.storages import state_tensors, storage_bytes
 from lightning_memkit._optimizers.swap import bitsandbytes_installed, identify, own_optimizer
-from lightning_memkit._step import Step
+from lightning_memkit._step import Lever, Step
 
 __all__ = ["Advice", "Finding", "advise"]
 
@@ -141,9 +141,7 @@ def advise(
     checkpointing: str | CheckpointPlan | None = None,
     device: str | torch.device = "cuda",
     accumulating: bool = False,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
+    lever: Lever | None = None,
     strategy: str | None = None,
     world_size: int = 1,
     memory_stats: Mapping[str, Any] | None = None,
@@ -156,8 +154,8 @@ def advise(
 
     Args:
         model: the step as `estimate_memory` takes it, with ``batch``, ``optimizer``, ``loss_fn``,
-            ``precision``, ``checkpointing``, ``device``, ``accumulating``, ``release_gradients``,
-            ``fused_step``, ``offload``, ``strategy`` and ``world_size`` (``strategy="fsdp2"``: one rank's
+            ``precision``, ``checkpointing``, ``device``, ``accumulating``, ``lever``, ``strategy``
+            and ``world_size`` (``strategy="fsdp2"``: one rank's
             sharded step, each fix priced on it). An optimizer instance is also read for state it keeps for
             parameters that no longer train.
         memory_stats: ``torch.cuda.memory_stats()`` of a run, for the ``fragmentation`` finding (default:
@@ -176,9 +174,7 @@ def advise(
         checkpointing=checkpointing,
         device=device,
         accumulating=accumulating,
-        release_gradients=release_gradients,
-        fused_step=fused_step,
-        offload=offload,
+        lever=lever,
         strategy=strategy,
         world_size=world_size,
         step=step,

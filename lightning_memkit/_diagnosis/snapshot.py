@@ -78,8 +78,7 @@ def memory_snapshot(
         batch: the batch, as `estimate_memory` takes it.
         path: where to write the pickle (``torch.cuda.memory._dump_snapshot``'s format); ``None``: nowhere.
         **kwargs: `estimate_memory`'s keyword arguments (``optimizer``, ``step`` or ``precision``,
-            ``device``, ``checkpointing``, ...), but ``timeline`` and ``return_timeline`` (the snapshot is
-            the step op by op).
+            ``device``, ``checkpointing``, ...), but ``timeline`` (the snapshot is the step op by op).
 
     Returns:
         The snapshot dict: ``{"segments": [...], "device_traces": [[...]]}``. Open a written file with
@@ -96,8 +95,6 @@ def simulated_snapshot(
 ) -> tuple[dict, _SimTracker]:
     """`memory_snapshot`'s dict and the tracker of the step (its ``breakdown()``; with ``timeline``, its
     `TimelineEvent`s), from one simulation."""
-    if "return_timeline" in kwargs:
-        raise TypeError("memory_snapshot() takes estimate_memory's arguments but return_timeline")
     recorder = _Recorder()
     namer = _Namer(model, recorder)
     step, run = Step.split(kwargs)

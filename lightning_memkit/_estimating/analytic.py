@@ -43,7 +43,7 @@ from typing import Any
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._budget import valid_name
 from lightning_memkit._estimating.optimizer_state import OPTIMIZERS, Shape
-from lightning_memkit._vocabulary import CHECKPOINT_MODES, renamed_keywords
+from lightning_memkit._vocabulary import CHECKPOINT_MODES
 
 
 def _positive(name: str, value: Any) -> int:
@@ -546,7 +546,6 @@ def _autocast_copy_bytes(shape: TransformerShape, scheme: PrecisionScheme) -> in
     return (shape.n_layer * block + shape.vocab_size * shape.d_model) * scheme.compute_bytes
 
 
-@renamed_keywords(n_gpus="world_size")
 def estimate_analytic(
     shape: TransformerShape,
     batch: int,

@@ -68,7 +68,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,9 +83,7 @@ from lightning_memkit._estimating.fake_step import simulate_step
 from lightning_memkit._estimating.fake_tracker import _SimTracker
 from lightning_memkit._estimating.lightning_step import is_lightning, lightning_stand_ins, without_parameters
 from lightning_memkit._sharding import layout as _layout
-from lightning_memkit._step import Sharding, Step, moved_into_sharding
-
-_F = TypeVar("_F", bound=Callable[..., Any])
+from lightning_memkit._step import Lever, Sharding, Step
 
 __all__ = [
     "counted_step",
@@ -94,31 +92,6 @@ __all__ = [
 ]
 
 
-def _old_keywords(fn: _F) -> _F:
-    """`estimate_memory` as it was also called, with a `FutureWarning` at the caller's line: FSDP2's layout
-    as keywords of their own beside ``strategy="fsdp2"`` (`moved_into_sharding`), and
-    ``return_timeline=True``, the old form of ``timeline=True``, which returns ``(breakdown,
-    breakdown.timeline)``."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if (message := moved_into_sharding(fn.__name__, kwargs)) is not None:
-            warnings.warn(message, FutureWarning, stacklevel=2)
-        if not kwargs.pop("return_timeline", False):
-            return fn(*args, **kwargs)
-        warnings.warn(
-            "estimate_memory(return_timeline=True) is deprecated: pass timeline=True and read the "
-            "result's .timeline (the breakdown is returned alone)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        breakdown = fn(*args, **{**kwargs, "timeline": True})
-        return breakdown, breakdown.timeline
-
-    return wrapper  # type: ignore[return-value]
-
-
-@_old_keywords
 def estimate_memory(
     model: nn.Module,
     batch: Any,
@@ -130,9 +103,7 @@ def estimate_memory(
     device: str | torch.device = "cuda",
     first_step: bool = False,
     accumulating: bool = False,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
+    lever: Lever | None = None,
     strategy: str | None = None,
     world_size: int = 1,
     sharding: Sharding | None = None,
@@ -195,17 +166,18 @@ def estimate_memory(
         accumulating: estimate the last micro-batch of a gradient accumulation cycle
             (``accumulate_grad_batches > 1``), the cycle's highest: its backward adds to gradients that
             are already there (no ``zero_grad`` before it), then the optimizer steps.
-        release_gradients: the gradients are freed as soon as the optimizers have stepped
-            (`release_gradients`, `GradientRelease`): a LightningModule's forward then runs without the
-            previous step's gradients, which Lightning's order (training_step, zero_grad, backward)
-            otherwise keeps through it. A plain module's step (zero_grad after the step) is the same.
-            With ``strategy="fsdp2"``: each rank's sharded gradients.
-        fused_step: each parameter is stepped inside backward as soon as its gradient is complete, and
-            the gradient freed (`fuse_optimizer_step`, `FusedOptimizerStep`): no step holds all the
-            gradients. Not with ``accumulating`` (it steps at every backward), nor with an optimizer that
-            needs a closure. With ``strategy="fsdp2"``: each shard steps once its reduce-scatter is done.
-        offload: the optimizers keep their state, fp32 master weights and the gradients' accumulation in
-            host memory (`offload_optimizer`, `OptimizerOffload`): each gradient leaves the device as it
+        lever: what changes the optimizer step (`Lever`), or ``None``. ``"release_gradients"``: the
+            gradients are freed as soon as the optimizers have stepped (`release_gradients`,
+            `GradientRelease`): a LightningModule's forward then runs without the previous step's
+            gradients, which Lightning's order (training_step, zero_grad, backward) otherwise keeps
+            through it. A plain module's step (zero_grad after the step) is the same. With
+            ``strategy="fsdp2"``: each rank's sharded gradients. ``"fused_step"``: each parameter is
+            stepped inside backward as soon as its gradient is complete, and the gradient freed
+            (`fuse_optimizer_step`, `FusedOptimizerStep`): no step holds all the gradients. Not with
+            ``accumulating`` (it steps at every backward), nor with an optimizer that needs a closure.
+            With ``strategy="fsdp2"``: each shard steps once its reduce-scatter is done. ``"offload"``:
+            the optimizers keep their state, fp32 master weights and the gradients' accumulation in host
+            memory (`offload_optimizer`, `OptimizerOffload`): each gradient leaves the device as it
             completes. On ``device="cuda"`` the host's bytes are not counted; on ``"cpu"`` they are the
             same memory, and are. Not with ``strategy`` (FSDP2's own is ``CPUOffloadPolicy``).
         strategy: ``"fsdp2"``: one rank's step under FSDP2, ``fully_shard`` on each block `find_blocks`
@@ -230,8 +202,7 @@ def estimate_memory(
             that applies the layout (Fabric's word), run on the simulated copy of ``model`` with a fake mesh
             named ``("data_parallel", "tensor_parallel")`` as Lightning hands ``self.device_mesh`` to
             ``configure_model`` (a mesh it builds with ``init_device_mesh`` is a fake one of the same world;
-            ``ConfigureModel()`` runs a LightningModule's own ``configure_model``). Those five were keywords
-            of their own: they still are, with a `FutureWarning`, beside ``strategy="fsdp2"``.
+            ``ConfigureModel()`` runs a LightningModule's own ``configure_model``).
         compile_budget: for a model with compiled modules (``torch.compile(module)`` or
             ``module.compile()``, inductor's backend): torch.compile's ``activation_memory_budget`` to
             simulate, the share of the activations its partitioner may keep (0 to 1); ``None``: as
@@ -268,9 +239,7 @@ def estimate_memory(
             checkpointing=checkpointing,
             accumulating=accumulating,
             first_step=first_step,
-            release_gradients=release_gradients,
-            fused_step=fused_step,
-            offload=offload,
+            lever=lever,
             strategy=strategy,
             world_size=world_size,
             sharding=sharding,
@@ -286,7 +255,7 @@ def estimate_memory(
             "and no Trainer is attached: the step simulated is the module as it is now (a model that "
             f"configure_model compiles is simulated eagerly). Call {name}.configure_model() first, as the "
             "Trainer will, or estimate from a callback once fit has started.",
-            stacklevel=3,  # estimate_memory's caller, past `_old_keywords`
+            stacklevel=2,
         )
     return estimate_step(model, batch, step, **run, timeline=timeline)
 

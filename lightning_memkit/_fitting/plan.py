@@ -240,9 +240,7 @@ class FitPlan:
     replicate_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.lever in _LEVER_WORDS:  # a plan saved, or made, naming the lever by its callback
-            object.__setattr__(self, "lever", _LEVER_WORDS[self.lever])
-        elif self.lever is not None:
+        if self.lever is not None:
             valid_name("lever", self.lever, LEVERS)
 
     @property
@@ -265,18 +263,6 @@ class FitPlan:
         """The callback that makes `lever` in a Trainer (``"GradientRelease"``, ``"FusedOptimizerStep"``,
         ``"OptimizerOffload"``), or ``None``."""
         return None if self.lever is None else LEVER_CALLBACKS[self.lever]
-
-    @property
-    def n_gpus(self) -> int:
-        """`world_size`'s old name; it stops working in the next minor release."""
-        _renamed("n_gpus", "world_size")
-        return self.world_size
-
-    @property
-    def mixed_precision_policy(self) -> bool:
-        """`mp_policy`'s old name; it stops working in the next minor release."""
-        _renamed("mixed_precision_policy", "mp_policy")
-        return self.mp_policy
 
     @property
     def layout(self) -> str:
@@ -384,7 +370,7 @@ class FitPlan:
             margin=data.get("margin", 0.1),
             alternatives=tuple(Alternative(**a) for a in data.get("alternatives", ())),
             strategy=data.get("strategy", "ddp"),
-            world_size=data.get("world_size", data.get("n_gpus", 1)),  # a plan saved before the rename
+            world_size=data.get("world_size", 1),
             cost=StepCost(**cost) if cost else None,
             modes=tuple(data.get("modes", CHECKPOINT_MODES)),
             note=data.get("note", ""),
@@ -394,7 +380,7 @@ class FitPlan:
             offload_seconds=data.get("offload_seconds", 0.0),
             reshard_after_forward=data.get("reshard_after_forward"),
             cpu_offload=data.get("cpu_offload", False),
-            mp_policy=data.get("mp_policy", data.get("mixed_precision_policy", False)),
+            mp_policy=data.get("mp_policy", False),
             device=data.get("device", "cuda"),
             tensor_parallel_size=data.get("tensor_parallel_size", 1),
             replicate_size=data.get("replicate_size", 1),
@@ -552,15 +538,3 @@ class _Applied:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-#: A lever by its callback's name, as plans saved before `FitPlan.lever` took `Step`'s word name it.
-_LEVER_WORDS = {callback: lever for lever, callback in LEVER_CALLBACKS.items()}
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(
-        f"FitPlan.{old} is now FitPlan.{new}; {old} stops working in the next minor release",
-        FutureWarning,
-        stacklevel=3,
-    )

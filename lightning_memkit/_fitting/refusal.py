@@ -65,8 +65,8 @@ def _lever_that_fits(space: SearchSpace, search: Simulations) -> str:
             continue
         if peak <= limit:
             return (
-                f"{callback}() (plan_fit's {keyword}=True): its leanest plan, micro-batch {m}, {strongest} "
-                f"checkpointing, {optimizer}, {precision}, peaks at {format_bytes(peak)}"
+                f"{callback}() (plan_fit's lever={keyword!r}): its leanest plan, micro-batch {m}, "
+                f"{strongest} checkpointing, {optimizer}, {precision}, peaks at {format_bytes(peak)}"
             )
     return ""
 

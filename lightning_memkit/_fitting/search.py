@@ -42,8 +42,8 @@ from lightning_memkit._fitting.space import (
 )
 from lightning_memkit._levers.offload import transfer_seconds
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._step import LEVERS, Sharding, Step
-from lightning_memkit._vocabulary import AUTO, renamed_keywords
+from lightning_memkit._step import Lever, Sharding, Step
+from lightning_memkit._vocabulary import AUTO
 
 __all__ = ["grid", "plan_fit", "static_floor"]
 
@@ -54,7 +54,6 @@ TIMED_NOTE = (
 )
 
 
-@renamed_keywords(n_gpus="world_size", mixed_precision_policy="mp_policy")
 def plan_fit(
     model: nn.Module,
     batch: Any,
@@ -70,9 +69,7 @@ def plan_fit(
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
     cost: str | StepCost = "auto",
     progress: Callable[[str], None] | None = None,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
+    lever: Lever | None = None,
     compensate: bool = True,
     refine_limit: int | None = None,
     cpu_offload: bool | None = False,
@@ -109,23 +106,22 @@ def plan_fit(
             ranks.
             ``"fsdp2"`` (Lightning's ``ModelParallelStrategy`` with ``fully_shard``): one rank's FSDP2 step
             simulated (`estimate_memory`'s ``strategy="fsdp2"``), checkpointing planned block by block on
-            it. Default: ``"ddp"``, or ``"fsdp2"`` for a ``step=`` with a `Sharding`. ``n_gpus=`` is
-            ``world_size``'s old name.
+            it. Default: ``"ddp"``, or ``"fsdp2"`` for a ``step=`` with a `Sharding`.
         device: ``"cuda"`` or ``"cpu"``: what the simulation models and the offline cost assumes.
         cost: ``"auto"`` (``"measured"`` for a model with real weights on the CPU and ``device="cpu"``,
             else ``"flops"``), ``"measured"``, ``"flops"``, or a `StepCost`.
         progress: called with a line before each simulation once planning has taken
             ``PROGRESS_AFTER_S`` seconds (a large model's simulations take seconds each).
-        release_gradients: plan for a run that frees the gradients after each optimizer step
-            (`release_gradients`, `GradientRelease`): the forward without the previous step's gradients.
-        fused_step: plan for a run that steps each parameter inside backward (`fuse_optimizer_step`,
-            `FusedOptimizerStep`): no gradient is whole at once, and no accumulation (the micro-batch is
-            the global batch per GPU); one process only.
-        offload: plan for a run whose optimizer lives in host memory (`offload_optimizer`,
-            `OptimizerOffload`): no optimizer state and no whole gradient on the device, the update on fp32
-            masters (so 16-bit weights need no Kahan twin), accumulation allowed; one process only. The plan
-            gives the host memory it needs (`FitPlan.host_bytes`) and, on CUDA, the time its transfers and
-            host update add (`transfer_seconds`, in the ranking too).
+        lever: plan for a run whose optimizer step a lever changes (`Lever`), or ``None``.
+            ``"release_gradients"``: the gradients freed after each optimizer step (`release_gradients`,
+            `GradientRelease`): the forward without the previous step's gradients. ``"fused_step"``: each
+            parameter stepped inside backward (`fuse_optimizer_step`, `FusedOptimizerStep`): no gradient is
+            whole at once, and no accumulation (the micro-batch is the global batch per GPU); one process
+            only. ``"offload"``: the optimizer in host memory (`offload_optimizer`, `OptimizerOffload`): no
+            optimizer state and no whole gradient on the device, the update on fp32 masters (so 16-bit
+            weights need no Kahan twin), accumulation allowed; one process only. The plan gives the host
+            memory it needs (`FitPlan.host_bytes`) and, on CUDA, the time its transfers and host update add
+            (`transfer_seconds`, in the ranking too).
         compensate: plan 16-bit weights (``"bf16-true"``, ``"16-true"``) only with an update that keeps the
             small steps a 16-bit weight would round away: AdamW and SGD become their Kahan-summed
             ``"adamw_kahan"``, ``"sgd_kahan"`` (torch-optimi; `COMPENSATED`) there, and the other
@@ -149,7 +145,7 @@ def plan_fit(
             FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
             (parameters all-gathered and computed in bf16, gradients reduce-scattered in fp32; the policy
             `estimate_memory`'s and `Sharding`'s ``mp_policy`` simulate), as `AutoFitStrategy` does;
-            `FitPlan.mp_policy` says whether the plan has it. ``mixed_precision_policy=`` is its old name.
+            `FitPlan.mp_policy` says whether the plan has it.
         sharding: with ``strategy="fsdp2"``, the layout the run applies (`Sharding`: tensor parallelism,
             HSDP, or a ``parallelize_fn`` such as a LightningModule's own ``configure_model``), simulated as
             it is; its ``world_size`` is the run's, and the global batch splits over its data-parallel
@@ -171,8 +167,8 @@ def plan_fit(
             as `ActivationCheckpointing` takes them); default: the repeated layers `find_blocks` finds. A
             plan that checkpoints names its blocks (`FitPlan.checkpoint_plan`).
         step: the `Step` every candidate starts from, in place of the keywords it holds: its precision
-            (the one planned), its lever (``release_gradients``, ``fused_step`` or ``offload``) and its
-            `Sharding` (``strategy="fsdp2"`` over its ``world_size``, the layout simulated as it is). What
+            (the one planned), its ``lever`` and its `Sharding` (``strategy="fsdp2"`` over its
+            ``world_size``, the layout simulated as it is). What
             the planner chooses, it must leave at its default: checkpointing (give the modes a block may get
             as ``checkpointing=``), the accumulating and first step (every candidate's are planned), and
             torch.compile's budget. One of the keywords it stands for given beside it is a ``TypeError``.
@@ -198,9 +194,8 @@ def plan_fit(
     space = SearchSpace.of(
         model, batch, budget, margin=margin, optimizers=optimizers, precision=precision,
         checkpointing=checkpointing, strategy=strategy, world_size=world_size, device=device, loss_fn=loss_fn,
-        cost=cost, progress=progress, release_gradients=release_gradients, fused_step=fused_step,
-        offload=offload, compensate=compensate, refine_limit=refine_limit, cpu_offload=cpu_offload,
-        link=link, mp_policy=mp_policy, batch_axes=batch_axes,
+        cost=cost, progress=progress, lever=lever, compensate=compensate, refine_limit=refine_limit,
+        cpu_offload=cpu_offload, link=link, mp_policy=mp_policy, batch_axes=batch_axes,
         micro_batch_size=micro_batch_size, sharding=sharding, blocks=blocks,
     )  # fmt: skip
     search = Simulations.of(space)
@@ -278,7 +273,7 @@ def _step_as_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
     function refuses it; so is a part of the step the planner chooses itself."""
     step = arguments.pop("step")
     sharded = getattr(step, "sharding", None) is not None
-    covered = ["precision", *LEVERS, *(("strategy", "world_size") if sharded else ())]
+    covered = ["precision", "lever", *(("strategy", "world_size") if sharded else ())]
     step, _ = Step.split({"step": step, **{name: arguments[name] for name in covered}})
     if sharded and arguments["sharding"] is not None:
         raise TypeError("give step= or sharding, not both: the Step holds the layout")
@@ -293,8 +288,7 @@ def _step_as_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
             f"plan_fit chooses the step's {', '.join(k for k, v in chosen.items() if v)} itself: give a step "
             "of precision, lever and sharding only (the modes a block may get go in checkpointing=)"
         )
-    given: dict[str, Any] = {"precision": step.precision}
-    given |= {lever: step.lever == lever for lever in LEVERS}
+    given: dict[str, Any] = {"precision": step.precision, "lever": step.lever}
     if step.sharding is not None:
         given |= {
             "strategy": Sharding.strategy,
@@ -508,18 +502,15 @@ def static_floor(
     strategy: str = "ddp",
     world_size: int = 1,
     compensate: bool = True,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
+    lever: Lever | None = None,
 ) -> int | None:
     """The least static memory per GPU (parameters, gradients and optimizer state, as the step levers keep
     them on the device, sharded) of the optimizer and precision pairs `plan_fit` would plan with these
     arguments: no plan fits a limit below it. No simulation; ``None`` when no pair would be planned."""
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
-    lever = Step.of(release_gradients=release_gradients, fused_step=fused_step, offload=offload).lever
     search = Simulations(model, None, None, "cuda", strategy, world_size, lever=lever)
     candidates, _ = _candidates(model, optimizers, strategy, world_size)
-    pairs = _pairs(candidates, precisions, compensate and not offload, fused_step)
+    pairs = _pairs(candidates, precisions, compensate and lever != "offload", lever == "fused_step")
     return min((search.static(o, p) for o, p in pairs), default=None)
 
 

@@ -37,7 +37,7 @@ from lightning_memkit._optimizers.swap import (
     load_bitsandbytes,
 )
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._step import Lever, Sharding, Step
+from lightning_memkit._step import LEVERS, Lever, Sharding
 from lightning_memkit._vocabulary import allowed_modes
 
 #: Lightning's strategy name for each sharding scheme `shard` knows (`FitPlan.strategy`): its own, but for
@@ -109,8 +109,8 @@ class SearchSpace:
     @classmethod
     def of(
         cls, model, batch, budget, *, margin, optimizers, precision, checkpointing, strategy, world_size,
-        device, loss_fn, cost, progress, release_gradients, fused_step, offload, compensate, refine_limit,
-        cpu_offload, link, mp_policy, batch_axes, micro_batch_size, sharding, blocks,
+        device, loss_fn, cost, progress, lever, compensate, refine_limit, cpu_offload, link, mp_policy,
+        batch_axes, micro_batch_size, sharding, blocks,
     ) -> SearchSpace:  # fmt: skip
         """The space `plan_fit` searches with these arguments (its own), each checked in the order the
         errors are documented; raises the first error found."""
@@ -138,6 +138,8 @@ class SearchSpace:
             raise ValueError(f"The global batch of {total} does not split evenly across {what}")
         per_rank = batch_slice(batch, total // ranks, axes=axes)
         sizes = _divisors(total // ranks)
+        lever = None if lever is None else valid_name("lever", lever, LEVERS)
+        fused_step, offload = lever == "fused_step", lever == "offload"
         _check_levers(strategy, world_size, fused_step, offload)
         optimizers, unsharded = _candidates(model, optimizers, strategy, world_size)
         if not optimizers:
@@ -152,7 +154,7 @@ class SearchSpace:
             model, batch, per_rank, axes, total,
             tuple(sizes[-1:] if fused_step else sizes),  # the fused step steps at every backward
             budget, margin, int(budget.usable * (1 - margin)), precisions, modes, strategy, world_size, ranks,
-            Step.of(release_gradients=release_gradients, fused_step=fused_step, offload=offload).lever,
+            lever,
             optimizers, tuple(pairs), compensate, tuple(note for note in (dropped, unsharded) if note),
             device, loss_fn, cost, progress, refine_limit, cpu_offload if strategy == "fsdp2" else False,
             link, mp_policy, sharding, blocks, micro_batch_size,
@@ -195,12 +197,11 @@ def _check_levers(strategy: str, world_size: int, fused_step: bool, offload: boo
         raise ValueError(
             f"The optimizer step fused into backward cannot run under {strategy}: it reduces each "
             "gradient across ranks after backward. Plan it with world_size=1 or strategy='fsdp2' (each "
-            "shard steps once its reduce-scatter is done), or plan release_gradients=True instead."
+            "shard steps once its reduce-scatter is done), or plan lever='release_gradients' instead."
         )
-    if offload and (fused_step or world_size > 1):
+    if offload and world_size > 1:
         raise ValueError(
-            "The offloaded optimizer runs on one process, its step after backward: plan it with world_size=1 "
-            "and without fused_step."
+            "The offloaded optimizer runs on one process, its step after backward: plan it with world_size=1."
         )
 
 

@@ -49,7 +49,7 @@ from lightning_memkit._optimizers.swap import (
     lr_factor,
     swap_optimizer,
 )
-from lightning_memkit._step import Step
+from lightning_memkit._step import Lever, Step
 
 __all__ = [
     "Estimator",
@@ -483,9 +483,7 @@ def fit_optimizer(
     precision: str = "32-true",
     device: str | torch.device | None = None,
     accumulating: bool = False,
-    release_gradients: bool = False,
-    fused_step: bool = False,
-    offload: bool = False,
+    lever: Lever | None = None,
     step: Step | None = None,
 ) -> OptimizerChoice:
     """Keep ``optimizer`` if the training step fits ``budget``, else the first lighter one that does.
@@ -514,14 +512,15 @@ def fit_optimizer(
         device: ``"cuda"`` or ``"cpu"``: the allocator to plan for (default: the model's device).
         accumulating: the loop accumulates gradients over micro-batches of ``batch`` (its highest
             micro-batch is simulated; `estimate_memory`).
-        release_gradients: the loop frees the gradients after each optimizer step (`release_gradients`):
-            a LightningModule's forward then runs without the previous step's gradients.
-        fused_step: the loop steps each parameter inside backward (`fuse_optimizer_step`): no gradient
-            is whole at once (the static estimate leaves them out).
-        offload: the loop keeps the optimizer in host memory (`offload_optimizer`): its state and the
-            gradients are not the device's (the static estimate still counts the state: safe side).
+        lever: what changes the loop's optimizer step (`Lever`), or ``None``. ``"release_gradients"``: the
+            loop frees the gradients after each optimizer step (`release_gradients`): a LightningModule's
+            forward then runs without the previous step's gradients. ``"fused_step"``: the loop steps
+            each parameter inside backward (`fuse_optimizer_step`): no gradient is whole at once (the
+            static estimate leaves them out). ``"offload"``: the loop keeps the optimizer in host memory
+            (`offload_optimizer`): its state and the gradients are not the device's (the static estimate
+            still counts the state: safe side).
         step: the step as one value (`Step`: its precision, accumulation and lever; with ``batch``, its
-            checkpointing too), instead of ``precision`` to ``offload``; giving both is a `TypeError`.
+            checkpointing too), instead of ``precision`` to ``lever``; giving both is a `TypeError`.
             One device: a step with a `Sharding` is a `ValueError`.
 
     Returns:
@@ -544,9 +543,7 @@ def fit_optimizer(
             step=step,
             precision=precision,
             accumulating=accumulating,
-            release_gradients=release_gradients,
-            fused_step=fused_step,
-            offload=offload,
+            lever=lever,
         )
     )
     if step.sharding is not None:

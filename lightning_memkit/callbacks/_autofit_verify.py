@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._fitting.plan import FitPlan
-from lightning_memkit.callbacks._trainer import step_levers
+from lightning_memkit.callbacks._trainer import step_lever
 
 __all__ = ["budgets_differ", "no_leaner_plan", "not_recovered", "over_limit", "unrecoverable"]
 
@@ -30,7 +30,7 @@ def unrecoverable(trainer: pl.Trainer, module: pl.LightningModule) -> str | None
         return f"{type(trainer.precision_plugin).__name__} runs the backward itself, where it cannot cut it"
     if not module.automatic_optimization:
         return "the module's optimization is manual"
-    if step_levers(trainer)["fused_step"]:
+    if step_lever(trainer) == "fused_step":
         return (
             "FusedOptimizerStep steps each parameter inside the backward: a retried slice would step them "
             "again. Without FusedOptimizerStep, AutoFit re-plans one notch leaner and runs the batch again"

@@ -22,7 +22,7 @@ from lightning_memkit.callbacks._trainer import (
     into_gradients,
     precision,
     sharding,
-    step_levers,
+    step_lever,
     the_optimizer,
     trainer_step,
 )
@@ -88,7 +88,7 @@ def explain_run_oom(
         budget = Budget.for_device(torch.cuda.get_device_properties(device).total_memory, str(device))
     kind = "cuda" if device.type == "cuda" else "cpu"
     strategy, ranks = sharding(trainer)
-    levers = step_levers(trainer)
+    lever = step_lever(trainer)
     # Under FSDP2 the module is sharded by now: its unsharded twin is simulated and planned.
     model, optimizer = simulable(pl_module, the_optimizer(trainer))
     as_run = trainer_step(
@@ -138,5 +138,5 @@ def explain_run_oom(
         compensate=False,  # the Trainer's precision is the user's: their optimizer stays a candidate
         planner_present=plan is not None,
         batch_axes=axes,
-        **levers,
+        lever=lever,
     )

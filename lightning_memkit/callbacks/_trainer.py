@@ -20,7 +20,7 @@ from torch import nn
 from lightning_memkit._estimating.analytic import SHARD_GRAD_OP, model_static, scheme
 from lightning_memkit._estimating.isolate import rng_kept
 from lightning_memkit._sharding.layout import ConfigureModel, Layout, layout_mismatch, layout_of
-from lightning_memkit._step import Sharding, Step
+from lightning_memkit._step import Lever, Sharding, Step
 from lightning_memkit.callbacks.fused_step import FusedOptimizerStep
 from lightning_memkit.callbacks.gradient_release import GradientRelease
 from lightning_memkit.callbacks.offload import OptimizerOffload
@@ -41,7 +41,7 @@ __all__ = [
     "planned_layout",
     "precision",
     "sharding",
-    "step_levers",
+    "step_lever",
     "trainer_sharding",
     "trainer_step",
 ]
@@ -164,25 +164,32 @@ def accumulates(trainer: pl.Trainer) -> bool:
     return trainer.accumulate_grad_batches > 1 or any(n > 1 for n in scheduled)
 
 
-def step_levers(trainer: pl.Trainer) -> dict[str, bool]:
-    """How the fit's callbacks change the step, as `estimate_memory`'s keywords: ``release_gradients``
-    (a `GradientRelease`: no previous step's gradients in the forward) and ``fused_step`` (a
-    `FusedOptimizerStep`: each parameter stepped inside backward) and ``offload`` (an `OptimizerOffload`:
-    the optimizer in host memory). The budget callbacks plan that step."""
-    return {
-        "release_gradients": any(isinstance(c, GradientRelease) for c in trainer.callbacks),
-        "fused_step": any(isinstance(c, FusedOptimizerStep) for c in trainer.callbacks),
-        "offload": any(isinstance(c, OptimizerOffload) for c in trainer.callbacks),
-    }
+def step_lever(trainer: pl.Trainer) -> Lever | None:
+    """How the fit's callbacks change the step, as `estimate_memory`'s ``lever``: ``"fused_step"`` (a
+    `FusedOptimizerStep`: each parameter stepped inside backward), ``"offload"`` (an `OptimizerOffload`:
+    the optimizer in host memory) or ``"release_gradients"`` (a `GradientRelease`: no previous step's
+    gradients in the forward, what the other two give anyway: either stands for both); ``None`` without
+    one. The budget callbacks plan that step."""
+    callbacks: dict[Lever, type] = {
+        "fused_step": FusedOptimizerStep, "offload": OptimizerOffload, "release_gradients": GradientRelease,
+    }  # fmt: skip
+    installed = [
+        lever for lever, kind in callbacks.items() if any(isinstance(c, kind) for c in trainer.callbacks)
+    ]
+    if "fused_step" in installed and "offload" in installed:
+        raise ValueError(
+            "The optimizer step cannot be both fused into backward and offloaded to the host: choose one."
+        )
+    return installed[0] if installed else None
 
 
 def trainer_step(trainer: pl.Trainer, **changes: Any) -> Step:
     """The step this fit runs, as the estimators take it (`Step`): the Trainer's precision, whether it
-    accumulates (`accumulates`), the lever its callbacks install (`step_levers`) and, under
+    accumulates (`accumulates`), the lever its callbacks install (`step_lever`) and, under
     ModelParallelStrategy, the layout it applies (`trainer_sharding`); ``changes`` to that `Step`."""
     # ``changes`` first, then the checks: a step that accumulates later in the fit (a scheduler) may be
     # asked about now, when it does not.
-    step = Step.of(precision=precision(trainer), **step_levers(trainer))
+    step = Step.of(precision=precision(trainer), lever=step_lever(trainer))
     changes = {"sharding": trainer_sharding(trainer), "accumulating": accumulates(trainer), **changes}
     return step.but(**changes)
 

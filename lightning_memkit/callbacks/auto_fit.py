@@ -89,7 +89,7 @@ from lightning_memkit.callbacks._trainer import (
     planned_layout,
     precision,
     sharding,
-    step_levers,
+    step_lever,
     trainer_sharding,
 )
 from lightning_memkit.callbacks.memory_monitor import MemoryMonitor
@@ -280,7 +280,7 @@ class AutoFit(Callback):
             micro_batch_size=users,
             sharding=layout,
             blocks=blocks_to_plan(trainer, self.blocks),
-            **step_levers(trainer),
+            lever=step_lever(trainer),
         )
 
     def _fsdp2_options(self, trainer: pl.Trainer) -> FSDP2Options:

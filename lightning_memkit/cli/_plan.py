@@ -186,9 +186,7 @@ def _best_plan(
             loss_fn=loss_fn,
             cost="flops",
             progress=lambda line: print(f"memkit plan: {line}", file=sys.stderr, flush=True),
-            release_gradients=attempt.release_gradients,
-            fused_step=attempt.fused_step,
-            offload=attempt.offload,
+            lever=attempt.lever,
             refine_limit=args.refine_limit,  # a count, not a clock
             # FSDP2 on a GPU: offload if nothing fits
             cpu_offload=None if args.strategy == "fsdp2" and args.device == "cuda" else False,
@@ -203,7 +201,7 @@ def _best_plan(
     for i, attempt in enumerate(attempts):
         floor = static_floor(
             model, args.optimizer, attempt.precision, strategy=args.strategy, world_size=args.gpus,
-            **_levers(attempt),
+            lever=attempt.lever,
         )  # fmt: skip
         floor = (
             None if floor is None else floor + frozen
@@ -277,8 +275,8 @@ def _budget_line(budget: Budget, margin: float, device: str) -> str:
 
 def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The set-ups to plan, in order: as asked first, then with what the user left open relaxed."""
-    asked = [lever for lever in LEVERS if getattr(args, lever)]
-    first = argparse.Namespace(precision=args.precision or ["32-true"], **{k: k in asked for k in LEVERS})
+    asked = next((lever for lever in LEVERS if getattr(args, lever)), None)  # the flags exclude each other
+    first = argparse.Namespace(precision=args.precision or ["32-true"], lever=asked)
     precisions = [args.precision] if args.precision else [list(RELAXED_PRECISIONS)]
     # one process only (FSDP2 steps each shard inside backward once its reduce-scatter is done)
     single = ("offload",) if args.strategy == "fsdp2" else ("fused_step", "offload")
@@ -287,11 +285,9 @@ def _attempts(args: argparse.Namespace) -> list[argparse.Namespace]:
         for lever in LEVERS
         if (args.gpus == 1 or lever not in single) and (args.device == "cuda" or lever != "offload")
     ]
-    levers = [asked] if asked else [[], *([lever] for lever in open_levers)]
+    levers = [asked] if asked else [None, *open_levers]
     relaxed = [
-        argparse.Namespace(precision=precision, **{k: k in chosen for k in LEVERS})
-        for chosen in levers
-        for precision in precisions
+        argparse.Namespace(precision=precision, lever=lever) for lever in levers for precision in precisions
     ]
     return [first, *(a for a in relaxed if vars(a) != vars(first))]
 
@@ -312,13 +308,8 @@ def _rank(plan: FitPlan, model: nn.Module, args: argparse.Namespace) -> tuple[in
     )
 
 
-def _levers(attempt: argparse.Namespace) -> dict[str, bool]:
-    return {lever: getattr(attempt, lever) for lever in LEVERS}
-
-
 def _describe(attempt: argparse.Namespace) -> str:
-    levers = [LEVER_CALLBACKS[k] for k, on in _levers(attempt).items() if on]
-    how = f"with {', '.join(levers)}" if levers else "without a step lever"
+    how = f"with {LEVER_CALLBACKS[attempt.lever]}" if attempt.lever else "without a step lever"
     return f"at {'/'.join(attempt.precision)} {how}"
 
 
@@ -339,13 +330,13 @@ def _given_up(
     wanted = args.optimizer[0] if args.optimizer else lighter_candidates(model)[0]
     if plan.optimizer != wanted and COMPENSATED.get(wanted or "") != plan.optimizer:
         lines.append(f"optimizer: {plan.optimizer} instead of {wanted}")
-    if plan.lever == "offload" and not asked.offload:
+    if plan.lever == "offload" and asked.lever != "offload":
         lines.append(
             f"time: about {plan.offload_seconds:.2g} s per global batch of transfers to and from the host "
             "and the host's update (PCIe 4.0 x16, a few cores), and "
             f"{format_bytes(plan.host_bytes)} of host memory"
         )
-    elif plan.lever == "fused_step" and not asked.fused_step:
+    elif plan.lever == "fused_step" and asked.lever != "fused_step":
         lines.append("gradient accumulation and clipping (the step runs inside backward); no time")
     return lines
 
@@ -356,7 +347,7 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
     precision allowed; its peak is the error's figure "with <optimizer> at micro-batch 1". One more
     simulation; nothing is said when it fails (a model whose step refuses one sample)."""
     per_gpu = args.global_batch // args.gpus
-    m = per_gpu if asked.fused_step else 1
+    m = per_gpu if asked.lever == "fused_step" else 1
     level = "full" if find_blocks(model) else "none"
     prec = asked.precision[0]
     optimizer = args.optimizer[0] if args.optimizer else lighter_candidates(model)[0]
@@ -371,9 +362,7 @@ def _smallest_step(model: nn.Module, batch: Any, args: argparse.Namespace, asked
             checkpointing=level,
             device=args.device,
             accumulating=m < per_gpu,
-            release_gradients=asked.release_gradients,
-            fused_step=asked.fused_step,
-            offload=asked.offload,
+            lever=asked.lever,
         )
     except Exception:
         return ""

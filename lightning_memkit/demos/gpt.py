@@ -317,7 +317,7 @@ class GPTLightningModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (B, T) token ids, y shifted by one
-        _, loss = self.model(x, y, loss_chunks=self.hparams.get("loss_chunks", 1))
+        _, loss = self.model(x, y, loss_chunks=self.hparams.loss_chunks)
         self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
         return loss
 
@@ -335,7 +335,7 @@ class GPTLightningModule(L.LightningModule):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"},
         ]
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
-        if hp.get("optimizer", "adamw") != "adamw":  # checkpoints saved before the argument have none
+        if hp.optimizer != "adamw":
             optimizer = swap_optimizer(optimizer, hp.optimizer)
         max_steps = hp.max_steps or self.trainer.estimated_stepping_batches
         if not math.isfinite(max_steps):

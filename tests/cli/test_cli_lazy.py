@@ -166,7 +166,7 @@ def test_the_parsers_names_are_the_librarys():
     from lightning_memkit._estimating import analytic as _analytic
     from lightning_memkit._estimating import fake_step as _fake_step
     from lightning_memkit._estimating import precision as _precision
-    from lightning_memkit._fitting import search as _autofit
+    from lightning_memkit._step import LEVERS
     from lightning_memkit.cli import _parsers, parser
     from lightning_memkit.demos import gpt
 
@@ -179,4 +179,4 @@ def test_the_parsers_names_are_the_librarys():
     args = parser().parse_args(
         ["plan", "--model", "tiny", "--gpu", "24GB", "--global-batch", "8", "--seq-len", "8"]
     )
-    assert all(hasattr(args, lever) for lever in _autofit.LEVERS)
+    assert all(hasattr(args, lever) for lever in LEVERS)

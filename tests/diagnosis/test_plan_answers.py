@@ -254,7 +254,7 @@ def test_an_oom_reports_plans_are_the_same_on_a_machine_100x_slower(monkeypatch)
 def test_a_refusal_names_the_fused_step_where_it_fits():
     """An embedding and a 32,000-word head at 6 B/param + 4 MiB with SGD: weights and gradients alone are
     8 B/param, so nothing fits as asked; the refusal names FusedOptimizerStep with the peak of its leanest
-    plan (one micro-batch of 2), under the limit, and plan_fit(fused_step=True) plans exactly that peak."""
+    plan (one micro-batch of 2), under the limit, and plan_fit(lever='fused_step') plans exactly that peak."""
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Embedding(32_000, 64), torch.nn.Linear(64, 32_000))
     limit = 6 * sum(p.numel() for p in model.parameters()) + 4 * 2**20
@@ -265,14 +265,14 @@ def test_a_refusal_names_the_fused_step_where_it_fits():
     )  # fmt: skip
     with pytest.raises(ValueError, match="No plan fits") as refused:
         plan_fit(model, (x, x), limit, **run)
-    fused = plan_fit(model, (x, x), limit, fused_step=True, **run)
+    fused = plan_fit(model, (x, x), limit, lever="fused_step", **run)
     assert (fused.micro_batch_size, fused.lever) == (
         2,
         "fused_step",
     ) and fused.estimated_peak <= limit
     named = (
-        "What would fit: FusedOptimizerStep() (plan_fit's fused_step=True): its leanest plan, micro-batch 2, "
-        f"none checkpointing, sgd, 32-true, peaks at {format_bytes(fused.estimated_peak)}; or "
+        "What would fit: FusedOptimizerStep() (plan_fit's lever='fused_step'): its leanest plan, "
+        f"micro-batch 2, none checkpointing, sgd, 32-true, peaks at {format_bytes(fused.estimated_peak)}; or "
     )
     assert named in str(refused.value)
 
@@ -283,7 +283,7 @@ def test_a_refusal_names_the_step_lever_that_fits_and_the_planner_agrees():
     planned as AutoFit plans with SGD (the Trainer's precision kept, ``compensate=False``): every plan
     holds 4 B/param of weights and gradients and is refused (SGD at micro-batch 1: 3 B/param + 12.9 MiB);
     the refusal names FusedOptimizerStep, which holds no whole gradient, with its leanest plan's peak (SGD
-    at micro-batch 2: 3 B/param + 3.95 MiB), and plan_fit(fused_step=True) plans it. It named a larger
+    at micro-batch 2: 3 B/param + 3.95 MiB), and plan_fit(lever='fused_step') plans it. It named a larger
     card (or host memory) instead."""
     with torch.device("meta"):
         module = _CausalLM(vocab_size=32_000, hidden_size=128)
@@ -296,13 +296,13 @@ def test_a_refusal_names_the_step_lever_that_fits_and_the_planner_agrees():
     with pytest.raises(ValueError, match="No plan fits") as refused:
         plan_fit(module, batch, limit, **run)
     named = re.search(
-        r"What would fit: FusedOptimizerStep\(\) \(plan_fit's fused_step=True\): its leanest plan, "
+        r"What would fit: FusedOptimizerStep\(\) \(plan_fit's lever='fused_step'\): its leanest plan, "
         r"micro-batch 2, none checkpointing, sgd, bf16-true, peaks at ([\d.]+) MiB; or ",
         str(refused.value),
     )
     assert named is not None, str(refused.value)
     assert float(named.group(1)) * 2**20 <= limit
-    fused = plan_fit(module, batch, limit, fused_step=True, **run)  # the planner agrees
+    fused = plan_fit(module, batch, limit, lever="fused_step", **run)  # the planner agrees
     assert fused.lever == "fused_step" and fused.estimated_peak <= limit
     with pytest.raises(ValueError) as nothing:  # no lever fits half of it: none is named
         plan_fit(module, batch, limit // 2, **run)

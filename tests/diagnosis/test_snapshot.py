@@ -192,7 +192,7 @@ def test_cuda_counts_cublas_workspaces_and_rounds_to_blocks(gpt2):
         dict(device="cpu", precision="bf16-mixed"),
         dict(device="cuda", checkpointing="selective"),
         dict(device="cuda", first_step=True),
-        dict(device="cuda", fused_step=True),
+        dict(device="cuda", lever="fused_step"),
         dict(device="cpu", checkpointing="full", accumulating=True),
         pytest.param(dict(device="cpu", strategy="fsdp2", world_size=2), marks=pytest.mark.slow),
     ],
@@ -332,7 +332,7 @@ def test_it_observes_only():
     assert flags() == before_flags
 
 
-def test_writes_the_pickle_and_refuses_a_timeline(tmp_path):
+def test_writes_the_pickle_and_refuses_an_unknown_keyword(tmp_path):
     model, _, batch = tiny_gpt()
     path = tmp_path / "snap.pickle"
     snapshot = memory_snapshot(model, batch, path=path, device="cuda", optimizer="sgd")
@@ -340,6 +340,8 @@ def test_writes_the_pickle_and_refuses_a_timeline(tmp_path):
     assert path.read_bytes()[:2] == b"\x80\x04"  # protocol 4, whatever Python's default
     with pytest.raises(TypeError, match="return_timeline"):
         memory_snapshot(model, batch, return_timeline=True)
+    with pytest.raises(TypeError, match=r"reshard_after_forward: .* sharding=Sharding\("):
+        memory_snapshot(model, batch, strategy="fsdp2", world_size=2, reshard_after_forward=False)
 
 
 def test_cli_writes_the_snapshot(tmp_path):

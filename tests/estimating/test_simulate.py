@@ -258,20 +258,15 @@ def test_timeline_peaks_at_the_breakdowns_peak():
     assert plain.as_dict() == estimate.as_dict() and "timeline" not in repr(estimate)
 
 
-def test_return_timeline_still_returns_the_pair_with_a_future_warning():
-    module, batch = GPTLightningModule("tiny"), _tokens(2, 32)
-    with pytest.warns(FutureWarning, match=r"timeline=True and read the result's \.timeline"):
-        estimate, timeline = estimate_memory(module, batch, device="cpu", return_timeline=True)
-    assert (
-        timeline == estimate.timeline == estimate_memory(module, batch, device="cpu", timeline=True).timeline
-    )
-    assert timeline and all(isinstance(e, TimelineEvent) for e in timeline)
-
-
 @pytest.mark.parametrize(
     "keywords",
     [
-        {"precision": "bf16-mixed", "checkpointing": "full", "accumulating": True, "release_gradients": True},
+        {
+            "precision": "bf16-mixed",
+            "checkpointing": "full",
+            "accumulating": True,
+            "lever": "release_gradients",
+        },
         {"sharding": Sharding(2, reshard_after_forward=False)},
     ],
 )

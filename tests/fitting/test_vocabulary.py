@@ -1,13 +1,12 @@
 """One word per idea. `plan_fit` in the step's own words: `world_size` for the ranks (as `estimate_memory`
 and Lightning say it), a `Step` in place of the keywords it holds, the lever as `Step` names it, FSDP2's
-`mp_policy`; the old spellings still run, with a FutureWarning, and plans saved in them load. A budget is
-one thing to every callback: the same forms, read once."""
+`mp_policy`; nothing was released, so no other spelling runs. A budget is one thing to every callback: the
+same forms, read once."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,27 +30,20 @@ def _plan(**kwargs) -> FitPlan:
     return plan_fit(_model(), batch, BUDGET, **(options | kwargs))
 
 
-def test_world_size_names_the_ranks_and_n_gpus_still_runs_with_a_warning() -> None:
+def test_world_size_names_the_ranks() -> None:
     plan = _plan(strategy="ddp", world_size=2)
     assert plan.world_size == 2 and plan.micro_batch_size * plan.accumulate_grad_batches == 2
-    with pytest.warns(FutureWarning, match=r"plan_fit\(n_gpus=...\) is now plan_fit\(world_size=...\)"):
-        old = _plan(strategy="ddp", n_gpus=2)
-    assert old == plan
-    with pytest.warns(FutureWarning, match="FitPlan.n_gpus is now FitPlan.world_size"):
-        assert plan.n_gpus == 2
-    with pytest.raises(TypeError, match="n_gpus= and world_size="):
-        _plan(n_gpus=2, world_size=2)
 
 
 def test_a_step_stands_for_its_keywords() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spelling warns of nothing
         by_step = _plan(step=Step(precision="bf16-mixed", lever="release_gradients"))
-    assert by_step == _plan(precision="bf16-mixed", release_gradients=True)
+    assert by_step == _plan(precision="bf16-mixed", lever="release_gradients")
     assert (by_step.lever, by_step.lever_callback) == ("release_gradients", "GradientRelease")
     # a keyword the step stands for beside it is refused, as estimate_memory refuses it (Step.split)
-    with pytest.raises(TypeError, match=r"give step= or precision, fused_step, not both"):
-        _plan(step=Step(), precision="bf16-mixed", fused_step=True)
+    with pytest.raises(TypeError, match=r"give step= or precision, lever, not both"):
+        _plan(step=Step(), precision="bf16-mixed", lever="fused_step")
     with pytest.raises(
         TypeError, match=r"give step= or strategy, world_size, not both"
     ):  # never planned as something else
@@ -63,13 +55,11 @@ def test_a_step_stands_for_its_keywords() -> None:
         _plan(step="bf16-mixed")
 
 
-def test_a_plan_saved_in_the_old_words_loads_in_the_new() -> None:
-    plan = _plan(release_gradients=True, strategy="ddp", world_size=2)
+def test_a_plan_is_saved_in_the_same_words() -> None:
+    plan = _plan(lever="release_gradients", strategy="ddp", world_size=2)
     saved = plan.as_dict()
-    assert (saved["lever"], saved["world_size"]) == ("release_gradients", 2) and "n_gpus" not in saved
-    old = {k: v for k, v in saved.items() if k not in ("world_size", "limit")}
-    old |= {"n_gpus": 2, "lever": "GradientRelease"}
-    assert FitPlan.from_dict(old) == plan
+    assert (saved["lever"], saved["world_size"]) == ("release_gradients", 2)
+    assert FitPlan.from_dict(saved) == plan
     assert "with GradientRelease" in plan.summary()
 
 
@@ -78,18 +68,7 @@ def test_a_sharded_step_and_mp_policy_are_fsdp2s_words_in_the_planner_too() -> N
     plan = _plan(step=step, mp_policy=True, checkpointing="none")
     assert (plan.strategy, plan.world_size, plan.precision) == ("fsdp2", 2, "bf16-mixed")
     assert plan.mp_policy and "gathered in bf16 (MixedPrecisionPolicy)" in plan.summary()
-    with pytest.warns(
-        FutureWarning, match=r"plan_fit\(mixed_precision_policy=...\) is now plan_fit\(mp_policy"
-    ):
-        old = _plan(
-            strategy="fsdp2", world_size=2, precision="bf16-mixed", mixed_precision_policy=True,
-            checkpointing="none",
-        )  # fmt: skip
-    assert old == plan
-    with pytest.warns(FutureWarning, match="FitPlan.mixed_precision_policy is now FitPlan.mp_policy"):
-        assert plan.mixed_precision_policy
-    saved = {k: v for k, v in plan.as_dict().items() if k not in ("mp_policy", "limit")}
-    assert FitPlan.from_dict(saved | {"mixed_precision_policy": True}) == plan
+    assert FitPlan.from_dict(plan.as_dict()) == plan
     # a Sharding alone says the strategy and the ranks, as estimate_memory reads it; a disagreement is refused
     alone = _plan(sharding=Sharding(2), precision="bf16-mixed", mp_policy=True, checkpointing="none")
     assert alone == plan
@@ -121,16 +100,18 @@ def test_a_layouts_own_policy_and_an_unknown_lever_are_refused() -> None:
     with pytest.raises(TypeError, match="mp_policy must be True or False"):
         _plan(strategy="fsdp2", world_size=2, mp_policy=fp16.mp_policy)
     plan = _plan()
-    assert dataclasses.replace(plan, lever="GradientRelease").lever == "release_gradients"  # saved so
-    with pytest.raises(ValueError, match="Unknown lever 'Bogus'"):
-        dataclasses.replace(plan, lever="Bogus")
+    with pytest.raises(ValueError, match="Unknown lever 'GradientRelease'"):  # a callback, no lever
+        dataclasses.replace(plan, lever="GradientRelease")
+    with pytest.raises(ValueError, match=r"Unknown lever 'fused'; valid: .* Did you mean 'fused_step'"):
+        _plan(lever="fused")  # one keyword, Step's words
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fused_step'"):
+        _plan(fused_step=True)
 
 
 def test_estimate_memory_takes_fsdp2s_layout_as_one_sharding() -> None:
-    """The layout's five options are `Sharding`'s fields, not five more keywords of `estimate_memory`: the old
-    keywords still run beside ``strategy="fsdp2"`` with a FutureWarning that shows the ``sharding=`` they
-    make, and estimate the same step; a field given twice, a world size that disagrees, a strategy that is
-    not FSDP2 or a value that is not a Sharding are refused."""
+    """The layout's five options are `Sharding`'s fields, not five more keywords of `estimate_memory`: a
+    field given as a keyword of its own is an unknown keyword; a world size that disagrees, a strategy that
+    is not FSDP2 or a value that is not a Sharding are refused."""
     from lightning_memkit import estimate_memory
 
     model, batch = _model(), (torch.randn(4, 32), torch.randn(4, 32))
@@ -143,41 +124,13 @@ def test_estimate_memory_takes_fsdp2s_layout_as_one_sharding() -> None:
             estimate_memory(model, batch, strategy="fsdp2", world_size=2, sharding=layout, **options) == new
         )
     assert new.parameters > estimate_memory(model, batch, sharding=Sharding(4), **options).parameters
-    with pytest.warns(
-        FutureWarning, match=r"sharding=Sharding\(world_size=2, reshard_after_forward=False\)"
-    ) as seen:
-        old = estimate_memory(
-            model, batch, strategy="fsdp2", world_size=2, reshard_after_forward=False, **options
-        )
-    assert old == new
-    assert [Path(w.filename).name for w in seen] == [Path(__file__).name]  # said at the caller's line, once
-    with pytest.warns(FutureWarning) as seen:
-        old, timeline = estimate_memory(
-            model, batch, strategy="fsdp2", world_size=2, reshard_after_forward=False, return_timeline=True,
-            **options,
-        )  # fmt: skip
-    assert old == new and timeline
-    assert [Path(w.filename).name for w in seen] == [Path(__file__).name] * 2
+    for old in ("reshard_after_forward", "return_timeline"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            estimate_memory(model, batch, strategy="fsdp2", world_size=2, **{old: False}, **options)
     with pytest.raises(TypeError, match="give sharding= or world_size, not both"):
         estimate_memory(model, batch, sharding=layout, strategy="fsdp2", world_size=4, **options)
-    with pytest.raises(TypeError, match="give sharding= or reshard_after_forward, not both"):
-        estimate_memory(model, batch, sharding=layout, reshard_after_forward=False, **options)
-    with pytest.raises(
-        ValueError, match=r"reshard_after_forward is FSDP2's .*: give the layout as sharding="
-    ):
-        estimate_memory(model, batch, reshard_after_forward=False, **options)
-    with pytest.raises(
-        TypeError, match="give step= or strategy, world_size, reshard_after_forward, not both"
-    ):
-        estimate_memory(
-            model, batch, step=Step(), strategy="fsdp2", world_size=2, reshard_after_forward=False, **options
-        )
-    one_device = estimate_memory(model, batch, **options)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an old keyword at its default without FSDP2 meant nothing; still
-        assert estimate_memory(model, batch, tensor_parallel_size=1, **options) == one_device
-        assert estimate_memory(model, batch, strategy=None, replicate_size=1, **options) == one_device
-        assert estimate_memory(model, batch, step=Step(), reshard_after_forward=True, **options) == one_device
+    with pytest.raises(TypeError, match="give step= or strategy, world_size, not both"):
+        estimate_memory(model, batch, step=Step(), strategy="fsdp2", world_size=2, **options)
     with pytest.raises(ValueError, match="sharding= is FSDP2's layout"):
         estimate_memory(model, batch, sharding=layout, strategy="ddp", **options)
     with pytest.raises(TypeError, match="sharding= must be a Sharding; got 2"):

@@ -1,7 +1,7 @@
 """FusedOptimizerStep / fuse_optimizer_step (issue 15, lever 2): each parameter is stepped inside backward
 and its gradient freed. Training is bit-identical to the unfused step (torch's AdamW on the CPU, with the
 GPT example's two param groups and its warm-up/cosine scheduler), the allocator's peak is what
-`estimate_memory(fused_step=True)` predicts, the monitor still matches the allocator, and set-ups whose
+`estimate_memory(lever="fused_step")` predicts, the monitor still matches the allocator, and set-ups whose
 update would differ (clipping, accumulation, the fp16 scaler, DDP, manual optimization, LBFGS) are refused."""
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
     for a, b in zip(fused.state_dict().values(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
-    first = estimate_memory(fused, batch, device="cpu", fused_step=True, first_step=True)
-    steady = estimate_memory(fused, batch, device="cpu", fused_step=True)
+    first = estimate_memory(fused, batch, device="cpu", lever="fused_step", first_step=True)
+    steady = estimate_memory(fused, batch, device="cpu", lever="fused_step")
     assert first.peak == pytest.approx(fused_peaks[0], rel=0.01)
     assert steady.peak == pytest.approx(max(fused_peaks[1:]), rel=0.01)
     unfused = estimate_memory(plain, batch, device="cpu")
@@ -181,7 +181,7 @@ def test_refuses_what_needs_all_gradients_before_a_step(tmp_path):
         fuse_optimizer_step([torch.optim.SGD(shared, lr=0.1), torch.optim.SGD(shared[:1], lr=0.1)])
     module, _, batch = _gpt()
     with pytest.raises(ValueError, match="cannot accumulate gradients"):
-        estimate_memory(module, batch, device="cpu", fused_step=True, accumulating=True)
+        estimate_memory(module, batch, device="cpu", lever="fused_step", accumulating=True)
 
 
 def test_fp16_scaler_is_refused(tmp_path):

@@ -1,6 +1,6 @@
 """GradientRelease / release_gradients (issue 15, lever 1): the gradients are freed once the optimizer has
 stepped, so a Lightning step's forward runs without the previous step's gradients. The peak falls by what
-`estimate_memory(release_gradients=True)` predicts (the allocator's figures), the monitor still matches the
+`estimate_memory(lever="release_gradients")` predicts (the allocator's figures), the monitor still matches the
 allocator, and training is bit-identical (`tests/callbacks/test_observe_only.py` runs it in 14 usages)."""
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def test_the_peak_falls_as_estimated_and_the_monitor_matches_the_allocator(name,
         _fit(module, data, [*callbacks, *peaks.around(monitor)], tmp_path / str(release))
         for (_, measured), truth in zip(monitor.history, peaks.peaks, strict=True):
             assert measured.peak == pytest.approx(truth, rel=0.001)
-        estimates[release] = estimate_memory(module, batch, device="cpu", release_gradients=release)
+        estimates[release] = estimate_memory(
+            module, batch, device="cpu", lever="release_gradients" if release else None
+        )
         steady[release] = max(peaks.peaks[1:])
         assert estimates[release].peak == pytest.approx(steady[release], rel=0.01)
     saved, predicted = steady[False] - steady[True], estimates[False].peak - estimates[True].peak
@@ -89,7 +91,7 @@ def test_the_saving_is_the_gradients_unless_the_backward_peaks_higher():
     first ops (the loss's gradient over the logits) rise above it: 85 % of the gradients are saved."""
     module, _, batch = _gpt()
     with_grads = estimate_memory(module, batch, device="cpu", timeline=True)
-    released = estimate_memory(module, batch, device="cpu", release_gradients=True, timeline=True)
+    released = estimate_memory(module, batch, device="cpu", lever="release_gradients", timeline=True)
     timeline, released_timeline = with_grads.timeline, released.timeline
     peak = max(timeline, key=lambda e: e.live)
     assert peak.phase == "forward" and with_grads.gradients > 0  # Lightning's order: last step's grads
@@ -142,10 +144,8 @@ def test_the_budget_callbacks_plan_for_the_step_the_levers_make(lever, tmp_path)
     MB released after the step or stepped inside backward): OptimizerSwap keeps AdamW beside either lever
     and would swap without one (the step does not fit); plan_fit keeps the whole batch without
     checkpointing when told (AutoFit beside FusedOptimizerStep: ``test_fused_step.py``)."""
-    budget, kwargs = (
-        31_000_000,
-        {"release_gradients": lever is GradientRelease, "fused_step": lever is not GradientRelease},
-    )
+    budget = 31_000_000
+    kwargs = {"lever": "release_gradients" if lever is GradientRelease else "fused_step"}
     module, data, _ = _gpt()
     swap = OptimizerSwap(budget=budget)
     _fit(module, data, [swap, lever()], tmp_path / "swap", 1)

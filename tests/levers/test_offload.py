@@ -2,7 +2,7 @@
 gradient accumulation in host memory. With fp32 weights training is bit-identical to the plain step
 (accumulation, the GPT example's two param groups and schedule, clipping); with bf16 weights the update is
 the fp32 masters' and survives a resume exactly; on the CPU (host = device) the allocator's peak is what
-`estimate_memory(offload=True)` predicts, and for a CUDA target the host's bytes leave the estimate."""
+`estimate_memory(lever="offload")` predicts, and for a CUDA target the host's bytes leave the estimate."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def test_training_is_bit_identical_and_the_peak_is_as_estimated(make, tmp_path):
         assert torch.equal(a, b)
 
     module, batch, peaks, _ = _fit(make, True, tmp_path, watch=True)
-    first = estimate_memory(module, batch, device="cpu", offload=True, first_step=True)
-    steady = estimate_memory(module, batch, device="cpu", offload=True)
+    first = estimate_memory(module, batch, device="cpu", lever="offload", first_step=True)
+    steady = estimate_memory(module, batch, device="cpu", lever="offload")
     assert first.peak == pytest.approx(peaks[0], rel=0.01)
     assert steady.peak == pytest.approx(max(peaks[1:]), rel=0.01)
 
@@ -91,13 +91,13 @@ def test_a_cuda_estimate_leaves_the_host_bytes_out():
     for accumulating in (False, True):
         plain = estimate_memory(module, batch, precision="bf16-true", accumulating=accumulating)
         offloaded = estimate_memory(
-            module, batch, precision="bf16-true", offload=True, accumulating=accumulating
+            module, batch, precision="bf16-true", lever="offload", accumulating=accumulating
         )
         assert plain.optimizer_state > 0 and offloaded.optimizer_state == 0
         assert offloaded.gradients <= plain.gradients / 4
         assert offloaded.peak <= plain.peak - plain.optimizer_state
-    with pytest.raises(ValueError, match="both fused into backward and offloaded"):
-        estimate_memory(module, batch, offload=True, fused_step=True)
+    with pytest.raises(ValueError, match="Unknown lever 'OptimizerOffload'; valid: release_gradients"):
+        estimate_memory(module, batch, lever="OptimizerOffload")  # the callback's name is no lever
 
 
 @pytest.mark.parametrize(

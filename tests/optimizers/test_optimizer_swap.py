@@ -263,12 +263,12 @@ def test_fit_optimizer_keeps_what_fits_and_picks_the_first_that_does():
 def test_fit_optimizer_takes_the_step_as_one_value():
     model = TinyLM()
     optimizer = torch.optim.AdamW(_groups(model), lr=3e-3)
-    keywords = dict(precision="bf16-mixed", accumulating=True, release_gradients=True)
+    keywords = dict(precision="bf16-mixed", accumulating=True, lever="release_gradients")
     given = fit_optimizer(model, optimizer, "1GiB", batch=_batch(), device="cpu", **keywords)
     step = Step.of(**keywords)
     stepped = fit_optimizer(model, optimizer, "1GiB", batch=_batch(), device="cpu", step=step)
     assert (stepped.breakdown, stepped.tried) == (given.breakdown, given.tried)
-    static = fit_optimizer(model, optimizer, "1GiB", device="cpu", fused_step=True).breakdown  # no batch
+    static = fit_optimizer(model, optimizer, "1GiB", device="cpu", lever="fused_step").breakdown  # no batch
     assert (
         fit_optimizer(model, optimizer, "1GiB", device="cpu", step=Step(lever="fused_step")).breakdown
         == static

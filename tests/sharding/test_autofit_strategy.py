@@ -602,11 +602,11 @@ def test_one_rank_of_fsdp2_plans_no_optimizer_dtensor_cannot_run():
 def test_the_fused_step_is_planned_on_the_sharded_step():
     """Under FSDP2 each shard steps inside backward once its reduce-scatter is done: `plan_fit` plans the
     fused step there, with no accumulation (it steps at every backward); DDP is refused, saying why."""
-    plan = _offload_plan("1MiB", fused_step=True)
+    plan = _offload_plan("1MiB", lever="fused_step")
     assert plan.lever == "fused_step" and plan.accumulate_grad_batches == 1
     assert plan.estimated_peak <= plan.limit
     with pytest.raises(ValueError, match="cannot run under ddp: it reduces each gradient"):
-        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", world_size=2, device="cpu", fused_step=True)
+        plan_fit(Llama(), zoo_batch("qwen2", 8, SEQ), "1MiB", world_size=2, device="cpu", lever="fused_step")
 
 
 @pytest.mark.slow

@@ -374,8 +374,8 @@ def simulated_rank(world: int, layout: dict | None = None, **kwargs) -> int:
         ("default", {}),
         ("full_checkpointing", {"checkpointing": "full"}),
         ("no_reshard", {"layout": {"reshard_after_forward": False}}),
-        ("gradient_release", {"release_gradients": True}),
-        ("fused_step", {"fused_step": True}),
+        ("gradient_release", {"lever": "release_gradients"}),
+        ("fused_step", {"lever": "fused_step"}),
         ("bf16_policy", {"layout": {"mp_policy": BF16_POLICY}}),
     ],
 )
@@ -571,12 +571,14 @@ def test_copies_of_the_model_leave_torchs_composable_apis_and_hook_owners_alone(
 
 
 def test_fsdp2_options_without_the_strategy_are_refused():
-    """``world_size``, ``reshard_after_forward`` and ``mp_policy`` mean something under FSDP2 only: without
-    ``strategy="fsdp2"`` they are refused, not ignored; a policy that is not one is refused by type."""
+    """``world_size`` means something under FSDP2 only: without ``strategy="fsdp2"`` it is refused, not
+    ignored; ``reshard_after_forward`` and ``mp_policy`` are `Sharding`'s fields, no keywords of their own;
+    a policy that is not one is refused by type."""
     module, batch = ShardedLlama(2), zoo_batch("qwen2", BATCH, SEQ)
-    for options in ({"world_size": 2}, {"reshard_after_forward": False}, {"mp_policy": BF16_POLICY}):
-        fix = "pass strategy='fsdp2'" if "world_size" in options else "sharding=Sharding"
-        with pytest.raises(ValueError, match=f"{next(iter(options))} is FSDP2's .*{fix}"):
+    with pytest.raises(ValueError, match=r"world_size is FSDP2's .*pass strategy='fsdp2'"):
+        estimate_memory(module, batch, device="cpu", world_size=2)
+    for options in ({"reshard_after_forward": False}, {"mp_policy": BF16_POLICY}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(options))}'"):
             estimate_memory(module, batch, device="cpu", **options)
     with pytest.raises(TypeError, match="mp_policy must be FSDP2's MixedPrecisionPolicy"):
         estimate_memory(module, batch, device="cpu", sharding=Sharding(2, mp_policy="bf16"))

@@ -178,7 +178,7 @@ def test_layouts_that_cannot_run_are_refused_with_the_reason():
             mlp, (torch.zeros(4, 8), torch.zeros(4, 1)), optimizer="sgd", loss_fn=nn.functional.mse_loss,
             device="cpu", sharding=Sharding(2, tensor_parallel_size=2),
         )  # fmt: skip
-    with pytest.raises(ValueError, match="tensor_parallel_size is FSDP2's"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tensor_parallel_size'"):
         Step.of(tensor_parallel_size=2)
 
 

@@ -300,8 +300,9 @@ def simulated_rank(layout: str, how: str, **options) -> int:
 @pytest.mark.parametrize("how", ["function", "configure_model"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_simulated_step_is_every_ranks_step(ranks, layout, how):
-    """``estimate_memory(world_size=4, tensor_parallel_size=T, parallelize_fn=...)`` against every real
-    rank's allocator: the first step (no optimizer state yet) and the steady one, within test_fsdp's bar."""
+    """``estimate_memory(sharding=Sharding(4, tensor_parallel_size=T, parallelize_fn=...))`` against every
+    real rank's allocator: the first step (no optimizer state yet) and the steady one, within test_fsdp's
+    bar."""
     first, steady = simulated_rank(layout, how, first_step=True), simulated_rank(layout, how)
     for rank in range(WORLD):
         truth = per_step_truth(read(ranks, layout, rank), 1)
