@@ -28,6 +28,7 @@ from lightning_memkit._estimating import routing as _routing
 from lightning_memkit._estimating import shadow as _shadow
 from lightning_memkit._estimating.lightning_step import TrainingStep
 from lightning_memkit._estimating.trace import Tracer
+from lightning_memkit._measuring import claims
 from lightning_memkit._measuring import kernels as _kernels
 from lightning_memkit._measuring.listening import TrackerListener
 from lightning_memkit._measuring.ops import _value_shaped
@@ -285,7 +286,7 @@ def track(
                     counter = optimizer.state.get(p, {}).get("step")
                     if isinstance(counter, Tensor):
                         tracker.ignore(counter)
-    tracker.adopt(model, step.optimizers)
+    claims.at_start(tracker, model, step.optimizers)
     if device.type == "cuda":
         with FakeTensorMode():  # what cuBLAS keeps between steps: no op makes it, so no op shows it
             tracker.workspaces = torch.empty(cublas_workspace_bytes(), dtype=torch.uint8, device=SIM_DEVICE)
@@ -298,9 +299,5 @@ def track(
         step.run(tracker)
     if routes is not None:
         routes.check()
-    # State born during a first step, a parameter's data replaced in it, and FSDP2's first unsharded
-    # copies, are known only now.
-    tracker.claim_optimizer_state(step.optimizers)
-    tracker.claim_parameters(model)
-    tracker.claim_sharded(model)
+    claims.at_end(tracker, model, step.optimizers)
     return tracker

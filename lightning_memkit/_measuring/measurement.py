@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_memkit._breakdown import MemoryBreakdown
+from lightning_memkit._measuring import claims
 from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._measuring.tracker import Tracker
 
@@ -98,8 +99,7 @@ class MemoryMeasurement:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         tracker = self._tracker = Tracker(self.device, survives_errors=True)
-        tracker.adopt(self.model, self.optimizers)
-        tracker.adopt_batch(self.batch)
+        claims.at_start(tracker, self.model, self.optimizers, self.batch)
         self._watching = tracker.watching(self.model)
         self._watching.__enter__()
         return self
@@ -112,12 +112,7 @@ class MemoryMeasurement:
         self.failure = tracker.failure
         if self.failure is not None:
             return
-        # Optimizer state born during this step (the first step of a lazily initialised optimizer), a
-        # parameter's data replaced in it, and FSDP2's first unsharded copies and this step's sharded
-        # gradients, are known only now.
-        tracker.claim_optimizer_state(self.optimizers)
-        tracker.claim_parameters(self.model)
-        sharded = tracker.claim_sharded(self.model)
+        sharded = claims.at_end(tracker, self.model, self.optimizers)
         allocator_peak = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

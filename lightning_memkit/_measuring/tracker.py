@@ -48,10 +48,11 @@ saved-tensor or gradient hook) is kept in `MemoryMeasurement.failure`, the op's 
 and nothing more is followed. A sparse tensor has no storage of its own: it counts as its members
 (indices and values), which the allocator holds.
 
-Around the tracker: `_measuring.measurement` is `measure`, `_measuring.storages` reads what memory tensors
-hold, `_measuring.patches` reports what no dispatch mode sees (checkpointing's RNG states, FSDP2's
-resizes, compiled buffers, ...), `_sharding.accounting` names FSDP2's part, and `_measuring._torch_private`
-reaches torch's private entry points.
+Around the tracker: `_measuring.measurement` is `measure`, `_measuring.claims` names what the step's owners
+hold (parameters, optimizer state, the batch), `_measuring.storages` reads what memory tensors hold,
+`_measuring.patches` reports what no dispatch mode sees (checkpointing's RNG states, FSDP2's resizes,
+compiled buffers, ...), `_sharding.accounting` names FSDP2's part, and `_measuring._torch_private` reaches
+torch's private entry points.
 
 Who else follows a tracked step attaches a `TrackerListener` (`_measuring.listening`): the tracker tells it
 each storage registered and freed, each resize, each candidate peak, gradients and RNG states as they come.
@@ -84,12 +85,7 @@ from lightning_memkit._measuring.storages import (
     _iter_tensors,
     _wraps,
     allocation_rounding,
-    batch_tensors,
-    gradient_tensors,
-    layer_quantization_state,
     leaves,
-    optimizer_tensors,
-    quantization_state,
     rounded,
 )
 from lightning_memkit._sharding import accounting
@@ -526,57 +522,6 @@ class Tracker(TorchDispatchMode, patches.Listener):
             yield
 
     # --- a step's set-up -----------------------------------------------------------------------
-
-    def adopt(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Register what is live when the step begins, with the categories their owners give them."""
-        self.claim_parameters(model, preexisting=True)
-        self.claim_optimizer_state(optimizers, preexisting=True)
-        for t in gradient_tensors(model):
-            for rec in self.records(t, preexisting=True):
-                if rec.category is None:
-                    rec.grad_at = 0
-        self.claim_sharded(model, preexisting=True)
-
-    def claim_parameters(self, model: nn.Module, *, preexisting: bool = False) -> None:
-        """Mark the model's parameters, their quantization state and its buffers as parameters, each
-        trainable (``requires_grad``) or frozen. At the step's start and again at its end: a parameter's
-        data replaced inside the step (bitsandbytes repacks a 4-bit weight for its CPU kernel at the first
-        forward without gradients) is a parameter too."""
-        for p in model.parameters():
-            for t in (p, *quantization_state(p)):
-                for rec in self.records(t, preexisting=preexisting):
-                    if rec.category in (None, "parameters"):
-                        rec.category, rec.frozen = "parameters", not (t is p and p.requires_grad)
-        for t in itertools.chain(model.buffers(), layer_quantization_state(model)):
-            for rec in self.records(t, preexisting=preexisting):
-                if rec.category is None:
-                    rec.category, rec.frozen = "parameters", True
-
-    def adopt_batch(self, batch: Any) -> None:
-        """Register the batch's tensors as live since the step began. An eager step's ops read them, and
-        so register them; a compiled step's generated kernels read them where no op shows it (a compiled
-        CNN's images, copied to channels-last inside the graph)."""
-        for t in batch_tensors(batch):
-            for _ in self.records(t, preexisting=True):
-                pass
-
-    def claim_sharded(self, model: nn.Module, *, preexisting: bool = False) -> bool:
-        """Name what FSDP2 holds (`_sharding.accounting.claim_sharded`); returns whether ``model`` has
-        FSDP2 units."""
-        return accounting.claim_sharded(self.records, model, preexisting=preexisting)
-
-    def claim_optimizer_state(
-        self, optimizers: Iterable[torch.optim.Optimizer], *, preexisting: bool = False
-    ) -> None:
-        """Mark the optimizers' tensors; after the step this also catches state born inside it. The
-        weights an optimizer holds that are not the model's (an offloaded optimizer's host masters) are
-        its state too."""
-        optimizers = list(optimizers)
-        held = (p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"])
-        for t in itertools.chain(optimizer_tensors(optimizers), held):
-            for rec in self.records(t, preexisting=preexisting):
-                if rec.category is None:
-                    rec.category = "optimizer_state"
 
     @contextlib.contextmanager
     def watching(self, model: nn.Module) -> Iterator[Tracker]:
