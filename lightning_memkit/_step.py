@@ -218,17 +218,24 @@ class Step:
         return cls(precision, checkpointing, accumulating, first_step, lever, sharding, compile_budget)
 
     @classmethod
-    def split(cls, kwargs: dict[str, Any]) -> tuple[Step, dict[str, Any]]:
+    def split(cls, kwargs: dict[str, Any], caller: str | None = None) -> tuple[Step, dict[str, Any]]:
         """``kwargs`` in `estimate_memory`'s form as a `Step` and the rest (``optimizer``, ``loss_fn``,
         ``device``, ...): the public functions' one way to read their step. A ``step=`` among them is taken
         as it is; a step keyword beside it that is not at its default is a `TypeError` naming it (a
-        signature's defaults cannot say whether they were written out, so those pass)."""
+        signature's defaults cannot say whether they were written out, so those pass). With ``caller`` (a
+        public function that passes its ``**kwargs`` on as `estimate_memory`'s), a keyword `estimate_memory`
+        does not take is a `TypeError` naming ``caller``, not the function it would have reached."""
         rest = {k: v for k, v in kwargs.items() if k not in _KEYWORDS}
         given = {k: v for k, v in kwargs.items() if k in _KEYWORDS}
         if layout := [k for k in rest if k in _LAYOUT_FIELDS]:
             raise TypeError(
                 f"{', '.join(layout)}: FSDP2's layout is one keyword, sharding=Sharding(world_size=..., "
                 f"{'=..., '.join(layout)}=...)"
+            )
+        if caller is not None and (unknown := [k for k in rest if k not in _RUN_KEYWORDS]):
+            raise TypeError(
+                f"{caller}() got an unexpected keyword argument {unknown[0]!r}: it takes estimate_memory's "
+                f"keywords, {', '.join(sorted(_KEYWORDS | _RUN_KEYWORDS))}"
             )
         step = rest.pop("step", None)
         if step is None:
@@ -299,3 +306,5 @@ _LAYOUT_FIELDS = frozenset(field.name for field in fields(Sharding)) - {"world_s
 #: `Step.of`'s keywords, as `estimate_memory` takes them, and their defaults.
 _DEFAULTS = {name: p.default for name, p in inspect.signature(Step.of).parameters.items()}
 _KEYWORDS = frozenset(_DEFAULTS)
+#: `estimate_memory`'s keywords that are not the step's, and ``step`` itself.
+_RUN_KEYWORDS = frozenset({"optimizer", "loss_fn", "device", "step"})

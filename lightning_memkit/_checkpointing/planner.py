@@ -206,7 +206,7 @@ def plan_checkpointing(
     """
     limit = None if budget is None else parse_budget(budget)  # a bad budget fails before any simulation
     if limit is not None and compiled_modules(model):
-        step, run = Step.split(estimate_kwargs)
+        step, run = Step.split(estimate_kwargs, caller="plan_checkpointing")
         target = torch.device(device).type if device is not None else model_device(model).type
         plan = plan_compiled(model, batch, limit.usable, step, **run, device=target)
     else:
@@ -260,7 +260,7 @@ class CheckpointPlanner:
         self.max_rounds = max_rounds
         self.modes = modes
         #: The step every plan is simulated in (`Step`), and the rest of `estimate_memory`'s arguments.
-        self.step, run = Step.split(estimate_kwargs)
+        self.step, run = Step.split(estimate_kwargs, caller="plan_checkpointing")
         self.run = {**run, "device": target.type}
         self._simulated: dict[tuple[str, ...], MemoryBreakdown] = {}
         self._model: tuple[int, int] | None = None  # the peak model's (offset, tail), once calibrated

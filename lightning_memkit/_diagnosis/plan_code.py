@@ -18,6 +18,7 @@ from lightning_memkit._breakdown import format_bytes
 from lightning_memkit._budget import GPUS, Budget, parse_budget
 from lightning_memkit._checkpointing.blocks import find_blocks
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES
+from lightning_memkit._estimating.analytic import SHARD_GRAD_OP
 from lightning_memkit._fitting.plan import FitPlan
 from lightning_memkit._optimizers.swap import (
     COMPENSATED,
@@ -56,6 +57,7 @@ def plan_code(
     named = plan.budget.source in GPUS
     fsdp2 = by_the_strategy(plan)
     planner = "AutoFitStrategy" if fsdp2 else "AutoFit"
+    strategy = "ModelParallelStrategy" if fsdp2 else "FSDPStrategy" if plan.strategy == SHARD_GRAD_OP else ""
     imports = sorted({planner, *(c.split("(")[0] for c in lever_callbacks(plan))})
     card = f"#    The budget is what a {plan.budget.source} card leaves after the CUDA context and reserve."
     if _budget_argument(plan.budget) == '"auto"':  # a card by its size, as it reads on the run's device
@@ -68,7 +70,7 @@ def plan_code(
     return "\n".join(
         [
             "from lightning.pytorch import Trainer",
-            *(["from lightning.pytorch.strategies import ModelParallelStrategy"] if fsdp2 else []),
+            *([f"from lightning.pytorch.strategies import {strategy}"] if strategy else []),
             f"from lightning_memkit import {', '.join(imports)}",
             "",
             *_autofit_section(plan, optimizers, per_gpu, [] if named else [card]),
@@ -253,6 +255,9 @@ def _trainer_arguments(plan: FitPlan) -> dict[str, str]:
     if by_the_strategy(plan):
         dp, tp = plan.data_parallel_size, plan.tensor_parallel_size
         strategy = f"ModelParallelStrategy(data_parallel_size={dp}, tensor_parallel_size={tp})"
+        trainer |= {"strategy": strategy, "devices": str(plan.world_size)}
+    elif plan.strategy == SHARD_GRAD_OP:  # FSDPStrategy's, which Lightning's registry does not name
+        strategy = 'FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")'
         trainer |= {"strategy": strategy, "devices": str(plan.world_size)}
     elif plan.world_size > 1:
         trainer |= {"strategy": json.dumps(plan.strategy), "devices": str(plan.world_size)}

@@ -97,7 +97,7 @@ def simulated_snapshot(
     `TimelineEvent`s), from one simulation."""
     recorder = _Recorder()
     namer = _Namer(model, recorder)
-    step, run = Step.split(kwargs)
+    step, run = Step.split(kwargs, caller="memory_snapshot")
     tracker = simulate_step(model, batch, step, timeline=timeline, tracer=namer, history=recorder, **run)
     return _build(tracker, recorder, namer), tracker
 

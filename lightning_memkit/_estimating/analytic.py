@@ -384,8 +384,8 @@ def static_breakdown(
 
 #: FSDP1's ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``, for which Lightning's StrategyRegistry has no
 #: name (its ``"fsdp"`` is FULL_SHARD): the gradients and optimizer state divided, the parameters whole, each
-#: in the precision's own copies (not DeepSpeed's). The callbacks read such a Trainer as it; a plan made for
-#: it says Lightning's ``"fsdp"`` (`lightning_memkit._fitting.space.LIGHTNING_STRATEGY`).
+#: in the precision's own copies (not DeepSpeed's). The callbacks read such a Trainer as it, a plan made for
+#: it keeps the name (so a resumed run tells it from FULL_SHARD), and its code writes the ``FSDPStrategy``.
 SHARD_GRAD_OP = "fsdp_shard_grad_op"
 
 #: strategy -> the categories it partitions across ranks, by Lightning's strategy names: ZeRO stage 1

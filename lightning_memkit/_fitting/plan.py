@@ -181,8 +181,9 @@ class FitPlan:
         budget: the `Budget` planned for; the plan keeps ``estimated_peak <= budget.usable * (1 - margin)``.
         margin: the reserve kept below ``budget.usable``, as a fraction.
         alternatives: every configuration simulated, as `Alternative` rows.
-        strategy: Lightning's strategy name (``"ddp"``, ``"fsdp"``, ``"deepspeed_stage_2"``, ...); ``"auto"``
-            for one GPU.
+        strategy: Lightning's strategy name (``"ddp"``, ``"fsdp"``, ``"deepspeed_stage_2"``, ...),
+            ``"fsdp2"``, or ``"fsdp_shard_grad_op"`` (``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``);
+            ``"auto"`` for one GPU.
         world_size: ranks the global batch is split across.
         cost: the throughput model the times came from.
         modes: the checkpointing modes that were candidates (``("none",)`` for a model without

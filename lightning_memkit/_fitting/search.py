@@ -32,7 +32,6 @@ from lightning_memkit._fitting.ranking import Ranking, _Option, _quickest
 from lightning_memkit._fitting.refusal import no_fit_message
 from lightning_memkit._fitting.simulations import Simulations
 from lightning_memkit._fitting.space import (
-    LIGHTNING_STRATEGY,
     Pair,
     SearchSpace,
     _candidates,
@@ -102,8 +101,7 @@ def plan_fit(
         strategy, world_size: shard one rank's step over ``world_size`` ranks, by Lightning's strategy name
             (``"ddp"``, ``"fsdp"``, ``"deepspeed_stage_1"`` to ``"deepspeed_stage_3"``: the whole step
             divided; ``"fsdp_shard_grad_op"``: ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``, which
-            Lightning's registry does not name, its plan's strategy ``"fsdp"``); the batch is split across
-            ranks.
+            Lightning's registry does not name, and the plan's code writes); the batch is split across ranks.
             ``"fsdp2"`` (Lightning's ``ModelParallelStrategy`` with ``fully_shard``): one rank's FSDP2 step
             simulated (`estimate_memory`'s ``strategy="fsdp2"``), checkpointing planned block by block on
             it. Default: ``"ddp"``, or ``"fsdp2"`` for a ``step=`` with a `Sharding`.
@@ -435,7 +433,7 @@ def _fit_plan(
         budget=space.budget,
         margin=space.margin,
         alternatives=ranking.alternatives(options, space.planned_optimizers, space.precisions),
-        strategy=LIGHTNING_STRATEGY[space.strategy] if space.world_size > 1 else "auto",
+        strategy=space.strategy if space.world_size > 1 else "auto",
         world_size=space.world_size,
         cost=ranking.cost,
         modes=space.modes,

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_memkit._budget import Budget, flag, parse_budget, valid_name, whole_number
 from lightning_memkit._checkpointing.blocks import LayerClasses, block_classes, find_blocks, no_blocks_message
 from lightning_memkit._checkpointing.compiled import COMPILE_BUDGET, configured_budget
-from lightning_memkit._estimating.analytic import SHARD_GRAD_OP, STRATEGIES
+from lightning_memkit._estimating.analytic import STRATEGIES
 from lightning_memkit._estimating.compiled import compiled_modules
 from lightning_memkit._estimating.lightning_step import (
     SampleAxes,
@@ -39,18 +39,6 @@ from lightning_memkit._optimizers.swap import (
 from lightning_memkit._sharding import fsdp2 as _fsdp2
 from lightning_memkit._step import LEVERS, Lever, Sharding
 from lightning_memkit._vocabulary import allowed_modes
-
-#: Lightning's strategy name for each sharding scheme `shard` knows (`FitPlan.strategy`): its own, but for
-#: FSDP1's SHARD_GRAD_OP, which the registry does not name: ``"fsdp"``, FSDPStrategy's.
-LIGHTNING_STRATEGY: dict[str, str] = {
-    "ddp": "ddp",
-    "fsdp": "fsdp",
-    "fsdp2": "fsdp2",  # ModelParallelStrategy with fully_shard in configure_model: see plan_code
-    "deepspeed_stage_1": "deepspeed_stage_1",
-    "deepspeed_stage_2": "deepspeed_stage_2",
-    "deepspeed_stage_3": "deepspeed_stage_3",
-    SHARD_GRAD_OP: "fsdp",
-}
 
 Pair = tuple[str | None, str]
 """An optimizer (catalogue name; ``None``: the model's own) and a Lightning precision string."""

@@ -453,14 +453,17 @@ def test_which_strategies_keep_ddp_buckets_and_accumulate():
 
 def test_fsdp_shard_grad_op_and_deepspeed_stage_2_are_two_strategies():
     """Issue 48: ``"zero2"`` named both. FSDPStrategy's SHARD_GRAD_OP is read as ``"fsdp_shard_grad_op"``,
-    DeepSpeed's stage 2 as ``"deepspeed_stage_2"``: the same categories divided, and each plan says its run's
-    Lightning strategy (``"fsdp"``: the registry has no name for SHARD_GRAD_OP)."""
+    DeepSpeed's stage 2 as ``"deepspeed_stage_2"``: the same categories divided. A SHARD_GRAD_OP plan keeps
+    its name, so a resumed run tells it from FULL_SHARD's (``"fsdp"``), and its code writes Lightning's
+    ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")`` (the registry has no name for it)."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import FSDPStrategy
 
     from lightning_memkit import plan_fit
+    from lightning_memkit._diagnosis.plan_code import plan_code
     from lightning_memkit._estimating.analytic import SHARD_GRAD_OP, STRATEGIES
+    from lightning_memkit._fitting.resume import stale
     from lightning_memkit.callbacks._trainer import sharding
 
     def read(strategy):  # the strategies refuse a CPU Trainer: the two fields sharding reads
@@ -470,15 +473,20 @@ def test_fsdp_shard_grad_op_and_deepspeed_stage_2_are_two_strategies():
     assert read(FSDPStrategy()) == ("fsdp", 2)
     assert STRATEGIES[SHARD_GRAD_OP] == STRATEGIES["deepspeed_stage_2"]
     batch = (torch.zeros(4, 2), torch.zeros(4, 2))
+    model = torch.nn.Linear(2, 2)
     plans = [
         plan_fit(
-            torch.nn.Linear(2, 2), batch, "1GB", device="cpu", cost="flops", optimizers=["adamw"],
+            model, batch, "1GB", device="cpu", cost="flops", optimizers=["adamw"],
             loss_fn=torch.nn.functional.mse_loss, strategy=strategy, world_size=2,
         )
-        for strategy in (SHARD_GRAD_OP, "deepspeed_stage_2")
+        for strategy in (SHARD_GRAD_OP, "deepspeed_stage_2", "fsdp")
     ]  # fmt: skip
-    assert [plan.strategy for plan in plans] == ["fsdp", "deepspeed_stage_2"]
-    assert plans[0].estimated_peak == plans[1].estimated_peak
+    assert [plan.strategy for plan in plans] == [SHARD_GRAD_OP, "deepspeed_stage_2", "fsdp"]
+    assert plans[0].estimated_peak == plans[1].estimated_peak > plans[2].estimated_peak
+    assert stale(plans[2], plans[0]) == [("strategy", "fsdp", SHARD_GRAD_OP)]
+    code = plan_code(plans[0], model, global_batch=4, optimizers=None)
+    assert 'strategy=FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")' in code
+    assert "from lightning.pytorch.strategies import FSDPStrategy" in code
     pytest.importorskip("deepspeed")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 

@@ -190,3 +190,14 @@ def test_planning_leaves_no_trace_on_the_run(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(plain.losses, planned.losses, strict=True))
     for (name, a), b in zip(plain.state_dict().items(), planned.state_dict().values(), strict=True):
         assert torch.equal(a, b), name  # parameters and BatchNorm's buffers, num_batches_tracked too
+
+
+def test_a_keyword_estimate_memory_does_not_take_is_refused_in_the_callers_name():
+    """`plan_checkpointing` passes its other keywords on as `estimate_memory`'s: one it does not take (the
+    lever's old boolean) is refused naming `plan_checkpointing` and what it takes, not a function inside."""
+    module, batch = BlockNet(), (torch.zeros(8, 32), torch.zeros(8, 1))
+    refusal = r"plan_checkpointing\(\) got an unexpected keyword argument 'release_gradients': .* lever,"
+    with pytest.raises(TypeError, match=refusal):
+        plan_checkpointing(module, batch, "1GB", device="cpu", release_gradients=True)
+    plan = plan_checkpointing(module, batch, "1GB", device="cpu", lever="release_gradients")
+    assert set(plan.modes) == {"blocks.0", "blocks.1", "blocks.2"}
