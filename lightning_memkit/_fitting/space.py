@@ -202,7 +202,7 @@ def _check_pairs(
             f"With 16-bit weights ({', '.join(precisions)}) only the Kahan-summed optimizers keep the small "
             "updates, and the fused step cannot take them as the catalogue builds them (torch-optimi counts "
             "steps per group): allow a precision with fp32 weights (32-true, bf16-mixed), or plan without "
-            "fused_step."
+            "lever='fused_step'."
         )
     if not pairs:
         raise ValueError(

@@ -49,6 +49,8 @@ __all__ = ["REFINE_LIMIT", "RELAXED_PRECISIONS", "add_plan", "plan_code", "run_p
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    with usage_error(ValueError):
+        _check_lever(args)
     model = load_model(args.model, args.loop, args.adapters)
     check_seq_len(model, analytic_shape(model)[0], args.seq_len)
     start = time.perf_counter()
@@ -88,6 +90,22 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 STRATEGY_CHOICE = ("ddp", "fsdp2")
+
+
+def _check_lever(args: argparse.Namespace) -> None:
+    """Refuse a lever flag the ranks asked for cannot run, in the command's words (`plan_fit` says the same
+    in its keywords), before the model is loaded."""
+    if args.gpus > 1 and args.offload:
+        raise ValueError(
+            f"--offload runs the optimizer on one process, its step after backward, not on {args.gpus} GPUs: "
+            "plan it with --gpus 1"
+        )
+    if args.gpus > 1 and args.fused_step and args.strategy not in (None, "fsdp2"):
+        raise ValueError(
+            f"--fused-step cannot run under --strategy {args.strategy}: the optimizer step fused into "
+            "backward reduces each gradient across ranks after backward. Plan it with --gpus 1 or --strategy "
+            "fsdp2 (each shard steps once its reduce-scatter is done), or --release-gradients instead"
+        )
 
 
 def _across_strategies(

@@ -478,7 +478,11 @@ def test_plan_for_the_fused_step_keeps_one_micro_batch_and_prints_the_callback()
     exec(report["code"].replace("from lightning.pytorch import Trainer\n", ""), namespace)
     assert isinstance(namespace["trainer"]["callbacks"][0], FusedOptimizerStep)
     status, _, err = _run([*argv, "--fused-step", "--gpus", "2", "--strategy", "ddp"])
-    assert status == 2 and "fused into backward cannot run under ddp" in err
+    assert status == 2 and "--fused-step cannot run under --strategy ddp" in err  # in the command's words
+    assert "--gpus 1 or --strategy fsdp2" in err and "or --release-gradients instead" in err
+    assert "=" not in err.splitlines()[-1]  # no keyword of plan_fit's
+    status, _, err = _run([*argv, "--offload", "--gpus", "2"])
+    assert status == 2 and "--offload runs the optimizer on one process" in err and "--gpus 1" in err
     sharded = _json([*argv, "--fused-step", "--gpus", "2"])  # no strategy named: FSDP2, which can
     assert sharded["strategy"] == "fsdp2" and sharded["strategy_choice"] == (
         "strategy: fsdp2 over 2 GPUs (The optimizer step fused into backward cannot run under ddp: "
