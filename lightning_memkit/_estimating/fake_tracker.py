@@ -202,8 +202,7 @@ class _SimTracker(Tracker):
         dispatch = (
             super().__torch_dispatch__
         )  # the same dispatch, with the real values of the outputs followed
-        listener = self.listener
-        if listener is not None:
+        for listener in self.listeners:
             listener.op_started(self, func, args, kwargs)
         routed = self.routes is not None and _value_shaped(func, args)
         if routed and not self.shadows.follows(func, args, kwargs):
@@ -228,7 +227,7 @@ class _SimTracker(Tracker):
                 out = self.shadows.run(func, args, kwargs, lambda f, a, k: dispatch(f, types, a, k))
             except DynamicOutputShapeException as err:
                 raise _routing.UnknownShape(_unknown_shape_message(func, NOT_RECORDED)) from err
-        if listener is not None:
+        for listener in self.listeners:
             listener.op_finished(self, func)
         return out
 

@@ -3,8 +3,8 @@
 A tracker counts; a listener attached to it (``tracker.listen(listener)``) is told what the tracker sees,
 event by event: a storage registered or freed, a resize, a candidate peak, a gradient, an RNG state, and,
 from the simulator's dispatch, each op of the step. The simulator's timeline (`_estimating.fake_tracker`),
-history (`_estimating.repeated`) and trace (`_estimating.trace`) are listeners. A tracker without one pays
-one attribute check per event.
+history (`_estimating.repeated`) and trace (`_estimating.trace`) are listeners. A tracker without one
+iterates an empty tuple per event (`Tracker.listeners`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ if TYPE_CHECKING:
     from lightning_memkit._measuring.storages import Storage
     from lightning_memkit._measuring.tracker import Tracker
 
-__all__ = ["Listeners", "TrackerListener"]
+__all__ = ["TrackerListener"]
 
 
 class TrackerListener:
-    """What a `Tracker` tells the listener attached to it (`Tracker.listener`), as the step runs. Every
+    """What a `Tracker` tells the listener attached to it (`Tracker.listeners`), as the step runs. Every
     method does nothing here: a listener overrides those it needs. ``tracker`` is the tracker telling; each
-    call comes after the tracker's own bookkeeping of the event unless it says "before". Without a listener
-    the tracker pays one attribute check per event.
+    call comes after the tracker's own bookkeeping of the event unless it says "before".
 
     The ops themselves are told by whoever defines a step's ops: `op_started` and `op_finished` come from
     the simulator's dispatch (`_estimating.fake_tracker`), once per op of the simulated step."""
@@ -59,42 +58,3 @@ class TrackerListener:
 
     def op_finished(self, tracker: Tracker, func: Any) -> None:
         """``func`` ran, and what it made is counted."""
-
-
-class Listeners(TrackerListener):
-    """Several listeners as one, told in their order."""
-
-    def __init__(self, *listeners: TrackerListener) -> None:
-        self.listeners = listeners
-
-    def registered(self, tracker: Tracker, rec: Storage, t: Tensor | None, *, preexisting: bool) -> None:
-        for listener in self.listeners:
-            listener.registered(tracker, rec, t, preexisting=preexisting)
-
-    def freed(self, tracker: Tracker, rec: Storage) -> None:
-        for listener in self.listeners:
-            listener.freed(tracker, rec)
-
-    def resizing(self, tracker: Tracker, storage: torch.UntypedStorage | None) -> None:
-        for listener in self.listeners:
-            listener.resizing(tracker, storage)
-
-    def rng_state(self, tracker: Tracker, state: Tensor) -> None:
-        for listener in self.listeners:
-            listener.rng_state(tracker, state)
-
-    def candidate(self, tracker: Tracker, unseen: int) -> None:
-        for listener in self.listeners:
-            listener.candidate(tracker, unseen)
-
-    def gradient(self, tracker: Tracker, param: Tensor) -> None:
-        for listener in self.listeners:
-            listener.gradient(tracker, param)
-
-    def op_started(self, tracker: Tracker, func: Any, args: tuple, kwargs: dict) -> None:
-        for listener in self.listeners:
-            listener.op_started(tracker, func, args, kwargs)
-
-    def op_finished(self, tracker: Tracker, func: Any) -> None:
-        for listener in self.listeners:
-            listener.op_finished(tracker, func)

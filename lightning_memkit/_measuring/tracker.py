@@ -76,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memkit._breakdown import MemoryBreakdown
 from lightning_memkit._measuring import _torch_private, ops, patches
 from lightning_memkit._measuring.kernels import hides_memory, kernel_peak
-from lightning_memkit._measuring.listening import Listeners, TrackerListener
+from lightning_memkit._measuring.listening import TrackerListener
 from lightning_memkit._measuring.ops import _value_shaped
 from lightning_memkit._measuring.saved_tensors import SavedTensorHooks
 from lightning_memkit._measuring.storages import (
@@ -134,7 +134,7 @@ class Tracker(TorchDispatchMode, patches.Listener):
     * ``kernel``: how an op's kernel runs (`Kernel`); by default the op itself. The simulator's sizes what
       the meta kernels refuse or leave out.
 
-    And who is told what it sees: ``listener`` (a `TrackerListener`, or ``None``; `listen` adds one).
+    And who is told what it sees: ``listeners``, each a `TrackerListener`, in order (`listen` adds one).
     """
 
     #: whether the CPU RNG states checkpointing keeps are on this tracker's device
@@ -162,8 +162,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
         self.rounding = allocation_rounding(device) if rounding is None else rounding
         self.counts_fakes = counts_fakes
         self.kernel = kernel
-        #: who is told what the tracker sees (`TrackerListener`), or ``None``
-        self.listener: TrackerListener | None = None
+        #: who is told what the tracker sees (`TrackerListener`), in order
+        self.listeners: tuple[TrackerListener, ...] = ()
         self.clock = 0
         self.live: dict[int, tuple[weakref.ref, Storage]] = {}
         self.current = 0
@@ -199,12 +199,7 @@ class Tracker(TorchDispatchMode, patches.Listener):
 
     def listen(self, listener: TrackerListener) -> None:
         """Tell ``listener`` what the tracker sees from now on, after the listeners attached before it."""
-        if self.listener is None:
-            self.listener = listener
-        elif isinstance(self.listener, Listeners):
-            self.listener = Listeners(*self.listener.listeners, listener)
-        else:
-            self.listener = Listeners(self.listener, listener)
+        self.listeners = (*self.listeners, listener)
 
     # --- bookkeeping --------------------------------------------------------------------------
 
@@ -259,22 +254,23 @@ class Tracker(TorchDispatchMode, patches.Listener):
             self.peak_live.append(rec)
             if self.peak_nbytes is not None:
                 self.peak_nbytes.append(nbytes)
-        if self.listener is not None:
-            self.listener.registered(self, rec, t, preexisting=preexisting)
+        for listener in self.listeners:
+            listener.registered(self, rec, t, preexisting=preexisting)
         return rec
 
     def on_resize(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_`` ran, from ``before`` bytes: how FSDP2 allocates and frees the unsharded
         parameters, which no dispatch mode sees."""
-        listener = self.listener
-        if listener is None:
+        if not self.listeners:
             self._resized(storage, before)
             return
-        listener.resizing(self, storage)
+        for listener in self.listeners:
+            listener.resizing(self, storage)
         try:
             self._resized(storage, before)
         finally:
-            listener.resizing(self, None)
+            for listener in self.listeners:
+                listener.resizing(self, None)
 
     @_guarded
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
@@ -307,8 +303,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
         entry = self.live.pop(key, None)
         if entry is not None:
             self.current -= entry[1].nbytes
-            if self.listener is not None:
-                self.listener.freed(self, entry[1])
+            for listener in self.listeners:
+                listener.freed(self, entry[1])
 
     def enter_phase(self, phase: str) -> None:
         """From now on the step is in ``phase`` (forward, backward, optimizer step: the caller's names; a
@@ -318,8 +314,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
         self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.current)
 
     def _check_peak(self) -> None:
-        if self.listener is not None:
-            self.listener.candidate(self, 0)
+        for listener in self.listeners:
+            listener.candidate(self, 0)
         self._settle()
         if self.named_phase is not None and self.current > self.phase_peaks[self.named_phase]:
             self.phase_peaks[self.named_phase] = self.current
@@ -420,8 +416,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
 
     def _kernel_high(self, unseen: int) -> None:
         """A kernel held ``unseen`` bytes more than the live storages show, at its highest."""
-        if self.listener is not None:
-            self.listener.candidate(self, unseen)
+        for listener in self.listeners:
+            listener.candidate(self, unseen)
         self._settle()
         if self.named_phase is not None and self.current + unseen > self.phase_peaks[self.named_phase]:
             self.phase_peaks[self.named_phase] = self.current + unseen
@@ -455,8 +451,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
     @_guarded
     def on_grad(self, param: Tensor) -> None:
         """``param.grad`` is a gradient (a post-accumulate-grad hook, or `gradient_consumed`)."""
-        if self.listener is not None:
-            self.listener.gradient(self, param)  # even when a fused step has consumed the gradient already
+        for listener in self.listeners:
+            listener.gradient(self, param)  # even when a fused step has consumed the gradient already
         if param.grad is None:
             return
         for rec in self.records(param.grad, preexisting=True):
@@ -491,8 +487,8 @@ class Tracker(TorchDispatchMode, patches.Listener):
     @_guarded
     def on_rng_state(self, state: Tensor) -> None:
         """A CPU RNG state activation checkpointing keeps for its recompute: kept for backward."""
-        if self.listener is not None:
-            self.listener.rng_state(self, state)
+        for listener in self.listeners:
+            listener.rng_state(self, state)
         if not self.counts_rng_states:
             return
         rec = self.record(state)
