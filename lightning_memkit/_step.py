@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 from lightning_memkit._budget import valid_name, whole_number
 from lightning_memkit._vocabulary import CHECKPOINT_MODES, PRECISIONS
 
-__all__ = ["LEVERS", "LEVER_CALLBACKS", "Lever", "Sharding", "Step"]
+__all__ = ["LEVERS", "LEVER_CALLBACKS", "Lever", "Sharding", "Step", "valid_lever"]
 
 #: What changes the optimizer step (`GradientRelease`, `FusedOptimizerStep`, `OptimizerOffload`).
 Lever = Literal["release_gradients", "fused_step", "offload"]
@@ -175,8 +175,7 @@ class Step:
             )
         if isinstance(self.checkpointing, str):
             valid_name("checkpointing", self.checkpointing, CHECKPOINT_MODES)
-        if self.lever is not None:
-            valid_name("lever", self.lever, LEVERS)
+        valid_lever(self.lever)
         if self.lever == "fused_step" and self.accumulating:
             raise ValueError(
                 "The optimizer step fused into backward updates the parameters at every backward, so it "
@@ -284,6 +283,12 @@ class Step:
     @property
     def offload(self) -> bool:
         return self.lever == "offload"
+
+
+def valid_lever(lever: Any) -> Lever | None:
+    """``lever`` if it is ``None`` or one of `LEVERS`; else the `ValueError` that lists them (with "Did you
+    mean" where one is close): every reader of a lever checks it here."""
+    return None if lever is None else valid_name("lever", lever, LEVERS)  # type: ignore[return-value]
 
 
 def _given_layout(sharding: Sharding, strategy: str | None, world_size: int) -> Sharding:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_memkit._breakdown import format_bytes
-from lightning_memkit._budget import Budget, valid_name
+from lightning_memkit._budget import Budget
 from lightning_memkit._checkpointing.compiled import COMPILE_BUDGET, label_budget
 from lightning_memkit._checkpointing.policies import CHECKPOINT_MODES, CheckpointPlan, apply_checkpointing
 from lightning_memkit._diagnosis.report import render_table
@@ -35,7 +35,7 @@ from lightning_memkit._estimating.lightning_step import (
 from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._optimizers.schedulers import rebind_scheduler
 from lightning_memkit._optimizers.swap import identify, lr_factor, swap_optimizer
-from lightning_memkit._step import LEVER_CALLBACKS, LEVERS
+from lightning_memkit._step import LEVER_CALLBACKS, valid_lever
 
 __all__ = ["Alternative", "FitPlan", "StepCost", "flops_cost", "measured_cost"]
 
@@ -241,8 +241,7 @@ class FitPlan:
     replicate_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.lever is not None:
-            valid_name("lever", self.lever, LEVERS)
+        valid_lever(self.lever)
 
     @property
     def limit(self) -> int:

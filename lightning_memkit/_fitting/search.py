@@ -41,7 +41,7 @@ from lightning_memkit._fitting.space import (
 )
 from lightning_memkit._levers.offload import transfer_seconds
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._step import Lever, Sharding, Step
+from lightning_memkit._step import Lever, Sharding, Step, valid_lever
 from lightning_memkit._vocabulary import AUTO
 
 __all__ = ["grid", "plan_fit", "static_floor"]
@@ -506,6 +506,7 @@ def static_floor(
     them on the device, sharded) of the optimizer and precision pairs `plan_fit` would plan with these
     arguments: no plan fits a limit below it. No simulation; ``None`` when no pair would be planned."""
     precisions = (precision,) if isinstance(precision, str) else tuple(precision)
+    lever = valid_lever(lever)
     search = Simulations(model, None, None, "cuda", strategy, world_size, lever=lever)
     candidates, _ = _candidates(model, optimizers, strategy, world_size)
     pairs = _pairs(candidates, precisions, compensate and lever != "offload", lever == "fused_step")

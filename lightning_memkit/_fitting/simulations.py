@@ -29,7 +29,7 @@ from lightning_memkit._fitting.plan import StepCost, flops_cost, measured_cost
 from lightning_memkit._fitting.space import SearchSpace
 from lightning_memkit._measuring.storages import model_device
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._step import LEVERS, Lever, Sharding, Step
+from lightning_memkit._step import Lever, Sharding, Step
 from lightning_memkit._vocabulary import AUTO
 
 #: How far over the limit the checkpointing planner's peak model must put a uniform mode for its simulation
@@ -74,7 +74,7 @@ class Simulations:
         #: each tensor's sample dimension (`SampleAxes`): the micro-batches are cut along it
         self.axes: SampleAxes = default_axes(batch) if axes is None else axes
         #: what changes the optimizer step (`Step.lever`), planned for
-        self.lever: Lever | None = lever if lever is None else valid_name("lever", lever, LEVERS)
+        self.lever: Lever | None = lever
         #: how one rank's share is cut (`shard`): one process runs its whole step
         self.strategy = strategy if world_size > 1 or strategy == "fsdp2" else "ddp"
         self.world_size = world_size

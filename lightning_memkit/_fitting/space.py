@@ -37,7 +37,7 @@ from lightning_memkit._optimizers.swap import (
     load_bitsandbytes,
 )
 from lightning_memkit._sharding import fsdp2 as _fsdp2
-from lightning_memkit._step import LEVERS, Lever, Sharding
+from lightning_memkit._step import Lever, Sharding, valid_lever
 from lightning_memkit._vocabulary import allowed_modes
 
 Pair = tuple[str | None, str]
@@ -126,7 +126,7 @@ class SearchSpace:
             raise ValueError(f"The global batch of {total} does not split evenly across {what}")
         per_rank = batch_slice(batch, total // ranks, axes=axes)
         sizes = _divisors(total // ranks)
-        lever = None if lever is None else valid_name("lever", lever, LEVERS)
+        lever = valid_lever(lever)
         fused_step, offload = lever == "fused_step", lever == "offload"
         _check_levers(strategy, world_size, fused_step, offload)
         optimizers, unsharded = _candidates(model, optimizers, strategy, world_size)
