@@ -552,17 +552,8 @@ def test_whole_batch_counts_cover_the_samples_the_user_asked_for(tmp_path, budge
     data = GPTDataModule(batch_size=8, seq_len=32, num_sentences=300)
     autofit = AutoFit(budget=budget, cost="flops", checkpointing=("none",), verify_steps=0)
     schedule = _Schedule()
-    trainer = cpu_trainer(
-        tmp_path,
-        [autofit, schedule],
-        max_epochs=1,
-        limit_train_batches=3,
-        val_check_interval=2,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        max_steps=-1,
-    )
+    limits = dict(limit_train_batches=3, val_check_interval=2, limit_val_batches=1)
+    trainer = _epochs(tmp_path, autofit, schedule, 1, **limits)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, data)
@@ -577,6 +568,15 @@ def test_whole_batch_counts_cover_the_samples_the_user_asked_for(tmp_path, budge
         assert len(about_val) == 1
     else:
         assert "limit_train_batches=3 ->" not in lightning_log.text and not about_val
+
+
+def _epochs(tmp_path, autofit, schedule, epochs: int, **overrides) -> L.Trainer:
+    """The suite's Trainer for ``epochs`` whole epochs (no step limit) with ``autofit`` and the ``schedule``
+    that records the batches and validations, validating on the user's ``overrides``."""
+    return cpu_trainer(
+        tmp_path, [autofit, schedule], max_epochs=epochs, max_steps=-1, num_sanity_val_steps=0, logger=False,
+        **overrides,
+    )  # fmt: skip
 
 
 class _Normed(GPTLightningModule):
@@ -614,16 +614,7 @@ def test_an_interval_of_the_users_whole_epoch_stays_within_the_planned_epoch(tmp
         budget=int((half + whole) / 2 / 0.9), cost="flops", optimizers=("adamw",), checkpointing=("none",)
     )
     schedule = _Schedule()
-    trainer = cpu_trainer(
-        tmp_path,
-        [autofit, schedule],
-        max_epochs=2,
-        val_check_interval=6,
-        num_sanity_val_steps=0,
-        logger=False,
-        limit_val_batches=1.0,
-        max_steps=-1,
-    )
+    trainer = _epochs(tmp_path, autofit, schedule, 2, val_check_interval=6, limit_val_batches=1.0)
     trainer.fit(module)
     assert autofit.plan.micro_batch_size == 4
     assert sum(schedule.sizes) == 2 * 44 and schedule.validations == [6, 12]  # each epoch's end, as asked
